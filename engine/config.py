@@ -1,0 +1,98 @@
+"""Engine and request configuration: frozen, slotted, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message says which and why."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen. Defaults are greedy-free sampling at temperature 1."""
+
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+    min_p: float = 0.0  # 0 disables
+    repetition_penalty: float = 1.0  # 1 disables (CTRL-style, divides positive logits)
+    presence_penalty: float = 0.0  # OpenAI-style: subtract once per seen token
+    frequency_penalty: float = 0.0  # OpenAI-style: subtract per occurrence
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # Record a per-token snapshot with this many candidates (0 = none).
+    snapshot_top_n: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.snapshot_top_n >= 0, f"snapshot_top_n must be >= 0, got {self.snapshot_top_n}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which model to load and how. `source` is 'default', a folder, a .gguf file or a cached repo id."""
+
+    source: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source), "model source must not be empty")
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of the paged KV cache and the scheduler's per-step limits."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    block_size: int = 16
+    # KV pool size: explicit block count wins; else a memory budget in bytes; else sized to
+    # hold `max_model_len` tokens for `max_num_seqs` sequences.
+    num_blocks: int | None = None
+    kv_budget_bytes: int | None = None
+    max_model_len: int | None = None  # defaults to the model's context length (capped at 8192)
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
+        _check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        _check(
+            self.kv_budget_bytes is None or self.kv_budget_bytes > 0,
+            f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}",
+        )
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")

@@ -1,0 +1,229 @@
+"""Typed events: the only things that cross from the engine thread into the app.
+
+Every event is a small frozen dataclass carrying plain Python values (no tensors), so a
+consumer on another thread can keep them without touching torch or the engine's state.
+`t` is `time.perf_counter()` on the engine thread when the event was made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoading:
+    stage: str  # human-readable step, e.g. "converting GGUF to HF folder (first run only)"
+    fraction: float  # 0..1, best effort
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    source: str
+    architecture: str
+    dtype: str
+    device: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    load_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoaded:
+    info: ModelInfo
+    kv_num_blocks: int
+    kv_block_size: int
+    kv_pool_bytes: int
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoadFailed:
+    message: str
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    request_id: int
+    prompt_tokens: int
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StageSnapshot:
+    """The top candidates' probabilities after one sampling stage.
+
+    `probs[i]` belongs to `TokenSnapshot.candidate_ids[i]`; 0.0 where the stage removed it.
+    """
+
+    name: str  # "raw", "repetition_penalty", "temperature", "top_k", "top_p", "min_p", ...
+    probs: tuple[float, ...]
+    removed: tuple[bool, ...]  # removed by THIS stage (not by an earlier one)
+    kept_count: int  # tokens of the whole vocabulary still allowed after this stage
+    kept_mass: float  # probability mass (under the previous stage) that this stage kept
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSnapshot:
+    candidate_ids: tuple[int, ...]
+    candidate_texts: tuple[str, ...]
+    stages: tuple[StageSnapshot, ...]
+    drawn_id: int
+    drawn_prob: float  # probability of the drawn token under the final distribution
+    entropy: float  # nats, final distribution
+    raw_entropy: float  # nats, raw softmax(logits)
+    # The raw logits of the top candidates (sorted descending) and the log-sum-exp of the whole
+    # vocabulary, so a what-if under other settings can be recomputed without the model.
+    raw_top_ids: tuple[int, ...] = ()
+    raw_top_logits: tuple[float, ...] = ()
+    raw_logsumexp: float = 0.0
+    penalized_top_logits: tuple[float, ...] = ()  # the same ids after penalties (before temperature)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGenerated:
+    request_id: int
+    index: int  # 0-based position in the reply
+    token_id: int
+    text: str  # the token's own text, for display
+    text_delta: str  # what this token adds to the streamed reply (may be "" mid multi-byte char)
+    logprob: float  # log p(token) under the final sampling distribution
+    snapshot: TokenSnapshot | None = None
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    prompt_tokens: int
+    generated_tokens: int
+    cached_prompt_tokens: int
+    ttft_s: float
+    itl_s: tuple[float, ...]
+    tokens_per_s: float
+    preemptions: int
+    peak_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    request_id: int
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    text: str
+    token_ids: tuple[int, ...]
+    stats: RequestStats
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    request_id: int
+    message: str
+    t: float = 0.0
+
+
+BLOCK_OPS = ("allocate", "append", "share", "free", "cache", "evict")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """One mutation of the KV block pool.
+
+    op:
+      allocate  blocks taken from the free queue for `seq_id`
+      append    `token_start..token_end` of `seq_id` were written into `block_ids`
+      share     cached blocks reused by `seq_id` (prefix hit; ref count + 1)
+      free      `seq_id` released its reference; blocks may stay cached
+      cache     full blocks got a prefix hash (reusable after free)
+      evict     a cached-free block lost its hash because it was reused for new data
+    """
+
+    op: str
+    block_ids: tuple[int, ...]
+    seq_id: int | None
+    token_start: int = 0
+    token_end: int = 0
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    num_blocks: int
+    block_size: int
+    used_blocks: int  # ref count > 0
+    cached_free_blocks: int  # ref count 0 but holding a reusable prefix hash
+    free_blocks: int  # ref count 0 (includes cached_free_blocks)
+    used_slots: int  # token slots written across used blocks
+    bytes_per_block: int
+    pool_bytes: int
+
+    @property
+    def allocated_slots(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def utilisation(self) -> float:
+        """Written slots over allocated slots: internal fragmentation shows as < 1."""
+        return self.used_slots / self.allocated_slots if self.used_blocks else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    step: int
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    running: int
+    waiting: int
+    duration_s: float
+    forward_s: float
+    sample_s: float
+    kv: KVStats
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """Memory by what holds it; every figure names where it came from."""
+
+    weights_bytes: int
+    kv_pool_bytes: int
+    kv_used_bytes: int
+    process_bytes: int  # RSS on CPU; torch.cuda.memory_allocated on CUDA
+    process_reserved_bytes: int  # RSS again on CPU; torch.cuda.memory_reserved on CUDA
+    device_total_bytes: int  # system RAM / GPU memory
+    source: str  # e.g. "psutil RSS" or "torch.cuda counters" or "NVML"
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    """A failure outside any request (the engine keeps serving where it can)."""
+
+    message: str
+    t: float = 0.0
+
+
+Event = (
+    ModelLoading
+    | ModelLoaded
+    | ModelLoadFailed
+    | RequestStarted
+    | TokenGenerated
+    | RequestFinished
+    | RequestFailed
+    | BlockEvent
+    | StepStats
+    | MemorySample
+    | EngineError
+)
+

@@ -1,0 +1,39 @@
+"""What a caller submits to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import ConfigError, SamplingParams
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"chat role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A conversation to continue (rendered with the tokenizer's chat template) or raw token ids."""
+
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if bool(self.messages) == bool(self.prompt_token_ids):
+            raise ConfigError("a request needs either chat messages or prompt token ids (exactly one)")
+
+    @staticmethod
+    def chat(
+        user: str, system: str | None = None, history: tuple[ChatMessage, ...] = (), **sampling
+    ) -> Request:
+        msgs = ((ChatMessage("system", system),) if system else ()) + tuple(history) + (ChatMessage("user", user),)
+        return Request(messages=msgs, sampling=SamplingParams(**sampling))
