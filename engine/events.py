@@ -152,6 +152,9 @@ class BlockEvent:
     seq_id: int | None
     token_start: int = 0
     token_end: int = 0
+    # For "append" and "share": slots written in each of `block_ids` after the op (a block's
+    # fill level, 1..block_size). Empty for the other ops.
+    fills: tuple[int, ...] = ()
     t: float = 0.0
 
 
