@@ -40,10 +40,16 @@ class SamplingParams:
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+            self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.snapshot_top_n >= 0, f"snapshot_top_n must be >= 0, got {self.snapshot_top_n}")
@@ -81,11 +87,14 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length (capped at 8192)
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
-        _check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        _check(
+            self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"
+        )
         _check(
             self.kv_budget_bytes is None or self.kv_budget_bytes > 0,
             f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}",
@@ -94,5 +103,9 @@ class EngineConfig:
         _check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
+            f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}",
         )
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")

@@ -229,4 +229,3 @@ Event = (
     | MemorySample
     | EngineError
 )
-

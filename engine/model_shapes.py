@@ -24,7 +24,9 @@ class ModelShapes:
     @staticmethod
     def from_config(config) -> ModelShapes:
         """`config` is a transformers PretrainedConfig (or anything with the same attributes)."""
-        archs = getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "ForCausalLM")]
+        archs = getattr(config, "architectures", None) or [
+            type(config).__name__.replace("Config", "ForCausalLM")
+        ]
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return ModelShapes(

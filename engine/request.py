@@ -35,5 +35,9 @@ class Request:
     def chat(
         user: str, system: str | None = None, history: tuple[ChatMessage, ...] = (), **sampling
     ) -> Request:
-        msgs = ((ChatMessage("system", system),) if system else ()) + tuple(history) + (ChatMessage("user", user),)
+        msgs = (
+            ((ChatMessage("system", system),) if system else ())
+            + tuple(history)
+            + (ChatMessage("user", user),)
+        )
         return Request(messages=msgs, sampling=SamplingParams(**sampling))

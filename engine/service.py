@@ -124,7 +124,9 @@ class Engine:
             block = not core.has_work()
             try:
                 while True:
-                    kind, payload = self._commands.get(block, IDLE_POLL_S) if block else self._commands.get_nowait()
+                    kind, payload = (
+                        self._commands.get(block, IDLE_POLL_S) if block else self._commands.get_nowait()
+                    )
                     block = False
                     self._handle(kind, payload)
             except queue.Empty:

@@ -1,0 +1,128 @@
+"""Per-sequence block tables on top of the block pool, and prefix caching.
+
+Admission checks are paired with actions (`can_allocate`/`allocate`, `can_append`/`append`) so
+the scheduler decides before anything changes. Prefix caching hashes only full blocks whose
+tokens are all committed to the cache, chained so a block's key names its entire prefix; a hit
+never covers the last prompt token, which is always recomputed to produce the first logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+
+from engine.events import BlockEvent
+from engine.kv.block_pool import Block, BlockPool
+from engine.sequence import Sequence
+
+
+def chain_hash(parent: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
+    """Key of a full block: its tokens plus the hash of everything before it."""
+    return (hash(parent), tokens)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.queries = 0  # prefix-cache lookups (one per admitted sequence)
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _block_keys(self, seq: Sequence, num_full_blocks: int) -> list[Hashable]:
+        keys, parent, bs = [], None, self.block_size
+        for i in range(num_full_blocks):
+            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            keys.append(parent)
+        return keys
+
+    def find_cached_prefix(self, seq: Sequence) -> list[Block]:
+        """Longest run of cached full blocks matching the sequence's start, never reaching its
+        last token (that one must run through the model to give logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for key in self._block_keys(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- admission -------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> bool:
+        """Room for the cached prefix plus `num_new_tokens`? Cached-free blocks being reused do
+        not count as free space (they leave the free queue)."""
+        total = len(cached) * self.block_size + num_new_tokens
+        reused_from_free = sum(1 for b in cached if b.ref_cnt == 0)
+        return self.blocks_needed(total) - len(cached) <= self.pool.num_free - reused_from_free
+
+    def allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> None:
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        self.queries += 1
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += len(cached) * self.block_size
+        self.pool.touch(cached, seq.seq_id, 0)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        self.append(seq, num_new_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.pool.num_free
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Ensure blocks cover the next `num_new_tokens` slots."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need, seq.seq_id))
+        seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+
+    def slot_ids(self, seq: Sequence, start: int, count: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
+
+    # ---- after the forward -----------------------------------------------------------------
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        """`num_new_tokens` more of the sequence's tokens now have K/V in their slots."""
+        bs = self.block_size
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+        first, last = start // bs, (end - 1) // bs
+        touched = seq.block_table[first : last + 1]
+        for i, block in enumerate(touched, start=first):
+            block.num_tokens = min(bs, end - i * bs)
+        seq.num_computed_tokens = end
+        self.pool._emit(
+            BlockEvent(
+                "append",
+                tuple(b.block_id for b in touched),
+                seq.seq_id,
+                start,
+                end,
+                tuple(b.num_tokens for b in touched),
+                time.perf_counter(),
+            )
+        )
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, first, end // bs)
+
+    def _cache_full_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
+        if num_full <= first:
+            return
+        keys = self._block_keys(seq, num_full)
+        for i in range(first, num_full):
+            block = seq.block_table[i]
+            if block.block_hash is None:
+                self.pool.cache(block, keys[i], seq.seq_id, i * self.block_size)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first (see BlockPool.free)."""
+        if seq.block_table:
+            self.pool.free(list(reversed(seq.block_table)), seq.seq_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,128 @@
+"""The real paged KV storage and the attention that reads it through block tables.
+
+Per layer, K and V live in `[num_blocks, block_size, kv_heads, head_dim]` tensors. A forward
+packs every scheduled token of every sequence into one row (batch 1) with explicit position ids;
+`PagedCache.update` (called by transformers' attention layers) scatters the new K/V into their
+slots, and `paged_attention_forward` (registered with transformers' `AttentionInterface`) gathers
+each sequence's K/V through its block table and attends causally. One forward therefore serves
+prefill chunks and decodes of many sequences at once (continuous batching).
+
+The batch description travels to both through the model's forward kwargs (`paged_batch=`),
+which transformers passes down to `cache.update(..., kwargs=...)` and to the attention function.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+ATTN_IMPLEMENTATION = "kvscope_paged"
+
+
+class PagedKVStorage:
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's share of a packed forward."""
+
+    q_start: int  # first of its query tokens in the packed row
+    q_len: int  # query tokens this step
+    context_len: int  # tokens in the cache after this step (past + new)
+    block_table: torch.Tensor  # block ids covering context_len tokens (long)
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    storage: PagedKVStorage
+    slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
+    seqs: list[SeqSlice]
+
+
+class PagedCache(Cache):
+    """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
+        batch: PagedBatch = (kwargs or {}).get("paged_batch") or extra.get("paged_batch")
+        storage = batch.storage
+        flat = (-1, storage.num_kv_heads, storage.head_dim)
+        # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
+        storage.k[layer_idx].view(flat).index_copy_(0, batch.slot_mapping, key_states[0].transpose(0, 1))
+        storage.v[layer_idx].view(flat).index_copy_(0, batch.slot_mapping, value_states[0].transpose(0, 1))
+        return key_states, value_states  # unused: attention reads the pool
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return query_length, 0
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
+    batch: PagedBatch = kwargs["paged_batch"]
+    storage = batch.storage
+    k_pool, v_pool = storage.k[module.layer_idx], storage.v[module.layer_idx]
+    q_all = query[0]
+    out = query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])  # [T, heads, head_dim]
+    for s in batch.seqs:
+        n_blocks = s.block_table.numel()
+        k = k_pool[s.block_table].view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
+        v = v_pool[s.block_table].view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
+        k = k[: s.context_len].transpose(0, 1)  # [kv_heads, L, head_dim]
+        v = v[: s.context_len].transpose(0, 1)
+        q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, n, head_dim]
+        past = s.context_len - s.q_len
+        if s.q_len == 1:
+            mask, causal = None, False
+        elif past == 0:
+            mask, causal = None, True
+        else:  # a prefill chunk after cached tokens: query j sees keys <= past + j
+            rows = torch.arange(s.q_len, device=q.device)[:, None] + past
+            mask, causal = torch.arange(s.context_len, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
+        )
+        out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@contextmanager
+def paged_attention(model):
+    """Route the model's attention through the paged kernel for one forward, then restore it
+    (so the same model object still serves transformers' own generate() as a reference)."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,297 @@
+"""The synchronous engine: requests in, one `step()` at a time, events out.
+
+`engine.service.Engine` runs this on a thread; the CLI, the benchmark and the tests drive it
+directly. A step is: schedule -> one packed forward over the paged cache -> commit the new K/V
+-> sample the sequences whose prompt is fully in the cache -> emit events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenize import IncrementalDetokenizer
+from engine.events import (
+    Event,
+    KVStats,
+    MemorySample,
+    RequestFailed,
+    RequestFinished,
+    RequestStarted,
+    RequestStats,
+    StepStats,
+    TokenGenerated,
+)
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.kv.paged_cache import PagedKVStorage
+from engine.memory import probe_memory
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampling import Sampler
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+# Without an explicit size the KV pool gets this much memory: room for several thousand tokens
+# of a small model, and few enough blocks that every one is visible in the page map.
+DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
+# Context cap when the model's own is larger and nothing else is configured.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message is for the user."""
+
+
+class LLMEngine:
+    def __init__(self, loaded, config: EngineConfig, emit: Callable[[Event], None] | None = None):
+        self.loaded = loaded
+        self.config = config
+        self.emit = emit or (lambda event: None)
+        info = loaded.info
+        self.tokenizer = loaded.tokenizer
+        bs = config.block_size
+        elem = torch.empty((), dtype=loaded.dtype).element_size()
+        bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            budget = config.kv_budget_bytes or DEFAULT_KV_BUDGET_BYTES
+            num_blocks = budget // (bytes_per_token * bs)
+            if num_blocks < 1:
+                raise RequestError(
+                    f"A KV budget of {budget} bytes holds no block of {bs} tokens "
+                    f"({bytes_per_token * bs} bytes each); raise the budget or lower the block size."
+                )
+        pool = BlockPool(num_blocks, bs, self.emit)
+        self.kv = KVCacheManager(pool, config.enable_prefix_caching)
+        self.storage = PagedKVStorage(
+            info.num_layers, num_blocks, bs, info.num_kv_heads, info.head_dim, loaded.dtype, loaded.device
+        )
+        self.max_model_len = min(
+            config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
+            info.max_position_embeddings,
+        )
+        self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
+        )
+        self.seqs: dict[int, Sequence] = {}
+        self.eos_ids = _eos_ids(loaded.model, self.tokenizer)
+        self.step_count = 0
+        self.peak_blocks_used = 0
+        self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request: Request, request_id: int | None = None) -> int:
+        if request_id is None:
+            request_id, self._next_id = self._next_id, self._next_id + 1
+        try:
+            seq = self._make_sequence(request, request_id)
+        except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
+            message = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+            self.emit(RequestFailed(request_id, message, time.perf_counter()))
+            return request_id
+        self.seqs[request_id] = seq
+        self.emit(RequestStarted(request_id, seq.num_prompt_tokens, seq.arrival_time))
+        self.scheduler.add(seq)
+        return request_id
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _make_sequence(self, request: Request, request_id: int) -> Sequence:
+        ids = self.prompt_ids(request)
+        if not ids:
+            raise RequestError("The prompt is empty.")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"The prompt is {len(ids)} tokens but the context holds {self.max_model_len}: "
+                "shorten the message or start a new conversation."
+            )
+        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size
+        if len(ids) + 1 > pool_tokens:
+            raise RequestError(
+                f"The prompt needs {len(ids) + 1} KV slots but the whole KV pool holds {pool_tokens} "
+                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}): raise the KV budget."
+            )
+        params = request.sampling
+        seq = Sequence(request_id, ids, len(ids), params)
+        seq.sampler = Sampler(params, decode_token=self._token_text)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return seq
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def abort(self, request_id: int) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "cancelled")
+
+    def abort_all(self) -> None:
+        for request_id in list(self.seqs):
+            self.abort(request_id)
+
+    def fail_running(self, message: str) -> None:
+        """A step raised: every request in flight fails with the message; the engine goes on."""
+        for seq in list(self.seqs.values()):
+            self.scheduler.remove(seq)
+            del self.seqs[seq.seq_id]
+            self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            self._fail_unschedulable()
+            return
+        rows, sampling, offset = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            offset += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(offset - 1)
+                sampling.append(seq)
+        logits = self.runner.forward(batch.seqs, batch.num_tokens, rows)
+        t1 = time.perf_counter()
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.kv.commit(seq, n)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
+        for row, seq in enumerate(sampling):
+            self._append_token(seq, logits[row])
+        t2 = time.perf_counter()
+        self.step_count += 1
+        self.emit(
+            StepStats(
+                step=self.step_count,
+                prefill_tokens=batch.prefill_tokens,
+                decode_tokens=batch.decode_tokens,
+                num_seqs=len(batch.seqs),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                duration_s=t2 - t0,
+                forward_s=t1 - t0,
+                sample_s=t2 - t1,
+                kv=self.kv_stats(),
+                t=t2,
+            )
+        )
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing could run. With nothing running, the head of the queue cannot fit even in an
+        empty pool (its recomputed context outgrew it): fail it rather than spin."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return
+        seq = self.scheduler.waiting[0]
+        self.scheduler.remove(seq)
+        del self.seqs[seq.seq_id]
+        self.emit(
+            RequestFailed(
+                seq.seq_id,
+                f"The KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens) is too "
+                f"small for this conversation's {seq.num_tokens} tokens: raise the KV budget.",
+                time.perf_counter(),
+            )
+        )
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
+        now = time.perf_counter()
+        token = result.token_id
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        is_eos = token in self.eos_ids and not seq.params.ignore_eos
+        delta = "" if is_eos else seq.detokenizer.push(token)
+        self.emit(
+            TokenGenerated(
+                seq.seq_id,
+                seq.num_output_tokens - 1,
+                token,
+                self._token_text(token),
+                delta,
+                result.logprob,
+                result.snapshot,
+                now,
+            )
+        )
+        if is_eos or seq.detokenizer.stopped:
+            self._finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+        seq.finish_reason = reason
+        seq.detokenizer.flush()
+        times = seq.token_times
+        ttft = times[0] - seq.arrival_time if times else 0.0
+        itl = tuple(b - a for a, b in zip(times, times[1:]))
+        decode_time = times[-1] - times[0] if len(times) > 1 else 0.0
+        stats = RequestStats(
+            prompt_tokens=seq.num_prompt_tokens,
+            generated_tokens=seq.num_output_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            ttft_s=ttft,
+            itl_s=itl,
+            tokens_per_s=(len(times) - 1) / decode_time if decode_time > 0 else 0.0,
+            preemptions=seq.preemptions,
+            peak_blocks=seq.peak_blocks,
+        )
+        self.emit(
+            RequestFinished(
+                seq.seq_id, reason, seq.detokenizer.text, tuple(seq.output_ids), stats, time.perf_counter()
+            )
+        )
+
+    # ---- telemetry -------------------------------------------------------------------------
+    def kv_stats(self) -> KVStats:
+        pool = self.kv.pool
+        used_slots = sum(b.num_tokens for b in pool.blocks if b.ref_cnt > 0)
+        return KVStats(
+            num_blocks=pool.num_blocks,
+            block_size=pool.block_size,
+            used_blocks=pool.num_used,
+            cached_free_blocks=pool.num_cached_free,
+            free_blocks=pool.num_free,
+            used_slots=used_slots,
+            bytes_per_block=self.storage.bytes_per_block,
+            pool_bytes=self.storage.total_bytes,
+        )
+
+    def sample_memory(self) -> MemorySample:
+        process, reserved, total, source = probe_memory(self.loaded.device)
+        sample = MemorySample(
+            weights_bytes=self.loaded.info.weight_bytes,
+            kv_pool_bytes=self.storage.total_bytes,
+            kv_used_bytes=self.kv.pool.num_used * self.storage.bytes_per_block,
+            process_bytes=process,
+            process_reserved_bytes=reserved,
+            device_total_bytes=total,
+            source=source,
+            t=time.perf_counter(),
+        )
+        self.emit(sample)
+        return sample
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,52 @@
+"""A request's state inside the engine: its tokens, how many are in the KV cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.config import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list = field(default_factory=list)  # engine.kv.block_pool.Block, in order
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    preemptions: int = 0
+    peak_blocks: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Set by the engine: the sampler and the incremental detokenizer of this request.
+    sampler: object = None
+    detokenizer: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still has more than the newest token to put in the cache."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
