@@ -1,0 +1,463 @@
+"""The bridge from the engine thread to the GUI: a lock-protected inbox and its GUI-side fold.
+
+`EventStore.push` is the engine's sink: it appends under a lock and returns, so the engine never
+waits on the GUI. The render timer calls `drain()` on the GUI thread and hands the batch to
+`LiveState.apply`, which folds it into plain state the panels read:
+
+- block events are folded one by one into an exact page map (never dropped: a missed "free"
+  would leave a block lit forever);
+- tokens, memory samples and latencies go into preallocated numpy ring buffers, so a panel
+  draws a whole series with one `setData` per frame however many events arrived;
+- everything else keeps only what a view needs (latest model, recent steps, last errors).
+
+Coalescing happens here: however many events a frame brings, each panel redraws once, and only
+when one of its dirty keys changed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.events import (
+    BLOCK_OPS,
+    BlockEvent,
+    EngineError,
+    KVStats,
+    MemorySample,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelLoading,
+    RequestFailed,
+    RequestFinished,
+    RequestStarted,
+    StepStats,
+    TokenGenerated,
+)
+
+DIRTY_KEYS = frozenset({"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors"})
+
+# Ring capacities: 4 h of memory samples at the engine's 4 Hz; 100k tokens of latency history.
+MEMORY_CAPACITY = 4 * 3600 * 4
+LATENCY_CAPACITY = 100_000
+RECENT_STEPS = 600  # about 10 s of decode steps; enough for a step-timing readout
+MAX_ERRORS = 100
+# Finished requests kept with their per-token snapshots (a chat session rarely exceeds this;
+# the oldest finished ones go first so memory stays bounded in long sessions).
+MAX_REQUESTS = 256
+# Rolling tokens/s: tokens of the last TPS_WINDOW_S seconds, at most TPS_MAX_TOKENS of them, so
+# the rate follows changes in batch size quickly and an idle gap does not drag it down.
+TPS_WINDOW_S = 2.0
+TPS_MAX_TOKENS = 32
+
+
+class EventStore:
+    """Thread-safe inbox: `push` from the engine thread, `drain` from the GUI thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: deque = deque()
+
+    def push(self, event) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def drain(self) -> list:
+        with self._lock:
+            events, self._events = self._events, deque()
+        return list(events)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+
+class RingBuffer:
+    """Fixed-capacity float64 columns; `column(name)` is the last rows, oldest first, as a view.
+
+    Every value is written twice (at i and i + capacity), so the newest `len(self)` rows are always
+    one contiguous slice: no copy and no reordering when the buffer has wrapped.
+    """
+
+    def __init__(self, capacity: int, columns: tuple[str, ...]) -> None:
+        assert capacity >= 1 and columns
+        self.capacity = capacity
+        self.columns = columns
+        self._index = {name: i for i, name in enumerate(columns)}
+        self._data = np.full((len(columns), 2 * capacity), np.nan)
+        self.appended = 0  # rows ever appended; row number n is the n-th append (0-based)
+
+    def __len__(self) -> int:
+        return min(self.appended, self.capacity)
+
+    def append(self, **values: float) -> int:
+        """Append one row (missing columns are NaN); returns its row number."""
+        pos = self.appended % self.capacity
+        self._data[:, pos] = np.nan
+        for name, value in values.items():
+            self._data[self._index[name], pos] = value
+        self._data[:, pos + self.capacity] = self._data[:, pos]
+        self.appended += 1
+        return self.appended - 1
+
+    def holds(self, row: int) -> bool:
+        return self.appended - len(self) <= row < self.appended
+
+    def set(self, row: int, name: str, value: float) -> None:
+        """Overwrite one value of a row that is still in the buffer."""
+        assert self.holds(row), f"row {row} is no longer in the buffer"
+        pos = row % self.capacity
+        self._data[self._index[name], pos] = value
+        self._data[self._index[name], pos + self.capacity] = value
+
+    def column(self, name: str) -> np.ndarray:
+        n = len(self)
+        end = (self.appended - 1) % self.capacity + self.capacity + 1
+        return self._data[self._index[name], end - n : end]
+
+    def clear(self) -> None:
+        self._data[:] = np.nan
+        self.appended = 0
+
+
+class PageMap:
+    """Per-block state of the KV pool, folded exactly from block events.
+
+    Arrays are indexed by block id. `owners[b]` lists the sequences holding a reference (more
+    than one when a prefix is shared). `token_start[b]` is the position of the block's first
+    token in its sequence (-1 when the block holds nothing); it covers `fill[b]` tokens.
+    """
+
+    def __init__(self, num_blocks: int = 0, block_size: int = 16, bytes_per_block: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.ref_count = np.zeros(num_blocks, np.int32)
+        self.fill = np.zeros(num_blocks, np.int32)
+        self.cached = np.zeros(num_blocks, np.bool_)
+        self.token_start = np.full(num_blocks, -1, np.int64)
+        self.first_owner = np.full(num_blocks, -1, np.int64)  # colour key of the block
+        self.last_op = np.full(num_blocks, -1, np.int8)  # index into BLOCK_OPS
+        self.touched_t = np.full(num_blocks, -np.inf)  # engine time of the last mutation
+        self.owners: list[list[int]] = [[] for _ in range(num_blocks)]
+
+    # ---- folding ---------------------------------------------------------------------------
+    def apply(self, event: BlockEvent) -> list[str]:
+        """Fold one block event; returns messages for events that contradict the state."""
+        problems: list[str] = []
+        self._grow_to(max(event.block_ids, default=-1) + 1)
+        fills = event.fills or self._fills_from_range(event)
+        op = event.op
+        for i, block in enumerate(event.block_ids):
+            if op == "allocate":
+                if self.ref_count[block] != 0:
+                    problems.append(f"block {block} allocated while still referenced")
+                self.ref_count[block] = 1
+                self.owners[block] = [event.seq_id] if event.seq_id is not None else []
+                self.fill[block] = 0
+                self.cached[block] = False  # a fresh allocation never carries a prefix hash
+                self.token_start[block] = -1
+            elif op in ("append", "share"):
+                if op == "share":
+                    self.ref_count[block] += 1
+                    if event.seq_id is not None:
+                        self.owners[block].append(event.seq_id)
+                elif self.ref_count[block] == 0:
+                    problems.append(f"block {block} written while free")
+                if i < len(fills):
+                    self.fill[block] = fills[i]
+                self.token_start[block] = self._block_start(event.token_start, i)
+            elif op == "free":
+                if self.ref_count[block] <= 0:
+                    problems.append(f"block {block} freed while not referenced")
+                    continue
+                self.ref_count[block] -= 1
+                if event.seq_id in self.owners[block]:
+                    self.owners[block].remove(event.seq_id)
+                if self.ref_count[block] == 0 and not self.cached[block]:
+                    self.fill[block] = 0  # no hash: its contents are unreachable now
+                    self.token_start[block] = -1
+            elif op == "cache":
+                self.cached[block] = True
+            elif op == "evict":
+                self.cached[block] = False
+                self.fill[block] = 0
+                self.token_start[block] = -1
+            else:
+                problems.append(f"unknown block op {op!r}")
+                continue
+            self.first_owner[block] = self.owners[block][0] if self.owners[block] else -1
+            self.last_op[block] = BLOCK_OPS.index(op)
+            self.touched_t[block] = event.t
+        return problems
+
+    def _block_start(self, token_start: int, i: int) -> int:
+        # Blocks are position-aligned: the i-th block of an event covering tokens from
+        # `token_start` holds logical block token_start // block_size + i.
+        return (token_start // self.block_size + i) * self.block_size
+
+    def _fills_from_range(self, event: BlockEvent) -> tuple[int, ...]:
+        """Fill levels implied by an append/share's token range, for events without `fills`."""
+        if event.op not in ("append", "share"):
+            return ()
+        fills = []
+        for i in range(len(event.block_ids)):
+            start = self._block_start(event.token_start, i)
+            fills.append(max(0, min(event.token_end, start + self.block_size) - start))
+        return tuple(fills)
+
+    def _grow_to(self, n: int) -> None:
+        if n <= self.num_blocks:
+            return
+        extra = n - self.num_blocks
+        self.ref_count = np.concatenate([self.ref_count, np.zeros(extra, np.int32)])
+        self.fill = np.concatenate([self.fill, np.zeros(extra, np.int32)])
+        self.cached = np.concatenate([self.cached, np.zeros(extra, np.bool_)])
+        self.token_start = np.concatenate([self.token_start, np.full(extra, -1, np.int64)])
+        self.first_owner = np.concatenate([self.first_owner, np.full(extra, -1, np.int64)])
+        self.last_op = np.concatenate([self.last_op, np.full(extra, -1, np.int8)])
+        self.touched_t = np.concatenate([self.touched_t, np.full(extra, -np.inf)])
+        self.owners.extend([] for _ in range(extra))
+        self.num_blocks = n
+
+    # ---- counters --------------------------------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        return int(np.count_nonzero(self.ref_count > 0))
+
+    @property
+    def shared_blocks(self) -> int:
+        return int(np.count_nonzero(self.ref_count > 1))
+
+    @property
+    def cached_free_blocks(self) -> int:
+        return int(np.count_nonzero((self.ref_count == 0) & self.cached))
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks with no reference (including cached-free ones), as in KVStats."""
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def used_slots(self) -> int:
+        return int(self.fill[self.ref_count > 0].sum())
+
+    @property
+    def utilisation(self) -> float:
+        """Written slots over the slots of used blocks (internal fragmentation shows as < 1)."""
+        used = self.used_blocks
+        return self.used_slots / (used * self.block_size) if used else 1.0
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.bytes_per_block
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def token_range(self, block: int) -> tuple[int, int] | None:
+        """Positions [start, end) the block holds in its sequence(s), or None when empty."""
+        if self.token_start[block] < 0 or self.fill[block] == 0:
+            return None
+        start = int(self.token_start[block])
+        return start, start + int(self.fill[block])
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What the GUI knows about one request, in arrival order of its events."""
+
+    request_id: int
+    prompt_tokens: int = 0
+    started_t: float = math.nan
+    tokens: list[TokenGenerated] = field(default_factory=list)
+    status: str = "running"  # running | stop | length | cancelled | failed
+    finished: RequestFinished | None = None
+    error: str | None = None
+    first_token_row: int | None = None  # latency ring row of its first token (TTFT point)
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+
+class LiveState:
+    """The GUI thread's view of the engine, rebuilt incrementally from drained events."""
+
+    def __init__(
+        self, memory_capacity: int = MEMORY_CAPACITY, latency_capacity: int = LATENCY_CAPACITY
+    ) -> None:
+        self.origin_t: float | None = None  # engine time of the first event: graphs' zero
+        self.loading: ModelLoading | None = None
+        self.loaded: ModelLoaded | None = None
+        self.load_error: str | None = None
+        self.requests: dict[int, RequestView] = {}
+        self.latest_request_id: int | None = None
+        self.page_map = PageMap()
+        self.kv_stats: KVStats | None = None
+        self.steps: deque[StepStats] = deque(maxlen=RECENT_STEPS)
+        self.memory = RingBuffer(
+            memory_capacity,
+            ("t", "weights", "kv_pool", "kv_used", "process", "reserved", "device_total"),
+        )
+        self.memory_source: str = ""
+        # One row per generated token: x is its global number; latency_ms is the ITL for a
+        # request's later tokens and the TTFT for its first (is_first = 1).
+        self.latency = RingBuffer(
+            latency_capacity, ("t", "x", "latency_ms", "is_first", "request_id", "tokens_per_s")
+        )
+        self._recent_token_t: deque[float] = deque(maxlen=TPS_MAX_TOKENS)
+        self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
+        self._handlers = {
+            ModelLoading: self._on_loading,
+            ModelLoaded: self._on_loaded,
+            ModelLoadFailed: self._on_load_failed,
+            RequestStarted: self._on_started,
+            TokenGenerated: self._on_token,
+            RequestFinished: self._on_finished,
+            RequestFailed: self._on_failed,
+            BlockEvent: self._on_block,
+            StepStats: self._on_step,
+            MemorySample: self._on_memory,
+            EngineError: self._on_engine_error,
+        }
+
+    def apply(self, events) -> set[str]:
+        """Fold events in order; returns the dirty keys (a subset of DIRTY_KEYS)."""
+        dirty: set[str] = set()
+        for event in events:
+            handler = self._handlers.get(type(event))
+            if handler is None:
+                continue  # an event type newer than this GUI: nothing here knows how to show it
+            if self.origin_t is None and getattr(event, "t", 0.0):
+                self.origin_t = event.t
+            dirty |= handler(event)
+        return dirty
+
+    # ---- queries for views -----------------------------------------------------------------
+    def token(self, request_id: int | None = None, index: int | None = None) -> TokenGenerated | None:
+        """A token by request and index; with None, None the latest token of the latest request."""
+        if request_id is None:
+            request_id = self.latest_request_id
+        view = self.requests.get(request_id) if request_id is not None else None
+        if view is None or not view.tokens:
+            return None
+        if index is None:
+            return view.tokens[-1]
+        return view.tokens[index] if 0 <= index < len(view.tokens) else None
+
+    # ---- handlers --------------------------------------------------------------------------
+    def _on_loading(self, event: ModelLoading) -> set[str]:
+        self.loading = event
+        return {"model"}
+
+    def _on_loaded(self, event: ModelLoaded) -> set[str]:
+        self.loaded, self.loading, self.load_error = event, None, None
+        per_block = event.kv_pool_bytes // event.kv_num_blocks if event.kv_num_blocks else 0
+        self.page_map = PageMap(event.kv_num_blocks, event.kv_block_size, per_block)
+        self.kv_stats = None
+        return {"model", "kv"}
+
+    def _on_load_failed(self, event: ModelLoadFailed) -> set[str]:
+        self.loading, self.load_error = None, event.message
+        self.errors.append(f"model failed to load: {event.message}")
+        return {"model", "errors"}
+
+    def _request(self, request_id: int) -> RequestView:
+        view = self.requests.get(request_id)
+        if view is None:
+            view = self.requests[request_id] = RequestView(request_id)
+            self._forget_old_requests()
+        return view
+
+    def _forget_old_requests(self) -> None:
+        excess = len(self.requests) - MAX_REQUESTS
+        if excess <= 0:
+            return
+        for request_id in [rid for rid, view in self.requests.items() if view.done][:excess]:
+            del self.requests[request_id]
+
+    def _on_started(self, event: RequestStarted) -> set[str]:
+        view = self._request(event.request_id)
+        view.prompt_tokens, view.started_t = event.prompt_tokens, event.t
+        self.latest_request_id = event.request_id
+        return {"requests"}
+
+    def _on_token(self, event: TokenGenerated) -> set[str]:
+        view = self._request(event.request_id)
+        if view.tokens:
+            latency_s, is_first = event.t - view.tokens[-1].t, False
+        else:
+            latency_s, is_first = event.t - view.started_t, True
+        view.tokens.append(event)
+        self.latest_request_id = event.request_id
+
+        recent = self._recent_token_t
+        while recent and recent[0] < event.t - TPS_WINDOW_S:
+            recent.popleft()
+        recent.append(event.t)
+        span = recent[-1] - recent[0]
+        tokens_per_s = (len(recent) - 1) / span if span > 0 else math.nan
+
+        row = self.latency.append(
+            t=event.t,
+            x=self.latency.appended,
+            latency_ms=latency_s * 1000.0,
+            is_first=float(is_first),
+            request_id=event.request_id,
+            tokens_per_s=tokens_per_s,
+        )
+        if is_first:
+            view.first_token_row = row
+        return {"tokens", "latency", "requests"}
+
+    def _on_finished(self, event: RequestFinished) -> set[str]:
+        view = self._request(event.request_id)
+        view.status, view.finished = event.finish_reason, event
+        dirty = {"requests"}
+        # The engine's own TTFT counts from arrival; the live point counted from RequestStarted.
+        row = view.first_token_row
+        if row is not None and self.latency.holds(row) and event.stats.ttft_s > 0:
+            self.latency.set(row, "latency_ms", event.stats.ttft_s * 1000.0)
+            dirty.add("latency")
+        return dirty
+
+    def _on_failed(self, event: RequestFailed) -> set[str]:
+        view = self._request(event.request_id)
+        view.status, view.error = "failed", event.message
+        self.errors.append(f"request {event.request_id} failed: {event.message}")
+        return {"requests", "errors"}
+
+    def _on_block(self, event: BlockEvent) -> set[str]:
+        problems = self.page_map.apply(event)
+        if problems:
+            self.errors.extend(f"page map: {p} ({event.op} by sequence {event.seq_id})" for p in problems)
+            return {"kv", "errors"}
+        return {"kv"}
+
+    def _on_step(self, event: StepStats) -> set[str]:
+        self.steps.append(event)
+        self.kv_stats = event.kv
+        return {"steps", "kv"}
+
+    def _on_memory(self, event: MemorySample) -> set[str]:
+        self.memory.append(
+            t=event.t,
+            weights=event.weights_bytes,
+            kv_pool=event.kv_pool_bytes,
+            kv_used=event.kv_used_bytes,
+            process=event.process_bytes,
+            reserved=event.process_reserved_bytes,
+            device_total=event.device_total_bytes,
+        )
+        self.memory_source = event.source
+        return {"memory"}
+
+    def _on_engine_error(self, event: EngineError) -> set[str]:
+        self.errors.append(event.message)
+        return {"errors"}

@@ -1,0 +1,129 @@
+"""Hand-made engine events for view tests: small, exact, and consistent with the contracts.
+
+Snapshots are computed from a logits vector with the same stage definitions the engine uses
+(softmax, temperature, top-k, top-p), so the numbers a test feeds a panel are ones a real
+sampler could have produced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.events import (
+    KVStats,
+    ModelInfo,
+    ModelLoaded,
+    RequestFinished,
+    RequestStats,
+    StageSnapshot,
+    StepStats,
+    TokenGenerated,
+    TokenSnapshot,
+)
+
+
+def model_info(**overrides) -> ModelInfo:
+    fields = dict(
+        name="tiny",
+        source="test",
+        architecture="LlamaForCausalLM",
+        dtype="float32",
+        device="cpu",
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        vocab_size=12,
+        max_position_embeddings=2048,
+        params=1000,
+        weight_bytes=4000,
+        kv_bytes_per_token=512,
+        load_seconds=0.1,
+    )
+    fields.update(overrides)
+    return ModelInfo(**fields)
+
+
+def model_loaded(num_blocks: int = 16, block_size: int = 16, pool_bytes: int | None = None) -> ModelLoaded:
+    if pool_bytes is None:
+        pool_bytes = num_blocks * block_size * 512
+    return ModelLoaded(model_info(), num_blocks, block_size, pool_bytes, t=0.0)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def snapshot(
+    logits, texts, drawn: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> TokenSnapshot:
+    """A snapshot over the whole (small) vocabulary `logits`, candidates in raw order."""
+    logits = np.asarray(logits, dtype=np.float64)
+    order = np.argsort(-logits, kind="stable")
+    vocab = len(logits)
+    raw = _softmax(logits)
+    stages = [StageSnapshot("raw", tuple(raw[order]), (False,) * vocab, vocab, 1.0)]
+    alive = np.ones(vocab, bool)
+    probs = _softmax(logits / temperature)
+    stages.append(StageSnapshot("temperature", tuple(probs[order]), (False,) * vocab, vocab, 1.0))
+
+    def cut(name: str, keep: np.ndarray) -> None:
+        nonlocal probs, alive
+        removed = alive & ~keep
+        kept_mass = float(probs[keep & alive].sum())
+        alive = alive & keep
+        probs = np.where(alive, probs, 0.0)
+        probs = probs / probs.sum()
+        stages.append(
+            StageSnapshot(name, tuple(probs[order]), tuple(removed[order]), int(alive.sum()), kept_mass)
+        )
+
+    if top_k:
+        keep = np.zeros(vocab, bool)
+        keep[np.argsort(-probs, kind="stable")[:top_k]] = True
+        cut("top_k", keep)
+    if top_p < 1.0:
+        ranked = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[ranked]) - probs[ranked]
+        keep = np.zeros(vocab, bool)
+        keep[ranked[before < top_p]] = True
+        cut("top_p", keep)
+    final = probs[probs > 0]
+    entropy = float(-(final * np.log(final)).sum())
+    raw_entropy = float(-(raw * np.log(raw)).sum())
+    lse = float(np.log(np.exp(logits - logits.max()).sum()) + logits.max())
+    return TokenSnapshot(
+        candidate_ids=tuple(int(i) for i in order),
+        candidate_texts=tuple(texts[i] for i in order),
+        stages=tuple(stages),
+        drawn_id=drawn,
+        drawn_prob=float(probs[drawn]),
+        entropy=entropy,
+        raw_entropy=raw_entropy,
+        raw_top_ids=tuple(int(i) for i in order),
+        raw_top_logits=tuple(float(logits[i]) for i in order),
+        raw_logsumexp=lse,
+        penalized_top_logits=tuple(float(logits[i]) for i in order),
+    )
+
+
+def token(
+    request_id: int, index: int, t: float, text: str = "x", snap: TokenSnapshot | None = None
+) -> TokenGenerated:
+    token_id = snap.drawn_id if snap is not None else index
+    logprob = float(np.log(snap.drawn_prob)) if snap is not None else -0.5
+    return TokenGenerated(request_id, index, token_id, text, text, logprob, snap, t=t)
+
+
+def finished(
+    request_id: int, reason: str, ttft_s: float, itl_s: tuple[float, ...], t: float
+) -> RequestFinished:
+    n = len(itl_s) + 1
+    stats = RequestStats(3, n, 0, ttft_s, itl_s, n / max(ttft_s + sum(itl_s), 1e-9), 0, 1)
+    return RequestFinished(request_id, reason, "x" * n, tuple(range(n)), stats, t=t)
+
+
+def step(kv: KVStats, step_no: int = 1, t: float = 0.0) -> StepStats:
+    return StepStats(step_no, 0, 1, 1, 1, 0, 0.02, 0.015, 0.001, kv, t=t)
