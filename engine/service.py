@@ -7,6 +7,7 @@ the consumer.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -78,10 +79,8 @@ class Engine:
 
     # ---- thread body -----------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a broken consumer must not kill inference
             self._sink(event)
-        except Exception:  # a broken consumer must not kill inference
-            pass
 
     def _run(self) -> None:
         try:

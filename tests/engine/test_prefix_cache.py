@@ -1,0 +1,106 @@
+"""Prefix caching at the KV-manager level: exact block ids, ref counts, hits and eviction order."""
+
+from engine.config import SamplingParams
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def make(num_blocks=10, caching=True):
+    events = []
+    pool = BlockPool(num_blocks, BS, events.append)
+    return KVCacheManager(pool, caching), events
+
+
+def seq(seq_id, tokens):
+    return Sequence(seq_id, list(tokens), len(tokens), SamplingParams())
+
+
+def prefill(kv, s):
+    """Admit and compute the whole prompt, as one scheduler step would."""
+    cached = kv.find_cached_prefix(s)
+    n = s.num_tokens - len(cached) * BS
+    assert kv.can_allocate(s, cached, n)
+    kv.allocate(s, cached, n)
+    kv.commit(s, n)
+    return cached
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_full_blocks_are_cached_and_shared_by_a_second_request():
+    kv, events = make()
+    a = seq(1, range(10))  # blocks: [0..3] [4..7] [8, 9]
+    prefill(kv, a)
+    assert ids(a.block_table) == [0, 1, 2]
+    assert [b.block_hash is not None for b in a.block_table] == [True, True, False]
+    assert [e.op for e in events] == ["allocate", "append", "cache", "cache"]
+    assert events[1].fills == (4, 4, 2)
+
+    b = seq(2, list(range(8)) + [50, 51, 52])  # same first two blocks
+    cached = prefill(kv, b)
+    assert ids(cached) == [0, 1]
+    assert ids(b.block_table) == [0, 1, 3]
+    assert [blk.ref_cnt for blk in kv.pool.blocks[:4]] == [2, 2, 1, 1]
+    assert kv.hit_tokens == 8 and kv.queries == 2
+    kv.pool.check_invariants()
+
+
+def test_last_prompt_token_is_always_recomputed():
+    kv, _ = make()
+    prefill(kv, seq(1, range(8)))  # two full cached blocks
+    again = seq(2, range(8))  # identical prompt, block aligned
+    cached = kv.find_cached_prefix(again)
+    assert ids(cached) == [0]  # the second block holds the last token: recomputed, not shared
+    assert kv.can_allocate(again, cached, 4)
+    kv.allocate(again, cached, 4)
+    assert again.num_computed_tokens == 4
+    assert ids(again.block_table) == [0, 2]
+
+
+def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
+    kv, events = make(num_blocks=5)
+    a = seq(1, range(9))  # 2 full blocks + 1
+    prefill(kv, a)
+    kv.free(a)
+    # tail first: block 2 (uncached) to the front; 1 then 0 to the back
+    assert kv.pool.free_order() == [2, 3, 4, 1, 0]
+    assert kv.pool.num_cached_free == 2
+
+    hit = seq(2, list(range(4)) + [9, 9, 9])  # shares only block 0
+    cached = prefill(kv, hit)
+    assert ids(cached) == [0] and kv.pool.blocks[0].ref_cnt == 1
+    assert ids(hit.block_table) == [0, 2]
+
+    events.clear()
+    big = seq(3, range(100, 112))  # 12 tokens = 3 blocks: 3, 4, then evicts cached block 1
+    prefill(kv, big)
+    assert ids(big.block_table) == [3, 4, 1]
+    evicted = [e.block_ids for e in events if e.op == "evict"]
+    assert evicted == [(1,)]
+    assert kv.pool.lookup(kv._block_keys(a, 2)[1]) is None
+    assert kv.pool.lookup(kv._block_keys(a, 1)[0]) is kv.pool.blocks[0]
+
+
+def test_prefix_cache_off_shares_nothing():
+    kv, events = make(caching=False)
+    prefill(kv, seq(1, range(8)))
+    b = seq(2, range(8))
+    assert prefill(kv, b) == []
+    assert not [e for e in events if e.op in ("cache", "share")]
+
+
+def test_can_allocate_counts_revived_cached_blocks_as_used():
+    kv, _ = make(num_blocks=3)
+    a = seq(1, range(5))
+    prefill(kv, a)  # blocks 0 (cached), 1
+    kv.free(a)
+    b = seq(2, list(range(4)) + list(range(20, 28)))  # 12 tokens: hit block 0 + needs 2 more
+    cached = kv.find_cached_prefix(b)
+    assert ids(cached) == [0]
+    assert kv.can_allocate(b, cached, 8)  # 2 free (1, 2) besides the revived block 0
+    assert not kv.can_allocate(b, cached, 9)

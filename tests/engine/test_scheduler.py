@@ -1,0 +1,78 @@
+"""Scheduler: token budget, chunked prefill, FIFO admission, running cap, preemption."""
+
+from engine.config import SamplingParams
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+
+
+def make(num_blocks=200, block_size=16, budget=1024, max_seqs=8, chunk=None):
+    kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=False)
+    return Scheduler(kv, budget, max_seqs, chunk)
+
+
+def add(sched, seq_id, n, first=0):
+    s = Sequence(seq_id, list(range(first, first + n)), n, SamplingParams())
+    sched.add(s)
+    return s
+
+
+def run_step(sched, new_token=7):
+    """Commit what was scheduled and give sequences that finished their prompt a new token."""
+    batch = sched.schedule()
+    for s, n in zip(batch.seqs, batch.num_tokens):
+        sched.kv.commit(s, n)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(new_token)
+    return batch
+
+
+def test_budget_1024_with_three_800_token_prompts():
+    sched = make()
+    a, b, c = (add(sched, i, 800, first=i * 1000) for i in range(3))
+    steps = [run_step(sched) for _ in range(4)]
+    assert [list(zip([s.seq_id for s in st.seqs], st.num_tokens)) for st in steps] == [
+        [(0, 800), (1, 224)],
+        [(0, 1), (1, 576), (2, 447)],
+        [(0, 1), (1, 1), (2, 353)],
+        [(0, 1), (1, 1), (2, 1)],
+    ]
+    for st in steps:
+        assert st.total_tokens <= 1024
+    assert steps[1].prefill_tokens == 576 + 447 and steps[1].decode_tokens == 1
+
+
+def test_scheduled_tokens_never_exceed_budget_under_load():
+    sched = make(budget=100, num_blocks=400, chunk=30)
+    for i in range(6):
+        add(sched, i, 20 + 17 * i, first=i * 500)
+    for _ in range(40):
+        batch = run_step(sched)
+        assert batch.total_tokens <= 100
+        assert all(n <= 30 for n in batch.num_tokens)
+
+
+def test_running_cap_and_fifo_admission():
+    sched = make(max_seqs=2)
+    seqs = [add(sched, i, 10, first=i * 100) for i in range(3)]
+    batch = run_step(sched)
+    assert [s.seq_id for s in batch.seqs] == [0, 1]
+    assert seqs[2].status is SeqStatus.WAITING
+    sched.remove(seqs[0])
+    batch = run_step(sched)
+    assert [s.seq_id for s in batch.seqs] == [1, 2]
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    sched = make(num_blocks=4, block_size=4, budget=64)
+    a = add(sched, 0, 8)  # 2 full blocks; its first decode needs a third
+    b = add(sched, 1, 7, first=50)  # 2 blocks: the pool is now full
+    run_step(sched)
+    assert sched.kv.pool.num_free == 0
+    batch = sched.schedule()
+    assert batch.preempted == [b]
+    assert b.status is SeqStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.preemptions == 1 and sched.waiting[0] is b
+    assert [s.seq_id for s in batch.seqs] == [0] and batch.num_tokens == [1]
+    assert len(a.block_table) == 3
