@@ -176,12 +176,19 @@ def resolve_source(source: str) -> ModelSource:
     )
 
 
+def hf_cache_dir() -> Path:
+    """The local Hugging Face hub cache, read at call time (HF_HUB_CACHE / HF_HOME honoured)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
 def _cached_repo_folder(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(), local_files_only=True))
     except LocalEntryNotFoundError:
         raise ModelLoadError(
             f"The model {repo_id} is not in the local Hugging Face cache, and kvscope never downloads. "
@@ -560,7 +567,7 @@ def find_cached_hf_models() -> list[str]:
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        cache = scan_cache_dir()
+        cache = scan_cache_dir(hf_cache_dir())
     except (CacheNotFound, OSError):
         return []
     found = []
