@@ -33,11 +33,17 @@ class Request:
 
     @staticmethod
     def chat(
-        user: str, system: str | None = None, history: tuple[ChatMessage, ...] = (), **sampling
+        user: str,
+        system: str | None = None,
+        history: tuple[ChatMessage, ...] = (),
+        sampling: SamplingParams | None = None,
+        **sampling_fields,
     ) -> Request:
+        """A user turn after `history`, optionally under a system prompt. Sampling is either a
+        SamplingParams or its fields as keywords."""
         msgs = (
             ((ChatMessage("system", system),) if system else ())
             + tuple(history)
             + (ChatMessage("user", user),)
         )
-        return Request(messages=msgs, sampling=SamplingParams(**sampling))
+        return Request(messages=msgs, sampling=sampling or SamplingParams(**sampling_fields))

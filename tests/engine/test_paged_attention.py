@@ -41,7 +41,13 @@ def paged_forward(model, storage, pieces):
 def make_storage(model, num_blocks, block_size):
     cfg = model.config
     return PagedKVStorage(
-        cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu"
+        cfg.num_hidden_layers,
+        num_blocks,
+        block_size,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        torch.float32,
+        "cpu",
     )
 
 
@@ -58,7 +64,9 @@ def test_prefill_then_decode_matches_dynamic_cache(model, block_size):
         cache = DynamicCache(config=model.config)
         ref = [model(torch.tensor([prompt]), cache=cache).logits[0]]
         for i, tok in enumerate(decode):
-            ref.append(model(torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[29 + i]])).logits[0])
+            ref.append(
+                model(torch.tensor([[tok]]), cache=cache, position_ids=torch.tensor([[29 + i]])).logits[0]
+            )
 
     got = [paged_forward(model, storage, [(prompt, 0, table)])]
     for i, tok in enumerate(decode):
@@ -73,7 +81,10 @@ def test_chunked_prefill_matches_whole_prefill(model):
     storage = make_storage(model, 16, 4)
     table = list(range(15, 5, -1))
     whole = paged_forward(model, make_storage(model, 16, 4), [(prompt, 0, table)])
-    parts = [paged_forward(model, storage, [(prompt[a:b], a, table)]) for a, b in [(0, 7), (7, 8), (8, 33), (33, 40)]]
+    parts = [
+        paged_forward(model, storage, [(prompt[a:b], a, table)])
+        for a, b in [(0, 7), (7, 8), (8, 33), (33, 40)]
+    ]
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=0)
 
 

@@ -1,0 +1,147 @@
+"""`generate` and `chat`: the engine driven synchronously from the terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.events import RequestFailed, RequestFinished, TokenGenerated
+
+EXIT_REQUEST_FAILED = 1
+
+
+class Collector:
+    """Receives engine events; optionally streams reply text to a terminal as it comes."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.tokens: list[TokenGenerated] = []
+        self.outcome: RequestFinished | RequestFailed | None = None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, TokenGenerated):
+            self.tokens.append(event)
+            if self.stream is not None and event.text_delta:
+                self.stream.write(event.text_delta)
+                self.stream.flush()
+        elif isinstance(event, (RequestFinished, RequestFailed)):
+            self.outcome = event
+
+
+def run_to_end(engine, request, collector: Collector):
+    """Drive the engine until the request ends; Ctrl-C cancels the request, keeping its text."""
+    collector.tokens.clear()
+    collector.outcome = None
+    request_id = engine.add_request(request)
+    try:
+        while engine.has_work():
+            engine.step()
+    except KeyboardInterrupt:
+        engine.abort(request_id)
+    return collector.outcome
+
+
+def load_engine(args, collector):
+    from engine.cli import engine_config_from
+    from engine.llm_engine import LLMEngine
+    from engine.loading import load_model
+
+    config = engine_config_from(args)
+
+    def progress(stage: str, fraction: float) -> None:
+        print(f"[{fraction:4.0%}] {stage}", file=sys.stderr)
+
+    loaded = load_model(config.model, progress=progress)
+    return LLMEngine(loaded, config, collector)
+
+
+def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], probs_k: int) -> dict:
+    stats = outcome.stats
+    result = {
+        "text": outcome.text,
+        "token_ids": list(outcome.token_ids),
+        "prompt_tokens": stats.prompt_tokens,
+        "finish_reason": outcome.finish_reason,
+        "ttft_s": stats.ttft_s,
+        "itl_s": list(stats.itl_s),
+        "tokens_per_s": stats.tokens_per_s,
+        "kv": {
+            "block_size": engine.kv.block_size,
+            "num_blocks": engine.kv.pool.num_blocks,
+            "peak_blocks_used": engine.peak_blocks_used,
+            "blocks_used_end": engine.kv.pool.num_used,
+            "bytes_per_block": engine.storage.bytes_per_block,
+        },
+        "model": {"name": engine.loaded.info.name, "dtype": engine.loaded.info.dtype},
+    }
+    if probs_k:
+        result["probs"] = [token_probs(t, probs_k) for t in tokens]
+    return result
+
+
+def token_probs(token: TokenGenerated, k: int) -> dict:
+    snap = token.snapshot
+    final = snap.stages[-1]
+    return {
+        "id": token.token_id,
+        "prob": snap.drawn_prob,
+        "top_ids": list(snap.candidate_ids[:k]),
+        "top_probs": list(final.probs[:k]),
+        "raw_top_probs": list(snap.stages[0].probs[:k]),
+        "entropy": snap.entropy,
+    }
+
+
+def run_generate(args) -> int:
+    from engine.cli import sampling_from
+    from engine.request import Request
+
+    collector = Collector(stream=None if args.json else sys.stdout)
+    engine = load_engine(args, collector)
+    params = sampling_from(args, snapshot_top_n=args.probs)
+    request = Request.chat(args.prompt, system=args.system, sampling=params)
+    outcome = run_to_end(engine, request, collector)
+    if isinstance(outcome, RequestFailed):
+        print(f"error: {outcome.message}", file=sys.stderr)
+        return EXIT_REQUEST_FAILED
+    if args.json:
+        print(json.dumps(result_json(outcome, engine, collector.tokens, args.probs)))
+    else:
+        s = outcome.stats
+        print(
+            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {s.ttft_s * 1000:.0f} ms, "
+            f"{s.tokens_per_s:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def run_chat(args) -> int:
+    from engine.cli import sampling_from
+    from engine.request import ChatMessage, Request
+
+    collector = Collector(stream=sys.stdout)
+    engine = load_engine(args, collector)
+    params = sampling_from(args)
+    history: list[ChatMessage] = [ChatMessage("system", args.system)] if args.system else []
+    print("kvscope chat: empty line or Ctrl-D to quit, Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            user = input("\n> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not user:
+            return 0
+        history.append(ChatMessage("user", user))
+        outcome = run_to_end(engine, Request(messages=tuple(history), sampling=params), collector)
+        if isinstance(outcome, RequestFailed):
+            print(f"\nerror: {outcome.message}", file=sys.stderr)
+            history.pop()  # the message stays on screen; the user can rephrase
+            continue
+        history.append(ChatMessage("assistant", outcome.text))
+        s = outcome.stats
+        print(
+            f"\n[{s.generated_tokens} tok, {s.tokens_per_s:.1f} tok/s, {outcome.finish_reason}]",
+            file=sys.stderr,
+        )
