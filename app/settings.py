@@ -1,0 +1,105 @@
+"""User settings: a thin typed layer over an INI-backed QSettings.
+
+An explicit file (not the platform registry) keeps tests isolated through KVSCOPE_CONFIG_DIR and
+lets a user see and delete what kvscope remembers. Values are stored as JSON text because an INI
+QSettings hands every scalar back as a string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from app.paths import settings_path
+from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+
+MIB = 1024 * 1024
+# The probability panel needs per-token snapshots; 20 candidates show the shape of a
+# distribution without making each token event heavy.
+DEFAULT_SNAPSHOT_TOP_N = 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """What the model picker last loaded: enough to rebuild an EngineConfig."""
+
+    source: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    kv_budget_mib: int = 0  # 0 = let the engine size the pool
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelSpec(self.source, self.dtype, self.device),
+            block_size=self.block_size,
+            kv_budget_bytes=self.kv_budget_mib * MIB if self.kv_budget_mib else None,
+        )
+
+
+class AppSettings:
+    def __init__(self, path: Path | str | None = None):
+        self._qs = QSettings(str(path or settings_path()), QSettings.Format.IniFormat)
+
+    def sync(self) -> None:
+        self._qs.sync()
+
+    # ---- generic JSON values ---------------------------------------------------------------
+    def get(self, key: str, default=None):
+        raw = self._qs.value(key)
+        if raw is None:
+            return default
+        try:
+            return json.loads(raw)
+        except (TypeError, ValueError):
+            return default
+
+    def set(self, key: str, value) -> None:
+        self._qs.setValue(key, json.dumps(value))
+
+    # ---- window layout ---------------------------------------------------------------------
+    def window_layout(self) -> tuple[QByteArray | None, QByteArray | None]:
+        return self._bytes("window/geometry"), self._bytes("window/state")
+
+    def set_window_layout(self, geometry: QByteArray, state: QByteArray) -> None:
+        self._qs.setValue("window/geometry", bytes(geometry.toBase64()).decode())
+        self._qs.setValue("window/state", bytes(state.toBase64()).decode())
+
+    def _bytes(self, key: str) -> QByteArray | None:
+        raw = self._qs.value(key)
+        return QByteArray.fromBase64(raw.encode()) if isinstance(raw, str) and raw else None
+
+    # ---- sampling and model ----------------------------------------------------------------
+    def sampling(self) -> SamplingParams:
+        """The last sampling settings; a stale or invalid entry falls back to the defaults."""
+        saved = self.get("sampling/params", {})
+        if not isinstance(saved, dict):
+            return SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        values = {"snapshot_top_n": DEFAULT_SNAPSHOT_TOP_N}
+        values.update({k: v for k, v in saved.items() if k in names})
+        if isinstance(values.get("stop"), list):
+            values["stop"] = tuple(values["stop"])
+        try:
+            return SamplingParams(**values)
+        except (ConfigError, TypeError):
+            return SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.set("sampling/params", dataclasses.asdict(params))
+
+    def model_choice(self) -> ModelChoice:
+        saved = self.get("model/choice", {})
+        names = {f.name for f in dataclasses.fields(ModelChoice)}
+        try:
+            choice = ModelChoice(**{k: v for k, v in (saved or {}).items() if k in names})
+            choice.engine_config()  # validates
+            return choice
+        except (ConfigError, TypeError):
+            return ModelChoice()
+
+    def set_model_choice(self, choice: ModelChoice) -> None:
+        self.set("model/choice", dataclasses.asdict(choice))
