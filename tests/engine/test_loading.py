@@ -166,6 +166,31 @@ def test_truncated_gguf(tmp_path, keep):
     assert "not a readable GGUF file" in load_error(str(path))
 
 
+def _write_gguf(path, arch: str, **metadata) -> str:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_of_an_architecture_transformers_cannot_load(tmp_path):
+    message = load_error(_write_gguf(tmp_path / "rwkv.gguf", "rwkv7", block_count=2))
+    assert "holds a 'rwkv7' model" in message and "cannot load from GGUF" in message
+
+
+def test_gguf_of_an_encoder_decoder_model(tmp_path):
+    message = load_error(_write_gguf(tmp_path / "t5.gguf", "t5", block_count=2, embedding_length=8))
+    assert "cannot be loaded as a chat model" in message and "does not generate text" in message
+
+
 def test_folder_without_config(tmp_path):
     (tmp_path / "empty").mkdir()
     assert "no config.json" in load_error(str(tmp_path / "empty"))
