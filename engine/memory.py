@@ -10,6 +10,8 @@ import time
 import psutil
 import torch
 
+from engine.config import ConfigError
+
 # Overrides the free-memory figure the loader and inspect-model compare against, in bytes:
 # lets tests (and users on shared machines) exercise "does not fit" without a huge model.
 AVAILABLE_MEMORY_ENV = "KVSCOPE_AVAILABLE_MEMORY_BYTES"
@@ -60,7 +62,7 @@ def available_memory_bytes(device: torch.device) -> int:
         try:
             return int(override)
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"{AVAILABLE_MEMORY_ENV} must be a whole number of bytes, got {override!r}"
             ) from None
     if device.type == "cuda":
