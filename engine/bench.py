@@ -156,7 +156,7 @@ def run_bench(args) -> int:
 def _print_table(r: dict) -> None:
     hf, eng = r["transformers_generate"], r["engine"]
     print(
-        f"{r['model']} {r['dtype']} on {r['device']} ({r['threads']} threads), prompt {r['prompt_tokens']} tok"
+        f"{r['model']} {r['dtype']} on {r['device']}, torch threads {r['threads']}, prompt {r['prompt_tokens']} tok"
     )
     print(f"{'':24}{'generate()':>14}{'engine':>14}")
     for key, label, scale in [

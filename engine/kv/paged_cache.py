@@ -92,8 +92,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     out = query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])  # [T, heads, head_dim]
     for s in batch.seqs:
         n_blocks = s.block_table.numel()
-        k = k_pool[s.block_table].view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
-        v = v_pool[s.block_table].view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
+        # index_select, not k_pool[table]: advanced indexing takes a slow generic path on CPU
+        # (~300x slower for a decode-sized gather, measured).
+        k = k_pool.index_select(0, s.block_table).view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
+        v = v_pool.index_select(0, s.block_table).view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
         k = k[: s.context_len].transpose(0, 1)  # [kv_heads, L, head_dim]
         v = v[: s.context_len].transpose(0, 1)
         q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, n, head_dim]
