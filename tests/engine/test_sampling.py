@@ -166,8 +166,10 @@ def test_top_p_is_mass_not_a_share_of_the_vocabulary():
 
     assert kept(0.85).stages[-1].kept_count == 1
     assert kept(0.85).drawn_id == 42
-    needed = math.ceil((0.95 - 0.9) / rest)
-    assert abs(kept(0.95).stages[-1].kept_count - (1 + needed)) <= 1  # float32 cumsum rounding
+    # float32 cumsums over thousands of tokens of 1e-5 each are off by a few tokens' worth.
+    wide = kept(0.95).stages[-1]
+    assert wide.kept_count == pytest.approx(1 + (0.95 - 0.9) / rest, rel=0.002)
+    assert wide.kept_mass == pytest.approx(0.95, abs=1e-4)
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():
@@ -284,18 +286,14 @@ def test_nan_logits_give_a_clear_error():
             Sampler(params).sample(logits, [], [])
 
 
-def probs_by_id(snapshot, stage):
-    return dict(zip(snapshot.candidate_ids, stage.probs))
-
-
-def assert_stages_match(expected_snapshot, got_stages, ids, atol):
+def assert_stages_match(expected_snapshot, got_stages, got_candidates, ids, atol):
+    """Same stage names, kept counts and masses, and the same probabilities for `ids`."""
     expected = {s.name: s for s in expected_snapshot.stages}
     assert [s.name for s in got_stages] == list(expected)
-    got_ids = list(ids)
     for stage in got_stages:
-        want = probs_by_id(expected_snapshot, expected[stage.name])
-        got = dict(zip(got_ids, stage.probs))
-        for token in got_ids:
+        want = dict(zip(expected_snapshot.candidate_ids, expected[stage.name].probs))
+        got = dict(zip(got_candidates, stage.probs))
+        for token in ids:
             assert got[token] == pytest.approx(want[token], abs=atol), (stage.name, token)
         assert stage.kept_count == expected[stage.name].kept_count, stage.name
         assert stage.kept_mass == pytest.approx(expected[stage.name].kept_mass, abs=atol), stage.name
@@ -311,13 +309,19 @@ WHAT_IF_SETTINGS = [
 
 
 @pytest.mark.parametrize("settings", WHAT_IF_SETTINGS, ids=str)
-def test_what_if_with_the_same_settings_reproduces_the_pipeline(settings):
-    # A vocabulary this small fits in the snapshot's top set: no tail, so what-if is exact.
-    vocab = 200
-    logits = random_logits(vocab, 4)
+@pytest.mark.parametrize("vocab", [200, 5000])
+def test_what_if_with_the_same_settings_reproduces_the_pipeline(settings, vocab):
+    # 200 fits in the snapshot's top set (no tail at all); of 5000, forty tokens stand so far
+    # above the rest that the tail beyond the top 256 holds a negligible mass even at the
+    # highest temperature used.
+    logits = random_logits(vocab, 4, scale=1.0)
+    logits[:40] += 35.0
+    assert float(torch.softmax(logits / 1.4, 0).topk(min(vocab, 256)).values.sum()) > 1 - 1e-6
     params = SamplingParams(snapshot_top_n=10, seed=1, repetition_penalty=1.2, **settings)
     snapshot = Sampler(params).sample(logits, PROMPT, OUTPUT).snapshot
-    assert_stages_match(snapshot, what_if(snapshot, params), snapshot.candidate_ids, atol=1e-5)
+    got = what_if(snapshot, params)
+    assert_stages_match(snapshot, got, snapshot.candidate_ids, snapshot.candidate_ids, atol=1e-5)
+    assert got[-1].probs == pytest.approx(snapshot.stages[-1].probs, abs=1e-5)
 
 
 @pytest.mark.parametrize("settings", WHAT_IF_SETTINGS, ids=str)
@@ -325,15 +329,18 @@ def test_what_if_under_other_settings_equals_a_real_run_with_them(settings):
     # 200 distinct high logits, then a flat tail holding a large share of the mass: the tail
     # model of what-if is exact for a flat tail, so even a heavy tail must match exactly. The
     # penalised tokens are all in the top set, so the tail stays flat after penalties too.
-    vocab, flat = 3000, 200
-    logits = torch.cat([random_logits(flat, 9, scale=1.0) + 4.0, torch.zeros(vocab - flat)])
-    tail_mass = float(torch.softmax(logits, 0)[256:].sum())
-    assert tail_mass > 0.1
-    recorded_params = SamplingParams(snapshot_top_n=vocab, presence_penalty=0.7, seed=0)
+    vocab, distinct = 3000, 200
+    logits = torch.cat([random_logits(distinct, 9, scale=1.0) + 4.0, torch.zeros(vocab - distinct)])
+    assert float(torch.softmax(logits, 0)[256:].sum()) > 0.1
+    recorded_params = SamplingParams(snapshot_top_n=20, presence_penalty=0.7, seed=0)
     other = SamplingParams(snapshot_top_n=vocab, presence_penalty=0.7, seed=0, **settings)
     recorded = Sampler(recorded_params).sample(logits, PROMPT, OUTPUT).snapshot
-    real = Sampler(other).sample(logits, PROMPT, OUTPUT).snapshot
-    assert_stages_match(real, what_if(recorded, other), recorded.candidate_ids, atol=2e-5)
+    real = Sampler(other).sample(logits, PROMPT, OUTPUT).snapshot  # covers the whole vocabulary
+    # Tail tokens tie, so which of them a partial cut keeps is arbitrary: compare the distinct
+    # tokens one by one, and the tail through the kept counts and masses.
+    known = [t for t in recorded.candidate_ids if t < distinct]
+    assert len(known) >= 20
+    assert_stages_match(real, what_if(recorded, other), recorded.candidate_ids, known, atol=2e-5)
 
 
 def test_what_if_keeps_recorded_penalties_and_drops_warpers_for_greedy():
