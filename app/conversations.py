@@ -18,16 +18,18 @@ from pathlib import Path
 DEFAULT_TITLE = "New conversation"
 TITLE_CHARS = 60  # a sidebar row shows about this much of the first user message
 
+# AUTOINCREMENT: a deleted message's id (regenerate, edit-and-resend) is never handed out
+# again, so an id names one message for good (in exports, and in the app's in-memory maps).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     title TEXT NOT NULL,
     system_prompt TEXT NOT NULL DEFAULT '',
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
     content TEXT NOT NULL,

@@ -1,0 +1,52 @@
+"""The Controls dock: the model section over the sampling section, in one scrolling column."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Slot
+from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, QWidget
+
+from app.model_picker import ModelPicker
+from app.sampling_controls import SamplingControls
+from app.settings import DEFAULT_SNAPSHOT_TOP_N, ModelChoice
+from engine.config import SamplingParams
+
+
+class ControlsPanel(QScrollArea):
+    def __init__(
+        self,
+        params: SamplingParams,
+        choice: ModelChoice,
+        default_budget_bytes: int,
+        parent: QWidget | None = None,
+    ):
+        super().__init__(parent)
+        self.setObjectName("controls")
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.model = ModelPicker(choice, default_budget_bytes)
+        self.sampling = SamplingControls(params)
+        reset = QPushButton("Reset sampling to defaults")
+        reset.clicked.connect(self._on_reset)
+
+        model_box = QGroupBox("Model")
+        QVBoxLayout(model_box).addWidget(self.model)
+        sampling_box = QGroupBox("Sampling")
+        sampling_layout = QVBoxLayout(sampling_box)
+        sampling_layout.addWidget(self.sampling)
+        sampling_layout.addWidget(reset)
+
+        inner = QWidget()
+        layout = QVBoxLayout(inner)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addWidget(model_box)
+        layout.addWidget(sampling_box)
+        layout.addStretch(1)
+        self.setWidget(inner)
+
+    @Slot()
+    def _on_reset(self) -> None:
+        defaults = SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+        self.sampling.set_params(defaults)
+        self.sampling.changed.emit(defaults)
+        if self.sampling.what_if.isChecked():
+            self.sampling.what_if_changed.emit(defaults)

@@ -1,0 +1,142 @@
+"""`kvscope`: the desktop app's entry point.
+
+kvscope                                   the model you loaded last (the packaged default at first)
+kvscope --model PATH --dtype bfloat16     another model for this launch
+kvscope --prompt TEXT --screenshot out.png --quit-after-reply
+                                          scripted: load the default model, send TEXT, wait for the
+                                          whole reply, save a screenshot of the window, exit 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# Offline before anything imports transformers or huggingface_hub: kvscope never downloads.
+for _name, _value in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
+    os.environ.setdefault(_name, _value)
+
+# A first load converts the packaged GGUF and a slow disk can take minutes; beyond this a
+# scripted run reports failure instead of hanging a CI job.
+SCRIPTED_TIMEOUT_S = 900.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from engine.config import DEVICES, DTYPES
+
+    parser = argparse.ArgumentParser(
+        prog="kvscope", description="Chat with a local LLM while watching its inference live."
+    )
+    parser.add_argument(
+        "--model",
+        metavar="SOURCE",
+        help="'default' (the packaged SmolLM2), a model folder, a .gguf file or a repo id in the local "
+        "Hugging Face cache (default: the model loaded last; 'default' for scripted runs)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, help="weight and KV precision")
+    parser.add_argument("--device", choices=DEVICES, help="where to run the model")
+    parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache page")
+    parser.add_argument(
+        "--kv-budget-mib", type=int, metavar="MIB", help="memory for the KV-cache pool (0 = auto)"
+    )
+    parser.add_argument("--prompt", metavar="TEXT", help="send this message once the model is loaded")
+    parser.add_argument(
+        "--screenshot", metavar="PATH", type=Path, help="after the reply, save the window as PNG"
+    )
+    parser.add_argument(
+        "--quit-after-reply", action="store_true", help="exit once the reply (and screenshot) is done"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=SCRIPTED_TIMEOUT_S,
+        metavar="S",
+        help="scripted runs give up after S seconds",
+    )
+    args = parser.parse_args(argv)
+    if (args.screenshot or args.quit_after_reply) and not args.prompt:
+        parser.error("--screenshot and --quit-after-reply need --prompt")
+    if args.prompt is not None and not args.prompt.strip():
+        parser.error("--prompt must not be empty")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    return args
+
+
+def model_choice(args: argparse.Namespace, saved):
+    """The launch's model: command-line values over the saved choice. A scripted run starts from
+    the packaged default, not from whatever the user loaded last, so it is reproducible."""
+    import dataclasses
+
+    from app.settings import ModelChoice
+
+    base = ModelChoice() if args.prompt else saved
+    overrides = {
+        "source": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "kv_budget_mib": args.kv_budget_mib,
+    }
+    choice = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    choice.engine_config()  # raises ConfigError with a message for bad numbers
+    return choice
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    from PySide6.QtGui import QIcon
+    from PySide6.QtWidgets import QApplication
+
+    from app.conversations import ConversationStore, StorageError
+    from app.paths import asset_path, conversations_db_path
+    from app.scripted import ScriptedRun
+    from app.settings import AppSettings
+    from app.theme import apply_theme
+    from app.window import MainWindow
+    from engine.config import ConfigError
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("kvscope")
+    app.setOrganizationName("kvscope")
+    app.setDesktopFileName("kvscope")
+    app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
+    apply_theme(app)
+
+    settings = AppSettings()
+    try:
+        choice = model_choice(args, settings.model_choice())
+        conversations = ConversationStore(conversations_db_path())
+    except (ConfigError, StorageError) as exc:
+        print(f"kvscope: {exc}", file=sys.stderr)
+        return 2
+
+    scripted = args.prompt is not None
+    window = MainWindow(settings, conversations, interactive=not scripted)
+    if (
+        args.model
+        or args.dtype
+        or args.device
+        or args.block_size is not None
+        or args.kv_budget_mib is not None
+    ):
+        window.controls.model.set_choice(choice)
+    window.show()
+    window.start_engine(choice.engine_config())
+    run = None
+    if scripted:
+        run = ScriptedRun(window, args.prompt, args.screenshot, args.quit_after_reply, args.timeout)
+    code = app.exec()
+    conversations.close()
+    return run.exit_code if run is not None and run.finished else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

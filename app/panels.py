@@ -1,0 +1,34 @@
+"""The live inspection panels (from widgets/), built over one LiveState.
+
+Each panel only reads the state and redraws in `refresh(dirty)`; none talks to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.store import LiveState
+
+
+@dataclass(slots=True)
+class Panels:
+    probabilities: object  # widgets ProbabilityPanel
+    page_map: object  # widgets KVPageMapPanel
+    memory: object  # widgets MemoryPanel
+    latency: object  # widgets LatencyPanel
+
+    def all(self) -> tuple:
+        return (self.probabilities, self.page_map, self.memory, self.latency)
+
+    def refresh(self, dirty: set[str]) -> None:
+        for panel in self.all():
+            panel.refresh(dirty)
+
+
+def build_panels(live: LiveState) -> Panels:
+    from widgets.kv_page_map import KVPageMapPanel
+    from widgets.latency_panel import LatencyPanel
+    from widgets.memory_panel import MemoryPanel
+    from widgets.probability_panel import ProbabilityPanel
+
+    return Panels(ProbabilityPanel(live), KVPageMapPanel(live), MemoryPanel(live), LatencyPanel(live))

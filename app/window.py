@@ -1,0 +1,343 @@
+"""The main window: the chat in the middle, the inspection panels and controls in docks.
+
+Docks can be moved, tabbed, floated and closed; their arrangement and the window geometry are
+saved on close and restored on the next launch (View > Reset layout brings the default back).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer, Slot
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QInputDialog,
+    QMainWindow,
+    QMessageBox,
+    QWidget,
+)
+
+from app.chat_controller import ChatController
+from app.chat_view import ChatPane
+from app.controls import ControlsPanel
+from app.conversation_list import ConversationList
+from app.conversations import ConversationStore, StorageError
+from app.engine_host import EngineHost
+from app.panels import Panels, build_panels
+from app.settings import AppSettings, ModelChoice
+from app.status_bar import StatusBar
+from engine.config import ConfigError, EngineConfig
+from engine.llm_engine import DEFAULT_KV_BUDGET_BYTES
+
+# ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
+SLOW_INTERVAL_MS = 333
+DEFAULT_SIZE = (1560, 960)
+WELCOME = (
+    "Chat with the model here, and watch it think in the panels around:\n"
+    "the probability of every candidate token, the KV-cache pages filling up, memory and latency."
+)
+
+
+class MainWindow(QMainWindow):
+    def __init__(
+        self,
+        settings: AppSettings,
+        conversations: ConversationStore,
+        host: EngineHost | None = None,
+        interactive: bool = True,
+        parent: QWidget | None = None,
+    ):
+        super().__init__(parent)
+        self.setWindowTitle("kvscope")
+        self.setObjectName("mainWindow")
+        self.settings = settings
+        self.conversations = conversations
+        self.host = host or EngineHost(parent=self)
+        # Scripted runs must never block on a dialog; they report errors on stderr instead.
+        self.interactive = interactive
+        self.load_failures: list[str] = []
+
+        self.chat = ChatPane()
+        self.chat.transcript.set_placeholder(WELCOME)
+        self.setCentralWidget(self.chat)
+        self.sidebar = ConversationList()
+        self.controls = ControlsPanel(settings.sampling(), settings.model_choice(), DEFAULT_KV_BUDGET_BYTES)
+        self.panels: Panels = build_panels(self.host.live)
+        self.status = StatusBar()
+        self.setStatusBar(self.status)
+        self.controller = ChatController(
+            self.chat, self.sidebar, conversations, self.host, self.controls.sampling.params, parent=self
+        )
+        token_view, colour = settings.get("chat/view", [False, False])
+        self.chat.token_view.setChecked(bool(token_view))
+        self.chat.colour_tokens.setChecked(bool(colour))
+
+        self.docks: dict[str, QDockWidget] = {}
+        self._build_docks()
+        self._build_menus()
+        self._connect()
+        self._default_state = self.saveState()
+        self.resize(*DEFAULT_SIZE)
+        self._restore_layout()
+
+        self._slow = QTimer(self)
+        self._slow.setInterval(SLOW_INTERVAL_MS)
+        self._slow.timeout.connect(self.refresh_status)
+        self._slow.start()
+        self._closed = False
+        self.controller.open_latest()
+        self.controls.model.add_cached_models()
+        self.controls.model.refresh_estimate()
+        self.refresh_status()
+
+    # ---- construction ----------------------------------------------------------------------
+    def _dock(self, key: str, title: str, widget: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"dock_{key}")  # saveState/restoreState match docks by object name
+        dock.setWidget(widget)
+        dock.setFeatures(
+            QDockWidget.DockWidgetFeature.DockWidgetMovable
+            | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+            | QDockWidget.DockWidgetFeature.DockWidgetClosable
+        )
+        self.addDockWidget(area, dock)
+        self.docks[key] = dock
+        return dock
+
+    def _build_docks(self) -> None:
+        left, right, bottom = (
+            Qt.DockWidgetArea.LeftDockWidgetArea,
+            Qt.DockWidgetArea.RightDockWidgetArea,
+            Qt.DockWidgetArea.BottomDockWidgetArea,
+        )
+        self.setCorner(Qt.Corner.BottomLeftCorner, left)
+        self.setCorner(Qt.Corner.BottomRightCorner, right)
+        conversations = self._dock("conversations", "Conversations", self.sidebar, left)
+        controls = self._dock("controls", "Controls", self.controls, left)
+        self.splitDockWidget(conversations, controls, Qt.Orientation.Vertical)
+        self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
+        page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom)
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom)
+        latency = self._dock("latency", "Latency", self.panels.latency, bottom)
+        self.splitDockWidget(page_map, memory, Qt.Orientation.Horizontal)
+        self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
+        self.resizeDocks([conversations, controls], [220, 600], Qt.Orientation.Vertical)
+        self.resizeDocks([conversations, self.docks["probabilities"]], [300, 420], Qt.Orientation.Horizontal)
+        self.resizeDocks([page_map], [300], Qt.Orientation.Vertical)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        self._action(
+            file_menu, "&New conversation", self.controller.new_conversation, QKeySequence.StandardKey.New
+        )
+        file_menu.addSeparator()
+        self._action(file_menu, "Export as &Markdown…", self._export_markdown)
+        self._action(file_menu, "Export as &JSON…", self._export_json)
+        file_menu.addSeparator()
+        self._action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self._action(chat_menu, "&Stop reply", self.controller.stop, "Ctrl+.")
+        self._action(chat_menu, "&Regenerate reply", self.controller.regenerate, "Ctrl+R")
+        self._action(chat_menu, "&Edit last message", self.controller.edit_last, "Ctrl+E")
+        view_menu = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        self._action(view_menu, "&Reset layout", self.reset_layout)
+        help_menu = self.menuBar().addMenu("&Help")
+        self._action(help_menu, "&About kvscope", self._about)
+
+    def _action(self, menu, text: str, slot, shortcut=None) -> QAction:
+        action = QAction(text, self)
+        if shortcut is not None:
+            action.setShortcut(QKeySequence(shortcut))
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        return action
+
+    def _connect(self) -> None:
+        host = self.host
+        host.frame.connect(self._on_frame)
+        host.model_loaded.connect(self._on_model_loaded)
+        host.model_load_failed.connect(self._on_model_load_failed)
+        host.engine_error.connect(self._on_engine_error)
+        host.model_loading.connect(self._on_model_loading)
+        self.controller.token_inspected.connect(self._on_token_inspected)
+        self.controller.status_message.connect(self._on_status_message)
+        self.controls.sampling.changed.connect(self._on_sampling_changed)
+        self.controls.sampling.what_if_changed.connect(self._on_what_if_changed)
+        self.controls.model.load_requested.connect(self.load_model)
+        self.chat.view_changed.connect(self._on_view_changed)
+        self.sidebar.rename_requested.connect(self._on_rename_requested)
+        self.sidebar.export_requested.connect(self._on_export_requested)
+        self.sidebar.delete_requested.connect(self._on_delete_requested)
+
+    # ---- layout ----------------------------------------------------------------------------
+    def _restore_layout(self) -> None:
+        geometry, state = self.settings.window_layout()
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        if state is not None:
+            self.restoreState(state)
+
+    @Slot()
+    def reset_layout(self) -> None:
+        self.restoreState(self._default_state)
+        for dock in self.docks.values():
+            dock.show()
+
+    def save_layout(self) -> None:
+        self.settings.set_window_layout(self.saveGeometry(), self.saveState())
+        self.settings.sync()
+
+    # ---- engine ----------------------------------------------------------------------------
+    def start_engine(self, config: EngineConfig, loaded=None) -> None:
+        """Start (or restart) the engine; `loaded` skips loading (tests, the measure command)."""
+        self.host.start(config, loaded=loaded)
+        self.controller.sync_state()
+        self.refresh_status()
+
+    @Slot(object)
+    def load_model(self, choice: ModelChoice) -> None:
+        try:
+            config = choice.engine_config()
+        except ConfigError as exc:
+            self._on_status_message(str(exc), "error")
+            return
+        if self.controller.active is not None:
+            self.controller.stop()
+        self.settings.set_model_choice(choice)
+        self.start_engine(config)
+
+    @Slot(object)
+    def _on_frame(self, dirty: set[str]) -> None:
+        self.panels.refresh(dirty)
+
+    @Slot(object)
+    def _on_model_loading(self, _event) -> None:
+        self.refresh_status()
+
+    @Slot(object)
+    def _on_model_loaded(self, event) -> None:
+        self.controller.forget_token_data()
+        self.chat.input.setPlaceholderText(
+            f"Message {event.info.name}…  (Enter sends, Shift+Enter for a new line)"
+        )
+        self.refresh_status()
+
+    @Slot(str)
+    def _on_model_load_failed(self, message: str) -> None:
+        self.load_failures.append(message)
+        self.status.show_error(f"Model failed to load: {message}")
+        self.refresh_status()
+        if self.interactive:
+            box = QMessageBox(QMessageBox.Icon.Warning, "The model could not be loaded", message, parent=self)
+            box.setInformativeText("Choose another model in the Controls panel and press Load model.")
+            box.open()  # window-modal, not blocking: the app keeps running behind it
+
+    @Slot(str)
+    def _on_engine_error(self, message: str) -> None:
+        self.status.show_error(f"Engine error: {message}")
+
+    @Slot(str, str)
+    def _on_status_message(self, text: str, kind: str) -> None:
+        if kind == "error":
+            self.status.show_error(text)
+        else:
+            self.status.showMessage(text, 5000)
+
+    @Slot()
+    def refresh_status(self) -> None:
+        self.status.refresh(self.host.live, self.host.model_name)
+
+    # ---- panels and controls ---------------------------------------------------------------
+    @Slot(object, object)
+    def _on_token_inspected(self, request_id, index) -> None:
+        self.panels.probabilities.show_token(request_id, index)
+
+    @Slot(object)
+    def _on_what_if_changed(self, params) -> None:
+        self.panels.probabilities.set_what_if(params)
+
+    @Slot(object)
+    def _on_sampling_changed(self, params) -> None:
+        self.settings.set_sampling(params)
+
+    @Slot(bool, bool)
+    def _on_view_changed(self, token_view: bool, colour: bool) -> None:
+        self.settings.set("chat/view", [token_view, colour])
+
+    # ---- conversations ---------------------------------------------------------------------
+    def _current_id(self) -> int | None:
+        return self.controller.conversation.id if self.controller.conversation else None
+
+    @Slot()
+    def _export_markdown(self) -> None:
+        if self._current_id() is not None:
+            self._on_export_requested(self._current_id(), "markdown")
+
+    @Slot()
+    def _export_json(self) -> None:
+        if self._current_id() is not None:
+            self._on_export_requested(self._current_id(), "json")
+
+    @Slot(int, str)
+    def _on_export_requested(self, conversation_id: int, fmt: str) -> None:
+        suffix, kind = (".md", "Markdown (*.md)") if fmt == "markdown" else (".json", "JSON (*.json)")
+        conv = self.conversations.load(conversation_id)
+        if conv is None:
+            return
+        stem = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "conversation"
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export conversation", str(Path.home() / (stem + suffix)), kind
+        )
+        if not path:
+            return
+        try:
+            self.controller.export_to(conversation_id, fmt, Path(path))
+        except (OSError, StorageError) as exc:
+            self.status.show_error(f"Export failed: {exc}")
+            return
+        self.status.showMessage(f"Exported to {path}", 5000)
+
+    @Slot(int)
+    def _on_rename_requested(self, conversation_id: int) -> None:
+        conv = self.conversations.load(conversation_id)
+        if conv is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=conv.title)
+        if ok:
+            self.controller.rename(conversation_id, title)
+
+    @Slot(int)
+    def _on_delete_requested(self, conversation_id: int) -> None:
+        answer = QMessageBox.question(
+            self, "Delete conversation", "Delete this conversation and all its messages?"
+        )
+        if answer == QMessageBox.StandardButton.Yes:
+            self.controller.delete(conversation_id)
+
+    @Slot()
+    def _about(self) -> None:
+        QMessageBox.about(
+            self,
+            "About kvscope",
+            "kvscope: chat with a local language model while watching its inference live.\n\n"
+            "Every number on screen comes from the running engine: token distributions, the paged "
+            "KV cache, memory and latency.",
+        )
+
+    # ---- closing ---------------------------------------------------------------------------
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
+        if not self._closed:
+            self._closed = True
+            self.save_layout()
+            self.settings.set_sampling(self.controls.sampling.params())
+            # cancel -> stop -> join; the cancelled reply's final text is folded and saved here.
+            self.host.shutdown()
+            self.controls.model.wait_for_estimate()
+            for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
+                timer.stop()
+        super().closeEvent(event)

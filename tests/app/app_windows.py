@@ -1,0 +1,40 @@
+"""Helpers for app tests that drive a MainWindow on the tiny model."""
+
+from __future__ import annotations
+
+import threading
+
+LOAD_TIMEOUT_MS = 60_000
+REPLY_TIMEOUT_MS = 120_000
+# Small enough that the page map stays cheap, large enough for every reply in these tests.
+TEST_NUM_BLOCKS = 64
+# A gated engine waits at most this long for the test to let it go on.
+GATE_TIMEOUT_S = 60.0
+
+
+def start_tiny(qtbot, window, loaded, config) -> None:
+    with qtbot.waitSignal(window.host.model_loaded, timeout=LOAD_TIMEOUT_MS):
+        window.start_engine(config, loaded=loaded)
+
+
+class StepGate:
+    """Holds the engine thread after its n-th step until released: a deterministic
+    mid-generation moment to look at the window (no sleeps, no timing)."""
+
+    def __init__(self, core, after_steps: int):
+        self.reached = threading.Event()
+        self.released = threading.Event()
+        self._remaining = after_steps
+        original = core.step
+
+        def gated_step():
+            original()
+            self._remaining -= 1
+            if self._remaining == 0:
+                self.reached.set()
+                self.released.wait(GATE_TIMEOUT_S)
+
+        core.step = gated_step  # the engine thread looks the method up on every iteration
+
+    def release(self) -> None:
+        self.released.set()

@@ -1,0 +1,65 @@
+"""App test fixtures: isolated user dirs and settings, windows on the tiny model, and checks
+that fail a test which leaves an engine thread or a running timer behind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from app_windows import TEST_NUM_BLOCKS, start_tiny
+from PySide6.QtCore import QTimer
+
+# Engine threads and model-inspection workers: none may outlive the test that started them.
+APP_THREAD_NAMES = ("kvscope-engine", "kvscope-inspect")
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("KVSCOPE_CONFIG_DIR", str(tmp_path / "config"))
+
+
+@pytest.fixture(autouse=True)
+def no_app_threads_left():
+    yield
+    for thread in threading.enumerate():
+        if thread.name == "kvscope-inspect":
+            thread.join(10)  # metadata reads finish on their own; give them the moment they need
+    left = [t.name for t in threading.enumerate() if t.name in APP_THREAD_NAMES and t.is_alive()]
+    assert not left, f"threads left running after the test: {left}"
+
+
+@pytest.fixture
+def test_config():
+    from engine.config import EngineConfig
+
+    return EngineConfig(num_blocks=TEST_NUM_BLOCKS)
+
+
+@pytest.fixture
+def make_window(qtbot, tiny_loaded, test_config):
+    """make_window(start=True) -> a shown MainWindow; engine on the tiny model when `start`.
+    At teardown each window is closed and must leave no engine thread and no active timer."""
+    from app.conversations import ConversationStore
+    from app.paths import conversations_db_path
+    from app.settings import AppSettings
+    from app.window import MainWindow
+
+    made = []
+
+    def make(start: bool = True, interactive: bool = False):
+        store = ConversationStore(conversations_db_path())
+        window = MainWindow(AppSettings(), store, interactive=interactive)
+        made.append((window, store))
+        window.show()
+        if start:
+            start_tiny(qtbot, window, tiny_loaded, test_config)
+        return window
+
+    yield make
+    for window, store in made:
+        window.close()
+        store.close()
+        assert not window.host.threads_alive(), "the engine thread outlived its window"
+        active = [t.objectName() or repr(t) for t in window.findChildren(QTimer) if t.isActive()]
+        assert not active, f"timers still running after close: {active}"
