@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.detokenize import IncrementalDetokenizer
 from engine.events import (
     Event,
@@ -62,7 +62,7 @@ class LLMEngine:
             budget = config.kv_budget_bytes or DEFAULT_KV_BUDGET_BYTES
             num_blocks = budget // (bytes_per_token * bs)
             if num_blocks < 1:
-                raise RequestError(
+                raise ConfigError(
                     f"A KV budget of {budget} bytes holds no block of {bs} tokens "
                     f"({bytes_per_token * bs} bytes each); raise the budget or lower the block size."
                 )
@@ -213,6 +213,14 @@ class LLMEngine:
         seq.token_times.append(now)
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
         delta = "" if is_eos else seq.detokenizer.push(token)
+        if is_eos or seq.detokenizer.stopped:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            delta += seq.detokenizer.flush()  # text held back for a possible stop string
         self.emit(
             TokenGenerated(
                 seq.seq_id,
@@ -225,10 +233,8 @@ class LLMEngine:
                 now,
             )
         )
-        if is_eos or seq.detokenizer.stopped:
-            self._finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)

@@ -109,11 +109,13 @@ class Engine:
 
             self._loaded = load_model(self.config.model, progress=progress)
         self._core = LLMEngine(self._loaded, self.config, self._emit)
-        self.info = self._loaded.info
-        pool = self._core.kv.pool
+        pool, storage = self._core.kv.pool, self._core.storage
         self._emit(
-            ModelLoaded(self.info, pool.num_blocks, pool.block_size, pool.total_bytes, time.perf_counter())
+            ModelLoaded(
+                self._loaded.info, pool.num_blocks, pool.block_size, storage.total_bytes, time.perf_counter()
+            )
         )
+        self.info = self._loaded.info
         self._core.sample_memory()
 
     def _serve(self) -> None:

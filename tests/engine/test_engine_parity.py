@@ -20,7 +20,7 @@ class IdTokenizer:
 
     eos_token_id = 2
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, **kwargs):
         return "".join(f"<{i}>" for i in ids)
 
 
@@ -96,7 +96,8 @@ def test_preemption_keeps_outputs_exact(tiny, prompts_and_refs):
 
 def test_prefix_cache_hits_a_shared_system_prompt(tiny, prompts_and_refs):
     prompts, refs = prompts_and_refs
-    outs, engine, events = run(tiny, EngineConfig(block_size=4, num_blocks=200), prompts[3:])
+    # staggered: the first prompt's blocks are committed (and hashed) before the second arrives
+    outs, engine, events = run(tiny, EngineConfig(block_size=4, num_blocks=200), prompts[3:], staggered=True)
     assert outs == refs[3:]
     finished = [e for e in events if isinstance(e, RequestFinished)]
     # the second request shares the 21-token prefix: 5 full blocks of 4
