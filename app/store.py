@@ -49,10 +49,10 @@ MAX_ERRORS = 100
 # Finished requests kept with their per-token snapshots (a chat session rarely exceeds this;
 # the oldest finished ones go first so memory stays bounded in long sessions).
 MAX_REQUESTS = 256
-# Rolling tokens/s: tokens of the last TPS_WINDOW_S seconds, at most TPS_MAX_TOKENS of them, so
-# the rate follows changes in batch size quickly and an idle gap does not drag it down.
-TPS_WINDOW_S = 2.0
-TPS_MAX_TOKENS = 32
+# Rolling tokens/s: tokens generated in the last TPS_WINDOW_S seconds over that window. Short
+# enough to follow a change in batch size within a second; the window never reaches back before
+# the engine became busy, so the first tokens are not averaged with an idle gap.
+TPS_WINDOW_S = 1.0
 
 
 class EventStore:
@@ -106,6 +106,11 @@ class RingBuffer:
 
     def holds(self, row: int) -> bool:
         return self.appended - len(self) <= row < self.appended
+
+    def value(self, row: int, name: str) -> float:
+        """One value of a row that is still in the buffer."""
+        assert self.holds(row), f"row {row} is no longer in the buffer"
+        return float(self._data[self._index[name], row % self.capacity])
 
     def set(self, row: int, name: str, value: float) -> None:
         """Overwrite one value of a row that is still in the buffer."""
@@ -311,7 +316,9 @@ class LiveState:
         self.latency = RingBuffer(
             latency_capacity, ("t", "x", "latency_ms", "is_first", "request_id", "tokens_per_s")
         )
-        self._recent_token_t: deque[float] = deque(maxlen=TPS_MAX_TOKENS)
+        self._window_t: deque[float] = deque()  # token times inside the tokens/s window
+        self._running: set[int] = set()
+        self._busy_since: float | None = None  # arrival of the request that ended the last idle
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         self._handlers = {
             ModelLoading: self._on_loading,
@@ -383,8 +390,13 @@ class LiveState:
             del self.requests[request_id]
 
     def _on_started(self, event: RequestStarted) -> set[str]:
+        # A restarted engine numbers its requests from 1 again: a start always opens a new view.
+        self.requests.pop(event.request_id, None)
         view = self._request(event.request_id)
         view.prompt_tokens, view.started_t = event.prompt_tokens, event.t
+        if not self._running:
+            self._busy_since = event.t
+        self._running.add(event.request_id)
         self.latest_request_id = event.request_id
         return {"requests"}
 
@@ -397,12 +409,7 @@ class LiveState:
         view.tokens.append(event)
         self.latest_request_id = event.request_id
 
-        recent = self._recent_token_t
-        while recent and recent[0] < event.t - TPS_WINDOW_S:
-            recent.popleft()
-        recent.append(event.t)
-        span = recent[-1] - recent[0]
-        tokens_per_s = (len(recent) - 1) / span if span > 0 else math.nan
+        tokens_per_s = self._rolling_rate(event.t)
 
         row = self.latency.append(
             t=event.t,
@@ -416,7 +423,18 @@ class LiveState:
             view.first_token_row = row
         return {"tokens", "latency", "requests"}
 
+    def _rolling_rate(self, t: float) -> float:
+        start = t - TPS_WINDOW_S
+        if self._busy_since is not None:
+            start = max(start, self._busy_since)
+        window = self._window_t
+        window.append(t)
+        while window and window[0] <= start:
+            window.popleft()
+        return len(window) / (t - start) if t > start else math.nan
+
     def _on_finished(self, event: RequestFinished) -> set[str]:
+        self._running.discard(event.request_id)
         view = self._request(event.request_id)
         view.status, view.finished = event.finish_reason, event
         dirty = {"requests"}
@@ -428,6 +446,7 @@ class LiveState:
         return dirty
 
     def _on_failed(self, event: RequestFailed) -> set[str]:
+        self._running.discard(event.request_id)
         view = self._request(event.request_id)
         view.status, view.error = "failed", event.message
         self.errors.append(f"request {event.request_id} failed: {event.message}")

@@ -147,8 +147,8 @@ def test_tokens_fill_latency_rows_with_ttft_then_itl():
     assert lat.column("x").tolist() == [0, 1, 2]
     assert lat.column("latency_ms") == pytest.approx([300.0, 50.0, 100.0])
     assert lat.column("is_first").tolist() == [1, 0, 0]
-    # Rolling rate: 2 intervals over 0.15 s.
-    assert lat.column("tokens_per_s")[-1] == pytest.approx(2 / 0.15)
+    # Rolling rate: tokens since the engine became busy (at 10.0), as the window is not yet full.
+    assert lat.column("tokens_per_s") == pytest.approx([1 / 0.3, 2 / 0.35, 3 / 0.45])
     assert state.token().index == 2
     assert state.token(1, 0).t == 10.3
     assert state.token(1, 3) is None
@@ -211,3 +211,24 @@ def test_unknown_events_are_ignored_and_origin_is_the_first_event_time():
         [object(), RequestStarted(1, 1, t=42.0), TokenGenerated(1, 0, 5, "a", "a", -0.1, t=43.0)]
     )
     assert state.origin_t == 42.0
+
+
+def test_a_restarted_engine_reusing_request_ids_starts_fresh_views():
+    state = LiveState()
+    state.apply([RequestStarted(1, 3, t=0.0), token(1, 0, t=0.1), token(1, 1, t=0.2)])
+    state.apply([RequestStarted(1, 4, t=5.0), token(1, 0, t=5.5)])
+    view = state.requests[1]
+    assert (view.prompt_tokens, len(view.tokens), view.status) == (4, 1, "running")
+    assert state.latency.value(view.first_token_row, "latency_ms") == pytest.approx(500.0)
+
+
+def test_rolling_rate_uses_a_one_second_window_and_restarts_after_idle():
+    state = LiveState()
+    events = [RequestStarted(1, 3, t=0.0)] + [token(1, i, t=0.1 * (i + 1)) for i in range(20)]
+    events += [finished(1, "length", 0.1, (0.1,) * 19, t=2.0)]
+    # After 10 s idle a new request: its first token's rate counts from its own arrival.
+    events += [RequestStarted(2, 3, t=12.0), token(2, 0, t=12.5)]
+    state.apply(events)
+    rate = state.latency.column("tokens_per_s")
+    assert rate[19] == pytest.approx(10 / 1.0)  # tokens at 1.1 .. 2.0 fall in (1.0, 2.0]
+    assert rate[20] == pytest.approx(1 / 0.5)

@@ -1,0 +1,100 @@
+"""KV-cache page map: the whole block pool as a grid, with counters and a legend.
+
+The grid is `KVPageCanvas`; this panel adds the counters (used / free / cached blocks, slot
+utilisation, bytes) and a legend naming the sequences currently holding blocks. Everything comes
+from the store's page map, which is folded exactly from the engine's block events.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+from app.store import LiveState, PageMap
+from widgets import theme
+from widgets.kv_page_canvas import KVPageCanvas
+from widgets.units import format_bytes
+
+LEGEND_MAX_SEQS = 6  # more sequences than this are summarised as "+n more"
+
+
+def _swatch(rgb: tuple[int, int, int], label: str, glyph: str = "■") -> str:
+    # Qt rich text has no inline boxes; a coloured square glyph is the swatch.
+    label = label.replace(" ", "&nbsp;")  # keep each entry on one line when the legend wraps
+    return f"<span style='color:#{rgb[0]:02x}{rgb[1]:02x}{rgb[2]:02x}'>{glyph}</span>&nbsp;{label}"
+
+
+def counters_text(pm: PageMap) -> str:
+    used, free, cached = pm.used_blocks, pm.free_blocks, pm.cached_free_blocks
+    slots_alloc = used * pm.block_size
+    parts = [
+        f"<b>{used}</b> used · {free - cached} free · {cached} cached"
+        f" <span style='color:{theme.MUTED_TEXT}'>of {pm.num_blocks} blocks × {pm.block_size} tokens</span>"
+    ]
+    if pm.shared_blocks:
+        parts[0] += f" · {pm.shared_blocks} shared"
+    if used:
+        second = f"slots {pm.used_slots}/{slots_alloc} written (<b>{pm.utilisation * 100:.1f}%</b>)"
+    else:
+        second = "no slots in use"
+    if pm.bytes_per_block:
+        second += f" · KV {format_bytes(pm.used_bytes)} of {format_bytes(pm.pool_bytes)}"
+    return parts[0] + "<br>" + second
+
+
+def legend_text(pm: PageMap) -> str:
+    items = [
+        _swatch(theme.BLOCK_FREE, "free"),
+        _swatch(theme.BLOCK_CACHED_FREE, "cached prefix"),
+        _swatch(theme.BLOCK_OUTLINE_SHARED, "shared", "□"),
+        "dim&nbsp;=&nbsp;unwritten",
+    ]
+    seqs = [int(s) for s in np.unique(pm.first_owner[pm.ref_count > 0])]
+    for seq in seqs[:LEGEND_MAX_SEQS]:
+        items.append(_swatch(theme.seq_rgb(seq), f"request #{seq}"))
+    if len(seqs) > LEGEND_MAX_SEQS:
+        items.append(f"+{len(seqs) - LEGEND_MAX_SEQS} more requests")
+    return " &nbsp; ".join(items)
+
+
+class KVPageMapPanel(QWidget):
+    def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.setObjectName("kvPageMapPanel")
+        self.setStyleSheet(
+            f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+        )
+        self.counters = QLabel()
+        self.counters.setTextFormat(Qt.TextFormat.RichText)
+        self.counters.setWordWrap(True)
+        self.canvas = KVPageCanvas()
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
+        self.legend.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.counters)
+        layout.addWidget(self.canvas, 1)
+        layout.addWidget(self.legend)
+        self._redraw()
+
+    def refresh(self, dirty: set[str]) -> None:
+        # Also redraw while a just-written block is still fading back to its plain colour.
+        if "kv" in dirty or "model" in dirty or time.perf_counter() < self.canvas.glow_until:
+            self._redraw()
+
+    def _redraw(self) -> None:
+        pm = self.state.page_map
+        if pm.num_blocks == 0:
+            self.counters.setText(f"<span style='color:{theme.MUTED_TEXT}'>KV cache: no model loaded</span>")
+            self.legend.setText("")
+        else:
+            self.counters.setText(counters_text(pm))
+            self.legend.setText(legend_text(pm))
+        self.canvas.set_page_map(pm)

@@ -1,0 +1,114 @@
+"""Memory graph: weights, KV pool, KV in use and the process total over time.
+
+Every series is named with where its number comes from (tensor sizes for weights and the KV
+pool, block count for KV in use, the engine's probe for the process: psutil RSS on CPU, torch
+CUDA counters or NVML on a GPU). The y axis uses one binary unit (MiB or GiB) chosen from the
+largest value, so tick labels stay round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+from app.store import LiveState
+from widgets import theme
+from widgets.plot_style import legend_entry, styled_plot
+from widgets.units import byte_unit, format_bytes
+
+# (ring column, legend label); "{source}" is the engine's probe name for the process figures.
+SERIES = (
+    ("weights", "weights (tensor sizes)"),
+    ("kv_pool", "KV pool allocated"),
+    ("kv_used", "KV in use (used blocks)"),
+    ("process", "process total ({source})"),
+    ("reserved", "reserved ({source})"),
+)
+
+
+class MemoryPanel(QWidget):
+    def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.unit: tuple[str, int] = ("MiB", 1 << 20)
+        self.setObjectName("memoryPanel")
+        self.setStyleSheet(
+            f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+        )
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
+        self.plot = styled_plot()
+        item = self.plot.getPlotItem()
+        item.setLabel("bottom", "time since start (s)")
+        item.setLabel("left", self.unit[0])
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        for key, _ in SERIES:
+            dashed = key == "reserved"
+            pen = pg.mkPen(
+                theme.SERIES[key], width=2, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine
+            )
+            self.curves[key] = item.plot(pen=pen)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.legend)
+        layout.addWidget(self.plot, 1)
+        self._redraw()
+
+    def refresh(self, dirty: set[str]) -> None:
+        if "memory" in dirty:
+            self._redraw()
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """The (x seconds, y in the axis unit) data currently drawn for a series."""
+        x, y = self.curves[key].getData()
+        empty = np.empty(0)
+        return (empty, empty) if x is None else (x, y)
+
+    def _redraw(self) -> None:
+        ring = self.state.memory
+        if len(ring) == 0:
+            self.legend.setText(
+                f"<span style='color:{theme.MUTED_TEXT}'>Memory: waiting for the engine's first sample</span>"
+            )
+            for curve in self.curves.values():
+                curve.setData([], [])
+            return
+        origin = self.state.origin_t if self.state.origin_t is not None else ring.column("t")[0]
+        x = ring.column("t") - origin
+        columns = {key: ring.column(key) for key, _ in SERIES}
+        # Reserved differs from the process figure only where the probe has both (CUDA).
+        show_reserved = bool(np.any(columns["reserved"] != columns["process"]))
+        largest = max(float(np.nanmax(columns[key])) for key, _ in SERIES)
+        unit = byte_unit(largest)
+        if unit != self.unit:
+            self.unit = unit
+            self.plot.getPlotItem().setLabel("left", unit[0])
+        shown = tuple(key for key, _ in SERIES if key != "reserved" or show_reserved)
+        for key, _ in SERIES:
+            curve = self.curves[key]
+            curve.setVisible(key in shown)
+            if key in shown:
+                curve.setData(x, columns[key] / unit[1])
+            else:
+                curve.setData([], [])
+        self.legend.setText(self._readout(columns, shown))
+
+    def _readout(self, columns: dict[str, np.ndarray], shown: tuple[str, ...]) -> str:
+        """The legend: each drawn series' mark and label (with its source) and latest value."""
+        source = self.state.memory_source
+        labels = dict(SERIES)
+        entries = []
+        for key in shown:
+            value = float(columns[key][-1])
+            entries.append(
+                legend_entry(theme.SERIES[key], labels[key].format(source=source))
+                + f" <b>{format_bytes(value)}</b>"
+            )
+        total = float(self.state.memory.column("device_total")[-1])
+        if total > 0:
+            entries.append(f"<span style='color:{theme.MUTED_TEXT}'>of {format_bytes(total)} total</span>")
+        return " &nbsp; ".join(entries)

@@ -1,0 +1,232 @@
+"""Token probabilities: the selected token's candidates, raw and after each sampling stage.
+
+Follows the latest generated token unless `show_token` pins one. A row of stage buttons picks
+which stage the bars show (the final one by default); the raw distribution stays visible as
+ghost outlines. With `set_what_if(params)` the stages are recomputed from the token's snapshot
+by `engine.sampling.what_if` and the panel says so in a banner.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
+
+from app.store import LiveState
+from engine.config import SamplingParams
+from engine.events import StageSnapshot, TokenGenerated
+from widgets import theme
+from widgets.probability_bars import ProbabilityBars, percent
+from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
+from widgets.token_text import visible
+
+WHAT_IF_LABEL = "what-if (settings changed since this token)"
+
+
+def describe_params(params: SamplingParams) -> str:
+    """The warper settings a what-if uses, in the words of the controls."""
+    if params.greedy:
+        return "greedy (temperature 0)"
+    parts = [f"temperature {params.temperature:g}"]
+    if params.top_k:
+        parts.append(f"top-k {params.top_k}")
+    if params.top_p < 1.0:
+        parts.append(f"top-p {params.top_p:g}")
+    if params.min_p > 0.0:
+        parts.append(f"min-p {params.min_p:g}")
+    return " · ".join(parts)
+
+
+class ProbabilityPanel(QWidget):
+    def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self._request_id: int | None = None
+        self._index: int | None = None
+        self._what_if: SamplingParams | None = None
+        self._stage_choice: str | None = None  # None: the last (final) stage
+        self._shown: TokenGenerated | None = None
+        self._stale = True
+        self.stages: tuple[StageSnapshot, ...] = ()
+        self.stage_name: str | None = None
+        self.what_if_error: str | None = None
+
+        self.setObjectName("probabilityPanel")
+        self.setStyleSheet(
+            f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.PANEL_TEXT}; border: 1px solid {theme.GRID};"
+            " border-radius: 3px; padding: 1px 6px; }"
+            f"#probabilityPanel QToolButton:checked {{ background: #2f4a6b; border-color: {theme.SERIES['stage']}; }}"
+        )
+        self.header = QLabel()
+        self.header.setTextFormat(Qt.TextFormat.RichText)
+        self.header.setWordWrap(True)
+        self.banner = QLabel()
+        self.banner.setStyleSheet(
+            f"background: {theme.WHAT_IF}; color: #1a1a1a; padding: 2px 6px; font-weight: bold;"
+        )
+        self.banner.setWordWrap(True)
+        self.banner.hide()
+        self.stage_bar = QHBoxLayout()
+        self.stage_bar.setSpacing(3)
+        self.stage_buttons = QButtonGroup(self)
+        self.stage_buttons.setExclusive(True)
+        self.stage_buttons.idClicked.connect(self._on_stage_clicked)
+        self.summary = QLabel()
+        self.summary.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.bars = ProbabilityBars()
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.header)
+        layout.addWidget(self.banner)
+        stage_row = QHBoxLayout()
+        stage_row.addLayout(self.stage_bar)
+        stage_row.addStretch(1)
+        layout.addLayout(stage_row)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.bars, 1)
+        self._update()
+
+    # ---- public API --------------------------------------------------------------------------
+    def show_token(self, request_id: int | None, index: int | None) -> None:
+        """Pin a token (None, None: follow the latest token as it is generated)."""
+        if request_id is None or index is None:
+            request_id = index = None
+        self._request_id, self._index = request_id, index
+        self._update()
+
+    def set_what_if(self, params: SamplingParams | None) -> None:
+        """Show the selected token's stages recomputed under `params` (None: as recorded)."""
+        self._what_if = params
+        self._update()
+
+    def select_stage(self, name: str | None) -> None:
+        """Show the bars after stage `name` (None: the final stage)."""
+        self._stage_choice = name
+        self._update()
+
+    @property
+    def following(self) -> bool:
+        return self._request_id is None
+
+    @property
+    def rows(self) -> list[BarRow]:
+        return self.bars.rows
+
+    def refresh(self, dirty: set[str]) -> None:
+        if "tokens" in dirty and (self.following or self._stale):
+            self._update()
+
+    # ---- building ----------------------------------------------------------------------------
+    def _on_stage_clicked(self, button_id: int) -> None:
+        names = [s.name for s in self.stages]
+        last = len(names) - 1
+        self.select_stage(None if button_id == last else names[button_id])
+
+    def _update(self) -> None:
+        token = self.state.token(self._request_id, self._index)
+        # A pinned token not yet generated (or dropped) stays stale and is looked up again.
+        self._stale = token is None
+        self._shown = token
+        if token is None:
+            self._clear(
+                "No tokens yet: send a message to see how each token was chosen."
+                if self.following
+                else "That token is not available."
+            )
+            return
+        if token.snapshot is None:
+            self._clear(
+                f"Token {token.index} of reply #{token.request_id} has no recorded distribution: "
+                "set the snapshot size (top-N candidates) above 0 to record them."
+            )
+            self._set_header(token, None)
+            return
+        stages = self._stages_for(token)
+        if not stages:
+            self._clear(f"what-if failed: {self.what_if_error}")
+            return
+        self.stages = stages
+        names = tuple(s.name for s in stages)
+        index = names.index(self._stage_choice) if self._stage_choice in names else len(stages) - 1
+        self.stage_name = names[index]
+        self._sync_stage_buttons(stages, index, vocab=stages[0].kept_count)
+        self.summary.setText(stage_summary(stages[index], stages[0].kept_count))
+        self.bars.set_rows(bar_rows(token.snapshot, stages, index), names)
+        self._set_header(token, stages)
+
+    def _stages_for(self, token: TokenGenerated) -> tuple[StageSnapshot, ...]:
+        self.what_if_error = None
+        if self._what_if is None:
+            self.banner.hide()
+            return token.snapshot.stages
+        self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
+        self.banner.show()
+        from engine.sampling import what_if  # pure function of the snapshot; loads torch lazily
+
+        try:
+            return what_if(token.snapshot, self._what_if)
+        except Exception as exc:  # noqa: BLE001 - a what-if must never break the render timer
+            self.what_if_error = f"{type(exc).__name__}: {exc}"
+            return ()
+
+    def _clear(self, message: str) -> None:
+        self.stages, self.stage_name = (), None
+        self.bars.set_message(message)
+        self.summary.setText("")
+        self.header.setText(f"<span style='color:{theme.MUTED_TEXT}'>Token probabilities</span>")
+        self._sync_stage_buttons((), -1, 0)
+        if self._what_if is None:
+            self.banner.hide()
+
+    def _set_header(self, token: TokenGenerated, stages: tuple[StageSnapshot, ...] | None) -> None:
+        where = "latest" if self.following else "selected"
+        snap = token.snapshot
+        text = (
+            f"<b>reply #{token.request_id} · token {token.index}</b>"
+            f" <span style='color:{theme.MUTED_TEXT}'>({where})</span>"
+            f" drawn <span style='color:{theme.ACCENT}'><b>{_html(visible(token.text))}</b></span>"
+        )
+        if snap is not None and stages:
+            if self._what_if is None:
+                text += (
+                    f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"
+                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                )
+            else:
+                drawn = (
+                    snap.candidate_ids.index(snap.drawn_id) if snap.drawn_id in snap.candidate_ids else None
+                )
+                would_be = percent(stages[-1].probs[drawn]) if drawn is not None else "?"
+                text += (
+                    f" would be p&nbsp;{would_be} · entropy {entropy_text(stages[-1])}"
+                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                )
+        self.header.setText(text)
+
+    def _sync_stage_buttons(self, stages: tuple[StageSnapshot, ...], checked: int, vocab: int) -> None:
+        names = [s.name for s in stages]
+        current = [
+            self.stage_buttons.button(i).property("stage") for i in range(len(self.stage_buttons.buttons()))
+        ]
+        if current != names:
+            for button in self.stage_buttons.buttons():
+                self.stage_buttons.removeButton(button)
+                self.stage_bar.removeWidget(button)
+                button.deleteLater()
+            for i, stage in enumerate(stages):
+                button = QToolButton()
+                button.setText(stage_label(stage.name))
+                button.setCheckable(True)
+                button.setProperty("stage", stage.name)
+                self.stage_buttons.addButton(button, i)
+                self.stage_bar.addWidget(button)
+        for i, stage in enumerate(stages):
+            button = self.stage_buttons.button(i)
+            button.setChecked(i == checked)
+            button.setToolTip(stage_summary(stage, vocab))
+
+
+def _html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
