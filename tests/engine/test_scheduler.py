@@ -4,7 +4,7 @@ from engine.config import SamplingParams
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 def make(num_blocks=200, block_size=16, budget=1024, max_seqs=8, chunk=None):

@@ -1,0 +1,55 @@
+"""CLI commands that need no weights: inspect-model on a folder holding only config.json."""
+
+import json
+import subprocess
+import sys
+
+
+def test_inspect_model_reads_only_config_json(tmp_path):
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "inspect-model",
+            str(tmp_path),
+            "--dtype",
+            "float16",
+            "--context",
+            "131072",
+            "--budget-gib",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131072
+    assert out["kv_bytes_for_context"] == 16 * 2**30
+    assert out["num_kv_heads"] == 8 and out["head_dim"] == 128 and out["num_layers"] == 32
+
+
+def test_inspect_model_missing_path_is_a_clear_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect-model", str(tmp_path / "nothing-here"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nothing-here" in proc.stderr
