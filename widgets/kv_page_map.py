@@ -95,6 +95,10 @@ class KVPageMapPanel(QWidget):
             self.counters.setText(f"<span style='color:{theme.MUTED_TEXT}'>KV cache: no model loaded</span>")
             self.legend.setText("")
         else:
-            self.counters.setText(counters_text(pm))
             self.legend.setText(legend_text(pm))
         self.canvas.set_page_map(pm)
+        if pm.num_blocks:
+            text = counters_text(pm)
+            if self.canvas.blocks_shown < pm.num_blocks:
+                text += f" · grid shows blocks 0–{self.canvas.blocks_shown - 1} (enlarge the panel)"
+            self.counters.setText(text)

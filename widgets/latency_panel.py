@@ -121,7 +121,11 @@ class LatencyPanel(QWidget):
         latency = ring.column("latency_ms")
         first = ring.column("is_first")
         # A NaN at each request's first token breaks the ITL line between requests.
-        self.itl_curve.setData(x, np.where(first == 0, latency, np.nan))
+        itl = np.where(first == 0, latency, np.nan)
+        if np.isfinite(itl).any():
+            self.itl_curve.setData(x, itl)
+        else:  # only first tokens so far; an all-NaN series trips pyqtgraph's bounds
+            self.itl_curve.setData([], [])
         self.ttft_points.setData(x[first == 1], latency[first == 1])
         self.rate_curve.setData(x, ring.column("tokens_per_s"))
         self.p50, self.p99 = itl_percentiles(latency, first)
@@ -157,5 +161,6 @@ class LatencyPanel(QWidget):
 
 
 def _finite_count(curve: pg.PlotDataItem) -> int:
-    _, y = curve.getData()
+    # yData is the data as given; getData() would be what the current view clips and downsamples.
+    y = curve.yData
     return 0 if y is None else int(np.count_nonzero(np.isfinite(y)))

@@ -63,10 +63,10 @@ class MemoryPanel(QWidget):
             self._redraw()
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """The (x seconds, y in the axis unit) data currently drawn for a series."""
-        x, y = self.curves[key].getData()
+        """The (x seconds, y in the axis unit) data given to a series (before view clipping)."""
+        curve = self.curves[key]
         empty = np.empty(0)
-        return (empty, empty) if x is None else (x, y)
+        return (empty, empty) if curve.xData is None else (curve.xData, curve.yData)
 
     def _redraw(self) -> None:
         ring = self.state.memory
