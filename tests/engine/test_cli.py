@@ -1,4 +1,4 @@
-"""CLI commands that need no weights: inspect-model on a folder holding only config.json."""
+"""The CLI: inspect-model on a config-only folder, chat and streamed generate on a tiny saved model."""
 
 import json
 import subprocess
@@ -53,3 +53,48 @@ def test_inspect_model_missing_path_is_a_clear_error(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nothing-here" in proc.stderr
+
+
+def test_chat_keeps_the_conversation_across_turns(tmp_path, default_tokenizer):
+    from model_folders import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "chat",
+            "--model",
+            str(folder),
+            "--system",
+            "Be brief.",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+        ],
+        input="Hello\nAnd again\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("tok/s") == 2  # two replies, each with its figures
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_streams_text_without_json(tmp_path, default_tokenizer):
+    from model_folders import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
+    args = ["generate", "--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "6", "--ignore-eos"]
+    streamed = subprocess.run(
+        [sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=300
+    )
+    as_json = subprocess.run(
+        [sys.executable, "-m", "engine", *args, "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"].rstrip("\n")
+    assert "6 tokens, length" in streamed.stderr

@@ -114,3 +114,32 @@ def test_step_never_exceeds_token_budget(tiny, prompts_and_refs):
     steps = [e for e in events if isinstance(e, StepStats)]
     assert steps and all(s.prefill_tokens + s.decode_tokens <= 13 for s in steps)
     assert any(s.prefill_tokens and s.decode_tokens for s in steps), "prefill chunks share steps with decodes"
+
+
+def test_a_prompt_larger_than_the_pool_fails_with_a_clear_message(tiny):
+    events = []
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=3), events.append)
+    engine.add_request(
+        Request(prompt_token_ids=tuple(range(3, 30)), sampling=SamplingParams(max_new_tokens=2))
+    )
+    (failed,) = [e for e in events if isinstance(e, RequestFailed)]
+    assert "KV pool" in failed.message and "12" in failed.message
+    assert not engine.has_work()
+
+
+def test_a_reply_that_outgrows_the_pool_fails_without_spinning(tiny):
+    events = []
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=3), events.append)
+    params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    engine.add_request(Request(prompt_token_ids=tuple(range(3, 8)), sampling=params))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 100
+    (failed,) = [e for e in events if isinstance(e, RequestFailed)]
+    assert "too small" in failed.message
+    tokens = [e for e in events if getattr(e, "token_id", None) is not None]
+    assert len(tokens) == 12 - 5 + 1  # it ran until the 12 slots were full
+    assert engine.kv.pool.num_used == 0
+    engine.kv.pool.check_invariants()
