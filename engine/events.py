@@ -191,6 +191,15 @@ class StepStats:
     forward_s: float
     sample_s: float
     kv: KVStats
+    # Cumulative since the engine started: prefix-cache lookups, prompt tokens looked up and
+    # tokens served from cache, and preemptions.
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    # This step's (query tokens, context tokens) per scheduled sequence: the shapes the
+    # roofline's FLOP and byte counts are computed from.
+    seq_shapes: tuple[tuple[int, int], ...] = ()
     t: float = 0.0
 
 

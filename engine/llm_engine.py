@@ -158,6 +158,7 @@ class LLMEngine:
             self._fail_unschedulable()
             return
         rows, sampling, offset = [], [], 0
+        shapes = tuple((n, seq.num_computed_tokens + n) for seq, n in zip(batch.seqs, batch.num_tokens))
         for seq, n in zip(batch.seqs, batch.num_tokens):
             offset += n
             if seq.num_computed_tokens + n == seq.num_tokens:
@@ -184,6 +185,11 @@ class LLMEngine:
                 forward_s=t1 - t0,
                 sample_s=t2 - t1,
                 kv=self.kv_stats(),
+                prefix_queries=self.kv.queries,
+                prefix_query_tokens=self.kv.query_tokens,
+                prefix_hit_tokens=self.kv.hit_tokens,
+                preemptions=self.scheduler.preemptions,
+                seq_shapes=shapes,
                 t=t2,
             )
         )
