@@ -1,0 +1,30 @@
+"""The measure command produces both figures (their values are for the benchmark, not tests)."""
+
+from __future__ import annotations
+
+import math
+
+from app_windows import TEST_NUM_BLOCKS
+
+from app.measure import TARGET_THROUGHPUT_RATIO, TARGET_WORST_DELAY_MS, run_measurement
+from engine.config import EngineConfig
+
+
+def test_measurement_reports_probe_delay_and_throughput_ratio(qtbot, tiny_loaded):
+    result = run_measurement(
+        tiny_loaded, prompt="Hi", max_new_tokens=8, repeats=2, config=EngineConfig(num_blocks=TEST_NUM_BLOCKS)
+    )
+    assert result["generated_tokens"] == 8 and result["repeats"] == 2
+    assert len(result["headless_runs"]) == 2 and len(result["app_runs"]) == 2
+    for key in ("headless_tokens_per_s", "app_tokens_per_s", "throughput_ratio", "probe_worst_delay_ms"):
+        assert math.isfinite(result[key]) and result[key] >= 0
+    assert result["headless_tokens_per_s"] > 0 and result["app_tokens_per_s"] > 0
+    assert result["throughput_ratio"] == result["app_tokens_per_s"] / result["headless_tokens_per_s"]
+    assert result["probe_samples"] > 0
+    assert result["probe_p99_delay_ms"] <= result["probe_worst_delay_ms"]
+    assert result["targets"] == {
+        "probe_worst_delay_ms": TARGET_WORST_DELAY_MS,
+        "throughput_ratio": TARGET_THROUGHPUT_RATIO,
+    }
+    expected = result["probe_worst_delay_ms"] < TARGET_WORST_DELAY_MS and result["throughput_ratio"] >= 0.9
+    assert result["meets_targets"] == expected
