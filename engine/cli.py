@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--block-size", type=int, default=16)
+    b.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LIST",
+        help="e.g. 1,2,4,8: continuous batching vs one-by-one at each level, and prefix-cache TTFT",
+    )
     b.add_argument("--json", action="store_true")
     return parser
 
