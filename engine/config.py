@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_DTYPES = ("auto", "int8")
 
 
 class ConfigError(ValueError):
@@ -67,9 +68,11 @@ class ModelSpec:
     source: str = "default"
     dtype: str = "float32"
     device: str = "auto"
+    quantization: str = "none"  # a scheme name from engine.quantization (validated there)
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "model source must not be empty")
+        _check(bool(self.quantization), "quantization must name a scheme ('none' for full precision)")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -89,8 +92,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
+    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8" stores K/V quantized per block
 
     def __post_init__(self) -> None:
+        _check(
+            self.kv_dtype in KV_DTYPES,
+            f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}",
+        )
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
         _check(
             self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}"
