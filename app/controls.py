@@ -7,7 +7,7 @@ from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, 
 
 from app.model_picker import ModelPicker
 from app.sampling_controls import SamplingControls
-from app.settings import DEFAULT_SNAPSHOT_TOP_N, ModelChoice
+from app.settings import DEFAULT_SAMPLING, ModelChoice
 from engine.config import SamplingParams
 
 
@@ -45,7 +45,7 @@ class ControlsPanel(QScrollArea):
 
     @Slot()
     def _on_reset(self) -> None:
-        defaults = SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+        defaults = DEFAULT_SAMPLING
         self.sampling.set_params(defaults)
         self.sampling.changed.emit(defaults)
         if self.sampling.what_if.isChecked():

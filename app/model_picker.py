@@ -83,6 +83,10 @@ class ModelPicker(QWidget):
         self.source = QComboBox()
         self.source.setToolTip("Which model to load")
         self.source.addItem(DEFAULT_LABEL, "default")
+        # Long paths and repo ids must not widen the whole Controls column: show the start,
+        # the full text is in the drop-down and the tooltip.
+        self.source.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.source.setMinimumContentsLength(14)
         self.folder_button = QPushButton("Folder…")
         self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
         self.gguf_button = QPushButton("GGUF…")
@@ -111,10 +115,9 @@ class ModelPicker(QWidget):
         self.load_button.setToolTip("Stop the current engine and start one with these settings")
         self.load_button.clicked.connect(self._on_load_clicked)
 
-        source_row = QHBoxLayout()
-        source_row.addWidget(self.source, 1)
-        source_row.addWidget(self.folder_button)
-        source_row.addWidget(self.gguf_button)
+        browse_row = QHBoxLayout()
+        browse_row.addWidget(self.folder_button)
+        browse_row.addWidget(self.gguf_button)
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("dtype", self.dtype)
@@ -123,7 +126,8 @@ class ModelPicker(QWidget):
         form.addRow("KV budget", self.kv_budget)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addLayout(source_row)
+        layout.addWidget(self.source)
+        layout.addLayout(browse_row)
         layout.addLayout(form)
         layout.addWidget(self.estimate)
         layout.addWidget(self.load_button)
@@ -182,6 +186,7 @@ class ModelPicker(QWidget):
         """Start inspecting the chosen source; a newer request supersedes an older one."""
         self._ticket += 1
         ticket, choice = self._ticket, self.choice()
+        self.source.setToolTip(self.source.currentText())
         self._estimate = None
         self.estimate.setText("Reading the model's metadata…")
         self._worker = threading.Thread(

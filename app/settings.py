@@ -20,6 +20,12 @@ MIB = 1024 * 1024
 # The probability panel needs per-token snapshots; 20 candidates show the shape of a
 # distribution without making each token event heavy.
 DEFAULT_SNAPSHOT_TOP_N = 20
+# The app's starting point for chat. Small models ramble at temperature 1 (the engine's neutral
+# default); these keep SmolLM2-135M coherent, and each setting is a visible stage in the
+# probability panel, so a new user sees penalties, temperature and a top-p cut at work.
+DEFAULT_SAMPLING = SamplingParams(
+    temperature=0.6, top_p=0.9, repetition_penalty=1.1, snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,16 +83,16 @@ class AppSettings:
         """The last sampling settings; a stale or invalid entry falls back to the defaults."""
         saved = self.get("sampling/params", {})
         if not isinstance(saved, dict):
-            return SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+            return DEFAULT_SAMPLING
         names = {f.name for f in dataclasses.fields(SamplingParams)}
-        values = {"snapshot_top_n": DEFAULT_SNAPSHOT_TOP_N}
+        values = dataclasses.asdict(DEFAULT_SAMPLING)
         values.update({k: v for k, v in saved.items() if k in names})
         if isinstance(values.get("stop"), list):
             values["stop"] = tuple(values["stop"])
         try:
             return SamplingParams(**values)
         except (ConfigError, TypeError):
-            return SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+            return DEFAULT_SAMPLING
 
     def set_sampling(self, params: SamplingParams) -> None:
         self.set("sampling/params", dataclasses.asdict(params))

@@ -102,10 +102,11 @@ class StatusBar(QStatusBar):
         if pm.num_blocks == 0:
             self.kv.setText("KV –")
             return
-        self.kv.setText(
-            f"KV {pm.used_blocks}/{pm.num_blocks} pages · {pm.utilisation * 100:.0f}% full · "
-            f"{human_bytes(pm.used_bytes)}"
-        )
+        text = f"KV {pm.used_blocks}/{pm.num_blocks} pages"
+        if pm.used_blocks:
+            # Utilisation only means something while pages are in use (written / allocated slots).
+            text += f" · {pm.utilisation * 100:.0f}% filled · {human_bytes(pm.used_bytes)}"
+        self.kv.setText(text)
 
     def _refresh_memory(self, live: LiveState) -> None:
         if not len(live.memory):

@@ -112,20 +112,23 @@ class MainWindow(QMainWindow):
             Qt.DockWidgetArea.RightDockWidgetArea,
             Qt.DockWidgetArea.BottomDockWidgetArea,
         )
-        self.setCorner(Qt.Corner.BottomLeftCorner, left)
+        # The graphs run along the bottom under the chat and the left column; the probability
+        # bars keep the full height on the right (a long candidate list reads top to bottom).
+        self.setCorner(Qt.Corner.BottomLeftCorner, bottom)
         self.setCorner(Qt.Corner.BottomRightCorner, right)
         conversations = self._dock("conversations", "Conversations", self.sidebar, left)
         controls = self._dock("controls", "Controls", self.controls, left)
         self.splitDockWidget(conversations, controls, Qt.Orientation.Vertical)
-        self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
+        probabilities = self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
         page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom)
         memory = self._dock("memory", "Memory", self.panels.memory, bottom)
         latency = self._dock("latency", "Latency", self.panels.latency, bottom)
         self.splitDockWidget(page_map, memory, Qt.Orientation.Horizontal)
         self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
-        self.resizeDocks([conversations, controls], [220, 600], Qt.Orientation.Vertical)
-        self.resizeDocks([conversations, self.docks["probabilities"]], [300, 420], Qt.Orientation.Horizontal)
-        self.resizeDocks([page_map], [300], Qt.Orientation.Vertical)
+        self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
+        self.resizeDocks([conversations, probabilities], [330, 420], Qt.Orientation.Horizontal)
+        self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
+        self.resizeDocks([page_map], [290], Qt.Orientation.Vertical)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QByteArray
 
-from app.settings import DEFAULT_SNAPSHOT_TOP_N, MIB, AppSettings, ModelChoice
+from app.settings import DEFAULT_SAMPLING, MIB, AppSettings, ModelChoice
 from engine.config import SamplingParams
 
 
@@ -31,7 +31,7 @@ def test_sampling_and_model_choice_round_trip(tmp_path):
 
 def test_defaults_when_nothing_is_saved(tmp_path):
     settings = AppSettings(tmp_path / "settings.ini")
-    assert settings.sampling() == SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+    assert settings.sampling() == DEFAULT_SAMPLING
     assert settings.model_choice() == ModelChoice()
     assert settings.window_layout() == (None, None)
 
@@ -40,7 +40,7 @@ def test_invalid_saved_values_fall_back(tmp_path):
     settings = AppSettings(tmp_path / "settings.ini")
     settings.set("sampling/params", {"temperature": -3, "unknown_field": 1})
     settings.set("model/choice", {"block_size": 0})
-    assert settings.sampling() == SamplingParams(snapshot_top_n=DEFAULT_SNAPSHOT_TOP_N)
+    assert settings.sampling() == DEFAULT_SAMPLING
     assert settings.model_choice() == ModelChoice()
 
 
