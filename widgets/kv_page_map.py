@@ -16,9 +16,13 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 from app.store import LiveState, PageMap
 from widgets import theme
 from widgets.kv_page_canvas import KVPageCanvas
+from widgets.throttle import RedrawThrottle
 from widgets.units import format_bytes
 
 LEGEND_MAX_SEQS = 6  # more sequences than this are summarised as "+n more"
+# 20 redraws a second keep blocks visibly lighting up token by token, at two thirds of the GIL
+# time a redraw on every 30 Hz frame would take from the engine thread.
+REDRAW_INTERVAL_S = 0.05
 
 
 def _swatch(rgb: tuple[int, int, int], label: str, glyph: str = "■") -> str:
@@ -64,6 +68,7 @@ class KVPageMapPanel(QWidget):
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
+        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("kvPageMapPanel")
         self.setStyleSheet(
             f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
@@ -87,6 +92,8 @@ class KVPageMapPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         # Also redraw while a just-written block is still fading back to its plain colour.
         if "kv" in dirty or "model" in dirty or time.perf_counter() < self.canvas.glow_until:
+            self.throttle.request()
+        if self.throttle.due():
             self._redraw()
 
     def _redraw(self) -> None:

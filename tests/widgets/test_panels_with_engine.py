@@ -113,6 +113,9 @@ def test_panels_show_used_blocks_during_generation_and_none_after(engine_store, 
         qtbot.wait(50)
         frame()
 
+    # Throttled panels (probabilities, latency) draw what they deferred on a later frame.
+    qtbot.wait(150)
+    frame()
     assert lit_during_generation and all(lit_during_generation)
     assert state.requests[request_id].status == "length"
     assert state.page_map.used_blocks == 0

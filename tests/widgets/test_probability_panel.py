@@ -32,6 +32,7 @@ def state():
 def panel(qtbot, state):
     panel = ProbabilityPanel(state)
     qtbot.addWidget(panel)
+    panel.throttle.interval_s = 0.0  # these tests check what is drawn, not how often
     panel.resize(400, 300)
     return panel
 

@@ -1,0 +1,37 @@
+"""Throttled redraws are deferred, never dropped."""
+
+from __future__ import annotations
+
+from widgets.throttle import RedrawThrottle
+
+
+def test_requests_within_the_interval_are_deferred_to_the_next_due_frame():
+    throttle = RedrawThrottle(0.1)
+    assert not throttle.due(now=0.0)  # nothing requested
+    throttle.request()
+    assert throttle.due(now=0.0)
+    throttle.request()
+    assert not throttle.due(now=0.05) and throttle.pending
+    assert throttle.due(now=0.1) and not throttle.pending
+    assert not throttle.due(now=5.0)
+
+
+def test_panels_carry_a_deferred_redraw_to_a_later_idle_frame(qtbot):
+    from widget_events import token
+
+    from app.store import LiveState
+    from engine.events import RequestStarted
+    from widgets.latency_panel import LatencyPanel
+
+    state = LiveState()
+    panel = LatencyPanel(state)
+    qtbot.addWidget(panel)
+    state.apply([RequestStarted(1, 3, t=0.0)])
+    panel.refresh(state.apply([token(1, 0, t=0.5)]))
+    assert panel.point_count() == 1
+    panel.throttle.interval_s = 3600.0  # the next redraw cannot be due during this test
+    panel.refresh(state.apply([token(1, 1, t=0.6)]))
+    assert panel.point_count() == 1 and panel.throttle.pending
+    panel.throttle.interval_s = 0.0
+    panel.refresh(set())  # an idle frame: nothing new arrived, the deferred redraw happens
+    assert panel.point_count() == 2
