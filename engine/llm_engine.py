@@ -54,22 +54,31 @@ class LLMEngine:
         info = loaded.info
         self.tokenizer = loaded.tokenizer
         bs = config.block_size
-        elem = torch.empty((), dtype=loaded.dtype).element_size()
-        bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * elem
+        # the storage's own formula: int8 KV counts its scales
+        block_bytes = PagedKVStorage.block_bytes(
+            info.num_layers, bs, info.num_kv_heads, info.head_dim, loaded.dtype, config.kv_dtype
+        )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
             budget = config.kv_budget_bytes or DEFAULT_KV_BUDGET_BYTES
-            num_blocks = budget // (bytes_per_token * bs)
+            num_blocks = budget // block_bytes
             if num_blocks < 1:
                 raise ConfigError(
                     f"A KV budget of {budget} bytes holds no block of {bs} tokens "
-                    f"({bytes_per_token * bs} bytes each); raise the budget or lower the block size."
+                    f"({block_bytes} bytes each); raise the budget or lower the block size."
                 )
         pool = BlockPool(num_blocks, bs, self.emit)
         self.kv = KVCacheManager(pool, config.enable_prefix_caching)
         self.storage = PagedKVStorage(
-            info.num_layers, num_blocks, bs, info.num_kv_heads, info.head_dim, loaded.dtype, loaded.device
+            info.num_layers,
+            num_blocks,
+            bs,
+            info.num_kv_heads,
+            info.head_dim,
+            loaded.dtype,
+            loaded.device,
+            kv_dtype=config.kv_dtype,
         )
         self.max_model_len = min(
             config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),

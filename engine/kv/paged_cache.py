@@ -24,24 +24,85 @@ from transformers.cache_utils import Cache
 ATTN_IMPLEMENTATION = "kvscope_paged"
 
 
+# int8 KV: one scale per (block, slot, kv_head), i.e. per token and head, not per block.
+# - A token's K/V is written once and never rewritten. A per-block scale would have to be fixed
+#   before the block's later tokens are known (decode fills a block one slot per step), or the
+#   whole block re-quantized when a larger value arrives; and full blocks are shared by prefix
+#   caching, so they must stay immutable.
+# - Heads differ in range (some K heads carry outlier channels), so heads do not share a scale.
+# - The cost is one float16 per head_dim int8 values: for head_dim 64, 66 bytes instead of 256
+#   (fp32, 3.9x the blocks per budget) or 128 (fp16/bf16, 1.94x).
+KV_INT8_SCALE_DTYPE = torch.float16
+_INT8_MAX = 127
+# Scales stay inside float16's range: the smallest subnormal (a zero vector still gets a usable
+# scale) up to the largest finite value (beyond it codes saturate instead of becoming inf).
+_SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
+
+
 class PagedKVStorage:
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(
+        self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype="auto"
+    ):
+        if kv_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
+        self.quantized = kv_dtype == "int8"
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = torch.int8 if self.quantized else dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        if self.quantized:
+            scale_shape = (num_blocks, block_size, num_kv_heads)
+            for scales in (self.k_scale, self.v_scale):
+                scales.extend(
+                    torch.zeros(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device)
+                    for _ in range(num_layers)
+                )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        self.kv_dtype = kv_dtype
+        self.bytes_per_block = self.block_bytes(
+            num_layers, block_size, num_kv_heads, head_dim, dtype, kv_dtype
+        )
+
+    @staticmethod
+    def block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_dtype="auto") -> int:
+        """Bytes one block takes over all layers, K and V, scales included (for pool sizing)."""
+        if kv_dtype == "int8":
+            per_head = head_dim + torch.empty((), dtype=KV_INT8_SCALE_DTYPE).element_size()
+        else:
+            per_head = head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * per_head
 
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
     def copy_block(self, src: int, dst: int) -> None:
-        for k, v in zip(self.k, self.v):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+            pool[dst].copy_(pool[src])
+
+    def write_int8(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Quantize key/value [T, kv_heads, head_dim] per (token, head) into their slots."""
+        heads = self.num_kv_heads
+        for states, pools, scales in ((key, self.k, self.k_scale), (value, self.v, self.v_scale)):
+            scale = (states.abs().amax(dim=-1).float() / _INT8_MAX).clamp(_SCALE_MIN, _SCALE_MAX)
+            scale = scale.to(KV_INT8_SCALE_DTYPE)
+            # quantize with the float16-rounded scale, the one dequantization will multiply by
+            codes = torch.round(states.float() / scale.float()[..., None]).clamp(-_INT8_MAX, _INT8_MAX)
+            pools[layer_idx].view(-1, heads, self.head_dim).index_copy_(0, slots, codes.to(torch.int8))
+            scales[layer_idx].view(-1, heads).index_copy_(0, slots, scale)
+
+    def gather_int8(self, layer_idx: int, block_table: torch.Tensor, context_len: int, dtype: torch.dtype):
+        """One sequence's first `context_len` K and V, dequantized to `dtype`: [L, kv_heads, head_dim]."""
+        rows = block_table.numel() * self.block_size
+        out = []
+        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            codes = pools[layer_idx].index_select(0, block_table).view(rows, self.num_kv_heads, -1)
+            scale = scales[layer_idx].index_select(0, block_table).view(rows, self.num_kv_heads)
+            out.append(codes[:context_len].to(dtype) * scale[:context_len, :, None].to(dtype))
+        return out
 
 
 @dataclass(slots=True)
@@ -70,6 +131,10 @@ class PagedCache(Cache):
     def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
         batch: PagedBatch = (kwargs or {}).get("paged_batch") or extra.get("paged_batch")
         storage = batch.storage
+        if storage.quantized:
+            key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            storage.write_int8(layer_idx, batch.slot_mapping, key, value)
+            return key_states, value_states
         flat = (-1, storage.num_kv_heads, storage.head_dim)
         # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
         storage.k[layer_idx].view(flat).index_copy_(0, batch.slot_mapping, key_states[0].transpose(0, 1))
@@ -91,13 +156,21 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q_all = query[0]
     out = query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])  # [T, heads, head_dim]
     for s in batch.seqs:
-        n_blocks = s.block_table.numel()
-        # index_select, not k_pool[table]: advanced indexing takes a slow generic path on CPU
-        # (~300x slower for a decode-sized gather, measured).
-        k = k_pool.index_select(0, s.block_table).view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
-        v = v_pool.index_select(0, s.block_table).view(n_blocks * storage.block_size, storage.num_kv_heads, -1)
-        k = k[: s.context_len].transpose(0, 1)  # [kv_heads, L, head_dim]
-        v = v[: s.context_len].transpose(0, 1)
+        if storage.quantized:
+            k, v = storage.gather_int8(module.layer_idx, s.block_table, s.context_len, query.dtype)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, L, head_dim]
+        else:
+            n_blocks = s.block_table.numel()
+            # index_select, not k_pool[table]: advanced indexing takes a slow generic path on CPU
+            # (~300x slower for a decode-sized gather, measured).
+            k = k_pool.index_select(0, s.block_table).view(
+                n_blocks * storage.block_size, storage.num_kv_heads, -1
+            )
+            v = v_pool.index_select(0, s.block_table).view(
+                n_blocks * storage.block_size, storage.num_kv_heads, -1
+            )
+            k = k[: s.context_len].transpose(0, 1)  # [kv_heads, L, head_dim]
+            v = v[: s.context_len].transpose(0, 1)
         q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, n, head_dim]
         past = s.context_len - s.q_len
         if s.q_len == 1:
