@@ -77,6 +77,25 @@ class ModelSpec:
         _check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes draft tokens and how many per round."""
+
+    method: str = "ngram"  # "ngram" prompt lookup, "draft" another model, "self" the target's first layers
+    num_draft: int = 4  # draft tokens per round (the most, when adaptive)
+    draft_model: str | None = None  # for "draft": a model source sharing the target's tokenizer
+    self_draft_layers: int | None = None  # for "self": layers kept (default: a quarter of them)
+    adaptive: bool = False  # shrink/grow the round to what was recently accepted
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}")
+        _check(1 <= self.num_draft <= 16, f"num_draft must be in [1, 16], got {self.num_draft}")
+        _check(self.method != "draft" or bool(self.draft_model), "speculative 'draft' needs a draft model")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of the paged KV cache and the scheduler's per-step limits."""
@@ -93,6 +112,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
     kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8" stores K/V quantized per block
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(

@@ -99,6 +99,10 @@ class TokenGenerated:
     text_delta: str  # what this token adds to the streamed reply (may be "" mid multi-byte char)
     logprob: float  # log p(token) under the final sampling distribution
     snapshot: TokenSnapshot | None = None
+    # Speculative decoding: "accepted" (a draft token kept), "resampled" (drawn from the
+    # residual after a rejection), "bonus" (drawn after all drafts were kept), "" otherwise.
+    spec: str = ""
+    spec_round: int = -1
     t: float = 0.0
 
 
@@ -112,6 +116,20 @@ class RequestStats:
     tokens_per_s: float
     preemptions: int
     peak_blocks: int
+    target_forwards: int = 0
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_accepted_by_position: tuple[int, ...] = ()  # rounds whose i-th draft was kept
+    spec_drafted_by_position: tuple[int, ...] = ()  # rounds that had an i-th draft
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.spec_accepted / self.spec_rounds if self.spec_rounds else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +149,25 @@ class RequestFailed:
     t: float = 0.0
 
 
-BLOCK_OPS = ("allocate", "append", "share", "free", "cache", "evict")
+@dataclass(frozen=True, slots=True)
+class SpecRound:
+    """One speculative round of one request: the drafts, both distributions at each, and the
+    verdict. `emitted` are the tokens this round added (kept drafts, then one more)."""
+
+    request_id: int
+    round: int
+    proposer: str
+    draft_ids: tuple[int, ...]
+    q_probs: tuple[float, ...]  # draft probability of each draft token (1.0 for n-gram)
+    p_probs: tuple[float, ...]  # target probability of each examined draft token
+    accept_probs: tuple[float, ...]  # min(1, p/q)
+    accepted: int
+    emitted: tuple[int, ...]
+    bonus: bool
+    t: float = 0.0
+
+
+BLOCK_OPS = ("allocate", "append", "rollback", "share", "free", "cache", "evict")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +177,8 @@ class BlockEvent:
     op:
       allocate  blocks taken from the free queue for `seq_id`
       append    `token_start..token_end` of `seq_id` were written into `block_ids`
+      rollback  speculative slots `token_start..token_end` were discarded; `fills` are the
+                blocks' new fill levels (blocks left empty are then freed)
       share     cached blocks reused by `seq_id` (prefix hit; ref count + 1)
       free      `seq_id` released its reference; blocks may stay cached
       cache     full blocks got a prefix hash (reusable after free)
@@ -234,6 +272,7 @@ Event = (
     | RequestFinished
     | RequestFailed
     | BlockEvent
+    | SpecRound
     | StepStats
     | MemorySample
     | EngineError

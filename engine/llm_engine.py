@@ -22,6 +22,7 @@ from engine.events import (
     RequestFinished,
     RequestStarted,
     RequestStats,
+    SpecRound,
     StepStats,
     TokenGenerated,
 )
@@ -34,6 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.speculative import Verdict, make_proposer, verify
 
 # Without an explicit size the KV pool gets this much memory: room for several thousand tokens
 # of a small model, and few enough blocks that every one is visible in the page map.
@@ -85,6 +87,7 @@ class LLMEngine:
             info.max_position_embeddings,
         )
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device)
+        self.proposer = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
         )
@@ -152,9 +155,16 @@ class LLMEngine:
     def fail_running(self, message: str) -> None:
         """A step raised: every request in flight fails with the message; the engine goes on."""
         for seq in list(self.seqs.values()):
-            self.scheduler.remove(seq)
-            del self.seqs[seq.seq_id]
+            self._release(seq)
             self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
+
+    def _release(self, seq: Sequence) -> None:
+        """Out of the queues, blocks freed, draft state dropped."""
+        seq.drop_drafts(0)
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -162,24 +172,37 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> None:
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
+        self._trim_drafts(batch)
         if not batch.seqs:
             self._fail_unschedulable()
             return
+        # Logit rows: the last packed position of each sequence whose tokens are all in the
+        # cache after this step, or every verified position of a speculative round.
         rows, sampling, offset = [], [], 0
         shapes = tuple((n, seq.num_computed_tokens + n) for seq, n in zip(batch.seqs, batch.num_tokens))
         for seq, n in zip(batch.seqs, batch.num_tokens):
             offset += n
+            seq.target_forwards += 1
             if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(offset - 1)
-                sampling.append(seq)
+                count = 1 + seq.num_draft_tokens
+                sampling.append((seq, len(rows), count))
+                rows.extend(range(offset - count, offset))
         logits = self.runner.forward(batch.seqs, batch.num_tokens, rows)
         t1 = time.perf_counter()
+        verdicts = {seq.seq_id: self._verify(seq, logits[r : r + c]) for seq, r, c in sampling if c > 1}
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.kv.commit(seq, n)
+            verdict = verdicts.get(seq.seq_id)
+            self.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
-        for row, seq in enumerate(sampling):
-            self._append_token(seq, logits[row])
+        for seq, r, c in sampling:
+            verdict = verdicts.get(seq.seq_id)
+            if verdict is None:
+                self._sample_token(seq, logits[r])
+            else:
+                self._emit_round(seq, verdict, logits[r : r + c])
         t2 = time.perf_counter()
         self.step_count += 1
         self.emit(
@@ -203,14 +226,95 @@ class LLMEngine:
             )
         )
 
+    # ---- speculative decoding --------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence a round of draft tokens, appended (unverified) to its
+        tokens so the scheduler and runner treat them as ordinary tokens to compute."""
+        spec = self.config.speculative
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
+                continue  # still prefilling
+            k = min(
+                seq.draft_k or spec.num_draft,
+                seq.params.max_new_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if k <= 0:
+                continue
+            drafts, qs = self.proposer.propose(seq, k)
+            seq.token_ids.extend(drafts)
+            seq.draft_q = list(qs)
+            seq.num_draft_tokens = len(drafts)
+
+    def _trim_drafts(self, batch) -> None:
+        """Drafts of sequences the scheduler did not run (preempted) or ran only in part (the
+        token budget) are dropped before anything sees them."""
+        if self.proposer is None:
+            return
+        scheduled = {seq.seq_id: n for seq, n in zip(batch.seqs, batch.num_tokens)}
+        for seq in self.seqs.values():
+            if seq.num_draft_tokens:
+                keep = max(0, scheduled.get(seq.seq_id, 0) - 1)
+                if keep < seq.num_draft_tokens:
+                    seq.drop_drafts(keep)
+                    self.proposer.on_verified(seq, seq.num_tokens)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
+        d = seq.num_draft_tokens
+        drafts = seq.token_ids[-d:]
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        history = seq.output_ids[:-d]
+        p = torch.stack(
+            [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
+        )
+        return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
+
+    def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
+        drafts = seq.token_ids[-seq.num_draft_tokens :]
+        seq.drop_drafts(0)
+        emitted = drafts[: verdict.accepted] + [verdict.token]
+        self.proposer.on_verified(seq, seq.num_tokens + verdict.accepted)
+        seq.spec_rounds += 1
+        seq.spec_drafted += len(drafts)
+        seq.spec_accepted += verdict.accepted
+        for counts, n in (
+            (seq.spec_drafted_by_position, len(drafts)),
+            (seq.spec_accepted_by_position, verdict.accepted),
+        ):
+            counts.extend([0] * (len(drafts) - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+        if self.config.speculative.adaptive:
+            seq.draft_k = min(self.config.speculative.num_draft, verdict.accepted + 1)
+        self.emit(
+            SpecRound(
+                seq.seq_id,
+                seq.spec_rounds,
+                self.proposer.name,
+                tuple(drafts),
+                verdict.q_of_draft,
+                verdict.p_of_draft,
+                verdict.accept_probs,
+                verdict.accepted,
+                tuple(emitted),
+                verdict.bonus,
+                time.perf_counter(),
+            )
+        )
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        for i, token in enumerate(emitted):
+            kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
+            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
+            if self._emit_token(seq, result, kind, seq.spec_rounds):
+                return  # finished: the rest of the round is dropped
+
     def _fail_unschedulable(self) -> None:
         """Nothing could run. With nothing running, the head of the queue cannot fit even in an
         empty pool (its recomputed context outgrew it): fail it rather than spin."""
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
-        self.scheduler.remove(seq)
-        del self.seqs[seq.seq_id]
+        self._release(seq)
         self.emit(
             RequestFailed(
                 seq.seq_id,
@@ -220,8 +324,12 @@ class LLMEngine:
             )
         )
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _sample_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
+        self._emit_token(seq, result)
+
+    def _emit_token(self, seq: Sequence, result, spec: str = "", spec_round: int = -1) -> bool:
+        """Append a chosen token, stream it, and finish the request if it ends here."""
         now = time.perf_counter()
         token = result.token_id
         seq.token_ids.append(token)
@@ -245,15 +353,17 @@ class LLMEngine:
                 delta,
                 result.logprob,
                 result.snapshot,
+                spec,
+                spec_round,
                 now,
             )
         )
         if reason is not None:
             self._finish(seq, reason)
+        return reason is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
-        self.seqs.pop(seq.seq_id, None)
+        self._release(seq)
         seq.finish_reason = reason
         seq.detokenizer.flush()
         times = seq.token_times
@@ -269,6 +379,12 @@ class LLMEngine:
             tokens_per_s=(len(times) - 1) / decode_time if decode_time > 0 else 0.0,
             preemptions=seq.preemptions,
             peak_blocks=seq.peak_blocks,
+            target_forwards=seq.target_forwards,
+            spec_rounds=seq.spec_rounds,
+            spec_drafted=seq.spec_drafted,
+            spec_accepted=seq.spec_accepted,
+            spec_accepted_by_position=tuple(seq.spec_accepted_by_position),
+            spec_drafted_by_position=tuple(seq.spec_drafted_by_position),
         )
         self.emit(
             RequestFinished(

@@ -179,7 +179,49 @@ class Sampler:
             token = int(scores[0].argmax())
             return SampleResult(token, self._checked(float(scores[0, token] - scores[0].logsumexp(0))), None)
 
-        trace = [("raw", scores)] if want_snapshot else None
+        scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot)
+        if self.params.greedy:
+            token = int(scores[0].argmax())
+        else:
+            token = self.draw(torch.softmax(scores[0], dim=0))
+        return self._result(scores, trace, penalized, token)
+
+    def distribution(
+        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """The final sampling distribution [V] after every stage (one-hot at the argmax when
+        greedy): the p (or q) of speculative verification."""
+        scores = logits.detach().to(torch.float32).reshape(1, -1)
+        scores, _, _ = self._process(scores, prompt_ids, output_ids, want_trace=False)
+        if self.params.greedy:
+            return torch.zeros_like(scores[0]).scatter_(0, scores[0].argmax().reshape(1), 1.0)
+        return torch.softmax(scores[0], dim=0)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from a probability vector, with this request's generator (seeded or not)."""
+        if not bool(torch.isfinite(probs).all()):
+            self._checked(math.nan)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+
+    def uniform(self) -> float:
+        """A U(0, 1) draw from this request's generator (speculative acceptance tests)."""
+        return float(torch.rand((), generator=self._generator_for(torch.device("cpu"))))
+
+    def result_for(
+        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], token: int
+    ) -> SampleResult:
+        """Logprob (and snapshot, when asked) of a token chosen elsewhere, e.g. by the
+        speculative verifier, under this request's pipeline."""
+        scores = logits.detach().to(torch.float32).reshape(1, -1)
+        scores, trace, penalized = self._process(
+            scores, prompt_ids, output_ids, self.params.snapshot_top_n > 0
+        )
+        return self._result(scores, trace, penalized, token)
+
+    def _process(self, scores, prompt_ids, output_ids, want_trace: bool):
+        """Run the stages; returns the final scores [1, V], the per-stage trace (or None) and
+        the scores after the penalty stages."""
+        trace = [("raw", scores)] if want_trace else None
         penalized = scores
         histories: dict[str, torch.LongTensor] = {}
         for stage in self.stages:
@@ -195,14 +237,9 @@ class Sampler:
                 penalized = scores
             if trace is not None:
                 trace.append((stage.name, scores))
+        return scores, trace, penalized
 
-        if self.params.greedy:
-            token = int(scores[0].argmax())
-        else:
-            probs = torch.softmax(scores[0], dim=0)
-            if not bool(torch.isfinite(probs).all()):
-                self._checked(math.nan)
-            token = int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+    def _result(self, scores, trace, penalized, token: int) -> SampleResult:
         logprob = self._checked(float(scores[0, token] - scores[0].logsumexp(0)))
         snapshot = None
         if trace is not None:

@@ -30,6 +30,17 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    target_forwards: int = 0  # engine steps that ran this sequence through the model
+    # Speculative decoding: draft tokens appended to token_ids for the current round (not yet
+    # verified), their draft distributions, the round size and the running record.
+    num_draft_tokens: int = 0
+    draft_q: list = field(default_factory=list)
+    draft_k: int = 0
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_accepted_by_position: list[int] = field(default_factory=list)
+    spec_drafted_by_position: list[int] = field(default_factory=list)
     # Set by the engine: the sampler and the incremental detokenizer of this request.
     sampler: object = None
     detokenizer: object = None
@@ -49,4 +60,13 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """Still has more than the newest token to put in the cache."""
-        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+        uncomputed = self.num_tokens - self.num_draft_tokens - self.num_computed_tokens
+        return uncomputed > 1 or self.num_output_tokens - self.num_draft_tokens == 0
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Remove unverified draft tokens beyond the first `keep`."""
+        extra = self.num_draft_tokens - keep
+        if extra > 0:
+            del self.token_ids[-extra:]
+            del self.draft_q[keep:]
+            self.num_draft_tokens = keep

@@ -88,18 +88,36 @@ class KVCacheManager:
         return [table[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
 
     # ---- after the forward -----------------------------------------------------------------
-    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
-        """`num_new_tokens` more of the sequence's tokens now have K/V in their slots."""
+    def commit(self, seq: Sequence, num_new_tokens: int, num_kept: int | None = None) -> None:
+        """`num_new_tokens` more of the sequence's tokens now have K/V in their slots. With
+        speculative decoding only the first `num_kept` of them were verified: the rest of the
+        written slots are rolled back, and only verified tokens can enter the prefix cache."""
         bs = self.block_size
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+        self._set_fills(seq, start, end, "append")
+        kept_end = end if num_kept is None else start + num_kept
+        if kept_end < end:
+            self._set_fills(seq, kept_end, end, "rollback", fill_to=kept_end)
+            needed = self.blocks_needed(kept_end)
+            if len(seq.block_table) > needed:
+                emptied = seq.block_table[needed:]
+                del seq.block_table[needed:]
+                self.pool.free(list(reversed(emptied)), seq.seq_id)
+        seq.num_computed_tokens = kept_end
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, start // bs, kept_end // bs)
+
+    def _set_fills(self, seq: Sequence, start: int, end: int, op: str, fill_to: int | None = None) -> None:
+        """Fill levels of the blocks covering [start, end) as if `fill_to` (default `end`)
+        tokens were written, reported as one event."""
+        bs, fill_to = self.block_size, end if fill_to is None else fill_to
         first, last = start // bs, (end - 1) // bs
         touched = seq.block_table[first : last + 1]
         for i, block in enumerate(touched, start=first):
-            block.num_tokens = min(bs, end - i * bs)
-        seq.num_computed_tokens = end
+            block.num_tokens = max(0, min(bs, fill_to - i * bs))
         self.pool._emit(
             BlockEvent(
-                "append",
+                op,
                 tuple(b.block_id for b in touched),
                 seq.seq_id,
                 start,
@@ -108,8 +126,6 @@ class KVCacheManager:
                 time.perf_counter(),
             )
         )
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, first, end // bs)
 
     def _cache_full_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
         if num_full <= first:

@@ -1,0 +1,276 @@
+"""Speculative decoding: exact greedy output with every proposer, a verifier that keeps the
+target distribution, and clean KV rollback after rejections."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.events import BlockEvent, RequestFinished, SpecRound, TokenGenerated
+from engine.llm_engine import LLMEngine
+from engine.loaded import LoadedModel
+from engine.request import Request
+from engine.speculative import DraftModelProposer, NgramProposer, first_layers, verify
+
+VOCAB = 300
+NEW = 30
+
+
+class IdTokenizer:
+    eos_token_id = 2
+
+    def decode(self, ids, **kwargs):
+        return "".join(f"<{i}>" for i in ids)
+
+    def __len__(self):
+        return VOCAB
+
+    def encode(self, text):
+        return [ord(c) % VOCAB for c in text]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_tiny_llama(vocab_size=VOCAB, seed=9, num_hidden_layers=4)
+    return LoadedModel.from_model(model, IdTokenizer(), name="tiny", source="test")
+
+
+# repetitive prompts give n-gram lookup something to find
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(10, 40)), [3, 4] * 10 + [9]]
+
+
+def generate(tiny, speculative=None, params=None, proposer=None):
+    events = []
+    engine = LLMEngine(
+        tiny, EngineConfig(block_size=4, num_blocks=200, speculative=speculative), events.append
+    )
+    if proposer is not None:
+        engine.proposer = proposer
+    params = params or SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+    ids = [engine.add_request(Request(prompt_token_ids=tuple(p), sampling=params)) for p in PROMPTS]
+    while engine.has_work():
+        engine.step()
+        engine.kv.pool.check_invariants()
+        for seq in engine.seqs.values():
+            assert seq.num_draft_tokens == 0, "no draft survives a step unverified"
+            assert (
+                len(seq.block_table) == -(-seq.num_computed_tokens // 4)
+                or seq.num_computed_tokens == 0
+                or (len(seq.block_table) == -(-(seq.num_computed_tokens + 1) // 4))
+            )
+    assert engine.kv.pool.num_used == 0
+    done = {e.request_id: e for e in events if isinstance(e, RequestFinished)}
+    return [list(done[i].token_ids) for i in ids], events, engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    outs, _, _ = generate(tiny)
+    return outs
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpeculativeConfig("ngram", num_draft=3),
+        SpeculativeConfig("ngram", num_draft=5, adaptive=True),
+        SpeculativeConfig("self", num_draft=4, self_draft_layers=2),
+    ],
+    ids=["ngram", "ngram-adaptive", "self-2-layers"],
+)
+def test_greedy_with_speculation_equals_plain_greedy(tiny, plain, spec):
+    outs, events, _ = generate(tiny, spec)
+    assert outs == plain
+    rounds = [e for e in events if isinstance(e, SpecRound)]
+    assert rounds and sum(r.accepted for r in rounds) > 0, "some drafts were accepted"
+    done = [e for e in events if isinstance(e, RequestFinished)]
+    assert sum(d.stats.target_forwards for d in done) < sum(d.stats.generated_tokens + 1 for d in done)
+    kinds = {e.spec for e in events if isinstance(e, TokenGenerated)}
+    assert {"accepted", "resampled"} <= kinds or {"accepted", "bonus"} <= kinds
+
+
+def test_greedy_with_a_separate_draft_model(tiny, plain):
+    other = make_tiny_llama(vocab_size=VOCAB, seed=10, num_hidden_layers=1)
+    outs, events, _ = generate(tiny, SpeculativeConfig("ngram"), proposer=DraftModelProposer(other, "draft"))
+    assert outs == plain
+    assert any(isinstance(e, SpecRound) and e.proposer == "draft" for e in events)
+
+
+class WrongProposer(NgramProposer):
+    """Always proposes tokens the target will not choose."""
+
+    name = "wrong"
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def propose(self, seq, k):
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([seq.token_ids])).logits[0, -1]
+        best = int(logits.argmax())
+        return [(best + 1 + i) % VOCAB for i in range(k)], [None] * k
+
+
+def test_after_forced_rejections_logits_equal_a_fresh_run(tiny, plain):
+    recorded = {"plain": {}, "spec": {}}
+
+    def recorder(engine, name):
+        forward = engine.runner.forward
+
+        def wrapped(seqs, num_tokens, rows):
+            logits = forward(seqs, num_tokens, rows)
+            positions = [
+                p
+                for seq, n in zip(seqs, num_tokens)
+                for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)
+            ]
+            owners = [seq.seq_id for seq, n in zip(seqs, num_tokens) for _ in range(n)]
+            for i, r in enumerate(rows):
+                recorded[name][(owners[r], positions[r])] = logits[i].clone()
+            return logits
+
+        engine.runner.forward = wrapped
+
+    events = []
+    spec_engine = LLMEngine(
+        tiny,
+        EngineConfig(block_size=4, num_blocks=200, speculative=SpeculativeConfig("ngram", 3)),
+        events.append,
+    )
+    spec_engine.proposer = WrongProposer(tiny.model)
+    recorder(spec_engine, "spec")
+    plain_engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=200), lambda e: None)
+    recorder(plain_engine, "plain")
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    for engine in (spec_engine, plain_engine):
+        engine.add_request(
+            Request(
+                prompt_token_ids=tuple(PROMPTS[1]),
+                sampling=params,
+            )
+        )
+        while engine.has_work():
+            engine.step()
+    rounds = [e for e in events if isinstance(e, SpecRound)]
+    assert rounds and all(r.accepted == 0 for r in rounds)
+    rollbacks = [e for e in events if isinstance(e, BlockEvent) and e.op == "rollback"]
+    assert len(rollbacks) == len(rounds)
+    plain_logits = {pos: v for (_, pos), v in recorded["plain"].items()}
+    spec_first_rows = {pos: v for (_, pos), v in recorded["spec"].items() if pos in plain_logits}
+    assert len(spec_first_rows) >= 10
+    for pos, logits in spec_first_rows.items():
+        torch.testing.assert_close(logits, plain_logits[pos], atol=1e-5, rtol=0)
+    assert spec_engine.kv.pool.num_used == 0
+
+
+def test_rollback_frees_blocks_left_empty_and_caches_only_verified_tokens(tiny):
+    events = []
+    engine = LLMEngine(
+        tiny,
+        EngineConfig(block_size=2, num_blocks=100, speculative=SpeculativeConfig("ngram", 6)),
+        events.append,
+    )
+    engine.proposer = WrongProposer(tiny.model)
+    engine.add_request(
+        Request(
+            prompt_token_ids=(11, 12, 13),
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
+        )
+    )
+    while engine.has_work():
+        engine.step()
+    ops = [e.op for e in events if isinstance(e, BlockEvent)]
+    assert "rollback" in ops
+    # every rollback that emptied blocks is followed by freeing them
+    for i, e in enumerate(events):
+        if isinstance(e, BlockEvent) and e.op == "rollback" and 0 in e.fills:
+            emptied = {b for b, f in zip(e.block_ids, e.fills) if f == 0}
+            nxt = next(x for x in events[i + 1 :] if isinstance(x, BlockEvent))
+            assert nxt.op == "free" and set(nxt.block_ids) == emptied
+    cached = [e for e in events if isinstance(e, BlockEvent) and e.op == "cache"]
+    finished = next(e for e in events if isinstance(e, RequestFinished))
+    verified = [11, 12, 13, *finished.token_ids]
+    for e in cached:
+        assert e.token_end <= len(verified)  # only verified positions are ever hashed
+
+
+# ---- the verifier keeps the target distribution -------------------------------------------
+
+
+def empirical(p, q_dist, proposals, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1])
+
+    def draw(probs):
+        return int(torch.multinomial(probs, 1, generator=g))
+
+    def uniform():
+        return float(torch.rand((), generator=g))
+
+    for _ in range(n):
+        if q_dist is None:
+            x, q = proposals, [None]
+        else:
+            x, q = [draw(q_dist)], [q_dist]
+        verdict = verify(p, x, q, draw, uniform)
+        counts[x[0] if verdict.accepted == 1 else verdict.token] += 1
+    return counts / n
+
+
+def always_accept(p, q_dist, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1])
+    for _ in range(n):
+        counts[int(torch.multinomial(q_dist, 1, generator=g))] += 1
+    return counts / n
+
+
+N = 40_000
+BOUND = 0.02  # total variation; sampling noise at N draws over 6 outcomes is ~0.005
+
+
+def tv(a, b):
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verifier_output_follows_the_target_for_any_draft(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    target = torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+    target[4] = 0.0  # a token the target never produces
+    target /= target.sum()
+    draft = torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+    draft[1] = 0.0  # a token the draft never proposes
+    draft /= draft.sum()
+    p = torch.stack([target, target])
+    got = empirical(p, draft, None, N, seed)
+    assert tv(got, target) < BOUND
+    control = always_accept(p, draft, N, seed)
+    assert tv(control, target) > BOUND, "the control verifier must fail the same bound"
+
+
+def test_verifier_with_a_one_hot_ngram_draft():
+    target = torch.tensor([0.1, 0.5, 0.0, 0.25, 0.15, 0.0])
+    p = torch.stack([target, target])
+    got = empirical(p, None, [3], N, 7)  # the n-gram always proposes token 3
+    assert tv(got, target) < BOUND
+    assert got[2] == 0 and got[5] == 0
+    one_hot = torch.zeros(6)
+    one_hot[3] = 1
+    assert tv(always_accept(p, one_hot, N, 7), target) > BOUND
+
+
+def test_greedy_verifier_keeps_drafts_while_they_equal_the_argmax():
+    p = torch.eye(5)[[2, 4, 0, 1]]  # one-hot targets: argmax 2, 4, 0, then bonus 1
+    verdict = verify(p, [2, 4, 3], [None] * 3, lambda probs: int(probs.argmax()), lambda: 0.5)
+    assert (verdict.accepted, verdict.token, verdict.bonus) == (2, 0, False)
+    verdict = verify(p, [2, 4, 0], [None] * 3, lambda probs: int(probs.argmax()), lambda: 0.5)
+    assert (verdict.accepted, verdict.token, verdict.bonus) == (3, 1, True)
+
+
+def test_self_draft_shares_weights_and_truncates_layers(tiny):
+    draft = first_layers(tiny.model, 2)
+    assert draft.model.config.num_hidden_layers == 2 and tiny.model.config.num_hidden_layers == 4
+    assert draft.model.embed_tokens.weight is tiny.model.model.embed_tokens.weight
+    assert draft.lm_head is tiny.model.lm_head and tiny.model.model is not draft.model
