@@ -90,6 +90,9 @@ def engine_config_from(args):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    from engine import cli_physics
+
+    cli_physics.add_commands(sub)
 
     g = sub.add_parser("generate", help="one reply to one prompt")
     add_engine_args(g)
@@ -132,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loading import ModelLoadError
 
     try:
+        from engine import cli_physics
+
+        if args.command in cli_physics.COMMANDS:
+            return cli_physics.run(args)
         if args.command == "generate":
             from engine.cli_generate import run_generate
 
