@@ -1,0 +1,121 @@
+"""What every scheme shares: the scheme interface, the error it raises, which layers get
+quantized, kernel availability probes and the byte count of a (possibly quantized) model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError
+
+
+class QuantizationError(ConfigError):
+    """A scheme is unknown or cannot run here; the message names the scheme and why."""
+
+
+class QuantScheme:
+    """One way of storing (and computing with) the decoder's linear layers.
+
+    `quantize` replaces the model's linear layers in place and returns the model (gpt-fast's
+    handler style). Embeddings and the LM head stay in the load dtype: they are a lookup and
+    the final projection whose errors land directly on the output distribution, and on small
+    models with tied embeddings they are one shared tensor."""
+
+    name: str = ""
+    description: str = ""
+
+    def available(self, device: torch.device | str) -> tuple[bool, str]:
+        """(True, how it runs) or (False, why not) on `device`."""
+        device = torch.device(device)
+        problem = device_problem(device)
+        if problem:
+            return False, problem
+        return self.check(device)
+
+    def check(self, device: torch.device) -> tuple[bool, str]:
+        """The scheme's own requirements on a usable device (kernels, packages, dtypes)."""
+        raise NotImplementedError
+
+    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+        raise NotImplementedError
+
+    def require(self, device: torch.device) -> None:
+        ok, reason = self.available(device)
+        if not ok:
+            raise QuantizationError(f"The quantization scheme '{self.name}' is unavailable: {reason}.")
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why `device` itself cannot be used, or None."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return "the GPU (cuda) is not usable: this PyTorch build has no CUDA support"
+        return "the GPU (cuda) is not usable: PyTorch finds no NVIDIA GPU or driver"
+    if device.type not in ("cpu", "cuda"):
+        return f"kvscope runs models on cpu or cuda, not {device.type}"
+    return None
+
+
+def dispatch_key(device: torch.device) -> str:
+    return {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}.get(device.type, device.type.upper())
+
+
+def has_aten_kernel(op: str, device: torch.device) -> bool:
+    """Whether this torch build has a kernel for `aten::op` on the device's backend (a
+    registered op without a kernel for the device would fail only at the first forward)."""
+    return hasattr(torch.ops.aten, op) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"aten::{op}", dispatch_key(device)
+    )
+
+
+def missing_kernels(ops: tuple[str, ...], device: torch.device) -> str | None:
+    """None when every op has a kernel for the device, else the reason sentence."""
+    missing = [op for op in ops if not has_aten_kernel(op, device)]
+    if not missing:
+        return None
+    names = ", ".join(f"torch.ops.aten.{op}" for op in missing)
+    return f"this PyTorch build ({torch.__version__}) has no {device.type} kernel for {names}"
+
+
+def target_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The decoder's linear layers: every nn.Linear except the output embedding (LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
+    """Swap each target linear for `make(name, linear)`, in place; the old weights are freed."""
+    targets = target_linears(model)
+    if not targets:
+        raise QuantizationError("The model has no linear layers to quantize.")
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make(name, linear))
+    return model
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights occupy: parameters, buffers (where the packed schemes keep their codes
+    and scales) and bitsandbytes' quantization state, which hangs off its parameters."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    for p in model.parameters():
+        total += _bnb_state_bytes(p)
+    return total
+
+
+def _bnb_state_bytes(param: torch.Tensor) -> int:
+    tensors = []
+    scb = getattr(param, "SCB", None)  # LLM.int8: one absmax per output row
+    if isinstance(scb, torch.Tensor):
+        tensors.append(scb)
+    state = getattr(param, "quant_state", None)  # 4-bit: block absmaxes, possibly quantized again
+    while state is not None:
+        tensors += [
+            t for t in (getattr(state, "absmax", None), getattr(state, "code", None)) if t is not None
+        ]
+        state = getattr(state, "state2", None)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

@@ -1,0 +1,139 @@
+"""The quantization schemes by name: what each needs, whether it runs here, and applying one.
+
+Entry points for the loader, the CLI and the app's model picker:
+  scheme_names()                 every scheme, in display order
+  scheme_statuses(device)        [SchemeStatus(name, description, available, reason)]
+  get_scheme(name)               the scheme object (QuantizationError for an unknown name)
+  quantize_model(model, name, device, tokenizer)
+                                 quantize in place; never falls back to another scheme
+  quantization_of(model)         the QuantizedWeights record of a quantized model, or None
+Only the decoder's linear layers are quantized; embeddings and the LM head keep the load dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.quant.base import QuantizationError, QuantScheme, model_weight_bytes, target_linears
+from engine.quant.bnb import Bnb4bit, BnbInt8
+from engine.quant.fp8 import Fp8Weight
+from engine.quant.w8a8 import W8A8, W8A8SmoothQuant
+from engine.quant.weight_only import Int4WeightOnly, Int8WeightOnly
+
+__all__ = [
+    "NONE",
+    "QuantizationError",
+    "QuantizedWeights",
+    "SchemeStatus",
+    "check_scheme",
+    "get_scheme",
+    "quantization_of",
+    "quantize_model",
+    "scheme_names",
+    "scheme_statuses",
+]
+
+NONE = "none"
+# Set on a quantized model, like transformers' own `model.quantization_config`.
+MODEL_ATTRIBUTE = "kvscope_quantization"
+
+
+class FullPrecision(QuantScheme):
+    name = NONE
+    description = "full precision: weights stay in the load dtype (float32, bfloat16 or float16)"
+
+    def check(self, device: torch.device) -> tuple[bool, str]:
+        return True, f"plain matmuls on {device.type}"
+
+    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+        return model
+
+
+_SCHEMES: tuple[QuantScheme, ...] = (
+    FullPrecision(),
+    BnbInt8(),
+    Bnb4bit("nf4"),
+    Bnb4bit("fp4"),
+    Int8WeightOnly(),
+    Int4WeightOnly(),
+    Fp8Weight(),
+    W8A8(),
+    W8A8SmoothQuant(),
+)
+_BY_NAME = {s.name: s for s in _SCHEMES}
+
+
+@dataclass(frozen=True, slots=True)
+class SchemeStatus:
+    name: str
+    description: str
+    available: bool
+    reason: str  # how it runs when available, why not otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeights:
+    """What quantizing did to a model: shown next to the model and in the memory graph."""
+
+    scheme: str
+    bytes_before: int  # parameters + buffers in the load dtype
+    bytes_after: int  # the same after quantization (codes, scales, zeros, quantization state)
+    quantized_layers: int
+    seconds: float
+
+
+def scheme_names() -> tuple[str, ...]:
+    return tuple(_BY_NAME)
+
+
+def get_scheme(name: str) -> QuantScheme:
+    scheme = _BY_NAME.get(name)
+    if scheme is None:
+        raise QuantizationError(
+            f"Unknown quantization scheme '{name}'. Choose one of: {', '.join(scheme_names())}."
+        )
+    return scheme
+
+
+def scheme_statuses(device: torch.device | str) -> list[SchemeStatus]:
+    statuses = []
+    for scheme in _SCHEMES:
+        ok, reason = scheme.available(device)
+        statuses.append(SchemeStatus(scheme.name, scheme.description, ok, reason))
+    return statuses
+
+
+def check_scheme(name: str, device: torch.device | str) -> QuantScheme:
+    """The scheme, or QuantizationError saying why it cannot run on `device` (cheap: no model)."""
+    scheme = get_scheme(name)
+    scheme.require(torch.device(device))
+    return scheme
+
+
+def quantize_model(model: nn.Module, name: str, tokenizer=None) -> nn.Module:
+    """Quantize `model` in place with scheme `name` on the device it already lives on, record a
+    QuantizedWeights on it and return it. 'none' returns the model untouched (and unrecorded)."""
+    device = next(model.parameters()).device
+    scheme = check_scheme(name, device)
+    if name == NONE:
+        return model
+    if quantization_of(model) is not None:
+        raise QuantizationError(f"The model is already quantized ({quantization_of(model).scheme}).")
+    before = model_weight_bytes(model)
+    start = time.perf_counter()
+    layers = len(target_linears(model))
+    # no_grad, not inference_mode: inference tensors would refuse later in-place updates
+    # (bitsandbytes moves and re-wraps its parameters).
+    with torch.no_grad():
+        model = scheme.quantize(model, tokenizer)
+    record = QuantizedWeights(name, before, model_weight_bytes(model), layers, time.perf_counter() - start)
+    setattr(model, MODEL_ATTRIBUTE, record)
+    return model
+
+
+def quantization_of(model: nn.Module) -> QuantizedWeights | None:
+    return getattr(model, MODEL_ATTRIBUTE, None)
