@@ -9,6 +9,7 @@ need it long before (or without) the weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from engine.config import ConfigError, ModelSpec
 from engine.loaded import LoadedModel
 from engine.memory import available_memory_bytes
 from engine.model_shapes import ModelShapes
+from engine.quantization import QuantizationError, check_scheme, quantization_of, quantize_model
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -531,6 +533,7 @@ def load_model(
     report("checking the model", 0.0)
     device = resolve_device(spec.device)
     check_dtype_on_device(spec.dtype, device)
+    check_scheme(spec.quantization, device)
     src = resolve_source(spec.source)
     check_fits(read_config(src), spec.dtype, device, src.name, available_bytes)
     if src.kind == "default" and src.is_gguf:
@@ -543,13 +546,34 @@ def load_model(
             model = model.to(device)
         except torch.OutOfMemoryError:
             raise ModelLoadError(f"{src.name} does not fit in the memory of {device}.") from None
-    report("loading tokenizer", 0.9)
+    report("loading tokenizer", 0.8)
     tokenizer = _load_tokenizer(src)
+    params = sum(p.numel() for p in model.parameters())
+    if spec.quantization != "none":
+        report(f"quantizing weights ({spec.quantization})", 0.85)
+        model = _quantize(model.eval(), spec.quantization, tokenizer, src.name)
     loaded = LoadedModel.from_model(
         model.eval(), tokenizer, name=src.name, source=spec.source, load_seconds=time.perf_counter() - start
     )
+    record = quantization_of(model)
+    if record is not None:  # packed weights live in buffers: count them, and the logical params
+        loaded.info = dataclasses.replace(loaded.info, weight_bytes=record.bytes_after, params=params)
     report("ready", 1.0)
     return loaded
+
+
+def _quantize(model, scheme: str, tokenizer, name: str):
+    try:
+        return quantize_model(model, scheme, tokenizer)
+    except QuantizationError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(f"Ran out of memory while quantizing {name} with '{scheme}'.") from None
+    except Exception as exc:  # noqa: BLE001 - a kernel or package failure: say which scheme, not a traceback
+        raise ModelLoadError(
+            f"Quantizing {name} with '{scheme}' failed ({type(exc).__name__}: {_first_line(exc)}). "
+            "Choose another quantization scheme, or 'none'."
+        ) from None
 
 
 def describe_load_error(exc: BaseException) -> str:
