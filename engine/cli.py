@@ -38,6 +38,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk", type=int, default=None, help="max prompt tokens of one sequence per step"
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        metavar="NAME",
+        help="weight quantization scheme (see `quant-report --list`); 'none' keeps the load dtype",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="KV cache storage (auto = the model dtype)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -78,12 +90,13 @@ def engine_config_from(args):
 
     budget = int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None
     return EngineConfig(
-        model=ModelSpec(args.model, dtype=args.dtype, device=args.device),
+        model=ModelSpec(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_budget_bytes=budget,
         prefill_chunk_size=args.prefill_chunk,
         enable_prefix_caching=not args.no_prefix_cache,
+        kv_dtype=args.kv_dtype,
     )
 
 
@@ -126,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 1,2,4,8: continuous batching vs one-by-one at each level, and prefix-cache TTFT",
     )
     b.add_argument("--json", action="store_true")
+
+    from engine import cli_quant
+
+    cli_quant.add_commands(sub)
     return parser
 
 
@@ -153,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.bench import run_bench
 
             return run_bench(args)
+        if args.command == "quant-report":
+            from engine import cli_quant
+
+            return cli_quant.run(args)
     except (ConfigError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
