@@ -26,6 +26,9 @@ from widgets.throttle import RedrawThrottle
 REDRAW_INTERVAL_S = 0.1
 # Beyond this many points per-token dots merge into a smear and cost more than the line.
 MAX_DOTS = 400
+# Symbol pens and brushes are made once: pyqtgraph caches a rendered symbol per pen/brush
+# object, so a colour given as a string would add a new cache entry on every setData.
+NO_PEN = pg.mkPen(None)
 
 
 def itl_percentiles(latency_ms: np.ndarray, is_first: np.ndarray) -> tuple[float, float]:
@@ -60,11 +63,15 @@ class LatencyPanel(QWidget):
             connect="finite",
             symbol="o",
             symbolSize=3,
-            symbolPen=None,
-            symbolBrush=theme.SERIES["itl"],
+            symbolPen=NO_PEN,
+            symbolBrush=pg.mkBrush(theme.SERIES["itl"]),
         )
         self.ttft_points = item.plot(
-            pen=None, symbol="t1", symbolSize=11, symbolBrush=theme.SERIES["ttft"], symbolPen=None
+            pen=None,
+            symbol="t1",
+            symbolSize=11,
+            symbolBrush=pg.mkBrush(theme.SERIES["ttft"]),
+            symbolPen=NO_PEN,
         )
         self.p50_line = self._percentile_line(Qt.PenStyle.DashLine, "p50")
         self.p99_line = self._percentile_line(Qt.PenStyle.DotLine, "p99")
