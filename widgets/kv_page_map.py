@@ -96,6 +96,11 @@ class KVPageMapPanel(QWidget):
         if self.throttle.due():
             self._redraw()
 
+    def flush(self) -> None:
+        """Redraw now, ignoring the throttle (before a screenshot)."""
+        self.throttle.drawn()
+        self._redraw()
+
     def _redraw(self) -> None:
         pm = self.state.page_map
         if pm.num_blocks == 0:

@@ -120,6 +120,11 @@ class LatencyPanel(QWidget):
         if self.throttle.due():
             self._redraw()
 
+    def flush(self) -> None:
+        """Redraw now, ignoring the throttle (before a screenshot)."""
+        self.throttle.drawn()
+        self._redraw()
+
     def point_count(self) -> int:
         """Points drawn: finite ITL points plus TTFT markers (one per generated token)."""
         return _finite_count(self.itl_curve) + _finite_count(self.ttft_points)

@@ -62,6 +62,10 @@ class MemoryPanel(QWidget):
         if "memory" in dirty:
             self._redraw()
 
+    def flush(self) -> None:
+        """Redraw now (the same call as on the other panels, before a screenshot)."""
+        self._redraw()
+
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """The (x seconds, y in the axis unit) data given to a series (before view clipping)."""
         curve = self.curves[key]

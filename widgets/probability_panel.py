@@ -112,6 +112,11 @@ class ProbabilityPanel(QWidget):
         self._stage_choice = name
         self._update()
 
+    def flush(self) -> None:
+        """Redraw now, ignoring the throttle (before a screenshot)."""
+        self.throttle.drawn()
+        self._update()
+
     @property
     def following(self) -> bool:
         return self._request_id is None

@@ -32,3 +32,8 @@ class RedrawThrottle:
             self._pending, self._last = False, now
             return True
         return False
+
+    def drawn(self, now: float | None = None) -> None:
+        """Record a redraw made outside `due` (a forced flush): nothing is pending any more."""
+        self._pending = False
+        self._last = time.perf_counter() if now is None else now
