@@ -20,6 +20,8 @@ INT4_CUDA_OPS = ("_convert_weight_to_int4pack", "_weight_int4pack_mm")
 DEFAULT_INT4_GROUP_SIZE = 32
 # The CUDA kernel runs in bfloat16 only and tiles the input width by 16 * inner_k_tiles.
 CUDA_INT4_DTYPE = torch.bfloat16
+# torch's packed int4 layouts tile the output rows: by 16 on the CPU, by 8 on CUDA.
+CPU_INT4_ROW_MULTIPLE, CUDA_INT4_ROW_MULTIPLE = 16, 8
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -57,8 +59,14 @@ class Int4WeightOnlyLinear(nn.Module):
                 f"int4-weight-only cannot quantize {name or 'a layer'}: its input width {self.in_features} "
                 f"is not a multiple of the group size {group_size}."
             )
-        codes, scales, zeros = packing.quantize_int4_groups(weight, group_size)
         self.on_cuda = weight.device.type == "cuda"
+        rows = CUDA_INT4_ROW_MULTIPLE if self.on_cuda else CPU_INT4_ROW_MULTIPLE
+        if self.out_features % rows:
+            raise QuantizationError(
+                f"int4-weight-only cannot quantize {name or 'a layer'}: its output width {self.out_features} "
+                f"is not a multiple of {rows}, which torch's packed int4 layout needs."
+            )
+        codes, scales, zeros = packing.quantize_int4_groups(weight, group_size)
         if self.on_cuda:
             inner_k_tiles = _inner_k_tiles(self.in_features, name)
             packed = torch.ops.aten._convert_weight_to_int4pack(packing.pack_int4_pairs(codes), inner_k_tiles)
