@@ -138,7 +138,7 @@ class DraftModelProposer:
         cache, cached, sampler = state
         keep = min(cached, valid_tokens)
         if cached > keep:
-            cache.crop(cached - keep)
+            cache.crop(-(cached - keep))  # transformers 5.x: a negative count removes tokens
         self._state[seq.seq_id] = (cache, keep, sampler)
 
     def release(self, seq: Sequence) -> None:
