@@ -87,6 +87,10 @@ def run_bench(args) -> int:
 
     spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
     loaded = load_model(spec, progress=lambda stage, f: print(f"[{f:4.0%}] {stage}", file=sys.stderr))
+    if args.speculation:
+        from engine.bench_speculative import run_speculative_bench
+
+        return run_speculative_bench(args, loaded)
     if args.concurrency:
         from engine.bench_concurrency import run_concurrency_bench
 

@@ -39,6 +39,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument(
+        "--speculative",
+        choices=["ngram", "draft", "self"],
+        default=None,
+        help="speculative decoding: n-gram prompt lookup, a draft model, or the target's first layers",
+    )
+    p.add_argument("--draft-model", default=None, help="draft model source for --speculative draft")
+    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per speculative round")
+    p.add_argument("--self-draft-layers", type=int, default=None, help="layers kept by --speculative self")
+    p.add_argument("--adaptive-draft", action="store_true", help="adapt the round size to recent acceptance")
+    p.add_argument(
         "--quantization",
         default="none",
         metavar="NAME",
@@ -97,6 +107,21 @@ def engine_config_from(args):
         prefill_chunk_size=args.prefill_chunk,
         enable_prefix_caching=not args.no_prefix_cache,
         kv_dtype=args.kv_dtype,
+        speculative=speculative_from(args),
+    )
+
+
+def speculative_from(args):
+    from engine.config import SpeculativeConfig
+
+    if not args.speculative:
+        return None
+    return SpeculativeConfig(
+        args.speculative,
+        num_draft=args.num_draft,
+        draft_model=args.draft_model,
+        self_draft_layers=args.self_draft_layers,
+        adaptive=args.adaptive_draft,
     )
 
 
@@ -138,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="e.g. 1,2,4,8: continuous batching vs one-by-one at each level, and prefix-cache TTFT",
     )
+    b.add_argument(
+        "--speculation",
+        action="store_true",
+        help="speculative decoding (n-gram, self-draft) vs plain decoding on a repeat task and free chat",
+    )
+    b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
     b.add_argument("--json", action="store_true")
 
     from engine import cli_quant

@@ -74,6 +74,22 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
         },
         "model": {"name": engine.loaded.info.name, "dtype": engine.loaded.info.dtype},
     }
+    if engine.config.speculative is not None:
+        result["speculative"] = {
+            "method": engine.config.speculative.method,
+            "proposer": engine.proposer.name,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "target_forwards": stats.target_forwards,
+            "rounds": stats.spec_rounds,
+            "drafted": stats.spec_drafted,
+            "accepted": stats.spec_accepted,
+            "acceptance_by_position": [
+                a / d if d else 0.0
+                for a, d in zip(stats.spec_accepted_by_position, stats.spec_drafted_by_position)
+            ],
+            "token_kinds": [t.spec for t in tokens],
+        }
     if probs_k:
         result["probs"] = [token_probs(t, probs_k) for t in tokens]
     return result

@@ -98,3 +98,26 @@ def test_generate_streams_text_without_json(tmp_path, default_tokenizer):
     assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
     assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"].rstrip("\n")
     assert "6 tokens, length" in streamed.stderr
+
+
+def test_generate_with_speculation_reports_its_figures(tmp_path, default_tokenizer):
+    from model_folders import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
+    base = ["generate", "--model", str(folder), "--prompt", "a b a b a b a b", "--max-new-tokens", "12",
+            "--ignore-eos", "--json"]  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "engine", *base], capture_output=True, text=True, timeout=300
+    )
+    spec = subprocess.run(
+        [sys.executable, "-m", "engine", *base, "--speculative", "ngram", "--num-draft", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    plain_out, spec_out = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec_out["token_ids"] == plain_out["token_ids"]
+    figures = spec_out["speculative"]
+    assert set(figures) >= {"acceptance_rate", "mean_accepted_length", "target_forwards"}
+    assert 0.0 <= figures["acceptance_rate"] <= 1.0
+    assert figures["target_forwards"] == 1 + figures["rounds"] + figures["token_kinds"].count("") - 1
+    assert "speculative" not in plain_out
