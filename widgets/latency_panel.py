@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.store import LiveState
 from widgets import theme
-from widgets.plot_style import LogValueAxis, legend_entry, styled_plot
+from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, LogValueAxis, legend_entry, styled_plot
 from widgets.throttle import RedrawThrottle
 
 # 10 redraws a second still reads as live; every frame would cost the engine ~5% of its time
@@ -59,6 +59,7 @@ class LatencyPanel(QWidget):
         item.setLabel("bottom", "generated token #")
         item.setLabel("left", "latency (ms)")
         self.itl_curve = item.plot(
+            autoDownsampleFactor=AUTO_DOWNSAMPLE_FACTOR,
             pen=pg.mkPen(theme.SERIES["itl"], width=1.5),
             connect="finite",
             symbol="o",
@@ -86,7 +87,9 @@ class LatencyPanel(QWidget):
         item.getAxis("right").linkToView(self.rate_view)
         item.scene().addItem(self.rate_view)
         self.rate_view.setXLink(item)
-        self.rate_curve = pg.PlotDataItem(pen=pg.mkPen(theme.SERIES["tokens_per_s"], width=1.5))
+        self.rate_curve = pg.PlotDataItem(
+            pen=pg.mkPen(theme.SERIES["tokens_per_s"], width=1.5), autoDownsampleFactor=AUTO_DOWNSAMPLE_FACTOR
+        )
         self.rate_curve.setClipToView(True)
         self.rate_curve.setDownsampling(auto=True, method="peak")
         self.rate_view.addItem(self.rate_curve)

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.store import LiveState
 from widgets import theme
-from widgets.plot_style import legend_entry, styled_plot
+from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, legend_entry, styled_plot
 from widgets.units import byte_unit, format_bytes
 
 # (ring column, legend label); "{source}" is the engine's probe name for the process figures.
@@ -50,7 +50,7 @@ class MemoryPanel(QWidget):
             pen = pg.mkPen(
                 theme.SERIES[key], width=2, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine
             )
-            self.curves[key] = item.plot(pen=pen)
+            self.curves[key] = item.plot(pen=pen, autoDownsampleFactor=AUTO_DOWNSAMPLE_FACTOR)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)

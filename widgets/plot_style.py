@@ -12,6 +12,11 @@ import pyqtgraph as pg
 
 from widgets import theme
 
+# Points kept per horizontal pixel by auto downsampling (pyqtgraph's default is 5). Peak mode
+# keeps each bucket's min and max, so 1 still draws every spike while painting a fifth of the
+# segments of a long series.
+AUTO_DOWNSAMPLE_FACTOR = 1.0
+
 
 class LogValueAxis(pg.AxisItem):
     """A log-scale axis labelled with plain values (20, 50, 100, 200, ...), not powers of ten.
