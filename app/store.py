@@ -49,10 +49,12 @@ MAX_ERRORS = 100
 # Finished requests kept with their per-token snapshots (a chat session rarely exceeds this;
 # the oldest finished ones go first so memory stays bounded in long sessions).
 MAX_REQUESTS = 256
-# Rolling tokens/s: tokens generated in the last TPS_WINDOW_S seconds over that window. Short
-# enough to follow a change in batch size within a second; the window never reaches back before
-# the engine became busy, so the first tokens are not averaged with an idle gap.
+# Rolling tokens/s over the last TPS_WINDOW_S seconds or the last TPS_MIN_TOKENS tokens,
+# whichever reaches further back: a second follows a change of batch size quickly, and the token
+# floor keeps slow generation (a few tokens a second) from reading as a comb of 1, 2, 3 tokens/s.
+# The window never reaches back before the engine became busy, so an idle gap is not averaged in.
 TPS_WINDOW_S = 1.0
+TPS_MIN_TOKENS = 16
 
 
 class EventStore:
@@ -316,7 +318,8 @@ class LiveState:
         self.latency = RingBuffer(
             latency_capacity, ("t", "x", "latency_ms", "is_first", "request_id", "tokens_per_s")
         )
-        self._window_t: deque[float] = deque()  # token times inside the tokens/s window
+        self._window_t: deque[float] = deque()  # token times of the last TPS_WINDOW_S
+        self._last_tokens_t: deque[float] = deque(maxlen=TPS_MIN_TOKENS + 1)
         self._running: set[int] = set()
         self._busy_since: float | None = None  # arrival of the request that ended the last idle
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
@@ -424,14 +427,22 @@ class LiveState:
         return {"tokens", "latency", "requests"}
 
     def _rolling_rate(self, t: float) -> float:
-        start = t - TPS_WINDOW_S
-        if self._busy_since is not None:
-            start = max(start, self._busy_since)
-        window = self._window_t
+        window, recent = self._window_t, self._last_tokens_t
         window.append(t)
-        while window and window[0] <= start:
-            window.popleft()
-        return len(window) / (t - start) if t > start else math.nan
+        recent.append(t)
+        busy = self._busy_since if self._busy_since is not None else -math.inf
+        edge = max(t - TPS_WINDOW_S, busy)
+        while window and window[0] <= edge:
+            window.popleft()  # window: the tokens in (edge, t]
+        kth_back = recent[0] if len(recent) == recent.maxlen else -math.inf
+        start = max(busy, min(t - TPS_WINDOW_S, kth_back))
+        if math.isinf(start) or t <= start:
+            return math.nan
+        if len(recent) < recent.maxlen or recent[0] <= start:
+            count = sum(1 for x in recent if x > start)  # at most TPS_MIN_TOKENS + 1 to look at
+        else:
+            count = len(window)  # more tokens since `start` than `recent` holds: start == edge
+        return count / (t - start)
 
     def _on_finished(self, event: RequestFinished) -> set[str]:
         self._running.discard(event.request_id)

@@ -230,5 +230,22 @@ def test_rolling_rate_uses_a_one_second_window_and_restarts_after_idle():
     events += [RequestStarted(2, 3, t=12.0), token(2, 0, t=12.5)]
     state.apply(events)
     rate = state.latency.column("tokens_per_s")
-    assert rate[19] == pytest.approx(10 / 1.0)  # tokens at 1.1 .. 2.0 fall in (1.0, 2.0]
+    assert rate[19] == pytest.approx(16 / 1.6)  # the last 16 tokens span more than the 1 s window
     assert rate[20] == pytest.approx(1 / 0.5)
+
+
+def test_rolling_rate_of_slow_irregular_tokens_is_smooth():
+    state = LiveState()
+    gaps = [0.3, 0.7] * 20
+    times = np.cumsum([0.5, *gaps])
+    state.apply([RequestStarted(1, 3, t=0.0)] + [token(1, i, t=float(t)) for i, t in enumerate(times)])
+    rate = state.latency.column("tokens_per_s")
+    # 16 tokens always span 8 s here; a 1 s window alone would read 1, 2, 1, 2 ...
+    assert rate[16:] == pytest.approx([2.0] * (len(times) - 16))
+
+
+def test_rolling_rate_of_fast_tokens_uses_the_one_second_window():
+    state = LiveState()
+    times = [0.01 * (i + 1) for i in range(300)]  # 100 tokens/s for 3 s
+    state.apply([RequestStarted(1, 3, t=0.0)] + [token(1, i, t=t) for i, t in enumerate(times)])
+    assert state.latency.column("tokens_per_s")[-1] == pytest.approx(100.0, rel=0.02)
