@@ -144,11 +144,6 @@ class BlockPool:
             )
         )
 
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
-
     def check_invariants(self) -> None:
         """Conservation and ref counts; tests call it after every operation."""
         free_ids = set(self._free)
