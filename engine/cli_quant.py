@@ -96,8 +96,10 @@ def build_report(args, names: list[str], statuses) -> dict:
         say(f"loading {name}")
         try:
             loaded = load_model(ModelSpec(args.model, args.dtype, args.device, quantization=name))
-        except ModelLoadError as exc:  # shown in the table, not hidden: the others still run
-            row["error"] = str(exc)
+        except ModelLoadError as exc:
+            if name == "none":
+                raise  # without the reference nothing can be compared
+            row["error"] = str(exc)  # shown in the table, not hidden: the others still run
             continue
         if reference is None:
             reference, eval_ids = loaded, eval_token_ids(loaded.tokenizer)
@@ -136,6 +138,10 @@ def build_report(args, names: list[str], statuses) -> dict:
         "prompt": REPORT_PROMPT,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        # quality compares with 'none' on a full-precision KV cache; greedy replies compare with
+        # the 'none' row's reply, which used the same KV dtype as every other row
+        "quality_reference": "none, KV in the load dtype",
+        "greedy_reference": f"none, KV {args.kv_dtype}",
         "schemes": rows,
     }
 
