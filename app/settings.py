@@ -37,12 +37,15 @@ class ModelChoice:
     device: str = "auto"
     block_size: int = 16
     kv_budget_mib: int = 0  # 0 = let the engine size the pool
+    quantization: str = "none"  # weight scheme (engine.quantization), applied at load time
+    kv_dtype: str = "auto"  # KV cache storage: "auto" (the model's dtype) or "int8"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=ModelSpec(self.source, self.dtype, self.device),
+            model=ModelSpec(self.source, self.dtype, self.device, quantization=self.quantization),
             block_size=self.block_size,
             kv_budget_bytes=self.kv_budget_mib * MIB if self.kv_budget_mib else None,
+            kv_dtype=self.kv_dtype,
         )
 
 
