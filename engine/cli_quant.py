@@ -2,7 +2,8 @@
 measured in one run. Per scheme: weight bytes, load + quantize time, prefill and decode speed
 through the engine (interleaved round-robin across schemes so machine drift hits all alike),
 and quality on the shipped evaluation text against the unquantized model (mean/max KL, top-1
-agreement, perplexity) plus greedy agreement of a generated reply. `--list` says which schemes
+agreement, perplexity), greedy agreement of a generated reply, and top-1 agreement along the
+reference's reply (same context for both). `--list` says which schemes
 can run here and why not. A scheme whose figures are bad is reported with them, never dropped.
 """
 
@@ -122,6 +123,9 @@ def build_report(args, names: list[str], statuses) -> dict:
     ref_ids = runs[0][1].output_ids if runs and runs[0][0]["scheme"] == "none" else None
     for row, speed in runs:
         speed.fill(row, ref_ids)
+    if ref_ids is not None:
+        say("top-1 agreement along the reference reply")
+        _reply_top1_agreement(runs, ref_ids, args.kv_dtype)
     if runs and "decode_tok_s" in runs[0][0]:
         base = runs[0][0]
         for row, _ in runs:
@@ -144,6 +148,23 @@ def build_report(args, names: list[str], statuses) -> dict:
         "greedy_reference": f"none, KV {args.kv_dtype}",
         "schemes": rows,
     }
+
+
+def _reply_top1_agreement(runs, reference_reply: list[int], kv_dtype: str) -> None:
+    """Greedy replies part ways at the first near-tie and are incomparable after it. This asks
+    instead, at every position of the reference reply (same context for both): would the
+    scheme have picked the reference's token?"""
+    from engine.quality import compare_logits, teacher_forced_logits
+    from engine.request import Request
+
+    reference_engine = runs[0][1].engine
+    prompt = reference_engine.prompt_ids(Request.chat(REPORT_PROMPT))
+    context = prompt + reference_reply
+    ref_logits = teacher_forced_logits(reference_engine.loaded.model, context)
+    for row, speed in runs:
+        logits = teacher_forced_logits(speed.engine.loaded.model, context, kv_dtype)
+        agree = compare_logits(ref_logits, logits, context).top1_agree[len(prompt) - 1 :]
+        row["reply_top1_agreement"] = sum(agree) / len(agree)
 
 
 def _fill_load_and_quality(row: dict, loaded, reference, quality) -> None:
@@ -223,7 +244,10 @@ def _table(report: dict) -> str:
         f"{report['kv_dtype']}; quality on {report['eval_tokens']} eval tokens vs 'none'; "
         f"decode {report['new_tokens']} greedy tokens, median of {report['rounds']} rounds"
     )
-    cols = f"{'scheme':<18}{'MiB':>8}{'load s':>8}{'prefill/s':>10}{'decode/s':>10}{'mean KL':>9}{'top-1':>7}{'ppl':>10}{'greedy':>8}"
+    cols = (
+        f"{'scheme':<18}{'MiB':>8}{'load s':>8}{'prefill/s':>10}{'decode/s':>10}{'mean KL':>9}{'top-1':>7}"
+        f"{'ppl':>10}{'greedy':>8}{'reply top-1':>12}"
+    )
     lines = [head, cols]
     for r in report["schemes"]:
         if not r["available"]:
@@ -235,6 +259,6 @@ def _table(report: dict) -> str:
         lines.append(
             f"{r['scheme']:<18}{r['weight_bytes'] / 2**20:>8.1f}{r['load_s']:>8.2f}{r['prefill_tok_s']:>10.1f}"
             f"{r['decode_tok_s']:>10.1f}{r['mean_kl']:>9.4f}{r['top1_agreement']:>7.1%}{r['perplexity']:>10.2f}"
-            f"{r.get('greedy_prefix_match', 1.0):>8.0%}"
+            f"{r.get('greedy_prefix_match', 1.0):>8.0%}{r.get('reply_top1_agreement', 1.0):>12.0%}"
         )
     return "\n".join(lines)

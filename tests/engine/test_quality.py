@@ -103,6 +103,7 @@ def test_quant_report_json_on_the_tiny_model(tmp_path, default_tokenizer):
     none, int8 = report["schemes"]
     assert (none["scheme"], int8["scheme"]) == ("none", "int8-weight-only")
     assert none["mean_kl"] == 0.0 and none["top1_agreement"] == 1.0 and none["greedy_prefix_match"] == 1.0
+    assert none["reply_top1_agreement"] == 1.0 and 0.0 <= int8["reply_top1_agreement"] <= 1.0
     assert int8["weight_bytes"] < none["weight_bytes"] and int8["quantized_layers"] == 14
     assert int8["mean_kl"] > 0 and int8["perplexity_none"] == none["perplexity"]
     for key in ("prefill_tok_s", "decode_tok_s", "load_s", "quantize_s"):
