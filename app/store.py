@@ -308,6 +308,11 @@ class LiveState:
         self.page_map = PageMap()
         self.kv_stats: KVStats | None = None
         self.steps: deque[StepStats] = deque(maxlen=RECENT_STEPS)
+        # Each recent step with the rows its LM head computed: the engine emits a step's tokens
+        # before its StepStats and computes logits only for the sequences it samples, so the
+        # tokens counted since the previous step are that number (the roofline's FLOP count).
+        self.step_logit_rows: deque[tuple[StepStats, int]] = deque(maxlen=RECENT_STEPS)
+        self._tokens_since_step = 0
         self.memory = RingBuffer(
             memory_capacity,
             ("t", "weights", "kv_pool", "kv_used", "process", "reserved", "device_total"),
@@ -410,6 +415,7 @@ class LiveState:
         else:
             latency_s, is_first = event.t - view.started_t, True
         view.tokens.append(event)
+        self._tokens_since_step += 1
         self.latest_request_id = event.request_id
 
         tokens_per_s = self._rolling_rate(event.t)
@@ -472,6 +478,8 @@ class LiveState:
 
     def _on_step(self, event: StepStats) -> set[str]:
         self.steps.append(event)
+        self.step_logit_rows.append((event, self._tokens_since_step))
+        self._tokens_since_step = 0
         self.kv_stats = event.kv
         return {"steps", "kv"}
 
