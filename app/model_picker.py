@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.quant_picker import QuantizationChoice
 from app.settings import MIB, ModelChoice
 from engine.config import DEVICES, DTYPES
 
@@ -107,6 +108,7 @@ class ModelPicker(QWidget):
         self.kv_budget.setSuffix(" MiB")
         self.kv_budget.setSpecialValueText(f"auto ({human_bytes(default_budget_bytes)})")
         self.kv_budget.setToolTip("Memory for the paged KV cache; it sets how many pages the pool has")
+        self.quantization = QuantizationChoice(self)
         self.estimate = QLabel("")
         self.estimate.setObjectName("estimate")
         self.estimate.setWordWrap(True)
@@ -124,6 +126,7 @@ class ModelPicker(QWidget):
         form.addRow("device", self.device)
         form.addRow("KV block size", self.block_size)
         form.addRow("KV budget", self.kv_budget)
+        self.quantization.add_rows(form)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.source)
@@ -140,6 +143,7 @@ class ModelPicker(QWidget):
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
         self.dtype.currentIndexChanged.connect(self.refresh_estimate)
+        self.device.currentTextChanged.connect(self.quantization.set_device)
         self.kv_budget.valueChanged.connect(self._on_pool_changed)
         self.block_size.valueChanged.connect(self._on_pool_changed)
         self.folder_button.clicked.connect(self._on_pick_folder)
@@ -152,6 +156,8 @@ class ModelPicker(QWidget):
         self.device.setCurrentText(choice.device)
         self.block_size.setValue(choice.block_size)
         self.kv_budget.setValue(choice.kv_budget_mib)
+        self.quantization.set_device(choice.device)
+        self.quantization.set_values(choice.quantization, choice.kv_dtype)
 
     def choice(self) -> ModelChoice:
         return ModelChoice(
@@ -160,6 +166,8 @@ class ModelPicker(QWidget):
             device=self.device.currentText(),
             block_size=self.block_size.value(),
             kv_budget_mib=self.kv_budget.value(),
+            quantization=self.quantization.scheme_name(),
+            kv_dtype=self.quantization.kv_dtype_name(),
         )
 
     def add_cached_models(self) -> None:
