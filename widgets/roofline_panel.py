@@ -1,0 +1,381 @@
+"""Roofline panel: every engine step placed against this device's measured limits, live.
+
+Log-log: x is a step's arithmetic intensity (FLOPs per byte moved), y the FLOP/s it achieved.
+The roof is measured, never assumed: the bandwidth slope (intensity x bytes/s) rises until it
+meets the matmul peak at the ridge. Steps left of the ridge cannot reach the peak whatever the
+kernels do (memory-bound: a decode reads every weight for a token or two); steps right of it
+could (compute-bound: a prefill reuses each weight for many tokens). Batching decodes and
+longer prefill chunks move points to the right.
+
+The limits come from `engine.device_limits` on request (a button; seconds of measuring on a
+worker thread, then cached per device and dtype). The FLOP and byte counts come from
+`engine.roofline.step_cost` with the loaded model's shapes, which the window hands over on load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import pyqtgraph as pg
+import torch
+from PySide6.QtCore import Qt, Slot
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from app.store import LiveState
+from engine import device_limits
+from engine.device_limits import DeviceLimits
+from engine.model_shapes import ModelShapes
+from engine.roofline import duration, si
+from widgets import theme
+from widgets.background_job import BackgroundJob
+from widgets.plot_style import legend_entry, styled_plot
+from widgets.roofline_points import PHASES, ModelCosts, RooflinePoint, phase_utilisation, point_from_step
+from widgets.si_axis import SILogAxis
+from widgets.throttle import RedrawThrottle
+
+# 5 redraws a second: a scatter of a thousand points is cheap, but the eye gains nothing faster.
+REDRAW_INTERVAL_S = 0.2
+# Points kept on the plot: a few minutes of chat; older steps only crowd the newest.
+MAX_POINTS = 2000
+# MFU/MBU are over this many of the latest steps of a phase: enough to smooth one slow step
+# (a page fault, a GC pause), few enough to follow a change of batch size within a reply.
+UTILISATION_STEPS = 32
+PHASE_COLOURS = {"prefill": "#e8833a", "decode": "#5b9bd5", "mixed": "#9b7ede"}
+PHASE_LABELS = {
+    "prefill": "prefill steps",
+    "decode": "decode steps",
+    "mixed": "mixed (prefill chunk + decodes)",
+}
+ROOF_COLOUR = theme.PANEL_TEXT
+NO_PEN = pg.mkPen(None)
+# Made once: pyqtgraph caches a rendered symbol per brush object (see latency_panel).
+BRUSHES = {phase: pg.mkBrush(colour) for phase, colour in PHASE_COLOURS.items()}
+HOW_COUNTED = (
+    "FLOPs: the matmuls of every token through q/k/v/o and the MLP of every layer, attention "
+    "scores and value sums over each query's keys, and the LM head for the rows that sample.\n"
+    "Bytes: every weight once per step, the gathered embedding rows, the K/V read (whole "
+    "context) and written (new tokens).\n"
+    "Time: the engine's forward time of those steps."
+)
+
+
+def limits_device(info) -> torch.device:
+    return torch.device(info.device)
+
+
+class RooflinePanel(QWidget):
+    def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.costs: ModelCosts | None = None
+        self.limits: DeviceLimits | None = None
+        self.points: deque[RooflinePoint] = deque(maxlen=MAX_POINTS)
+        self.limits_error = ""
+        self._last_step = 0
+        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
+        self.job = BackgroundJob("kvscope-measure", self)
+        self.job.succeeded.connect(self._on_limits)
+        self.job.failed.connect(self._on_limits_failed)
+
+        self.setObjectName("rooflinePanel")
+        self.setStyleSheet(
+            f"#rooflinePanel, #rooflinePanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+        )
+        self.device_label = QLabel()
+        self.device_label.setWordWrap(True)
+        self.device_label.setTextFormat(Qt.TextFormat.RichText)
+        self.measure_button = QPushButton("Measure device limits")
+        self.measure_button.setToolTip(
+            "Time the largest matmuls this device runs fast in the model's dtype and a large memory "
+            "copy (about ten seconds). The result is cached per device and dtype.\n"
+            "Measure while no reply is generating: the engine and the measurement share the device."
+        )
+        self.measure_button.clicked.connect(self.measure_limits)
+        self.utilisation = {phase: QLabel() for phase in ("prefill", "decode")}
+        for label in self.utilisation.values():
+            label.setTextFormat(Qt.TextFormat.RichText)
+        self.latest_label = QLabel()
+        self.latest_label.setWordWrap(True)
+        self.latest_label.setTextFormat(Qt.TextFormat.RichText)
+
+        self.plot = styled_plot({"bottom": SILogAxis("bottom"), "left": SILogAxis("left")})
+        item = self.plot.getPlotItem()
+        item.setLogMode(x=True, y=True)  # the axes read log10 view coordinates; data is given as log10
+        item.setClipToView(False)
+        item.setLabel("bottom", "arithmetic intensity (FLOP / byte moved)")
+        item.setLabel("left", "achieved FLOP/s")
+        self.roof = pg.PlotCurveItem(pen=pg.mkPen(ROOF_COLOUR, width=2))
+        item.addItem(self.roof)
+        self.ridge_line = pg.InfiniteLine(
+            angle=90,
+            movable=False,
+            pen=pg.mkPen(theme.MUTED_TEXT, width=1, style=Qt.PenStyle.DashLine),
+            label="ridge",
+            labelOpts={"position": 0.08, "color": theme.MUTED_TEXT, "anchors": [(0, 1), (0, 1)]},
+        )
+        item.addItem(self.ridge_line, ignoreBounds=True)
+        self.memory_text = pg.TextItem("← memory-bound", color=theme.MUTED_TEXT, anchor=(1, 1))
+        self.compute_text = pg.TextItem("compute-bound →", color=theme.MUTED_TEXT, anchor=(0, 1))
+        for text in (self.memory_text, self.compute_text):
+            item.addItem(text, ignoreBounds=True)
+        self.scatter: dict[str, pg.ScatterPlotItem] = {}
+        for phase in PHASES:
+            scatter = pg.ScatterPlotItem(
+                size=7, pen=NO_PEN, brush=BRUSHES[phase], hoverable=True, tip=self._point_tip
+            )
+            item.addItem(scatter)
+            self.scatter[phase] = scatter
+        self.legend = QLabel(
+            " &nbsp; ".join(
+                [legend_entry(PHASE_COLOURS[p], PHASE_LABELS[p], "●") for p in PHASES]
+                + [legend_entry(ROOF_COLOUR, "roof: measured bandwidth slope, then matmul peak")]
+            )
+        )
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
+
+        top = QHBoxLayout()
+        top.addWidget(self.device_label, 1)
+        top.addWidget(self.measure_button, 0, Qt.AlignmentFlag.AlignTop)
+        figures = QHBoxLayout()
+        figures.addWidget(self.utilisation["prefill"])
+        figures.addWidget(self.utilisation["decode"])
+        figures.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(3)
+        layout.addLayout(top)
+        layout.addLayout(figures)
+        layout.addWidget(self.latest_label)
+        layout.addWidget(self.legend)
+        layout.addWidget(self.plot, 1)
+        self._redraw()
+
+    # ---- model and limits ------------------------------------------------------------------
+    def set_model_shapes(self, shapes: ModelShapes | None) -> None:
+        """The loaded model's shapes (the window reads them on ModelLoaded): points restart,
+        and the limits for its device and dtype are read from the cache when measured before."""
+        loaded = self.state.loaded
+        self.points.clear()
+        self._last_step = 0
+        self.costs = ModelCosts.of(shapes, loaded.info) if shapes is not None and loaded else None
+        if loaded is not None and not self._limits_match(loaded.info):
+            self.limits, self.limits_error = None, ""
+            device = limits_device(loaded.info)
+            cached = device_limits.cache_path(device, loaded.info.dtype).exists()
+            if cached and not self.job.running:
+                self._start_measuring(refresh=False)  # a read of the cache (re-measured if stale)
+        self.throttle.drawn()
+        self._redraw()
+
+    def _limits_match(self, info) -> bool:
+        limits = self.limits
+        return limits is not None and limits.device == str(limits_device(info)) and limits.dtype == info.dtype
+
+    @Slot()
+    def measure_limits(self) -> None:
+        """Measure (again) the loaded model's device in its dtype, on a worker thread."""
+        if self.state.loaded is None or self.job.running:
+            return
+        self._start_measuring(refresh=True)
+
+    def _start_measuring(self, refresh: bool) -> None:
+        info = self.state.loaded.info
+        device, dtype = limits_device(info), info.dtype
+        self.limits_error = ""
+        self.job.start(lambda _progress: device_limits.load_or_measure(device, dtype, refresh=refresh))
+        self._redraw()
+
+    def set_limits(self, limits: DeviceLimits | None) -> None:
+        self.limits = limits
+        self.throttle.drawn()
+        self._redraw()
+
+    @Slot(object)
+    def _on_limits(self, limits: DeviceLimits) -> None:
+        loaded = self.state.loaded
+        # A model of another device or dtype may have loaded while measuring: keep only limits
+        # that belong to the model on screen.
+        if (
+            loaded is not None
+            and limits.device == str(limits_device(loaded.info))
+            and limits.dtype == loaded.info.dtype
+        ):
+            self.set_limits(limits)
+        else:
+            self._redraw()
+
+    @Slot(str)
+    def _on_limits_failed(self, message: str) -> None:
+        self.limits_error = message
+        self._redraw()
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Window closing: wait for a measurement in flight (it cannot be interrupted)."""
+        return self.job.wait(timeout)
+
+    # ---- live steps ------------------------------------------------------------------------
+    def refresh(self, dirty: set[str]) -> None:
+        if "steps" in dirty and self._take_new_steps():
+            self.throttle.request()
+        if self.throttle.due():
+            self._redraw()
+
+    def flush(self) -> None:
+        """Redraw now, ignoring the throttle (before a screenshot)."""
+        self._take_new_steps()
+        self.throttle.drawn()
+        self._redraw()
+
+    def _take_new_steps(self) -> bool:
+        """Turn the steps the store gained since the last call into points; True when any."""
+        rows = self.state.step_logit_rows
+        if not rows:
+            return False
+        if rows[-1][0].step < self._last_step:
+            self._last_step = 0  # a new engine counts its steps from 1 again
+        new = []
+        for stats, logit_rows in reversed(rows):
+            if stats.step <= self._last_step:
+                break
+            new.append((stats, logit_rows))
+        if not new:
+            return False
+        self._last_step = new[0][0].step
+        if self.costs is not None:
+            for stats, logit_rows in reversed(new):
+                point = point_from_step(self.costs, stats, logit_rows)
+                if point is not None:
+                    self.points.append(point)
+        return True
+
+    def phase_points(self, phase: str) -> list[RooflinePoint]:
+        return [p for p in self.points if p.phase == phase]
+
+    def plotted(self, phase: str) -> tuple[np.ndarray, np.ndarray]:
+        """The (intensity, FLOP/s) the scatter of `phase` shows, in data units (not log10)."""
+        x, y = self.scatter[phase].getData()
+        return 10.0 ** np.asarray(x, dtype=float), 10.0 ** np.asarray(y, dtype=float)
+
+    # ---- drawing ---------------------------------------------------------------------------
+    def _redraw(self) -> None:
+        self.device_label.setText(self._device_text())
+        loaded = self.state.loaded
+        self.measure_button.setEnabled(loaded is not None and not self.job.running)
+        self.measure_button.setText("Re-measure device limits" if self.limits else "Measure device limits")
+        for phase in PHASES:
+            chosen = self.phase_points(phase)
+            self.scatter[phase].setData(
+                x=[math.log10(p.intensity) for p in chosen],
+                y=[math.log10(p.flops_per_s) for p in chosen],
+                data=chosen,
+            )
+        self._draw_roof()
+        self._draw_utilisation()
+        self.latest_label.setText(self._latest_text())
+
+    def _device_text(self) -> str:
+        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        loaded = self.state.loaded
+        if loaded is None:
+            return f"{muted}Roofline: load a model; its steps are placed against this device's measured limits.</span>"
+        info = loaded.info
+        lines = []
+        limits = self.limits
+        if limits is not None:
+            lines.append(
+                f"<b>{limits.device_name}</b> · {limits.dtype}: matmul peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> "
+                f"({limits.matmul_size}² matmul) · bandwidth <b>{si(limits.bandwidth, 'B/s')}</b> · "
+                f"ridge <b>{limits.ridge:.2f} FLOP/B</b> {muted}(measured {limits.measured_at}, "
+                f"{limits.threads} threads)</span>"
+            )
+        elif self.job.running:
+            lines.append(f"Measuring {info.device} in {info.dtype}: matmul peak and memory bandwidth…")
+        else:
+            lines.append(
+                f"{muted}Device limits for {info.device} in {info.dtype} not measured yet: press "
+                "<i>Measure device limits</i> to draw the roof and compute MFU and MBU.</span>"
+            )
+        if self.limits_error:
+            lines.append(f"<span style='color:{theme.WHAT_IF}'>Measuring failed: {self.limits_error}</span>")
+        if self.costs is None:
+            lines.append(f"{muted}The loaded model's shapes are unknown: its steps cannot be placed.</span>")
+        return "<br>".join(lines)
+
+    def _draw_roof(self) -> None:
+        limits = self.limits
+        visible = limits is not None
+        for item in (self.roof, self.ridge_line, self.memory_text, self.compute_text):
+            item.setVisible(visible)
+        if limits is None:
+            self.roof.setData([], [])
+            return
+        ridge = limits.ridge
+        xs = [p.intensity for p in self.points] + [ridge]
+        lo, hi = min(xs) / 4, max(xs) * 4
+        lo, hi = min(lo, ridge / 10), max(hi, ridge * 10)
+        x = np.log10([lo, ridge, hi])
+        y = np.log10([lo * limits.bandwidth, limits.peak_flops, limits.peak_flops])
+        self.roof.setData(x, y)
+        self.ridge_line.setPos(math.log10(ridge))
+        self.ridge_line.label.setFormat(f"ridge {ridge:.2f} FLOP/B")
+        top = math.log10(limits.peak_flops)
+        self.memory_text.setPos(math.log10(ridge) - 0.05, top)
+        self.compute_text.setPos(math.log10(ridge) + 0.05, top)
+
+    def _draw_utilisation(self) -> None:
+        for phase, label in self.utilisation.items():
+            colour = PHASE_COLOURS[phase]
+            head = f"<span style='color:{colour}'>●</span>&nbsp;{phase}"
+            chosen = self.phase_points(phase)
+            if not chosen:
+                label.setText(f"{head} <span style='color:{theme.MUTED_TEXT}'>no steps yet</span>")
+                label.setToolTip("")
+                continue
+            if self.limits is None:
+                rate = si(
+                    sum(p.flops for p in chosen[-UTILISATION_STEPS:])
+                    / sum(p.forward_s for p in chosen[-UTILISATION_STEPS:]),
+                    "FLOP/s",
+                )
+                label.setText(
+                    f"{head} <b>{rate}</b> <span style='color:{theme.MUTED_TEXT}'>(MFU/MBU need the limits)</span>"
+                )
+                label.setToolTip("Measure the device limits to compare this with the device's peak.")
+                continue
+            util = phase_utilisation(chosen, phase, self.limits, UTILISATION_STEPS)
+            label.setText(f"{head} MFU <b>{util.mfu.value:.1%}</b> · MBU <b>{util.mbu.value:.1%}</b>")
+            label.setToolTip(
+                f"{phase.capitalize()}, the last {util.steps} step{'s' if util.steps != 1 else ''}:\n"
+                f"{util.mfu.how}\n{util.mbu.how}\n\n{HOW_COUNTED}"
+            )
+
+    def _latest_text(self) -> str:
+        parts = []
+        for phase in PHASES:
+            chosen = self.phase_points(phase)
+            if not chosen:
+                continue
+            p = chosen[-1]
+            parts.append(
+                f"<span style='color:{PHASE_COLOURS[phase]}'>latest {phase}</span>: {p.num_seqs} "
+                f"seq{'s' if p.num_seqs != 1 else ''}, {p.query_tokens} tokens → {p.intensity:.2f} FLOP/B, "
+                f"{si(p.flops_per_s, 'FLOP/s')}"
+            )
+        if not parts:
+            return f"<span style='color:{theme.MUTED_TEXT}'>No engine steps yet: send a message.</span>"
+        return " &nbsp; ".join(parts)
+
+    def _point_tip(self, x: float, y: float, data: RooflinePoint) -> str:
+        lines = [
+            data.describe(),
+            f"{data.intensity:.2f} FLOP/B: {si(data.flops, 'FLOP')} over {si(data.bytes, 'B')}",
+            f"{si(data.flops_per_s, 'FLOP/s')} in {duration(data.forward_s)} (forward)",
+        ]
+        if self.limits is not None:
+            lines.append(
+                f"MFU {data.flops_per_s / self.limits.peak_flops:.1%} · MBU {data.bytes_per_s / self.limits.bandwidth:.1%}"
+            )
+        return "\n".join(lines)
