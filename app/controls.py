@@ -25,7 +25,8 @@ class ControlsPanel(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.model = ModelPicker(choice, default_budget_bytes)
         self.sampling = SamplingControls(params)
-        reset = QPushButton("Reset sampling to defaults")
+        reset = QPushButton("Reset to defaults")
+        reset.setToolTip("Back to kvscope's starting sampling settings")
         reset.clicked.connect(self._on_reset)
 
         model_box = QGroupBox("Model")

@@ -111,11 +111,15 @@ class SamplingControls(QWidget):
         self.stop.setPlaceholderText("none")
         self.ignore_eos = QCheckBox()
         self.snapshot_top_n = _int(0, 200)
-        self.what_if = QCheckBox("What-if: re-view past tokens under these settings")
-        self.what_if.setToolTip(
+        self.what_if = QCheckBox("What-if view")
+        what_if_text = (
             "The Probabilities panel recomputes the selected token's stages from its recorded "
-            "logits under the settings above, labelled as a what-if (the reply itself is unchanged)"
+            "logits under the settings above, labelled as a what-if (the reply itself is unchanged)."
         )
+        self.what_if.setToolTip(what_if_text)
+        what_if_hint = QLabel(what_if_text)
+        what_if_hint.setObjectName("hint")
+        what_if_hint.setWordWrap(True)
         self.error = QLabel()
         self.error.setObjectName("fieldError")
         self.error.setWordWrap(True)
@@ -158,6 +162,7 @@ class SamplingControls(QWidget):
         layout.addLayout(form)
         layout.addWidget(self.error)
         layout.addWidget(self.what_if)
+        layout.addWidget(what_if_hint)
 
         self._quiet = False
         self.set_params(params)

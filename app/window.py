@@ -126,7 +126,7 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(page_map, memory, Qt.Orientation.Horizontal)
         self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
         self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
-        self.resizeDocks([conversations, probabilities], [330, 420], Qt.Orientation.Horizontal)
+        self.resizeDocks([conversations, probabilities], [380, 420], Qt.Orientation.Horizontal)
         self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
         self.resizeDocks([page_map], [290], Qt.Orientation.Vertical)
 
