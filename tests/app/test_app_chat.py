@@ -271,3 +271,40 @@ def test_export_writes_markdown_and_json(make_window, qtbot, tmp_path):
     assert "**User**\n\nExport me" in (tmp_path / "c.md").read_text()
     data = json.loads((tmp_path / "c.json").read_text())
     assert [m["content"] for m in data["messages"]] == ["Export me", reply.text]
+
+
+def test_hovering_a_token_shows_it_until_the_pointer_leaves(make_window, qtbot):
+    window = make_window()
+    use_params(window, max_new_tokens=5)
+    event = send_and_wait(qtbot, window, "Hover")
+    window.chat.token_view.setChecked(True)
+    bubble = window.chat.transcript.bubbles[-1]
+    panel = window.panels.probabilities
+    bubble.token_hovered.emit(2)
+    assert not panel.following
+    assert (
+        panel.rows
+        and panel.rows[0].token_id == window.host.live.token(event.request_id, 2).snapshot.candidate_ids[0]
+    )
+    bubble.token_hovered.emit(None)  # left the tokens: back to following the latest token
+    assert panel.following
+    bubble.token_clicked.emit(1)
+    bubble.token_hovered.emit(3)
+    bubble.token_hovered.emit(None)  # with a token pinned, leaving returns to the pinned one
+    assert not panel.following and window.controller._pinned == (event.request_id, 1)
+
+
+def test_rename_and_delete_conversations(make_window, qtbot):
+    window = make_window()
+    use_params(window, max_new_tokens=2)
+    send_and_wait(qtbot, window, "Keep me")
+    kept = window.controller.conversation.id
+    window.controller.new_conversation()
+    send_and_wait(qtbot, window, "Delete me")
+    doomed = window.controller.conversation.id
+    window.controller.rename(kept, "  Renamed   chat ")
+    assert window.conversations.load(kept).title == "Renamed chat"
+    window.controller.delete(doomed)
+    assert window.conversations.load(doomed) is None
+    assert window.controller.conversation is None and not window.chat.transcript.bubbles
+    assert window.sidebar.ids() == [kept]
