@@ -92,10 +92,6 @@ def model_choice(args: argparse.Namespace, saved):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    from app.pyside_refcount_guard import guard_singletons
-
-    guard_singletons()  # before any signal is emitted; see the module for the PySide6 bug
-
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 

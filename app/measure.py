@@ -254,10 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("KVSCOPE_DATA_DIR", scratch.name)
     os.environ.setdefault("KVSCOPE_CONFIG_DIR", scratch.name)
 
-    from app.pyside_refcount_guard import guard_singletons
-
-    guard_singletons()  # see the module: PySide6 6.12.0 on Python 3.11 aborts without it
-
     from PySide6.QtWidgets import QApplication
 
     from app.theme import apply_theme

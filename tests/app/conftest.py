@@ -9,12 +9,6 @@ import pytest
 from app_windows import TEST_NUM_BLOCKS, start_tiny
 from PySide6.QtCore import QTimer
 
-from app.pyside_refcount_guard import guard_singletons
-
-# The app applies this guard in main(); tests build windows without main(), so apply it here
-# (a no-op where PySide6 has no refcount bug).
-guard_singletons()
-
 # Engine threads and model-inspection workers: none may outlive the test that started them.
 APP_THREAD_NAMES = ("kvscope-engine", "kvscope-inspect")
 
