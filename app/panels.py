@@ -16,9 +16,10 @@ class Panels:
     page_map: object  # widgets KVPageMapPanel
     memory: object  # widgets MemoryPanel
     latency: object  # widgets LatencyPanel
+    quality: object  # widgets QualityPanel
 
     def all(self) -> tuple:
-        return (self.probabilities, self.page_map, self.memory, self.latency)
+        return (self.probabilities, self.page_map, self.memory, self.latency, self.quality)
 
     def refresh(self, dirty: set[str]) -> None:
         for panel in self.all():
@@ -26,9 +27,17 @@ class Panels:
 
 
 def build_panels(live: LiveState) -> Panels:
+    from app.quality_jobs import QUALITY_SOURCES
     from widgets.kv_page_map import KVPageMapPanel
     from widgets.latency_panel import LatencyPanel
     from widgets.memory_panel import MemoryPanel
     from widgets.probability_panel import ProbabilityPanel
+    from widgets.quality_panel import QualityPanel
 
-    return Panels(ProbabilityPanel(live), KVPageMapPanel(live), MemoryPanel(live), LatencyPanel(live))
+    return Panels(
+        ProbabilityPanel(live),
+        KVPageMapPanel(live),
+        MemoryPanel(live),
+        LatencyPanel(live),
+        QualityPanel(live, QUALITY_SOURCES),
+    )

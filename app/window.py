@@ -26,6 +26,7 @@ from app.conversation_list import ConversationList
 from app.conversations import ConversationStore, StorageError
 from app.engine_host import EngineHost
 from app.panels import Panels, build_panels
+from app.quality_controller import QualityController
 from app.settings import AppSettings, ModelChoice
 from app.status_bar import StatusBar
 from engine.config import ConfigError, EngineConfig
@@ -69,6 +70,9 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         self.controller = ChatController(
             self.chat, self.sidebar, conversations, self.host, self.controls.sampling.params, parent=self
+        )
+        self.quality = QualityController(
+            self.host, self.controller, self.panels, self.controls.model, parent=self
         )
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
@@ -125,6 +129,9 @@ class MainWindow(QMainWindow):
         latency = self._dock("latency", "Latency", self.panels.latency, bottom)
         self.splitDockWidget(page_map, memory, Qt.Orientation.Horizontal)
         self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
+        quality = self._dock("quality", "Quantization quality", self.panels.quality, bottom)
+        self.tabifyDockWidget(latency, quality)
+        latency.raise_()
         self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
         self.resizeDocks([conversations, probabilities], [380, 420], Qt.Orientation.Horizontal)
         self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
@@ -340,6 +347,7 @@ class MainWindow(QMainWindow):
             self.settings.set_sampling(self.controls.sampling.params())
             # cancel -> stop -> join; the cancelled reply's final text is folded and saved here.
             self.host.shutdown()
+            self.quality.shutdown()  # a quality run finishes its current step, then stops
             self.controls.model.wait_for_estimate()
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()

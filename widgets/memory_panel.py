@@ -3,7 +3,9 @@
 Every series is named with where its number comes from (tensor sizes for weights and the KV
 pool, block count for KV in use, the engine's probe for the process: psutil RSS on CPU, torch
 CUDA counters or NVML on a GPU). The y axis uses one binary unit (MiB or GiB) chosen from the
-largest value, so tick labels stay round.
+largest value, so tick labels stay round. With quantized weights (`set_weights_scheme`) the
+weights series names its scheme and a dashed line marks what the same weights take in full
+precision, so the saving reads straight off the graph.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ class MemoryPanel(QWidget):
         item.setLabel("bottom", "time since start (s)")
         item.setLabel("left", self.unit[0])
         self.curves: dict[str, pg.PlotDataItem] = {}
+        self.weights_scheme: str | None = None  # None: the weights are not quantized
+        self.full_precision: tuple[int, str] | None = None  # (bytes, load dtype) when quantized
+        self.full_precision_line = pg.InfiniteLine(
+            angle=0, pen=pg.mkPen(theme.SERIES["weights"], width=1, style=Qt.PenStyle.DashLine)
+        )
+        self.full_precision_line.hide()
+        item.addItem(self.full_precision_line, ignoreBounds=True)
         for key, _ in SERIES:
             dashed = key == "reserved"
             pen = pg.mkPen(
@@ -64,6 +73,14 @@ class MemoryPanel(QWidget):
 
     def flush(self) -> None:
         """Redraw now (the same call as on the other panels, before a screenshot)."""
+        self._redraw()
+
+    def set_weights_scheme(self, scheme: str | None, full_bytes: int | None = None, dtype: str = "") -> None:
+        """The loaded model's weight quantization (None or 'none': full precision) and, when
+        quantized, the bytes of its parameters in the load dtype `dtype`."""
+        quantized = scheme not in (None, "none") and full_bytes is not None
+        self.weights_scheme = scheme if quantized else None
+        self.full_precision = (full_bytes, dtype) if quantized else None
         self._redraw()
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -87,6 +104,8 @@ class MemoryPanel(QWidget):
         # Reserved differs from the process figure only where the probe has both (CUDA).
         show_reserved = bool(np.any(columns["reserved"] != columns["process"]))
         largest = max(float(np.nanmax(columns[key])) for key, _ in SERIES)
+        if self.full_precision is not None:
+            largest = max(largest, float(self.full_precision[0]))
         unit = byte_unit(largest)
         if unit != self.unit:
             self.unit = unit
@@ -99,6 +118,11 @@ class MemoryPanel(QWidget):
                 curve.setData(x, columns[key] / unit[1])
             else:
                 curve.setData([], [])
+        if self.full_precision is not None:
+            self.full_precision_line.setValue(self.full_precision[0] / unit[1])
+            self.full_precision_line.show()
+        else:
+            self.full_precision_line.hide()
         self.legend.setText(self._readout(columns, shown))
 
     def _readout(self, columns: dict[str, np.ndarray], shown: tuple[str, ...]) -> str:
@@ -106,12 +130,20 @@ class MemoryPanel(QWidget):
         source = self.state.memory_source
         labels = dict(SERIES)
         entries = []
+        if self.weights_scheme is not None:
+            labels["weights"] = f"weights, {self.weights_scheme} (tensor sizes)"
         for key in shown:
             value = float(columns[key][-1])
             entries.append(
                 legend_entry(theme.SERIES[key], labels[key].format(source=source))
                 + f" <b>{format_bytes(value)}</b>"
             )
+            if key == "weights" and self.full_precision is not None:
+                full, dtype = self.full_precision
+                entries.append(
+                    legend_entry(theme.SERIES["weights"], f"same weights in {dtype} (parameters × size)", "┅")
+                    + f" <b>{format_bytes(full)}</b>"
+                )
         total = float(self.state.memory.column("device_total")[-1])
         if total > 0:
             entries.append(f"<span style='color:{theme.MUTED_TEXT}'>of {format_bytes(total)} total</span>")

@@ -3,6 +3,7 @@
 Each row: the token text, a solid bar for its probability after the chosen stage, an outline
 ("ghost") for its raw probability, and the percentage. Rows a stage removed are greyed and
 struck through, with a dashed line where a cut begins. The drawn token's row is highlighted.
+When a quality run measured it, a tick marks the full-precision reference's raw probability.
 QPainter rather than a plot: text-heavy rows read better than axis ticks at small sizes.
 """
 
@@ -18,6 +19,7 @@ from widgets.probability_rows import BarRow, cut_lines, stage_label
 MIN_ROW_PX = 15.0
 MAX_ROW_PX = 24.0
 MARGIN = 6.0
+REFERENCE_COLOUR = "#ff79c6"  # the full-precision reference's tick: distinct from every bar colour
 
 
 def percent(p: float) -> str:
@@ -86,7 +88,7 @@ class ProbabilityBars(QWidget):
         value_w = metrics.horizontalAdvance("100.0%") + 8.0
         bar_x = MARGIN + label_w + 6.0
         bar_w = max(10.0, width - bar_x - value_w - MARGIN)
-        scale = max(max(r.prob, r.raw_prob) for r in rows) or 1.0
+        scale = max(max(r.prob, r.raw_prob, r.reference_prob or 0.0) for r in rows) or 1.0
         bar_h = max(4.0, self._row_px * 0.62)
 
         for i, row in enumerate(rows):
@@ -126,6 +128,10 @@ class ProbabilityBars(QWidget):
             painter.setPen(QPen(QColor(170, 176, 188), 1.0, Qt.PenStyle.SolidLine))
             painter.setBrush(Qt.BrushStyle.NoBrush)
             painter.drawRect(ghost)
+            if row.reference_prob is not None:  # the reference's raw probability: a tick
+                x = bar_x + bar_w * row.reference_prob / scale
+                painter.setPen(QPen(QColor(REFERENCE_COLOUR), 2.0))
+                painter.drawLine(QPointF(x, y + 1), QPointF(x, y + self._row_px - 1))
             # value
             painter.setPen(color)
             painter.drawText(
@@ -171,6 +177,8 @@ class ProbabilityBars(QWidget):
             lines.append(f"{stage_label(name)}: {percent(p)}")
         if row.removed_by:
             lines.append(f"removed by {stage_label(row.removed_by)}")
+        if row.reference_prob is not None:
+            lines.append(f"full-precision reference (raw): {percent(row.reference_prob)}")
         return "<br>".join(lines)
 
     def event(self, event) -> bool:

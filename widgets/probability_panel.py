@@ -3,10 +3,14 @@
 Follows the latest generated token unless `show_token` pins one. A row of stage buttons picks
 which stage the bars show (the final one by default); the raw distribution stays visible as
 ghost outlines. With `set_what_if(params)` the stages are recomputed from the token's snapshot
-by `engine.sampling.what_if` and the panel says so in a banner.
+by `engine.sampling.what_if` and the panel says so in a banner. With `set_reference_source`,
+the full-precision reference of a quality run is drawn as a tick on each row where it exists.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
@@ -15,8 +19,9 @@ from app.store import LiveState
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated
 from widgets import theme
-from widgets.probability_bars import ProbabilityBars, percent
+from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
+from widgets.reference import ReferenceDistribution
 from widgets.throttle import RedrawThrottle
 from widgets.token_text import visible
 
@@ -54,6 +59,9 @@ class ProbabilityPanel(QWidget):
         self.stages: tuple[StageSnapshot, ...] = ()
         self.stage_name: str | None = None
         self.what_if_error: str | None = None
+        # (request id, token index) -> the full-precision reference there, or None
+        self._reference_source: Callable[[int, int], ReferenceDistribution | None] | None = None
+        self.reference: ReferenceDistribution | None = None
         self.throttle = RedrawThrottle(FOLLOW_REDRAW_INTERVAL_S)
 
         self.setObjectName("probabilityPanel")
@@ -79,6 +87,10 @@ class ProbabilityPanel(QWidget):
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
         self.summary = QLabel()
         self.summary.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.reference_note = QLabel()
+        self.reference_note.setTextFormat(Qt.TextFormat.RichText)
+        self.reference_note.setWordWrap(True)
+        self.reference_note.hide()
         self.bars = ProbabilityBars()
 
         layout = QVBoxLayout(self)
@@ -91,6 +103,7 @@ class ProbabilityPanel(QWidget):
         stage_row.addStretch(1)
         layout.addLayout(stage_row)
         layout.addWidget(self.summary)
+        layout.addWidget(self.reference_note)
         layout.addWidget(self.bars, 1)
         self._update()
 
@@ -105,6 +118,11 @@ class ProbabilityPanel(QWidget):
     def set_what_if(self, params: SamplingParams | None) -> None:
         """Show the selected token's stages recomputed under `params` (None: as recorded)."""
         self._what_if = params
+        self._update()
+
+    def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:
+        """Where the full-precision reference of a token comes from (a quality run's results)."""
+        self._reference_source = source
         self._update()
 
     def select_stage(self, name: str | None) -> None:
@@ -166,8 +184,23 @@ class ProbabilityPanel(QWidget):
         self.stage_name = names[index]
         self._sync_stage_buttons(stages, index, vocab=stages[0].kept_count)
         self.summary.setText(stage_summary(stages[index], stages[0].kept_count))
-        self.bars.set_rows(bar_rows(token.snapshot, stages, index), names)
+        rows = bar_rows(token.snapshot, stages, index)
+        self.bars.set_rows(self._with_reference(token, rows), names)
         self._set_header(token, stages)
+
+    def _with_reference(self, token: TokenGenerated, rows: list[BarRow]) -> list[BarRow]:
+        """The rows with the reference's probability where a quality run has this token."""
+        ref = self._reference_source(token.request_id, token.index) if self._reference_source else None
+        self.reference = ref
+        if ref is None:
+            self.reference_note.hide()
+            return rows
+        self.reference_note.setText(
+            f"<span style='color:{REFERENCE_COLOUR}'>▎</span> {ref.label}, raw: KL {ref.kl:.3g} nats here;"
+            f" its top token <b>{_html(visible(ref.top_text))}</b> {percent(ref.top_prob)}"
+        )
+        self.reference_note.show()
+        return [dataclasses.replace(row, reference_prob=ref.probs.get(row.token_id)) for row in rows]
 
     def _stages_for(self, token: TokenGenerated) -> tuple[StageSnapshot, ...]:
         self.what_if_error = None
@@ -186,6 +219,8 @@ class ProbabilityPanel(QWidget):
 
     def _clear(self, message: str) -> None:
         self.stages, self.stage_name = (), None
+        self.reference = None
+        self.reference_note.hide()
         self.bars.set_message(message)
         self.summary.setText("")
         self.header.setText(f"<span style='color:{theme.MUTED_TEXT}'>Token probabilities</span>")

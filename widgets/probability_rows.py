@@ -39,6 +39,8 @@ class BarRow:
     removed_by: str | None  # the stage (at or before the shown one) that removed it
     drawn: bool
     stage_probs: tuple[float, ...]  # every stage, for the row's tooltip
+    # The full-precision reference's raw probability here, when a quality run measured it.
+    reference_prob: float | None = None
 
 
 def bar_rows(snapshot: TokenSnapshot, stages: tuple[StageSnapshot, ...], stage_index: int) -> list[BarRow]:
