@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Signal, Slot
 
 Progress = Callable[[str], None]
 
@@ -46,15 +46,22 @@ class BackgroundJob(QObject):
         self.thread_name = thread_name
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._active = False
+        # Connected first, so it runs before any other receiver of the outcome: by the time a
+        # view handles it, `running` is already False and the view can re-enable its controls.
+        for outcome in (self.succeeded, self.failed, self.cancelled):
+            outcome.connect(self._on_outcome)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """From start() until the outcome has reached the GUI thread."""
+        return self._active
 
     def start(self, work: Callable[[Progress], object]) -> None:
-        if self.running:
+        if self._active or (self._thread is not None and self._thread.is_alive()):
             raise RuntimeError(f"{self.thread_name} is already running")
         self._cancel.clear()
+        self._active = True
         self._thread = threading.Thread(target=self._run, args=(work,), name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -62,10 +69,14 @@ class BackgroundJob(QObject):
         self._cancel.set()
 
     def wait(self, timeout: float) -> bool:
-        """Join the worker (window close, tests); True when no worker is left running."""
+        """Join the worker (window close, tests); True when no worker thread is left."""
         if self._thread is not None:
             self._thread.join(timeout)
-        return not self.running
+        return self._thread is None or not self._thread.is_alive()
+
+    @Slot()
+    def _on_outcome(self, *_args) -> None:
+        self._active = False
 
     def _report(self, message: str) -> None:
         if self._cancel.is_set():

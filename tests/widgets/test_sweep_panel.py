@@ -1,0 +1,160 @@
+"""Sweep view: the explanation follows the measured ratios, lengths are parsed with reasons, and a
+real per-dtype sweep of the tiny model runs off the GUI thread with progress, plot and cancel."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from widgets.sweep_panel import SweepPanel, parse_lengths, progress_steps
+from widgets.sweep_summary import bound_from_dtype_change, change, explain
+
+# The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+
+def report(prefill_ratio: float, decode_ratio: float, byte_ratio: float = 0.5, device: str = "cpu") -> dict:
+    """A compare_dtypes-shaped report: float32 rows, and bfloat16 rows at the given time ratios
+    (new / baseline) moving `byte_ratio` of the bytes."""
+    prompt, context = [], []
+    for n, ttft in ((32, 0.02), (128, 0.08), (512, 0.32)):
+        nbytes = 5.4e8 + n * 1e4
+        prompt += [
+            {"dtype": "float32", "prompt_tokens": n, "ttft_s": ttft, "bytes": nbytes},
+            {
+                "dtype": "bfloat16",
+                "prompt_tokens": n,
+                "ttft_s": ttft * prefill_ratio,
+                "bytes": nbytes * byte_ratio,
+            },
+        ]
+    for n, itl in ((128, 0.030), (1024, 0.036)):
+        kv = n * 1.8e4
+        per_token = 5.4e8 + kv
+        context += [
+            {"dtype": "float32", "context_tokens": n, "median_itl_s": itl, "bytes_per_token": per_token,
+             "kv_read_bytes": kv},
+            {"dtype": "bfloat16", "context_tokens": n, "median_itl_s": itl * decode_ratio,
+             "bytes_per_token": per_token * byte_ratio, "kv_read_bytes": kv * byte_ratio},
+        ]  # fmt: skip
+    return {
+        "model": "m",
+        "device": device,
+        "baseline_dtype": "float32",
+        "prompt_lengths": prompt,
+        "context_lengths": context,
+    }
+
+
+def test_cpu_bf16_story_prefill_compute_bound_decode_memory_bound():
+    text = explain(report(prefill_ratio=2.9, decode_ratio=1 / 1.7))
+    assert text.startswith(
+        "bfloat16 prefill 2.9x slower, decode 1.7x faster than float32, with 2.0x fewer bytes per decode "
+        "step: prefill is compute-bound, decode memory-bound on this CPU."
+    )
+    # The scaling sentence, from the float32 rows: 16x the prompt took 16x the time.
+    assert "TTFT grew 16.0x from 32 to 512 prompt tokens (16x the tokens" in text
+    assert "ITL grew 1.20x from 128 to 1024 tokens of context" in text
+
+
+def test_both_phases_following_the_bytes_are_memory_bound():
+    assert "both phases are memory-bound on this GPU" in explain(report(0.55, 0.52, device="cuda:0"))
+
+
+def test_faster_than_the_bytes_explain_is_compute_bound():
+    # 4x faster with half the bytes: faster arithmetic (tensor cores), not the bytes.
+    assert bound_from_dtype_change(0.25, 0.5) == "compute-bound"
+    assert bound_from_dtype_change(0.55, 0.5) == "memory-bound"
+    assert bound_from_dtype_change(1.2, 0.5) == "compute-bound"
+    assert bound_from_dtype_change(0.5, 1.0) is None  # same bytes: nothing to tell them apart
+    assert change(1.04) == "about as fast" and change(0.5) == "2.0x faster" and change(3.0) == "3.0x slower"
+
+
+def test_same_sized_dtypes_are_put_down_to_arithmetic():
+    text = explain(report(1.5, 1.0, byte_ratio=1.0))
+    assert "moving about the same bytes: the difference is the speed of their arithmetic" in text
+
+
+def test_lengths_are_parsed_with_reasons():
+    assert parse_lengths(" 512, 32,128 ,32", "prompt lengths") == [32, 128, 512]
+    with pytest.raises(ValueError, match="whole numbers"):
+        parse_lengths("32, many", "prompt lengths")
+    with pytest.raises(ValueError, match="at least one length"):
+        parse_lengths("0", "context lengths")
+    assert progress_steps(dtypes=2, prompts=3, contexts=3, repeats=2) == 2 + 2 * 2 * 6
+
+
+@pytest.fixture
+def panel(qtbot):
+    widget = SweepPanel()
+    qtbot.addWidget(widget)
+    yield widget
+    assert widget.shutdown(120)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_tokenizer):
+    from model_folders import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("sweep") / "tiny", default_tokenizer)
+
+
+def configure(panel: SweepPanel, folder: Path) -> None:
+    panel.set_model(str(folder), "cpu", "tiny")
+    panel.prompt_lengths.setText("8,32")
+    panel.context_lengths.setText("16,48")
+    panel.decode_tokens.setValue(2)
+    panel.repeats.setValue(1)
+
+
+def test_no_model_no_run_and_bad_input_says_why(panel):
+    assert not panel.run_button.isEnabled()
+    panel.set_model("default", "cpu")
+    panel.prompt_lengths.setText("eight")
+    panel.run()
+    assert "whole numbers" in panel.status.text() and not panel.job.running
+
+
+def test_real_sweep_of_the_tiny_model_in_two_dtypes(panel, qtbot, tiny_folder):
+    configure(panel, tiny_folder)
+    messages = []
+    panel.job.progress.connect(messages.append)
+    with qtbot.waitSignal(panel.job.succeeded, timeout=300_000):
+        panel.run_button.click()
+        assert panel.cancel_button.isEnabled() and not panel.run_button.isEnabled()
+    qtbot.waitUntil(lambda: panel.progress.value() == panel.progress.maximum(), timeout=10_000)
+    assert len(messages) == panel.progress.maximum() == progress_steps(2, 2, 2, 1)
+    rows = panel.report["prompt_lengths"]
+    for dtype in ("float32", "bfloat16"):
+        x, y = panel.curve("ttft", dtype)
+        assert x == [8, 32]
+        assert y == [1000 * r["ttft_s"] for r in rows if r["dtype"] == dtype]
+        assert panel.curve("itl", dtype)[0] == [16, 48]
+    assert panel.explanation.text() == explain(panel.report)
+    assert panel.explanation.text().startswith("bfloat16 prefill ")
+    assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
+
+
+def test_cancel_stops_the_sweep_between_runs(panel, qtbot, tiny_folder):
+    configure(panel, tiny_folder)
+    panel.repeats.setValue(3)
+
+    def cancel_on_first_progress(_message: str) -> None:
+        panel.cancel()
+
+    panel.job.progress.connect(cancel_on_first_progress)
+    with qtbot.waitSignal(panel.job.cancelled, timeout=300_000):
+        panel.run_button.click()
+    assert "cancelled" in panel.status.text()
+    assert panel.report is None and panel.run_button.isEnabled()
+
+
+def test_a_dtype_the_device_refuses_fails_with_the_loaders_reason(panel, qtbot, tiny_folder):
+    configure(panel, tiny_folder)
+    for dtype, box in panel.dtype_boxes.items():
+        box.setChecked(dtype == "float16")
+    with qtbot.waitSignal(panel.job.failed, timeout=120_000):
+        panel.run_button.click()
+    assert "The sweep failed" in panel.status.text() and "float16" in panel.status.text()
