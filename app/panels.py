@@ -17,9 +17,10 @@ class Panels:
     memory: object  # widgets MemoryPanel
     latency: object  # widgets LatencyPanel
     quality: object  # widgets QualityPanel
+    roofline: object  # widgets RooflinePanel
 
     def all(self) -> tuple:
-        return (self.probabilities, self.page_map, self.memory, self.latency, self.quality)
+        return (self.probabilities, self.page_map, self.memory, self.latency, self.quality, self.roofline)
 
     def refresh(self, dirty: set[str]) -> None:
         for panel in self.all():
@@ -33,6 +34,7 @@ def build_panels(live: LiveState) -> Panels:
     from widgets.memory_panel import MemoryPanel
     from widgets.probability_panel import ProbabilityPanel
     from widgets.quality_panel import QualityPanel
+    from widgets.roofline_panel import RooflinePanel
 
     return Panels(
         ProbabilityPanel(live),
@@ -40,4 +42,5 @@ def build_panels(live: LiveState) -> Panels:
         MemoryPanel(live),
         LatencyPanel(live),
         QualityPanel(live, QUALITY_SOURCES),
+        RooflinePanel(live),
     )

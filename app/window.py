@@ -26,6 +26,7 @@ from app.conversation_list import ConversationList
 from app.conversations import ConversationStore, StorageError
 from app.engine_host import EngineHost
 from app.panels import Panels, build_panels
+from app.physics_views import PhysicsViews
 from app.quality_controller import QualityController
 from app.settings import AppSettings, ModelChoice
 from app.status_bar import StatusBar
@@ -74,6 +75,7 @@ class MainWindow(QMainWindow):
         self.quality = QualityController(
             self.host, self.controller, self.panels, self.controls.model, parent=self
         )
+        self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
@@ -131,7 +133,15 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
         quality = self._dock("quality", "Quantization quality", self.panels.quality, bottom)
         self.tabifyDockWidget(latency, quality)
+        roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom)
+        self.tabifyDockWidget(latency, roofline)
         latency.raise_()
+        # The calculator and the sweeps need height more than width: tabs beside the probabilities.
+        kv_calculator = self._dock("kv_calculator", "KV memory calculator", self.physics.kv_calculator, right)
+        sweep = self._dock("sweep", "Latency sweeps", self.physics.sweep, right)
+        self.tabifyDockWidget(probabilities, kv_calculator)
+        self.tabifyDockWidget(probabilities, sweep)
+        probabilities.raise_()
         self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
         self.resizeDocks([conversations, probabilities], [380, 420], Qt.Orientation.Horizontal)
         self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
@@ -156,6 +166,7 @@ class MainWindow(QMainWindow):
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
         self._action(view_menu, "&Reset layout", self.reset_layout)
+        self.physics.fill_menu(self.menuBar().addMenu("&Physics"), self.docks)
         help_menu = self.menuBar().addMenu("&Help")
         self._action(help_menu, "&About kvscope", self._about)
 
@@ -348,6 +359,7 @@ class MainWindow(QMainWindow):
             # cancel -> stop -> join; the cancelled reply's final text is folded and saved here.
             self.host.shutdown()
             self.quality.shutdown()  # a quality run finishes its current step, then stops
+            self.physics.shutdown()  # a sweep stops at its next run; a limits measurement finishes
             self.controls.model.wait_for_estimate()
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()

@@ -47,7 +47,7 @@ class KVCalculator(QWidget):
         self.error = ""
         self.follows_loaded = True  # until the user edits a field, the loaded model fills them
         self._filling = False
-        self.job = BackgroundJob("kvscope-inspect", self)
+        self.job = BackgroundJob("kvscope-kv-calculator", self)
         self.job.succeeded.connect(self._on_inspected)
         self.job.failed.connect(self._on_inspect_failed)
         self.setObjectName("kvCalculator")

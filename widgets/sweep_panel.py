@@ -13,6 +13,7 @@ from __future__ import annotations
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Slot
 from PySide6.QtWidgets import (
+    QBoxLayout,
     QCheckBox,
     QFormLayout,
     QHBoxLayout,
@@ -37,6 +38,8 @@ DTYPE_COLOURS = {"float32": "#5b9bd5", "bfloat16": "#e8833a", "float16": "#5fd38
 DEFAULT_PROMPT_LENGTHS = "32,128,512"
 DEFAULT_CONTEXT_LENGTHS = "128,512,1024"
 DEFAULT_DTYPES = ("float32", "bfloat16")
+# Below this width two plots side by side get too narrow to read their axes.
+SIDE_BY_SIDE_MIN_WIDTH = 640
 
 
 def parse_lengths(text: str, what: str) -> list[int]:
@@ -143,7 +146,7 @@ class SweepPanel(QWidget):
         settings.addLayout(form)
         settings.addLayout(buttons)
         settings.addWidget(self.status)
-        plots = QHBoxLayout()
+        plots = self._plots = QBoxLayout(QBoxLayout.Direction.LeftToRight)
         plots.addWidget(self.ttft_plot, 1)
         plots.addWidget(self.itl_plot, 1)
         layout = QVBoxLayout(self)
@@ -157,6 +160,14 @@ class SweepPanel(QWidget):
         self.run_button.clicked.connect(self.run)
         self.cancel_button.clicked.connect(self.cancel)
         self._update_controls()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        # Side by side when there is room, stacked in a narrow dock (the right-hand column).
+        wide = event.size().width() >= SIDE_BY_SIDE_MIN_WIDTH
+        self._plots.setDirection(
+            QBoxLayout.Direction.LeftToRight if wide else QBoxLayout.Direction.TopToBottom
+        )
+        super().resizeEvent(event)
 
     def _plot(self, x_label: str, y_label: str) -> pg.PlotWidget:
         plot = styled_plot({"bottom": LogValueAxis("bottom")})

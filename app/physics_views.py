@@ -1,0 +1,76 @@
+"""The physics-of-inference views and what they need from the app: the roofline panel (a live
+panel, refreshed with the others), the KV memory calculator and the sweep view, each told about
+the model the engine loads, their workers stopped when the window closes, and a menu to reach them.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Slot
+from PySide6.QtWidgets import QDockWidget, QMenu
+
+from app.engine_host import EngineHost
+from engine.model_shapes import ModelShapes
+from widgets.kv_calculator import KVCalculator
+from widgets.roofline_panel import RooflinePanel
+from widgets.sweep_panel import SweepPanel
+
+# Closing the window waits this long for a measurement in flight: device limits cannot be
+# interrupted (about ten seconds), a sweep stops at its next run.
+SHUTDOWN_TIMEOUT_S = 30.0
+# (dock key, menu text) of the views, in menu order.
+DOCKS = (("roofline", "&Roofline"), ("kv_calculator", "&KV memory calculator"), ("sweep", "Latency &sweeps"))
+
+
+def loaded_model_shapes(host: EngineHost) -> ModelShapes | None:
+    """The running model's shapes, read from its config.
+
+    ModelLoaded's ModelInfo lacks the MLP width and whether the LM head is tied, and the FLOP and
+    byte counts need both. The config is set at load and never changes after, so reading it from
+    the GUI thread once the model has loaded is safe."""
+    engine = host.engine
+    core = engine.core if engine is not None else None
+    if core is None:
+        return None
+    return ModelShapes.from_config(core.loaded.model.config)
+
+
+def sweep_device(device: str) -> str:
+    """The ModelSpec device that loads on the device a model runs on ("cuda:0" -> "cuda")."""
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+class PhysicsViews(QObject):
+    def __init__(self, host: EngineHost, roofline: RooflinePanel, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.host = host
+        self.roofline = roofline
+        self.kv_calculator = KVCalculator(host.live)
+        self.sweep = SweepPanel()
+        self.sweep.set_model(None)
+        host.model_loaded.connect(self._on_model_loaded)
+
+    @Slot(object)
+    def _on_model_loaded(self, event) -> None:
+        info = event.info
+        self.roofline.set_model_shapes(loaded_model_shapes(self.host))
+        self.kv_calculator.model_loaded()
+        # The sweep loads the same source again, once per dtype it compares.
+        self.sweep.set_model(info.source, sweep_device(info.device), info.name)
+
+    def fill_menu(self, menu: QMenu, docks: dict[str, QDockWidget]) -> None:
+        """One entry per view that shows and raises its dock, and the limits measurement."""
+        for key, text in DOCKS:
+            action = menu.addAction(text)
+            action.triggered.connect(docks[key].show)
+            action.triggered.connect(docks[key].raise_)
+        menu.addSeparator()
+        measure = menu.addAction("&Measure device limits")
+        measure.triggered.connect(docks["roofline"].show)
+        measure.triggered.connect(docks["roofline"].raise_)
+        measure.triggered.connect(self.roofline.measure_limits)
+
+    def shutdown(self) -> bool:
+        """Window closing: cancel the sweep and wait for every worker; True when none is left."""
+        stopped = self.sweep.shutdown(SHUTDOWN_TIMEOUT_S)
+        stopped &= self.roofline.shutdown(SHUTDOWN_TIMEOUT_S)
+        return self.kv_calculator.shutdown(SHUTDOWN_TIMEOUT_S) and stopped
