@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     run = None
     if scripted:
         run = ScriptedRun(window, args.prompt, args.screenshot, args.quit_after_reply, args.timeout)
+        run.done.connect(app.exit)
     code = app.exec()
     conversations.close()
     return run.exit_code if run is not None and run.finished else code

@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QTimer, Slot
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtWidgets import QApplication
 
 from app.store import DIRTY_KEYS
@@ -33,6 +33,11 @@ def most_uncertain_token(tokens) -> int | None:
 
 
 class ScriptedRun(QObject):
+    """Emits `done(exit_code)` once; the entry point connects it to the application's exit
+    (left to the caller so that tests can run a script without ending their Qt application)."""
+
+    done = Signal(int)
+
     def __init__(
         self,
         window: MainWindow,
@@ -131,4 +136,4 @@ class ScriptedRun(QObject):
         self._deadline.stop()
         if self.quit_after_reply or code != 0:
             self.window.close()
-            QApplication.instance().exit(code)
+            self.done.emit(code)
