@@ -37,6 +37,24 @@ def make_tiny_llama(vocab_size: int = 49152, seed: int = 0, **overrides):
     return model
 
 
+class IdTokenizer:
+    """Enough of a tokenizer for raw-token requests to a tiny model: ids print as <id>."""
+
+    eos_token_id = 2
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids, **kwargs):
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text):
+        return [ord(c) % self.vocab_size for c in text]
+
+    def __len__(self):
+        return self.vocab_size
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from engine.loading import load_default_tokenizer

@@ -3,7 +3,7 @@ under continuous batching, chunked prefill, prefix caching and preemption."""
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import RequestFailed, RequestFinished
@@ -15,19 +15,10 @@ VOCAB = 800
 NEW = 24
 
 
-class IdTokenizer:
-    """Enough of a tokenizer for raw-token requests: ids print as numbers."""
-
-    eos_token_id = 2
-
-    def decode(self, ids, **kwargs):
-        return "".join(f"<{i}>" for i in ids)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     model = make_tiny_llama(vocab_size=VOCAB, seed=5)
-    return LoadedModel.from_model(model, IdTokenizer(), name="tiny", source="test")
+    return LoadedModel.from_model(model, IdTokenizer(VOCAB), name="tiny", source="test")
 
 
 @pytest.fixture(scope="module")

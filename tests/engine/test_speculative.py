@@ -3,7 +3,7 @@ target distribution, and clean KV rollback after rejections."""
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.events import BlockEvent, RequestFinished, SpecRound, TokenGenerated
@@ -16,23 +16,10 @@ VOCAB = 300
 NEW = 30
 
 
-class IdTokenizer:
-    eos_token_id = 2
-
-    def decode(self, ids, **kwargs):
-        return "".join(f"<{i}>" for i in ids)
-
-    def __len__(self):
-        return VOCAB
-
-    def encode(self, text):
-        return [ord(c) % VOCAB for c in text]
-
-
 @pytest.fixture(scope="module")
 def tiny():
     model = make_tiny_llama(vocab_size=VOCAB, seed=9, num_hidden_layers=4, tie_word_embeddings=False)
-    return LoadedModel.from_model(model, IdTokenizer(), name="tiny", source="test")
+    return LoadedModel.from_model(model, IdTokenizer(VOCAB), name="tiny", source="test")
 
 
 # repetitive prompts give n-gram lookup something to find
