@@ -37,6 +37,7 @@ from widgets.units import byte_unit, format_bytes
 GIB = 1 << 30
 BATCH_COLOURS = ("#5b9bd5", "#5fd38d", "#f0b429", "#e8833a", "#9b7ede")
 CHART_POINTS = 64
+CHART_HEADROOM = 1.3
 
 
 class KVCalculator(QWidget):
@@ -90,6 +91,9 @@ class KVCalculator(QWidget):
         self.legend.setWordWrap(True)
         self.plot = styled_plot()
         item = self.plot.getPlotItem()
+        # A few straight lines: nothing to clip or downsample (peak downsampling would step them).
+        item.setClipToView(False)
+        item.setDownsampling(auto=False)
         item.setLabel("bottom", "context (tokens per sequence)")
         self.curves: dict[int, pg.PlotDataItem] = {}
         self.budget_line = pg.InfiniteLine(
@@ -290,7 +294,7 @@ class KVCalculator(QWidget):
         lines.append(per_token)
         lines.append(
             f"Per sequence at {c.context:,} tokens <b>{format_bytes(c.bytes_per_sequence)}</b> · "
-            f"× {c.batch:,} sequences = <b>{format_bytes(c.total_bytes)}</b>"
+            f"× {c.batch:,} sequence{'s' if c.batch != 1 else ''} = <b>{format_bytes(c.total_bytes)}</b>"
         )
         if c.budget_bytes:
             beside = c.bytes_beside_weights
@@ -314,7 +318,9 @@ class KVCalculator(QWidget):
             self.budget_line.hide()
             return
         batches = chart_batches(c.batch)
-        largest = max(c.kv_bytes(np.array([c.context]), max(batches))[0], c.bytes_beside_weights)
+        # The y range ends a little above the chosen batch and the budget: larger batches leave
+        # the chart where they outgrow it, rather than flattening every other line to the floor.
+        largest = max(c.total_bytes, c.bytes_beside_weights)
         unit, size = byte_unit(largest)
         item.setLabel("left", f"KV cache ({unit})")
         contexts = np.linspace(0, c.context, CHART_POINTS)
@@ -333,6 +339,8 @@ class KVCalculator(QWidget):
                 f"budget beside the weights: {format_bytes(c.bytes_beside_weights)}"
             )
         self.legend.setText(" &nbsp; ".join(entries))
+        item.setXRange(0, c.context, padding=0.02)
+        item.setYRange(0, CHART_HEADROOM * largest / size, padding=0)
 
     def curve(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
         data = self.curves[batch]

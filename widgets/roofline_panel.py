@@ -30,7 +30,7 @@ from engine.model_shapes import ModelShapes
 from engine.roofline import duration, si
 from widgets import theme
 from widgets.background_job import BackgroundJob
-from widgets.plot_style import legend_entry, styled_plot
+from widgets.plot_style import styled_plot
 from widgets.roofline_points import PHASES, ModelCosts, RooflinePoint, phase_utilisation, point_from_step
 from widgets.si_axis import SILogAxis
 from widgets.throttle import RedrawThrottle
@@ -43,10 +43,10 @@ MAX_POINTS = 2000
 # (a page fault, a GC pause), few enough to follow a change of batch size within a reply.
 UTILISATION_STEPS = 32
 PHASE_COLOURS = {"prefill": "#e8833a", "decode": "#5b9bd5", "mixed": "#9b7ede"}
-PHASE_LABELS = {
-    "prefill": "prefill steps",
-    "decode": "decode steps",
-    "mixed": "mixed (prefill chunk + decodes)",
+PHASE_MEANING = {
+    "prefill": "steps that only prefill prompt tokens",
+    "decode": "steps that only decode (one new token per sequence)",
+    "mixed": "steps with prefill chunks and decodes in one forward (continuous batching)",
 }
 ROOF_COLOUR = theme.PANEL_TEXT
 NO_PEN = pg.mkPen(None)
@@ -93,12 +93,11 @@ class RooflinePanel(QWidget):
             "Measure while no reply is generating: the engine and the measurement share the device."
         )
         self.measure_button.clicked.connect(self.measure_limits)
-        self.utilisation = {phase: QLabel() for phase in ("prefill", "decode")}
+        # One label per phase: its colour mark (the legend), its MFU and MBU, and in the tooltip
+        # how they were computed and its latest step.
+        self.utilisation = {phase: QLabel() for phase in PHASES}
         for label in self.utilisation.values():
             label.setTextFormat(Qt.TextFormat.RichText)
-        self.latest_label = QLabel()
-        self.latest_label.setWordWrap(True)
-        self.latest_label.setTextFormat(Qt.TextFormat.RichText)
 
         self.plot = styled_plot({"bottom": SILogAxis("bottom"), "left": SILogAxis("left")})
         item = self.plot.getPlotItem()
@@ -127,29 +126,18 @@ class RooflinePanel(QWidget):
             )
             item.addItem(scatter)
             self.scatter[phase] = scatter
-        self.legend = QLabel(
-            " &nbsp; ".join(
-                [legend_entry(PHASE_COLOURS[p], PHASE_LABELS[p], "●") for p in PHASES]
-                + [legend_entry(ROOF_COLOUR, "roof: measured bandwidth slope, then matmul peak")]
-            )
-        )
-        self.legend.setTextFormat(Qt.TextFormat.RichText)
-        self.legend.setWordWrap(True)
-
         top = QHBoxLayout()
         top.addWidget(self.device_label, 1)
         top.addWidget(self.measure_button, 0, Qt.AlignmentFlag.AlignTop)
         figures = QHBoxLayout()
-        figures.addWidget(self.utilisation["prefill"])
-        figures.addWidget(self.utilisation["decode"])
+        for phase in PHASES:
+            figures.addWidget(self.utilisation[phase])
         figures.addStretch(1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)
         layout.addLayout(top)
         layout.addLayout(figures)
-        layout.addWidget(self.latest_label)
-        layout.addWidget(self.legend)
         layout.addWidget(self.plot, 1)
         self._redraw()
 
@@ -262,6 +250,7 @@ class RooflinePanel(QWidget):
     # ---- drawing ---------------------------------------------------------------------------
     def _redraw(self) -> None:
         self.device_label.setText(self._device_text())
+        self.device_label.setToolTip(self._device_tip())
         loaded = self.state.loaded
         self.measure_button.setEnabled(loaded is not None and not self.job.running)
         self.measure_button.setText("Re-measure device limits" if self.limits else "Measure device limits")
@@ -274,7 +263,6 @@ class RooflinePanel(QWidget):
             )
         self._draw_roof()
         self._draw_utilisation()
-        self.latest_label.setText(self._latest_text())
 
     def _device_text(self) -> str:
         muted = f"<span style='color:{theme.MUTED_TEXT}'>"
@@ -286,10 +274,8 @@ class RooflinePanel(QWidget):
         limits = self.limits
         if limits is not None:
             lines.append(
-                f"<b>{limits.device_name}</b> · {limits.dtype}: matmul peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> "
-                f"({limits.matmul_size}² matmul) · bandwidth <b>{si(limits.bandwidth, 'B/s')}</b> · "
-                f"ridge <b>{limits.ridge:.2f} FLOP/B</b> {muted}(measured {limits.measured_at}, "
-                f"{limits.threads} threads)</span>"
+                f"<b>{limits.device_name}</b> {limits.dtype}: peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> · "
+                f"bandwidth <b>{si(limits.bandwidth, 'B/s')}</b> · ridge <b>{limits.ridge:.2f} FLOP/B</b>"
             )
         elif self.job.running:
             lines.append(f"Measuring {info.device} in {info.dtype}: matmul peak and memory bandwidth…")
@@ -303,6 +289,20 @@ class RooflinePanel(QWidget):
         if self.costs is None:
             lines.append(f"{muted}The loaded model's shapes are unknown: its steps cannot be placed.</span>")
         return "<br>".join(lines)
+
+    def _device_tip(self) -> str:
+        limits = self.limits
+        if limits is None:
+            return ""
+        return (
+            f"Measured {limits.measured_at} in {limits.measure_seconds:.1f} s with {limits.threads} threads:\n"
+            f"matmul peak {si(limits.peak_flops, 'FLOP/s')}: the fastest {limits.dtype} matmul "
+            f"({limits.matmul_size} x {limits.matmul_size}, x @ W.T like every linear layer)\n"
+            f"bandwidth {si(limits.bandwidth, 'B/s')}: a large copy on {limits.device} (bytes read + written)\n"
+            f"ridge = peak / bandwidth = {limits.ridge:.2f} FLOP per byte: a step that does fewer FLOPs "
+            "per byte it moves waits on memory (memory-bound); one that does more waits on arithmetic "
+            "(compute-bound)."
+        )
 
     def _draw_roof(self) -> None:
         limits = self.limits
@@ -326,47 +326,29 @@ class RooflinePanel(QWidget):
         self.compute_text.setPos(math.log10(ridge) + 0.05, top)
 
     def _draw_utilisation(self) -> None:
+        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
         for phase, label in self.utilisation.items():
-            colour = PHASE_COLOURS[phase]
-            head = f"<span style='color:{colour}'>●</span>&nbsp;{phase}"
+            head = f"<span style='color:{PHASE_COLOURS[phase]}'>●</span>&nbsp;{phase}"
             chosen = self.phase_points(phase)
             if not chosen:
-                label.setText(f"{head} <span style='color:{theme.MUTED_TEXT}'>no steps yet</span>")
-                label.setToolTip("")
+                label.setText(f"{head} {muted}–</span>")
+                label.setToolTip(f"{PHASE_MEANING[phase].capitalize()}: none yet.")
                 continue
+            latest = f"Latest step: {self._point_tip(0.0, 0.0, chosen[-1])}"
             if self.limits is None:
-                rate = si(
-                    sum(p.flops for p in chosen[-UTILISATION_STEPS:])
-                    / sum(p.forward_s for p in chosen[-UTILISATION_STEPS:]),
-                    "FLOP/s",
+                recent = chosen[-UTILISATION_STEPS:]
+                rate = sum(p.flops for p in recent) / sum(p.forward_s for p in recent)
+                label.setText(f"{head} <b>{si(rate, 'FLOP/s')}</b>")
+                label.setToolTip(
+                    f"{PHASE_MEANING[phase].capitalize()}. Measure the device limits for MFU and MBU.\n\n{latest}"
                 )
-                label.setText(
-                    f"{head} <b>{rate}</b> <span style='color:{theme.MUTED_TEXT}'>(MFU/MBU need the limits)</span>"
-                )
-                label.setToolTip("Measure the device limits to compare this with the device's peak.")
                 continue
             util = phase_utilisation(chosen, phase, self.limits, UTILISATION_STEPS)
             label.setText(f"{head} MFU <b>{util.mfu.value:.1%}</b> · MBU <b>{util.mbu.value:.1%}</b>")
             label.setToolTip(
-                f"{phase.capitalize()}, the last {util.steps} step{'s' if util.steps != 1 else ''}:\n"
-                f"{util.mfu.how}\n{util.mbu.how}\n\n{HOW_COUNTED}"
+                f"{PHASE_MEANING[phase].capitalize()}, the last {util.steps}:\n"
+                f"{util.mfu.how}\n{util.mbu.how}\n\n{HOW_COUNTED}\n\n{latest}"
             )
-
-    def _latest_text(self) -> str:
-        parts = []
-        for phase in PHASES:
-            chosen = self.phase_points(phase)
-            if not chosen:
-                continue
-            p = chosen[-1]
-            parts.append(
-                f"<span style='color:{PHASE_COLOURS[phase]}'>latest {phase}</span>: {p.num_seqs} "
-                f"seq{'s' if p.num_seqs != 1 else ''}, {p.query_tokens} tokens → {p.intensity:.2f} FLOP/B, "
-                f"{si(p.flops_per_s, 'FLOP/s')}"
-            )
-        if not parts:
-            return f"<span style='color:{theme.MUTED_TEXT}'>No engine steps yet: send a message.</span>"
-        return " &nbsp; ".join(parts)
 
     def _point_tip(self, x: float, y: float, data: RooflinePoint) -> str:
         lines = [

@@ -17,6 +17,7 @@ class SILogAxis(pg.AxisItem):
     def __init__(self, orientation: str, unit: str = "") -> None:
         super().__init__(orientation)
         self.unit = unit
+        self.enableAutoSIPrefix(False)  # the labels carry their own prefixes
 
     def logTickStrings(self, values, scale, spacing):  # noqa: N802 - pyqtgraph override
         """Label the decades and their 2x and 5x ticks; leave the other minor ticks unlabelled."""

@@ -96,6 +96,8 @@ def test_widget_shows_16_gib_for_the_8b_config_and_draws_each_batch(calculator):
     x, y = calculator.curve(4)
     assert x[-1] == 131072 and y[-1] == pytest.approx(64.0)  # GiB axis
     assert set(calculator.curves) == {1, 4, 16, 64}
+    # The y axis ends above the chosen batch: batch 16 and 64 run off the top, not batch 4 flat.
+    assert calculator.plot.getPlotItem().viewRange()[1][1] == pytest.approx(1.3 * 64.0)
     np.testing.assert_allclose(calculator.curve(16)[1], 4 * calculator.curve(4)[1])
 
 

@@ -176,7 +176,7 @@ def test_mfu_and_mbu_with_their_formula_in_the_tooltip(panel):
     assert f"MFU <b>{expected_mfu.value:.1%}</b>" in label.text()
     assert f"MBU <b>{expected_mbu.value:.1%}</b>" in label.text()
     assert expected_mfu.how in label.toolTip() and expected_mbu.how in label.toolTip()
-    assert "last 2 steps" in label.toolTip()
+    assert "the last 2:" in label.toolTip()
     # Decode moves bytes, not FLOPs: its MBU is far above its MFU on any sane device.
     assert expected_mbu.value > 5 * expected_mfu.value
 
