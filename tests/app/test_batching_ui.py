@@ -1,0 +1,90 @@
+"""The load tool on the tiny model: N requests at once through the app's engine host."""
+
+from __future__ import annotations
+
+import pytest
+from app_windows import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS
+
+from app.engine_host import EngineHost
+from app.load_run import LoadSpec, build_requests
+from app.load_tool import LoadToolPanel
+from engine.config import EngineConfig
+
+
+@pytest.fixture
+def host(qtbot, tiny_loaded):
+    host = EngineHost()
+    with qtbot.waitSignal(host.model_loaded, timeout=LOAD_TIMEOUT_MS):
+        host.start(EngineConfig(block_size=4, num_blocks=256, max_model_len=512), loaded=tiny_loaded)
+    yield host
+    assert host.shutdown(30)
+
+
+def test_shared_and_distinct_system_prompts():
+    shared = build_requests(LoadSpec(3, True, 10, 5, 4))
+    distinct = build_requests(LoadSpec(3, False, 10, 5, 4))
+    assert len({r.messages[0].content for r in shared}) == 1
+    assert len({r.messages[0].content for r in distinct}) == 3
+    assert len({r.messages[-1].content for r in shared}) == 3  # each user turn is its own
+    assert all(r.sampling.max_new_tokens == 4 for r in shared + distinct)
+
+
+def test_load_tool_runs_n_requests_to_the_end_and_plots_a_point(qtbot, host):
+    panel = LoadToolPanel(host)
+    qtbot.addWidget(panel)
+    panel.count.setValue(4)
+    panel.new_tokens.setValue(12)
+    panel.system_words.setValue(60)
+    panel.shared.setChecked(True)
+    assert panel.run_button.isEnabled()
+    with qtbot.waitSignal(panel.runner.run_finished, timeout=REPLY_TIMEOUT_MS):
+        panel.run_button.click()
+        assert panel.cancel_button.isEnabled()
+    run = panel.runner.run
+    rows = list(run.requests.values())
+    assert len(rows) == 4
+    assert all(r.status == "length" and r.generated == 12 for r in rows)
+    assert all(r.finished.stats.ttft_s > 0 and len(r.finished.stats.itl_s) == 11 for r in rows)
+    assert panel.table.rowCount() == 4
+    assert panel.table.item(0, 2).text() == "12 / 12"
+    assert panel.progress.value() == panel.progress.maximum() == 48
+    assert len(panel.throughput.points) == 1
+    point = panel.throughput.points[0]
+    assert point.concurrency == 4 and point.total_tokens_per_s > 0 and point.median_itl_s > 0
+    assert "tokens/s in total" in panel.summary.text()
+    assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
+
+    # Requests admitted in one step cannot share blocks not yet committed; a second run finds
+    # the shared system prompt's blocks in the prefix cache, and the table says how many.
+    with qtbot.waitSignal(panel.runner.run_finished, timeout=REPLY_TIMEOUT_MS):
+        panel.run_button.click()
+    second = list(panel.runner.run.requests.values())
+    assert all(r.finished.stats.cached_prompt_tokens > 0 for r in second)
+    cached = second[0].finished.stats
+    assert panel.table.item(0, 5).text() == f"{cached.cached_prompt_tokens} of {cached.prompt_tokens}"
+    assert len(panel.throughput.points) == 2
+
+
+def test_load_tool_cancel_ends_every_request_without_a_point(qtbot, host):
+    panel = LoadToolPanel(host)
+    qtbot.addWidget(panel)
+    panel.count.setValue(3)
+    panel.new_tokens.setValue(2000)
+    panel.run_button.click()
+    qtbot.waitUntil(
+        lambda: any(r.generated > 0 for r in panel.runner.run.requests.values()), timeout=REPLY_TIMEOUT_MS
+    )
+    with qtbot.waitSignal(panel.runner.run_finished, timeout=REPLY_TIMEOUT_MS):
+        panel.cancel_button.click()
+    assert {r.status for r in panel.runner.run.requests.values()} == {"cancelled"}
+    assert panel.throughput.points == []
+    assert panel.run_button.isEnabled()
+
+
+def test_load_tool_without_a_model_says_so(qtbot):
+    host = EngineHost()
+    panel = LoadToolPanel(host)
+    qtbot.addWidget(panel)
+    assert not panel.run_button.isEnabled()
+    assert panel.start_run() is None
+    assert "no model is loaded" in panel.summary.text()
