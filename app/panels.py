@@ -18,9 +18,18 @@ class Panels:
     latency: object  # widgets LatencyPanel
     quality: object  # widgets QualityPanel
     roofline: object  # widgets RooflinePanel
+    step_timeline: object  # widgets StepTimelinePanel
 
     def all(self) -> tuple:
-        return (self.probabilities, self.page_map, self.memory, self.latency, self.quality, self.roofline)
+        return (
+            self.probabilities,
+            self.page_map,
+            self.memory,
+            self.latency,
+            self.quality,
+            self.roofline,
+            self.step_timeline,
+        )
 
     def refresh(self, dirty: set[str]) -> None:
         for panel in self.all():
@@ -35,6 +44,7 @@ def build_panels(live: LiveState) -> Panels:
     from widgets.probability_panel import ProbabilityPanel
     from widgets.quality_panel import QualityPanel
     from widgets.roofline_panel import RooflinePanel
+    from widgets.step_timeline import StepTimelinePanel
 
     return Panels(
         ProbabilityPanel(live),
@@ -43,4 +53,5 @@ def build_panels(live: LiveState) -> Panels:
         LatencyPanel(live),
         QualityPanel(live, QUALITY_SOURCES),
         RooflinePanel(live),
+        StepTimelinePanel(live),
     )
