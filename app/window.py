@@ -25,6 +25,7 @@ from app.controls import ControlsPanel
 from app.conversation_list import ConversationList
 from app.conversations import ConversationStore, StorageError
 from app.engine_host import EngineHost
+from app.load_tool import LoadToolPanel
 from app.panels import Panels, build_panels
 from app.physics_views import PhysicsViews
 from app.quality_controller import QualityController
@@ -76,16 +77,18 @@ class MainWindow(QMainWindow):
             self.host, self.controller, self.panels, self.controls.model, parent=self
         )
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
+        self.load_tool = LoadToolPanel(self.host)
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
 
         self.docks: dict[str, QDockWidget] = {}
+        # Sized first: resizeDocks() below shares out this width and height among the docks.
+        self.resize(*DEFAULT_SIZE)
         self._build_docks()
         self._build_menus()
         self._connect()
         self._default_state = self.saveState()
-        self.resize(*DEFAULT_SIZE)
         self._restore_layout()
 
         self._slow = QTimer(self)
@@ -135,6 +138,12 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(latency, quality)
         roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom)
         self.tabifyDockWidget(latency, roofline)
+        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom)
+        self.tabifyDockWidget(latency, steps)
+        # The load tool submits many requests at once; a tool to open (View menu), tabbed
+        # beside the probabilities where it has the height for its table and plot.
+        load_tool = self._dock("load_tool", "Load test", self.load_tool, right)
+        self.tabifyDockWidget(probabilities, load_tool)
         latency.raise_()
         # The calculator and the sweeps need height more than width: tabs beside the probabilities.
         kv_calculator = self._dock("kv_calculator", "KV memory calculator", self.physics.kv_calculator, right)
@@ -142,6 +151,10 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(probabilities, kv_calculator)
         self.tabifyDockWidget(probabilities, sweep)
         probabilities.raise_()
+        # Both want about 740 px of width, which would take it from the chat and the live
+        # graphs; they are tools to open when needed (View or Physics menu), not live views.
+        kv_calculator.hide()
+        sweep.hide()
         self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
         self.resizeDocks([conversations, probabilities], [380, 420], Qt.Orientation.Horizontal)
         self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
