@@ -35,11 +35,14 @@ from engine.events import (
     RequestFailed,
     RequestFinished,
     RequestStarted,
+    SpecRound,
     StepStats,
     TokenGenerated,
 )
 
-DIRTY_KEYS = frozenset({"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors"})
+DIRTY_KEYS = frozenset(
+    {"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors", "speculation"}
+)
 
 # Ring capacities: 4 h of memory samples at the engine's 4 Hz; 100k tokens of latency history.
 MEMORY_CAPACITY = 4 * 3600 * 4
@@ -178,6 +181,13 @@ class PageMap:
                 if i < len(fills):
                     self.fill[block] = fills[i]
                 self.token_start[block] = self._block_start(event.token_start, i)
+            elif op == "rollback":
+                # Rejected speculative slots: the block keeps only its verified tokens. A block
+                # left empty keeps its reference until the "free" that follows.
+                if i < len(fills):
+                    self.fill[block] = fills[i]
+                if self.fill[block] == 0:
+                    self.token_start[block] = -1
             elif op == "free":
                 if self.ref_count[block] <= 0:
                     problems.append(f"block {block} freed while not referenced")
@@ -328,6 +338,8 @@ class LiveState:
         self._running: set[int] = set()
         self._busy_since: float | None = None  # arrival of the request that ended the last idle
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
+        # Speculative rounds by (request id, round number): what a selected token's round was.
+        self.spec_rounds: dict[tuple[int, int], SpecRound] = {}
         self._handlers = {
             ModelLoading: self._on_loading,
             ModelLoaded: self._on_loaded,
@@ -337,6 +349,7 @@ class LiveState:
             RequestFinished: self._on_finished,
             RequestFailed: self._on_failed,
             BlockEvent: self._on_block,
+            SpecRound: self._on_spec_round,
             StepStats: self._on_step,
             MemorySample: self._on_memory,
             EngineError: self._on_engine_error,
@@ -365,6 +378,13 @@ class LiveState:
         if index is None:
             return view.tokens[-1]
         return view.tokens[index] if 0 <= index < len(view.tokens) else None
+
+    def spec_round(self, request_id: int, index: int) -> SpecRound | None:
+        """The speculative round that produced a token of a reply (None when it had none)."""
+        token = self.token(request_id, index)
+        if token is None or token.spec_round < 0:
+            return None
+        return self.spec_rounds.get((request_id, token.spec_round))
 
     # ---- handlers --------------------------------------------------------------------------
     def _on_loading(self, event: ModelLoading) -> set[str]:
@@ -396,10 +416,16 @@ class LiveState:
             return
         for request_id in [rid for rid, view in self.requests.items() if view.done][:excess]:
             del self.requests[request_id]
+            self._forget_rounds(request_id)
+
+    def _forget_rounds(self, request_id: int) -> None:
+        for key in [k for k in self.spec_rounds if k[0] == request_id]:
+            del self.spec_rounds[key]
 
     def _on_started(self, event: RequestStarted) -> set[str]:
         # A restarted engine numbers its requests from 1 again: a start always opens a new view.
         self.requests.pop(event.request_id, None)
+        self._forget_rounds(event.request_id)
         view = self._request(event.request_id)
         view.prompt_tokens, view.started_t = event.prompt_tokens, event.t
         if not self._running:
@@ -468,6 +494,10 @@ class LiveState:
         view.status, view.error = "failed", event.message
         self.errors.append(f"request {event.request_id} failed: {event.message}")
         return {"requests", "errors"}
+
+    def _on_spec_round(self, event: SpecRound) -> set[str]:
+        self.spec_rounds[(event.request_id, event.round)] = event
+        return {"speculation"}
 
     def _on_block(self, event: BlockEvent) -> set[str]:
         problems = self.page_map.apply(event)
