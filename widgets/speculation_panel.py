@@ -1,0 +1,265 @@
+"""Speculative decoding, as measured: acceptance, accepted length by draft position, target
+forwards per token, the selected token's round (q, p and min(1, p/q) of each draft) and the
+speedup against the same settings without speculation.
+
+Figures for a finished reply are its engine RequestStats; while a reply streams they are folded
+from its SpecRound events so far. The speedup comes only from a measurement the user starts.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.store import LiveState
+from engine.events import SpecRound
+from widgets import theme
+from widgets.plot_style import styled_plot
+
+ROUND_COLUMNS = ("draft token", "q (draft)", "p (target)", "min(1, p/q)", "verdict")
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """One reply's speculative figures."""
+
+    request_id: int
+    rounds: int
+    drafted: int
+    accepted: int
+    generated: int
+    target_forwards: int
+    accepted_by_position: tuple[int, ...]
+    drafted_by_position: tuple[int, ...]
+    final: bool  # from RequestStats (True) or folded from the rounds so far
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        return self.target_forwards / self.generated if self.generated else 0.0
+
+    def rate_by_position(self) -> np.ndarray:
+        drafted = np.asarray(self.drafted_by_position, float)
+        accepted = np.asarray(self.accepted_by_position, float)
+        return np.divide(accepted, drafted, out=np.zeros_like(drafted), where=drafted > 0)
+
+
+def acceptance_of(state: LiveState, request_id: int) -> Acceptance | None:
+    """The request's figures: its RequestStats once finished, else its rounds so far."""
+    view = state.requests.get(request_id)
+    if view is None:
+        return None
+    if view.finished is not None:
+        s = view.finished.stats
+        if not s.spec_rounds:
+            return None
+        return Acceptance(
+            request_id,
+            s.spec_rounds,
+            s.spec_drafted,
+            s.spec_accepted,
+            s.generated_tokens,
+            s.target_forwards,
+            s.spec_accepted_by_position,
+            s.spec_drafted_by_position,
+            True,
+        )
+    rounds = [r for (rid, _), r in state.spec_rounds.items() if rid == request_id]
+    if not rounds:
+        return None
+    width = max(len(r.draft_ids) for r in rounds)
+    drafted = [sum(1 for r in rounds if len(r.draft_ids) > i) for i in range(width)]
+    accepted = [sum(1 for r in rounds if r.accepted > i) for i in range(width)]
+    # A round is one target forward; tokens before the first round came from plain steps.
+    plain_tokens = sum(1 for t in view.tokens if t.spec_round < 0)
+    return Acceptance(
+        request_id,
+        len(rounds),
+        sum(len(r.draft_ids) for r in rounds),
+        sum(r.accepted for r in rounds),
+        len(view.tokens),
+        len(rounds) + plain_tokens,
+        tuple(accepted),
+        tuple(drafted),
+        False,
+    )
+
+
+def latest_speculative_request(state: LiveState) -> int | None:
+    """The newest request that ran speculative rounds."""
+    ids = {rid for rid, _ in state.spec_rounds}
+    ids |= {rid for rid, v in state.requests.items() if v.finished and v.finished.stats.spec_rounds}
+    ids &= set(state.requests)
+    return max(ids) if ids else None
+
+
+def round_rows(spec_round: SpecRound, token_text: Callable[[int], str]) -> list[tuple[str, ...]]:
+    """One row per draft token: its text, q, p, min(1, p/q) and whether it was kept."""
+    rows = []
+    for i, draft_id in enumerate(spec_round.draft_ids):
+        examined = i < len(spec_round.p_probs)
+        q = spec_round.q_probs[i] if i < len(spec_round.q_probs) else float("nan")
+        p = spec_round.p_probs[i] if examined else float("nan")
+        a = spec_round.accept_probs[i] if i < len(spec_round.accept_probs) else float("nan")
+        if i < spec_round.accepted:
+            verdict = "accepted"
+        elif i == spec_round.accepted and examined:
+            verdict = "rejected"
+        else:
+            verdict = "not examined"
+        rows.append(
+            (repr(token_text(draft_id)), f"{q:.3f}", f"{p:.3f}" if examined else "—", f"{a:.3f}", verdict)
+        )
+    return rows
+
+
+class SpeculationPanel(QWidget):
+    measure_requested = Signal()
+
+    def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.token_text: Callable[[int], str] = lambda token_id: f"#{token_id}"
+        self.acceptance: Acceptance | None = None
+        self._selected: tuple[int, int] | None = None
+        self.setObjectName("speculationPanel")
+        self.setStyleSheet(
+            f"#speculationPanel, #speculationPanel QLabel {{ background: {theme.BACKGROUND};"
+            f" color: {theme.PANEL_TEXT}; }}"
+        )
+        self.summary = QLabel("No speculative reply yet: turn speculation on in Controls and send a message.")
+        self.summary.setTextFormat(Qt.TextFormat.RichText)
+        self.summary.setWordWrap(True)
+        self.plot = styled_plot()
+        item = self.plot.getPlotItem()
+        item.setLabel("bottom", "draft position")
+        item.setLabel("left", "accepted (share of rounds)")
+        item.setYRange(0, 1, padding=0.02)
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=theme.SERIES["kv_used"])
+        item.addItem(self.bars)
+        self.plot.setMinimumHeight(120)
+        self.round_label = QLabel("Select a token in the chat (Tokens view) to see its round.")
+        self.round_label.setWordWrap(True)
+        self.round_table = QTableWidget(0, len(ROUND_COLUMNS))
+        self.round_table.setHorizontalHeaderLabels(ROUND_COLUMNS)
+        self.round_table.verticalHeader().setVisible(False)
+        self.round_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.measure_button = QPushButton("Measure speedup")
+        self.measure_button.setToolTip(
+            "Replay the conversation's last prompt through the engine with and without speculation "
+            "(same settings, same number of tokens) and compare tokens/s"
+        )
+        self.measure_button.clicked.connect(self.measure_requested)
+        self.speedup_label = QLabel("Speedup not measured yet.")
+        self.speedup_label.setTextFormat(Qt.TextFormat.RichText)
+        self.speedup_label.setWordWrap(True)
+        measure_row = QHBoxLayout()
+        measure_row.addWidget(self.measure_button)
+        measure_row.addWidget(self.speedup_label, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.plot, 1)
+        layout.addLayout(measure_row)
+        layout.addWidget(self.round_label)
+        layout.addWidget(self.round_table, 1)
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def set_token_text(self, token_text: Callable[[int], str]) -> None:
+        self.token_text = token_text
+
+    def show_token(self, request_id: int | None, index: int | None) -> None:
+        """The chat's selected token (None, None: none selected)."""
+        self._selected = None if request_id is None or index is None else (request_id, index)
+        self._update_round()
+
+    def refresh(self, dirty: set[str]) -> None:
+        if dirty & {"speculation", "requests"}:
+            self._update_summary()
+            if self._selected is not None:
+                self._update_round()
+
+    # ---- measurement -----------------------------------------------------------------------
+    def set_measuring(self, message: str | None) -> None:
+        """A measurement in progress (its step in words), or None when it has ended."""
+        self.measure_button.setEnabled(message is None)
+        if message is not None:
+            self.speedup_label.setText(f"Measuring… {html.escape(message)}")
+
+    def show_speedup(self, result) -> None:
+        spec, plain = result.speculative, result.plain
+        verdict = (
+            f"<b>{result.speedup:.2f}× faster</b> with {result.proposer}"
+            if result.speedup >= 1
+            else f"<b style='color: {theme.WHAT_IF}'>"
+            f"Speculation slows this down: {result.speedup:.2f}× the speed without it</b> "
+            f"({result.proposer}: the draft and the wider verify cost more than the accepted tokens save)"
+        )
+        self.speedup_label.setText(
+            f"{verdict}<br>with: {spec.tokens_per_s:.1f} tokens/s ({spec.tokens} tokens, "
+            f"acceptance {spec.stats.acceptance_rate:.0%}) · without: {plain.tokens_per_s:.1f} tokens/s "
+            f"({plain.tokens} tokens)"
+        )
+
+    def show_measure_error(self, message: str) -> None:
+        self.speedup_label.setText(f"Could not measure: {html.escape(message)}")
+
+    # ---- drawing ---------------------------------------------------------------------------
+    def _update_summary(self) -> None:
+        request_id = latest_speculative_request(self.state)
+        a = acceptance_of(self.state, request_id) if request_id is not None else None
+        self.acceptance = a
+        if a is None:
+            self.bars.setOpts(x=[], height=[])
+            return
+        where = "reply" if a.final else "reply so far"
+        self.summary.setText(
+            f"Request {a.request_id} ({where}): acceptance <b>{a.acceptance_rate:.0%}</b> "
+            f"({a.accepted} of {a.drafted} drafts) · mean accepted length <b>{a.mean_accepted_length:.2f}</b> "
+            f"per round ({a.rounds} rounds) · target forwards per token <b>{a.forwards_per_token:.2f}</b>"
+        )
+        rates = a.rate_by_position()
+        self.bars.setOpts(x=np.arange(1, len(rates) + 1), height=rates)
+
+    def _update_round(self) -> None:
+        spec_round = self.state.spec_round(*self._selected) if self._selected else None
+        if spec_round is None:
+            self.round_table.setRowCount(0)
+            self.round_label.setText(
+                "The selected token came from a plain step (no draft round)."
+                if self._selected
+                else "Select a token in the chat (Tokens view) to see its round."
+            )
+            return
+        ending = "a bonus token" if spec_round.bonus else "a token resampled from the residual"
+        self.round_label.setText(
+            f"Round {spec_round.round} ({spec_round.proposer}): {spec_round.accepted} of "
+            f"{len(spec_round.draft_ids)} drafts accepted, then {ending}."
+        )
+        rows = round_rows(spec_round, self.token_text)
+        self.round_table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            for c, value in enumerate(row):
+                self.round_table.setItem(r, c, QTableWidgetItem(value))
+        self.round_table.resizeColumnsToContents()
