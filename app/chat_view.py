@@ -3,6 +3,9 @@ prompt and the action buttons. Pure view: the ChatController decides what they s
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
@@ -26,6 +29,7 @@ from app.rich_text import (
     token_html,
     token_index_from_link,
 )
+from app.spec_marks import spec_legend_html, spec_token_html
 
 # Within this many pixels of the bottom, the transcript counts as "following" the stream and
 # keeps scrolling with it; further up, the reader is looking back and is left alone.
@@ -33,6 +37,14 @@ FOLLOW_SLACK_PX = 48
 # Replies get the width; the user's own messages are indented from the left.
 USER_INDENT_PX = 72
 REPLY_INDENT_PX = 24
+# A streaming reply is re-rendered at most once per this many times its last render's cost:
+# at most ~1/8 of the GUI thread however long the reply grows (short replies: every frame).
+STREAM_RENDER_BUDGET = 8.0
+_clock = time.perf_counter  # module-level so tests can drive it
+
+
+# A token's speculative mark by (request id, token index): "accepted", "resampled", "bonus" or "".
+SpecMarkSource = Callable[[int, int], str]
 
 
 class MessageBubble(QFrame):
@@ -50,6 +62,9 @@ class MessageBubble(QFrame):
         self._token_view = False
         self._colour = False
         self._selected: int | None = None
+        self._rendered_at = 0.0  # perf_counter() after the last render
+        self._render_cost = 0.0  # seconds the last render took
+        self._spec_marks: SpecMarkSource | None = None
         self.setObjectName("userBubble" if role == "user" else "assistantBubble")
         self._author = QLabel(author)
         self._author.setObjectName("bubbleAuthor")
@@ -83,20 +98,32 @@ class MessageBubble(QFrame):
         self._render()
 
     def add_tokens(self, tokens: list[ReplyToken], text: str) -> None:
+        """Streaming: the reply grew. Re-rendered now, or on a later frame when the last render
+        was costly (a long reply re-lays out all its text each time, so a render every frame
+        would grow to dominate the GUI thread and, through the GIL, slow the engine)."""
         self.tokens.extend(tokens)
         self.text = text
-        self._render()
+        if _clock() - self._rendered_at >= self._render_cost * STREAM_RENDER_BUDGET:
+            self._render()
 
     def set_meta(self, text: str, kind: str = "") -> None:
         self._meta.setText(text)
-        self._meta.setProperty("kind", kind)
-        self._meta.style().unpolish(self._meta)
-        self._meta.style().polish(self._meta)
+        if self._meta.property("kind") != kind:  # re-polishing restyles: only when it changes
+            self._meta.setProperty("kind", kind)
+            self._meta.style().unpolish(self._meta)
+            self._meta.style().polish(self._meta)
 
     def set_view(self, token_view: bool, colour_by_probability: bool) -> None:
         if (token_view, colour_by_probability) != (self._token_view, self._colour):
             self._token_view, self._colour = token_view, colour_by_probability
             self._render()
+
+    def set_spec_marks(self, source: SpecMarkSource | None) -> None:
+        """Colour tokens by their speculative mark (None: no marks)."""
+        if source is not self._spec_marks:
+            self._spec_marks = source
+            if self.shows_tokens:
+                self._render()
 
     def set_selected_token(self, index: int | None) -> None:
         if index != self._selected:
@@ -112,8 +139,17 @@ class MessageBubble(QFrame):
         return self._body.text()
 
     def _render(self) -> None:
+        start = _clock()
+        self._draw()
+        self._rendered_at = _clock()
+        self._render_cost = self._rendered_at - start
+
+    def _draw(self) -> None:
         if self.role == "user":
             html = plain_html(self.text)
+        elif self.shows_tokens and self._spec_marks is not None and self.request_id is not None:
+            source, request_id = self._spec_marks, self.request_id
+            html = spec_token_html(self.tokens, lambda i: source(request_id, i), self._selected, self._colour)
         elif self.shows_tokens:
             html = token_html(self.tokens, self._selected, self._colour)
         else:
@@ -151,6 +187,7 @@ class ChatTranscript(QScrollArea):
         self.verticalScrollBar().rangeChanged.connect(self._on_range_changed)
         self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         self.bubbles: list[MessageBubble] = []
+        self.spec_marks: SpecMarkSource | None = None  # set while the speculative marks are shown
         self._rows: list[QWidget] = []
         self._placeholder = QLabel()
         self._placeholder.setObjectName("transcriptPlaceholder")
@@ -181,6 +218,7 @@ class ChatTranscript(QScrollArea):
         self._layout.insertWidget(self._layout.count() - 1, row)
         self._rows.append(row)
         self.bubbles.append(bubble)
+        bubble.set_spec_marks(self.spec_marks)
         self._follow = True
         return bubble
 
@@ -266,15 +304,26 @@ class ChatPane(QWidget):
         )
         self.colour_tokens = QCheckBox("Colour by p")
         self.colour_tokens.setToolTip("Tint each token by the probability it was drawn with")
+        self.spec_marks = QCheckBox("Draft marks")
+        self.spec_marks.setToolTip(
+            "Colour tokens by how speculative decoding produced them: accepted drafts, tokens "
+            "resampled after a rejection, bonus tokens; select one to see its round in Speculation"
+        )
+        self.spec_legend = QLabel(spec_legend_html())
+        self.spec_legend.setObjectName("legend")
+        self._spec_source: SpecMarkSource | None = None
         self.legend = QLabel(probability_legend_html())
         self.legend.setObjectName("legend")
         self.token_view.toggled.connect(self._on_view_toggled)
         self.colour_tokens.toggled.connect(self._on_view_toggled)
+        self.spec_marks.toggled.connect(self._on_view_toggled)
 
         view_row = QHBoxLayout()
         view_row.addWidget(self.token_view)
         view_row.addWidget(self.colour_tokens)
         view_row.addWidget(self.legend)
+        view_row.addWidget(self.spec_marks)
+        view_row.addWidget(self.spec_legend)
         view_row.addStretch(1)
         actions = QHBoxLayout()
         for button in (self.edit_button, self.regenerate_button, self.stop_button):
@@ -330,6 +379,11 @@ class ChatPane(QWidget):
         self.system_prompt.setPlainText(text)
         self.system_prompt.blockSignals(False)
 
+    def set_spec_mark_source(self, source: SpecMarkSource | None) -> None:
+        """Where token marks come from (the live state's tokens); shown while the toggle is on."""
+        self._spec_source = source
+        self._on_view_toggled()
+
     def view_flags(self) -> tuple[bool, bool]:
         return self.token_view.isChecked(), self.colour_tokens.isChecked()
 
@@ -349,6 +403,11 @@ class ChatPane(QWidget):
         tokens, colour = self.view_flags()
         self.colour_tokens.setEnabled(tokens)
         self.legend.setVisible(tokens and colour)
+        self.spec_marks.setEnabled(tokens and self._spec_source is not None)
+        marks = self.spec_marks.isChecked() and self.spec_marks.isEnabled()
+        self.spec_legend.setVisible(marks)
+        self.transcript.spec_marks = self._spec_source if marks else None
         for bubble in self.transcript.bubbles:
             bubble.set_view(tokens, colour)
+            bubble.set_spec_marks(self.transcript.spec_marks)
         self.view_changed.emit(tokens, colour)
