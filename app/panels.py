@@ -19,6 +19,7 @@ class Panels:
     quality: object  # widgets QualityPanel
     roofline: object  # widgets RooflinePanel
     step_timeline: object  # widgets StepTimelinePanel
+    speculation: object  # widgets SpeculationPanel
 
     def all(self) -> tuple:
         return (
@@ -29,6 +30,7 @@ class Panels:
             self.quality,
             self.roofline,
             self.step_timeline,
+            self.speculation,
         )
 
     def refresh(self, dirty: set[str]) -> None:
@@ -44,6 +46,7 @@ def build_panels(live: LiveState) -> Panels:
     from widgets.probability_panel import ProbabilityPanel
     from widgets.quality_panel import QualityPanel
     from widgets.roofline_panel import RooflinePanel
+    from widgets.speculation_panel import SpeculationPanel
     from widgets.step_timeline import StepTimelinePanel
 
     return Panels(
@@ -54,4 +57,5 @@ def build_panels(live: LiveState) -> Panels:
         QualityPanel(live, QUALITY_SOURCES),
         RooflinePanel(live),
         StepTimelinePanel(live),
+        SpeculationPanel(live),
     )
