@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, 
 from app.model_picker import ModelPicker
 from app.sampling_controls import SamplingControls
 from app.settings import DEFAULT_SAMPLING, ModelChoice
+from app.speculation_controls import SpeculationControls
 from engine.config import SamplingParams
 
 
@@ -25,6 +26,7 @@ class ControlsPanel(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.model = ModelPicker(choice, default_budget_bytes)
         self.sampling = SamplingControls(params)
+        self.speculation = SpeculationControls()
         reset = QPushButton("Reset to defaults")
         reset.setToolTip("Back to kvscope's starting sampling settings")
         reset.clicked.connect(self._on_reset)
@@ -36,11 +38,15 @@ class ControlsPanel(QScrollArea):
         sampling_layout.addWidget(self.sampling)
         sampling_layout.addWidget(reset)
 
+        speculation_box = QGroupBox("Speculative decoding")
+        QVBoxLayout(speculation_box).addWidget(self.speculation)
+
         inner = QWidget()
         layout = QVBoxLayout(inner)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addWidget(model_box)
         layout.addWidget(sampling_box)
+        layout.addWidget(speculation_box)
         layout.addStretch(1)
         self.setWidget(inner)
 
