@@ -30,6 +30,7 @@ from app.panels import Panels, build_panels
 from app.physics_views import PhysicsViews
 from app.quality_controller import QualityController
 from app.settings import AppSettings, ModelChoice
+from app.speculation_view import SpeculationController
 from app.status_bar import StatusBar
 from engine.config import ConfigError, EngineConfig
 from engine.llm_engine import DEFAULT_KV_BUDGET_BYTES
@@ -78,6 +79,7 @@ class MainWindow(QMainWindow):
         )
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
         self.load_tool = LoadToolPanel(self.host)
+        self.speculation = SpeculationController(self, self.start_engine, parent=self)
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
@@ -140,6 +142,8 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(latency, roofline)
         steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom)
         self.tabifyDockWidget(latency, steps)
+        speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom)
+        self.tabifyDockWidget(latency, speculation)
         # The load tool submits many requests at once; a tool to open (View menu), tabbed
         # beside the probabilities where it has the height for its table and plot.
         load_tool = self._dock("load_tool", "Load test", self.load_tool, right)
@@ -236,7 +240,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def load_model(self, choice: ModelChoice) -> None:
         try:
-            config = choice.engine_config()
+            config = self.speculation.with_speculation(choice.engine_config())
         except ConfigError as exc:
             self._on_status_message(str(exc), "error")
             return
@@ -373,6 +377,7 @@ class MainWindow(QMainWindow):
             self.host.shutdown()
             self.quality.shutdown()  # a quality run finishes its current step, then stops
             self.physics.shutdown()  # a sweep stops at its next run; a limits measurement finishes
+            self.speculation.shutdown()  # a speedup measurement stops at its next run
             self.controls.model.wait_for_estimate()
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()

@@ -1,0 +1,97 @@
+"""Speculative decoding in the window: Apply restarts the engine with n-gram speculation, the
+reply's tokens carry draft marks, the panel shows the engine's own acceptance figures, a
+selected token shows its round, and the speedup is measured both ways."""
+
+import math
+
+from app_windows import REPLY_TIMEOUT_MS
+from test_app_chat import send_and_wait, use_params
+
+from engine.config import SpeculativeConfig
+
+JOB_TIMEOUT_MS = 120_000
+
+
+def apply_ngram(window, qtbot, num_draft: int = 4) -> None:
+    controls = window.controls.speculation
+    controls.set_method("ngram")
+    controls.num_draft.setValue(num_draft)
+    with qtbot.waitSignal(window.host.model_loaded, timeout=REPLY_TIMEOUT_MS):
+        controls.apply_button.click()
+    assert window.host.config.speculative == SpeculativeConfig("ngram", num_draft=num_draft)
+
+
+def test_speculative_reply_is_marked_and_the_panel_shows_the_engines_figures(make_window, qtbot):
+    window = make_window()
+    apply_ngram(window, qtbot)
+    use_params(window, max_new_tokens=24)
+    finished = send_and_wait(qtbot, window, "Say it again and again")
+    stats = finished.stats
+    assert stats.spec_rounds > 0 and stats.spec_drafted > 0
+
+    live = window.host.live
+    marks = [live.token(finished.request_id, i).spec for i in range(stats.generated_tokens)]
+    assert set(marks) - {""} and set(marks) <= {"", "accepted", "resampled", "bonus"}
+
+    window.chat.token_view.setChecked(True)
+    window.chat.spec_marks.setChecked(True)
+    bubble = window.chat.transcript.bubbles[-1]
+    first_marked = next(i for i, m in enumerate(marks) if m)
+    link = bubble.body_html().split(f'href="tok:{first_marked}"')[1][:300]
+    assert marks[first_marked] in link  # the tooltip names the mark
+    window.chat.spec_marks.setChecked(False)
+    assert "accepted" not in bubble.body_html() and "bonus" not in bubble.body_html()
+
+    window.host.render_tick()
+    a = window.panels.speculation.acceptance
+    assert a is not None and a.final and a.request_id == finished.request_id
+    assert a.acceptance_rate == stats.acceptance_rate
+    assert a.mean_accepted_length == stats.mean_accepted_length
+    assert a.forwards_per_token == stats.target_forwards / stats.generated_tokens
+    assert a.accepted_by_position == stats.spec_accepted_by_position
+    assert f"{stats.acceptance_rate:.0%}" in window.panels.speculation.summary.text()
+
+
+def test_selecting_a_token_shows_its_rounds_p_q_and_acceptance(make_window, qtbot):
+    window = make_window()
+    apply_ngram(window, qtbot)
+    use_params(window, max_new_tokens=16)
+    finished = send_and_wait(qtbot, window, "Again and again")
+    live = window.host.live
+    index = next(
+        i for i in range(len(finished.token_ids)) if live.token(finished.request_id, i).spec_round >= 0
+    )
+    spec_round = live.spec_round(finished.request_id, index)
+
+    window.chat.token_view.setChecked(True)
+    window.chat.transcript.bubbles[-1].token_clicked.emit(index)
+    table = window.panels.speculation.round_table
+    assert table.rowCount() == len(spec_round.draft_ids)
+    for row in range(len(spec_round.p_probs)):
+        q, p, accept = (float(table.item(row, c).text()) for c in (1, 2, 3))
+        assert q == round(spec_round.q_probs[row], 3)
+        assert p == round(spec_round.p_probs[row], 3)
+        assert math.isclose(accept, round(min(1.0, spec_round.p_probs[row] / spec_round.q_probs[row]), 3))
+    verdicts = [table.item(r, 4).text() for r in range(table.rowCount())]
+    assert verdicts[: spec_round.accepted] == ["accepted"] * spec_round.accepted
+
+
+def test_measure_speedup_reports_tokens_per_second_with_and_without(make_window, qtbot):
+    window = make_window()
+    panel = window.panels.speculation
+    panel.measure_button.click()  # speculation off: said, not measured
+    assert "speculation is off" in panel.speedup_label.text()
+    apply_ngram(window, qtbot)
+    use_params(window, max_new_tokens=8)
+    send_and_wait(qtbot, window, "Repeat repeat repeat")
+    job = window.speculation.job
+    with qtbot.waitSignal(job.succeeded, timeout=JOB_TIMEOUT_MS) as done:
+        panel.measure_button.click()
+    result = done.args[0]
+    assert result.plain.tokens == result.speculative.tokens > 0
+    assert result.plain.tokens_per_s > 0 and result.speculative.tokens_per_s > 0
+    assert result.speculative.stats.spec_rounds > 0 and result.plain.stats.spec_rounds == 0
+    text = panel.speedup_label.text()
+    assert f"{result.plain.tokens_per_s:.1f} tokens/s" in text
+    assert ("slows this down" in text) == (result.speedup < 1)
+    assert panel.measure_button.isEnabled()
