@@ -28,6 +28,7 @@ from app.conversations import (
     title_from,
 )
 from app.engine_host import EngineHost
+from app.prefix_ttft import first_uncached, prefix_cache_note
 from app.rich_text import ReplyToken
 from engine.config import ConfigError, SamplingParams
 from engine.events import RequestFailed, RequestFinished, RequestStats, TokenGenerated
@@ -61,13 +62,18 @@ class ActiveReply:
     text: str = ""
 
 
-def reply_meta(finish_reason: str | None, stats: RequestStats | None) -> str:
+def reply_meta(
+    finish_reason: str | None, stats: RequestStats | None, uncached: RequestStats | None = None
+) -> str:
+    """The reply header; `uncached` is the conversation's earlier uncached turn, shown beside a
+    TTFT that the prefix cache shortened."""
     parts = []
     if stats is not None and stats.generated_tokens:
         parts.append(f"{stats.generated_tokens} tokens")
         if stats.tokens_per_s > 0:
             parts.append(f"{stats.tokens_per_s:.1f} tok/s")
-        parts.append(f"TTFT {stats.ttft_s * 1000:.0f} ms")
+        note = prefix_cache_note(stats, uncached)
+        parts.append(f"TTFT {stats.ttft_s * 1000:.0f} ms" + (f" ({note})" if note else ""))
     label = FINISH_LABELS.get(finish_reason or "", finish_reason or "")
     if label:
         parts.append(label)
@@ -330,7 +336,10 @@ class ChatController(QObject):
         a.message.content, a.message.finish_reason = text, finish_reason
         a.bubble.set_text(text)
         kind = "error" if finish_reason == "failed" else ""
-        a.bubble.set_meta(reply_meta(finish_reason, a.record.stats), kind)
+        turns = self.conversation.messages if self.conversation else []
+        earlier = (self._records.get(m.id) for m in turns if m.id != a.message.id)
+        uncached = first_uncached(r.stats for r in earlier if r is not None)
+        a.bubble.set_meta(reply_meta(finish_reason, a.record.stats, uncached), kind)
         try:
             a.checkpoint.finish(text, finish_reason)
         except StorageError as exc:

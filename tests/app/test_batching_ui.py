@@ -88,3 +88,48 @@ def test_load_tool_without_a_model_says_so(qtbot):
     assert not panel.run_button.isEnabled()
     assert panel.start_run() is None
     assert "no model is loaded" in panel.summary.text()
+
+
+def _stats(prompt: int, cached: int, ttft_s: float):
+    from engine.events import RequestStats
+
+    return RequestStats(
+        prompt_tokens=prompt, generated_tokens=4, cached_prompt_tokens=cached, ttft_s=ttft_s,
+        itl_s=(0.01,) * 3, tokens_per_s=10.0, preemptions=0, peak_blocks=2,
+    )  # fmt: skip
+
+
+def test_prefix_cache_note_names_cached_tokens_and_the_uncached_turn():
+    from app.prefix_ttft import first_uncached, prefix_cache_note
+
+    first, second = _stats(30, 0, 0.8), _stats(430, 412, 0.12)
+    assert first_uncached([None, second, first]) is first
+    assert prefix_cache_note(first, None) == ""
+    assert prefix_cache_note(second, first) == (
+        "412 of 430 prompt tokens from the prefix cache; uncached turn 800 ms (30 tokens)"
+    )
+
+
+def test_follow_up_turn_shows_its_cached_ttft_beside_the_uncached_one(make_window, qtbot):
+    from engine.config import SamplingParams
+
+    window = make_window()
+    assert {"load_tool", "step_timeline"} <= set(window.docks)
+    window.controls.sampling.set_params(SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=20))
+    window.chat.system_prompt.setPlainText(
+        "You are a patient assistant who explains rivers, valleys and erosion in plain words."
+    )
+    finished = []
+    for text in ("How does a river carve a valley?", "And why does it bend?"):
+        with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as signal:
+            window.controller.send(text)
+        finished.append(signal.args[0].stats)
+    first, second = finished
+    assert first.cached_prompt_tokens == 0 and second.cached_prompt_tokens > 0
+    bubbles = [b for b in window.chat.transcript.bubbles if getattr(b, "request_id", None) is not None]
+    first_meta, second_meta = (b._meta.text() for b in bubbles[-2:])
+    assert "prefix cache" not in first_meta
+    assert (
+        f"TTFT {second.ttft_s * 1000:.0f} ms ({second.cached_prompt_tokens} of {second.prompt_tokens} "
+        f"prompt tokens from the prefix cache; uncached turn {first.ttft_s * 1000:.0f} ms"
+    ) in second_meta
