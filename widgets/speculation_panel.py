@@ -129,7 +129,13 @@ def round_rows(spec_round: SpecRound, token_text: Callable[[int], str]) -> list[
         else:
             verdict = "not examined"
         rows.append(
-            (repr(token_text(draft_id)), f"{q:.3f}", f"{p:.3f}" if examined else "—", f"{a:.3f}", verdict)
+            (
+                repr(token_text(draft_id)),
+                f"{q:.3f}",
+                f"{p:.3f}" if examined else "—",
+                f"{a:.3f}" if examined else "—",
+                verdict,
+            )
         )
     return rows
 
