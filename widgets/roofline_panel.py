@@ -86,7 +86,7 @@ class RooflinePanel(QWidget):
         self.device_label = QLabel()
         self.device_label.setWordWrap(True)
         self.device_label.setTextFormat(Qt.TextFormat.RichText)
-        self.measure_button = QPushButton("Measure device limits")
+        self.measure_button = QPushButton("Measure limits")
         self.measure_button.setToolTip(
             "Time the largest matmuls this device runs fast in the model's dtype and a large memory "
             "copy (about ten seconds). The result is cached per device and dtype.\n"
@@ -253,7 +253,7 @@ class RooflinePanel(QWidget):
         self.device_label.setToolTip(self._device_tip())
         loaded = self.state.loaded
         self.measure_button.setEnabled(loaded is not None and not self.job.running)
-        self.measure_button.setText("Re-measure device limits" if self.limits else "Measure device limits")
+        self.measure_button.setText("Re-measure limits" if self.limits else "Measure limits")
         for phase in PHASES:
             chosen = self.phase_points(phase)
             self.scatter[phase].setData(
@@ -282,7 +282,7 @@ class RooflinePanel(QWidget):
         else:
             lines.append(
                 f"{muted}Device limits for {info.device} in {info.dtype} not measured yet: press "
-                "<i>Measure device limits</i> to draw the roof and compute MFU and MBU.</span>"
+                "<i>Measure limits</i> to draw the roof and compute MFU and MBU.</span>"
             )
         if self.limits_error:
             lines.append(f"<span style='color:{theme.WHAT_IF}'>Measuring failed: {self.limits_error}</span>")

@@ -38,6 +38,8 @@ DTYPE_COLOURS = {"float32": "#5b9bd5", "bfloat16": "#e8833a", "float16": "#5fd38
 DEFAULT_PROMPT_LENGTHS = "32,128,512"
 DEFAULT_CONTEXT_LENGTHS = "128,512,1024"
 DEFAULT_DTYPES = ("float32", "bfloat16")
+# The sweep keeps every core busy (load ~1 per core); beyond this, something else was running.
+BUSY_LOAD_PER_CORE = 1.5
 # Below this width two plots side by side get too narrow to read their axes.
 SIDE_BY_SIDE_MIN_WIDTH = 640
 
@@ -57,6 +59,24 @@ def parse_lengths(text: str, what: str) -> list[int]:
 def progress_steps(dtypes: int, prompts: int, contexts: int, repeats: int) -> int:
     """Progress messages compare_dtypes sends: one per model load, one per timed run."""
     return dtypes + dtypes * repeats * (prompts + contexts)
+
+
+def busy_machine_note(device: str, load: float | None = None, cores: int | None = None) -> str:
+    """A warning when other work shared the CPU during a CPU sweep, from the 1-minute load
+    average: the sweep's own threads account for about one per core, so a load beyond
+    BUSY_LOAD_PER_CORE per core means other processes ran too, and the figures understate the CPU."""
+    if device.startswith("cuda"):
+        return ""
+    if load is None or cores is None:
+        import psutil
+
+        load, cores = psutil.getloadavg()[0], psutil.cpu_count(logical=True) or 1
+    if load <= BUSY_LOAD_PER_CORE * cores:
+        return ""
+    return (
+        f"The machine was busy (load average {load:.1f} on {cores} cores): other processes shared the "
+        "CPU, so these times are slower and noisier than the CPU is. Run again when it is idle."
+    )
 
 
 class SweepPanel(QWidget):
@@ -243,7 +263,10 @@ class SweepPanel(QWidget):
     @Slot(object)
     def _on_report(self, report: dict) -> None:
         self.progress.setValue(self.progress.maximum())
-        self._set_status(f"Measured {report['model']} on {report['device']}.")
+        busy = busy_machine_note(report["device"])
+        self._set_status(
+            f"Measured {report['model']} on {report['device']}. {busy}".strip(), error=bool(busy)
+        )
         self.set_report(report)
         self._update_controls()
 

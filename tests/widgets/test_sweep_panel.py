@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from widgets.sweep_panel import SweepPanel, parse_lengths, progress_steps
+from widgets.sweep_panel import SweepPanel, busy_machine_note, parse_lengths, progress_steps
 from widgets.sweep_summary import bound_from_dtype_change, change, explain
 
 # The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
@@ -75,6 +75,13 @@ def test_faster_than_the_bytes_explain_is_compute_bound():
 def test_same_sized_dtypes_are_put_down_to_arithmetic():
     text = explain(report(1.5, 1.0, byte_ratio=1.0))
     assert "moving about the same bytes: the difference is the speed of their arithmetic" in text
+
+
+def test_a_busy_cpu_is_pointed_out():
+    assert busy_machine_note("cpu", load=2.2, cores=2) == ""  # the sweep's own threads
+    note = busy_machine_note("cpu", load=7.9, cores=2)
+    assert "load average 7.9 on 2 cores" in note and "Run again when it is idle" in note
+    assert busy_machine_note("cuda", load=7.9, cores=2) == ""
 
 
 def test_lengths_are_parsed_with_reasons():
