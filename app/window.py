@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat_controller import ChatController
+from app.chat_tabs import ChatTabs
 from app.chat_view import ChatPane
 from app.controls import ControlsPanel
 from app.conversation_list import ConversationList
@@ -65,7 +66,6 @@ class MainWindow(QMainWindow):
 
         self.chat = ChatPane()
         self.chat.transcript.set_placeholder(WELCOME)
-        self.setCentralWidget(self.chat)
         self.sidebar = ConversationList()
         self.controls = ControlsPanel(settings.sampling(), settings.model_choice(), DEFAULT_KV_BUDGET_BYTES)
         self.panels: Panels = build_panels(self.host.live)
@@ -74,6 +74,11 @@ class MainWindow(QMainWindow):
         self.controller = ChatController(
             self.chat, self.sidebar, conversations, self.host, self.controls.sampling.params, parent=self
         )
+        # The chat is the first of the chat tabs; more tabs generate at the same time.
+        self.chat_tabs = ChatTabs(
+            self.chat, self.controller, conversations, self.host, self.controls.sampling.params
+        )
+        self.setCentralWidget(self.chat_tabs)
         self.quality = QualityController(
             self.host, self.controller, self.panels, self.controls.model, parent=self
         )
@@ -204,6 +209,8 @@ class MainWindow(QMainWindow):
         host.model_loading.connect(self._on_model_loading)
         self.controller.token_inspected.connect(self._on_token_inspected)
         self.controller.status_message.connect(self._on_status_message)
+        self.chat_tabs.token_inspected.connect(self._on_token_inspected)
+        self.chat_tabs.status_message.connect(self._on_status_message)
         self.controls.sampling.changed.connect(self._on_sampling_changed)
         self.controls.sampling.what_if_changed.connect(self._on_what_if_changed)
         self.controls.model.load_requested.connect(self.load_model)

@@ -133,3 +133,47 @@ def test_follow_up_turn_shows_its_cached_ttft_beside_the_uncached_one(make_windo
         f"TTFT {second.ttft_s * 1000:.0f} ms ({second.cached_prompt_tokens} of {second.prompt_tokens} "
         f"prompt tokens from the prefix cache; uncached turn {first.ttft_s * 1000:.0f} ms"
     ) in second_meta
+
+
+def test_two_chat_tabs_generate_at_once_each_in_its_own_colour(make_window, qtbot):
+    from app_windows import StepGate
+
+    from engine.config import SamplingParams
+    from widgets import theme
+
+    window = make_window()
+    window.controls.sampling.set_params(SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16))
+    tabs = window.chat_tabs
+    second = tabs.add_tab()
+    assert tabs.count() == 2 and tabs.currentIndex() == 1
+    gate = StepGate(window.host.engine.core, after_steps=4)
+    finished = []
+    window.host.request_finished.connect(finished.append)
+    window.controller.send("Tell me about rivers.")
+    second.send("Tell me about mountains.")
+    first_id, second_id = tabs.active_request_ids()
+    assert first_id is not None and second_id is not None and first_id != second_id
+    qtbot.waitUntil(gate.reached.is_set, timeout=REPLY_TIMEOUT_MS)
+    window.host.render_tick()
+    page_map = window.host.live.page_map
+    owners = {int(o) for o in page_map.first_owner[page_map.ref_count > 0]}
+    gate.release()
+    assert {first_id, second_id} <= owners, "both tabs' sequences hold blocks in the page map"
+    # Each tab wears its sequence's page-map colour while generating.
+    for index, request_id in enumerate((first_id, second_id)):
+        icon = tabs.tabIcon(index).pixmap(8, 8).toImage().pixelColor(4, 4)
+        assert (icon.red(), icon.green(), icon.blue()) == theme.seq_rgb(request_id)
+    qtbot.waitUntil(lambda: len(finished) == 2, timeout=REPLY_TIMEOUT_MS)
+    assert {e.request_id for e in finished} == {first_id, second_id}
+    assert all(e.stats.generated_tokens == 16 for e in finished)
+    for controller in tabs.controllers:
+        assert controller.active is None
+        replies = [m for m in controller.conversation.messages if m.role == "assistant"]
+        assert len(replies) == 1 and replies[0].content and replies[0].finish_reason == "length"
+    assert tabs.active_request_ids() == [None, None] and tabs.tabIcon(1).isNull()
+    # The second tab's conversation is stored like any other and listed in the sidebar.
+    stored = {s.id for s in window.conversations.summaries()}
+    assert {c.conversation.id for c in tabs.controllers} <= stored
+    assert len({c.conversation.id for c in tabs.controllers}) == 2
+    tabs.close_tab(1)
+    assert tabs.count() == 1
