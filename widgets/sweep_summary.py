@@ -33,18 +33,23 @@ def change(time_ratio: float) -> str:
 
 
 def bound_from_dtype_change(time_ratio: float, byte_ratio: float) -> str | None:
-    """'memory-bound' or 'compute-bound' from how the time moved against the bytes moved
-    (both new / baseline), or None when the bytes barely changed (nothing to tell them apart)."""
+    """How a phase's time moved against its bytes (both new / baseline):
+    'memory-bound'   its speed followed the change in bytes (more than halfway, in log space);
+    'overhead-bound' its time stayed put although the bytes changed: fixed per-step costs
+                     (kernel launches, Python, synchronisation) set it, not bytes or FLOPs;
+    'compute-bound'  it moved the other way, or far beyond the bytes: the dtype's arithmetic.
+    None when the bytes barely changed (nothing to tell the causes apart)."""
     byte_gain = 1 / byte_ratio
     if 1 / SAME < byte_gain < SAME:
         return None
     speed = 1 / time_ratio
-    # Judged in log space: did the speed move more than halfway towards the byte saving?
     if byte_gain > 1:
         follows = math.sqrt(byte_gain) <= speed <= byte_gain * BEYOND_BYTES
     else:
         follows = byte_gain / BEYOND_BYTES <= speed <= math.sqrt(byte_gain)
-    return "memory-bound" if follows else "compute-bound"
+    if follows:
+        return "memory-bound"
+    return "overhead-bound" if 1 / SAME < speed < SAME else "compute-bound"
 
 
 def _rows(report: dict, key: str, dtype: str) -> list[dict]:
@@ -81,8 +86,15 @@ def dtype_sentence(report: dict, dtype: str) -> str:
     }
     where = _device_words(report["device"])
     if verdicts["prefill"] == verdicts["decode"]:
-        return f"{head}: both phases are {verdicts['prefill']} on {where}."
-    return f"{head}: prefill is {verdicts['prefill']}, decode {verdicts['decode']} on {where}."
+        sentence = f"{head}: both phases are {verdicts['prefill']} on {where}."
+    else:
+        sentence = f"{head}: prefill is {verdicts['prefill']}, decode {verdicts['decode']} on {where}."
+    if "overhead-bound" in verdicts.values():
+        sentence += (
+            " (Overhead-bound: its time did not move with the bytes, so fixed per-step costs such as "
+            "kernel launches and Python set it, not memory or arithmetic.)"
+        )
+    return sentence
 
 
 def scaling_sentence(report: dict, dtype: str) -> str:

@@ -69,7 +69,15 @@ def test_faster_than_the_bytes_explain_is_compute_bound():
     assert bound_from_dtype_change(0.55, 0.5) == "memory-bound"
     assert bound_from_dtype_change(1.2, 0.5) == "compute-bound"
     assert bound_from_dtype_change(0.5, 1.0) is None  # same bytes: nothing to tell them apart
+    # Half the bytes and the same time: neither memory nor arithmetic, per-step overhead.
+    assert bound_from_dtype_change(1.02, 0.5) == "overhead-bound"
     assert change(1.04) == "about as fast" and change(0.5) == "2.0x faster" and change(3.0) == "3.0x slower"
+
+
+def test_a_small_model_on_a_fast_gpu_is_overhead_bound_in_decode():
+    text = explain(report(0.2, 0.98, device="cuda:0"))
+    assert "prefill is compute-bound, decode overhead-bound on this GPU." in text
+    assert "fixed per-step costs such as kernel launches and Python" in text
 
 
 def test_same_sized_dtypes_are_put_down_to_arithmetic():
