@@ -19,7 +19,7 @@ SPEED_TOKENS = 32  # greedy tokens each copy decodes for the speed figures
 # (key, what the quality panel calls it)
 QUALITY_SOURCES = (
     (CONVERSATION, "Current conversation"),
-    (EVAL_TEXT, "Evaluation text (shipped with kvscope)"),
+    (EVAL_TEXT, "Shipped evaluation text"),
 )
 
 

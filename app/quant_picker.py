@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Qt, Slot
-from PySide6.QtGui import QStandardItemModel
-from PySide6.QtWidgets import QComboBox, QFormLayout, QLabel
+from PySide6.QtGui import QColor, QStandardItemModel
+from PySide6.QtWidgets import QComboBox, QFormLayout, QLabel, QStyledItemDelegate
 
 from engine.config import KV_DTYPES, ModelSpec
 from engine.events import ModelInfo, ModelLoaded
@@ -22,6 +22,7 @@ from widgets.units import format_bytes
 NONE = "none"  # engine.quantization.NONE, without importing torch for a constant
 KV_LABELS = {"auto": "model dtype", "int8": "int8 (per-token scales)"}
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+MUTED_ITEM = "#6b7280"  # an unavailable scheme's text in the drop-down
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,9 @@ class QuantizationChoice(QObject):
         super().__init__(parent)
         self.scheme = QComboBox()
         self.scheme.setObjectName("quantScheme")
+        # A styled combo's own menu delegate paints every item alike; this one honours the
+        # disabled state and the item colour, so unavailable schemes read as greyed out.
+        self.scheme.setItemDelegate(QStyledItemDelegate(self.scheme))
         self.kv_dtype = QComboBox()
         self.kv_dtype.setObjectName("kvDtype")
         for name in KV_DTYPES:
@@ -168,6 +172,8 @@ class QuantizationChoice(QObject):
             tip = f"{status.description}.\n{'Runs with' if status.available else 'Unavailable:'} {status.reason}."
             self.scheme.setItemData(i, tip, Qt.ItemDataRole.ToolTipRole)
             model.item(i).setEnabled(status.available)
+            if not status.available:  # the stylesheet's item colour would hide the disabled state
+                self.scheme.setItemData(i, QColor(MUTED_ITEM), Qt.ItemDataRole.ForegroundRole)
         self.scheme.setCurrentIndex(max(0, self.scheme.findData(chosen)))
         self.scheme.blockSignals(False)
         self.unavailable.setText(unavailable_text(self.statuses))

@@ -141,7 +141,7 @@ class MemoryPanel(QWidget):
             if key == "weights" and self.full_precision is not None:
                 full, dtype = self.full_precision
                 entries.append(
-                    legend_entry(theme.SERIES["weights"], f"same weights in {dtype} (parameters × size)", "┅")
+                    legend_entry(theme.SERIES["weights"], f"unquantized ({dtype})", "┅")
                     + f" <b>{format_bytes(full)}</b>"
                 )
         total = float(self.state.memory.column("device_total")[-1])

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.store import LiveState
 from widgets import theme
@@ -29,18 +29,19 @@ SLOWER_COLOUR = "#e8833a"
 FASTER_COLOUR = "#5fd38d"
 NO_PEN = pg.mkPen(None)  # made once: pyqtgraph caches a symbol per pen object
 DISAGREE_BRUSH = pg.mkBrush(DISAGREE_COLOUR)
+TABLE_ROWS = ("", "perplexity", "decode", "prefill", "last reply")
 
 
 def speed_ratio_text(quantized: float, reference: float) -> str:
-    """'0.44×, slower than full precision' in colour, or faster, or the same within 5%."""
+    """'0.44×, slower' (than full precision) in colour, or faster, or the same within 5%."""
     if not (reference > 0 and quantized > 0) or math.isnan(quantized) or math.isnan(reference):
         return ""
     ratio = quantized / reference
     if ratio < 0.95:
-        return f"<span style='color:{SLOWER_COLOUR}'><b>{ratio:.2f}×, slower than full precision</b></span>"
+        return f"<span style='color:{SLOWER_COLOUR}'><b>{ratio:.2f}×, slower</b></span>"
     if ratio > 1.05:
-        return f"<span style='color:{FASTER_COLOUR}'>{ratio:.2f}×, faster than full precision</span>"
-    return f"{ratio:.2f}×, about as fast as full precision"
+        return f"<span style='color:{FASTER_COLOUR}'>{ratio:.2f}×, faster</span>"
+    return f"{ratio:.2f}×, about as fast"
 
 
 class QualityPanel(QWidget):
@@ -71,18 +72,37 @@ class QualityPanel(QWidget):
         self.status = QLabel()
         self.status.setStyleSheet(f"color: {theme.MUTED_TEXT};")
         self.status.setWordWrap(True)
-        self.figures = QLabel()
+        self.status.hide()  # shown while a run goes and for its errors
+        # The figures as a small table (scheme | full precision), one short line per cell, so a
+        # short dock still shows them all; the KL line spans the table.
+        self.table = QGridLayout()
+        self.table.setHorizontalSpacing(14)
+        self.table.setVerticalSpacing(1)
+        self.cells: dict[tuple[str, int], QLabel] = {}
+        for row, name in enumerate(TABLE_ROWS):
+            head = QLabel(name)
+            head.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+            self.table.addWidget(head, row, 0)
+            for column in (1, 2):
+                cell = QLabel()
+                cell.setTextFormat(Qt.TextFormat.RichText)
+                self.cells[(name, column)] = cell
+                self.table.addWidget(cell, row, column)
+        self.table.setColumnStretch(3, 1)
+        self.figures = QLabel()  # the KL and top-1 line, or what the panel is for before a run
         self.figures.setTextFormat(Qt.TextFormat.RichText)
         self.figures.setWordWrap(True)
-        self.live = QLabel()
-        self.live.setTextFormat(Qt.TextFormat.RichText)
-        self.live.setWordWrap(True)
+        self.figures.setToolTip(
+            "Both models read the same tokens (teacher forcing); KL(full precision || this scheme) at each "
+            "position. Speeds: one greedy reply of each through the engine, back to back in the same run; "
+            "'last reply' is the running engine's own."
+        )
         self.hover = QLabel()
         self.hover.setStyleSheet(f"color: {theme.MUTED_TEXT};")
         self.plot = styled_plot()
         item = self.plot.getPlotItem()
-        item.setLabel("bottom", "token position in the text")
-        item.setLabel("left", "KL (nats)")
+        item.setLabel("bottom", "token position in the text")  # KL's unit is in the figures' legend
+        self.plot.setMinimumHeight(100)
         self.reply_region = pg.LinearRegionItem(movable=False, brush=pg.mkBrush(*REPLY_SHADE), pen=NO_PEN)
         self.reply_region.hide()
         item.addItem(self.reply_region, ignoreBounds=True)
@@ -111,8 +131,8 @@ class QualityPanel(QWidget):
         layout.setSpacing(3)
         layout.addLayout(controls)
         layout.addWidget(self.status)
+        layout.addLayout(self.table)
         layout.addWidget(self.figures)
-        layout.addWidget(self.live)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.hover)
         self._show_empty()
@@ -128,18 +148,20 @@ class QualityPanel(QWidget):
         self.run_button.setEnabled(False)
         self.status.setStyleSheet(f"color: {theme.MUTED_TEXT};")
         self.status.setText(f"Running: {text}…")
+        self.status.show()
 
     def show_error(self, message: str) -> None:
         self.run_button.setEnabled(True)
         self.status.setStyleSheet(f"color: {DISAGREE_COLOUR};")
         self.status.setText(message)
+        self.status.show()
 
     def show_result(self, result) -> None:
         """Draw a QualityResult (app/quality_compute.py)."""
         self.result = result
         self.run_button.setEnabled(True)
-        self.status.setStyleSheet(f"color: {theme.MUTED_TEXT};")
-        self.status.setText(f"Measured in {result.seconds:.1f} s; hover the plot for each token.")
+        self.status.setText("")
+        self.status.hide()  # the figures take its room; the hover line says how long it took
         report = result.report
         x, kl = self.kl_series()
         self.kl_curve.setData(x, kl)
@@ -152,8 +174,9 @@ class QualityPanel(QWidget):
             self.reply_region.show()
         else:
             self.reply_region.hide()
-        self.figures.setText(self._figures_text(result))
-        self.hover.setText("")
+        self._fill_table(result)
+        self.figures.setText(self._kl_text(result))
+        self.hover.setText(f"Measured in {result.seconds:.0f} s. Hover the plot to read each token.")
 
     def kl_series(self) -> tuple[np.ndarray, np.ndarray]:
         """(token position, KL there): position p is the prediction of token p from tokens < p."""
@@ -178,33 +201,52 @@ class QualityPanel(QWidget):
             "measured through the engine.</span>"
         )
 
-    def _figures_text(self, result) -> str:
+    def figures_text(self) -> str:
+        """Every figure shown, row by row (the table, then the KL line)."""
+        rows = []
+        for name in TABLE_ROWS:
+            cells = [self.cells[(name, c)].text() for c in (1, 2)]
+            if any(cells):
+                rows.append(" | ".join([name, *cells]))
+        return "\n".join([*rows, self.figures.text()])
+
+    def _set_row(self, name: str, scheme: str, reference: str) -> None:
+        self.cells[(name, 1)].setText(scheme)
+        self.cells[(name, 2)].setText(reference)
+
+    def _fill_table(self, result) -> None:
         report, job = result.report, result.job
         kv = "" if job.kv_dtype == "auto" else f" + KV {job.kv_dtype}"
-        where = self.source_labels.get(job.source, job.source).lower()
-        cut = (
-            f" (its last {len(result.token_ids):,}; {result.truncated:,} earlier cut)"
-            if result.truncated
-            else ""
+        self._set_row("", f"<b>{result.scheme}{kv}</b>", f"<b>{result.reference_label}</b>")
+        self._set_row(
+            "perplexity", f"<b>{report.quantized_perplexity:.2f}</b>", f"{report.reference_perplexity:.2f}"
         )
-        lines = [
-            f"<b>{result.scheme}{kv}</b> vs <b>{result.reference_label}</b> · "
-            f"{report.num_tokens:,} predictions over {where}{cut}",
-            legend_entry(KL_COLOUR, "KL")
-            + f" mean <b>{report.mean_kl:.4g}</b> · max {report.max_kl:.3g} nats &nbsp; "
-            + legend_entry(DISAGREE_COLOUR, "", "✕")
-            + f" top-1 agreement <b>{report.top1_agreement:.1%}</b> &nbsp; perplexity "
-            f"<b>{report.quantized_perplexity:.2f}</b> (full precision {report.reference_perplexity:.2f})",
-        ]
         q, r = result.quantized_speed, result.reference_speed
-        if q is not None and r is not None:
-            lines.append(
-                f"decode <b>{q.decode_tok_s:.1f}</b> tok/s vs {r.decode_tok_s:.1f} full precision "
-                f"({speed_ratio_text(q.decode_tok_s, r.decode_tok_s)}) · prefill {q.prefill_tok_s:.0f} vs "
-                f"{r.prefill_tok_s:.0f} tok/s <span style='color:{theme.MUTED_TEXT}'>(engine, {q.new_tokens} "
-                "greedy tokens each, back to back)</span>"
-            )
-        return "<br>".join(lines)
+        if q is None or r is None:
+            self._set_row("decode", "", "")
+            self._set_row("prefill", "", "")
+            return
+        self._set_row(
+            "decode",
+            f"<b>{q.decode_tok_s:.1f}</b> tok/s {speed_ratio_text(q.decode_tok_s, r.decode_tok_s)}",
+            f"{r.decode_tok_s:.1f} tok/s",
+        )
+        self._set_row(
+            "prefill",
+            f"{q.prefill_tok_s:.0f} tok/s {speed_ratio_text(q.prefill_tok_s, r.prefill_tok_s)}",
+            f"{r.prefill_tok_s:.0f} tok/s",
+        )
+
+    def _kl_text(self, result) -> str:
+        report, job = result.report, result.job
+        where = self.source_labels.get(job.source, job.source).lower()
+        cut = f", its last {len(result.token_ids):,}" if result.truncated else ""
+        return (
+            legend_entry(KL_COLOUR, f"KL mean <b>{report.mean_kl:.4g}</b> · max {report.max_kl:.3g} nats")
+            + " &nbsp; "
+            + legend_entry(DISAGREE_COLOUR, f"top-1 agreement <b>{report.top1_agreement:.1%}</b>", "✕")
+            + f" <span style='color:{theme.MUTED_TEXT}'>over {report.num_tokens:,} tokens of the {where}{cut}</span>"
+        )
 
     def _refresh_live(self) -> None:
         """The running engine's last finished reply: its decode speed, as the chat measured it."""
@@ -214,14 +256,13 @@ class QualityPanel(QWidget):
         finished = [v.finished for v in self.state.requests.values() if v.finished is not None]
         finished = [f for f in finished if f.t >= since and f.stats.generated_tokens > 1]
         if not finished:
-            self.live.setText("")
+            self._set_row("last reply", "", "")
             return
         stats = finished[-1].stats
-        label = f" ({self.engine_label})" if self.engine_label else ""
-        self.live.setText(
-            f"<span style='color:{theme.MUTED_TEXT}'>running engine{label}: last reply "
-            f"<b style='color:{theme.PANEL_TEXT}'>{stats.tokens_per_s:.1f}</b> tok/s decode, "
-            f"{stats.generated_tokens} tokens</span>"
+        self._set_row(
+            "last reply",
+            f"{stats.tokens_per_s:.1f} tok/s, {stats.generated_tokens} tokens",
+            f"<span style='color:{theme.MUTED_TEXT}'>{self.engine_label or 'the running engine'}, in the chat</span>",
         )
 
     # ---- slots -------------------------------------------------------------------------------

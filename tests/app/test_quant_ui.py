@@ -148,7 +148,7 @@ def test_none_against_itself_reads_zero_kl_full_agreement_and_the_overlay_matche
     assert report.mean_kl == 0.0 and report.max_kl == 0.0
     assert report.top1_agreement == 1.0
     assert report.quantized_perplexity == report.reference_perplexity
-    assert "top-1 agreement <b>100.0%</b>" in window.panels.quality.figures.text()
+    assert "top-1 agreement <b>100.0%</b>" in window.panels.quality.figures_text()
     # the reply's exact tokens close the text, and each has the reference where the engine sampled it
     assert result.token_ids[-6:] == event.token_ids and result.reply_start == len(result.token_ids) - 6
     assert sorted(result.reference) == list(range(6))
@@ -179,7 +179,9 @@ def test_a_quantized_tiny_model_has_positive_kl_and_its_speed_measured(
     assert window.panels.quality.kl_series()[1].tolist() == list(report.kl)
     for speed in (result.quantized_speed, result.reference_speed):
         assert speed.new_tokens == 32 and speed.decode_tok_s > 0 and speed.prefill_tok_s > 0
-    assert "tok/s vs" in window.panels.quality.figures.text()
+    text = window.panels.quality.figures_text()
+    assert f"decode | <b>{result.quantized_speed.decode_tok_s:.1f}</b> tok/s" in text
+    assert f"{result.reference_speed.decode_tok_s:.1f} tok/s" in text
 
 
 def test_a_run_before_any_model_says_what_to_do(make_window, qtbot):

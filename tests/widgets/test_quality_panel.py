@@ -65,7 +65,7 @@ def test_the_plot_is_the_report_kl_along_the_text_with_disagreements_marked(pane
     assert panel.mean_line.value() == pytest.approx(report.mean_kl)
     assert panel.reply_region.isVisible()
     assert panel.reply_region.getRegion() == pytest.approx((4.5, len(IDS) - 0.5))
-    text = panel.figures.text()
+    text = panel.figures_text()
     assert f"{report.mean_kl:.4g}" in text
     assert f"{report.top1_agreement:.1%}" in text
     assert f"{report.quantized_perplexity:.2f}" in text and f"{report.reference_perplexity:.2f}" in text
@@ -77,7 +77,7 @@ def test_identical_distributions_read_as_zero_kl_and_full_agreement(panel):
     panel.show_result(result_with(compare_logits(reference, reference.clone(), IDS)))
     assert panel.kl_series()[1].tolist() == [0.0] * (len(IDS) - 1)
     assert panel.disagree_points.xData is None  # pyqtgraph's empty data
-    assert "top-1 agreement <b>100.0%</b>" in panel.figures.text()
+    assert "top-1 agreement <b>100.0%</b>" in panel.figures_text()
     assert not panel.reply_region.isVisible()
 
 
@@ -99,11 +99,11 @@ def test_a_slower_scheme_says_so(panel):
     panel.show_result(
         result_with(report, q_speed=SpeedFigures(12.0, 300.0, 32), r_speed=SpeedFigures(40.0, 900.0, 32))
     )
-    assert "0.30×, slower than full precision" in panel.figures.text()
+    assert "decode | <b>12.0</b> tok/s" in panel.figures_text() and "0.30×, slower" in panel.figures_text()
     panel.show_result(
         result_with(report, q_speed=SpeedFigures(50.0, 900.0, 32), r_speed=SpeedFigures(40.0, 900.0, 32))
     )
-    assert "1.25×, faster than full precision" in panel.figures.text()
+    assert "1.25×, faster" in panel.figures_text()
 
 
 def test_errors_and_progress_are_shown_and_the_button_comes_back(panel):
@@ -126,10 +126,10 @@ def test_live_line_counts_only_the_running_engines_replies(panel):
     state = panel.state
     reply = finished(1, "stop", 0.1, (0.05, 0.05, 0.05), t=5.0)
     panel.refresh(state.apply([RequestStarted(1, 3, t=4.0), reply]))
-    assert f"{reply.stats.tokens_per_s:.1f}" in panel.live.text()
+    assert f"last reply | {reply.stats.tokens_per_s:.1f} tok/s" in panel.figures_text()
     panel.set_engine_label("int8-weight-only")
     panel.refresh(state.apply([dataclasses.replace(model_loaded(), t=10.0)]))
-    assert panel.live.text() == ""  # an earlier engine's reply is not this scheme's speed
+    assert "last reply" not in panel.figures_text()  # an earlier engine's reply is not this scheme's
 
 
 # ---- the reference overlay in the probability panel --------------------------------------------
@@ -179,7 +179,7 @@ def test_memory_graph_names_the_scheme_and_marks_full_precision(qtbot):
     assert panel.series("weights")[1].tolist() == [140.0]
     assert panel.full_precision_line.value() == pytest.approx(513.0)
     text = panel.legend.text()
-    assert "weights, int8-weight-only (tensor sizes)" in text and "same weights in float32" in text
+    assert "weights, int8-weight-only (tensor sizes)" in text and "unquantized (float32)" in text
     assert "513 MiB" in text and "140 MiB" in text
     panel.set_weights_scheme("none")
     assert panel.full_precision is None and "int8" not in panel.legend.text()
