@@ -47,6 +47,7 @@ def add_commands(subparsers) -> None:
     r.add_argument("--refresh", action="store_true", help="re-measure the device limits (else cached)")
     r.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the prefill step")
     r.add_argument("--decode-steps", type=int, default=16, help="decode steps measured per batch size")
+    r.add_argument("--rounds", type=int, default=2, help="runs of the scenario; each point keeps its fastest")
     r.add_argument(
         "--batch-sizes", type=_int_list, default=[1, 4], metavar="LIST", help="e.g. 1,4,8 (default 1,4)"
     )
@@ -91,7 +92,13 @@ def run_roofline(args) -> int:
     _progress("device limits (measured once per device and dtype, then cached)")
     limits = load_or_measure(loaded.device, args.dtype, refresh=args.refresh)
     points = measure_roofline_points(
-        loaded, limits, args.prompt_tokens, args.decode_steps, args.batch_sizes, progress=_progress
+        loaded,
+        limits,
+        args.prompt_tokens,
+        args.decode_steps,
+        args.batch_sizes,
+        rounds=args.rounds,
+        progress=_progress,
     )
     report = {
         "model": loaded.info.name,
@@ -100,6 +107,7 @@ def run_roofline(args) -> int:
         "device_limits": limits.to_dict(),
         "prompt_tokens": args.prompt_tokens,
         "decode_steps": args.decode_steps,
+        "rounds": args.rounds,
         "points": points,
     }
     if args.json:
@@ -136,7 +144,9 @@ def _print_roofline(r: dict) -> None:
     from engine.roofline import si
 
     lim = r["device_limits"]
-    print(f"{r['model']} {r['dtype']} on {lim['device_name']}")
+    print(
+        f"{r['model']} {r['dtype']} on {lim['device_name']}; each point the fastest of {r['rounds']} rounds"
+    )
     print(
         f"peak {si(lim['peak_flops'], 'FLOP/s')} (matmul {lim['matmul_size']}^2), bandwidth "
         f"{si(lim['bandwidth'], 'B/s')}, ridge {lim['ridge_flops_per_byte']:.2f} FLOP/B"

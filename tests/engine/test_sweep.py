@@ -84,6 +84,7 @@ def test_roofline_points_prefill_and_decode_per_batch(tiny_loaded, monkeypatch):
     for p in points:
         assert p["mfu"] > 0 and p["mbu"] > 0 and p["bound"] in ("compute-bound", "memory-bound")
         assert p["mfu_how"].startswith("MFU = ") and p["mbu_how"].startswith("MBU = ")
+        assert p["best_of_rounds"] == 2
 
 
 def _run_cli(args: list[str], cache_dir) -> subprocess.CompletedProcess:
