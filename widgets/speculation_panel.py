@@ -160,7 +160,10 @@ class SpeculationPanel(QWidget):
         self.plot = styled_plot()
         item = self.plot.getPlotItem()
         item.setLabel("bottom", "draft position")
-        item.setLabel("left", "accepted (share of rounds)")
+        item.setLabel("left", "kept")
+        self.plot.setToolTip(
+            "Bar i: the share of rounds with an i-th draft token in which the target kept it"
+        )
         item.setYRange(0, 1, padding=0.02)
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=theme.SERIES["kv_used"])
         item.addItem(self.bars)
@@ -170,6 +173,7 @@ class SpeculationPanel(QWidget):
         self.round_table = QTableWidget(0, len(ROUND_COLUMNS))
         self.round_table.setHorizontalHeaderLabels(ROUND_COLUMNS)
         self.round_table.verticalHeader().setVisible(False)
+        self.round_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
         self.round_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.measure_button = QPushButton("Measure speedup")
         self.measure_button.setToolTip(
@@ -183,13 +187,18 @@ class SpeculationPanel(QWidget):
         measure_row = QHBoxLayout()
         measure_row.addWidget(self.measure_button)
         measure_row.addWidget(self.speedup_label, 1)
+        # Bars beside the round: a bottom dock is wide and short.
+        round_column = QVBoxLayout()
+        round_column.addWidget(self.round_label)
+        round_column.addWidget(self.round_table, 1)
+        body = QHBoxLayout()
+        body.addWidget(self.plot, 2)
+        body.addLayout(round_column, 3)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addWidget(self.summary)
-        layout.addWidget(self.plot, 1)
         layout.addLayout(measure_row)
-        layout.addWidget(self.round_label)
-        layout.addWidget(self.round_table, 1)
+        layout.addLayout(body, 1)
 
     # ---- inputs ----------------------------------------------------------------------------
     def set_token_text(self, token_text: Callable[[int], str]) -> None:
@@ -220,7 +229,7 @@ class SpeculationPanel(QWidget):
             if result.speedup >= 1
             else f"<b style='color: {theme.WHAT_IF}'>"
             f"Speculation slows this down: {result.speedup:.2f}× the speed without it</b> "
-            f"({result.proposer}: the draft and the wider verify cost more than the accepted tokens save)"
+            f"({result.proposer}: drafting and the wider verify forward cost more than the kept drafts save)"
         )
         self.speedup_label.setText(
             f"{verdict}<br>with: {spec.tokens_per_s:.1f} tokens/s ({spec.tokens} tokens, "
@@ -246,7 +255,9 @@ class SpeculationPanel(QWidget):
             f"per round ({a.rounds} rounds) · target forwards per token <b>{a.forwards_per_token:.2f}</b>"
         )
         rates = a.rate_by_position()
-        self.bars.setOpts(x=np.arange(1, len(rates) + 1), height=rates)
+        positions = np.arange(1, len(rates) + 1)
+        self.bars.setOpts(x=positions, height=rates)
+        self.plot.getPlotItem().getAxis("bottom").setTicks([[(int(x), str(int(x))) for x in positions]])
 
     def _update_round(self) -> None:
         spec_round = self.state.spec_round(*self._selected) if self._selected else None
