@@ -3,9 +3,11 @@ that fail a test which leaves an engine thread or a running timer behind."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
+import shiboken6
 from app_windows import TEST_NUM_BLOCKS, start_tiny
 from PySide6.QtCore import QTimer
 
@@ -46,6 +48,7 @@ def make_window(qtbot, tiny_loaded, test_config):
     from app.window import MainWindow
 
     made = []
+    running_before = {id(t) for t in active_timers()}
 
     def make(start: bool = True, interactive: bool = False):
         store = ConversationStore(conversations_db_path())
@@ -61,5 +64,14 @@ def make_window(qtbot, tiny_loaded, test_config):
         window.close()
         store.close()
         assert not window.host.threads_alive(), "the engine thread outlived its window"
-        active = [t.objectName() or repr(t) for t in window.findChildren(QTimer) if t.isActive()]
-        assert not active, f"timers still running after close: {active}"
+    left = [repr(t) for t in active_timers() if id(t) not in running_before]
+    assert not left, f"timers still running after the windows closed: {left}"
+
+
+def active_timers() -> list[QTimer]:
+    """Every running QTimer made from Python, wherever it lives (parented to the window or not)."""
+    gc.collect()
+    # issubclass(type(o)) rather than isinstance(): no __class__ lookups on lazy module proxies.
+    return [
+        o for o in gc.get_objects() if issubclass(type(o), QTimer) and shiboken6.isValid(o) and o.isActive()
+    ]
