@@ -43,7 +43,18 @@ class SpeculationController(QObject):
             token = live.token(request_id, index)
             return token.spec if token is not None else ""
 
+        self._mark_of = mark_of
         window.chat.set_spec_mark_source(mark_of)
+        # Extra chat tabs: their tokens select rounds too, and each new tab's pane shows marks.
+        self._tabs = getattr(window, "chat_tabs", None)
+        if self._tabs is not None:
+            self._tabs.token_inspected.connect(self.panel.show_token)
+            self._tabs.currentChanged.connect(self._mark_every_tab)
+
+    @Slot()
+    def _mark_every_tab(self, _index: int = 0) -> None:
+        for controller in self._tabs.controllers:
+            controller.pane.set_spec_mark_source(self._mark_of)  # unchanged panes do not redraw
 
     def with_speculation(self, config: EngineConfig) -> EngineConfig:
         """A model load keeps the speculation last applied."""

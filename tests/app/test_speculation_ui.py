@@ -95,3 +95,27 @@ def test_measure_speedup_reports_tokens_per_second_with_and_without(make_window,
     assert f"{result.plain.tokens_per_s:.1f} tokens/s" in text
     assert ("slows this down" in text) == (result.speedup < 1)
     assert panel.measure_button.isEnabled()
+
+
+def test_an_extra_chat_tab_shows_draft_marks_and_selects_rounds(make_window, qtbot):
+    window = make_window()
+    apply_ngram(window, qtbot)
+    use_params(window, max_new_tokens=12)
+    controller = window.chat_tabs.add_tab()
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as done:
+        controller.send("Again and again")
+    finished = done.args[0]
+    live = window.host.live
+    index = next(i for i in range(len(finished.token_ids)) if live.token(finished.request_id, i).spec)
+    controller.pane.token_view.setChecked(True)
+    controller.pane.spec_marks.setChecked(True)
+    assert controller.pane.spec_marks.isEnabled()
+    bubble = controller.pane.transcript.bubbles[-1]
+    assert (
+        live.token(finished.request_id, index).spec
+        in bubble.body_html().split(f'href="tok:{index}"')[1][:300]
+    )
+    bubble.token_clicked.emit(index)
+    assert window.panels.speculation.round_table.rowCount() == len(
+        live.spec_round(finished.request_id, index).draft_ids
+    )
