@@ -10,6 +10,8 @@ share the CPU (or GPU).
 
 from __future__ import annotations
 
+import html
+
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Slot
 from PySide6.QtWidgets import (
@@ -30,7 +32,7 @@ from engine.config import DTYPES
 from widgets import theme
 from widgets.background_job import BackgroundJob
 from widgets.plot_style import LogValueAxis, legend_entry, styled_plot
-from widgets.sweep_summary import explain
+from widgets.sweep_summary import explain_parts
 
 DTYPE_COLOURS = {"float32": "#5b9bd5", "bfloat16": "#e8833a", "float16": "#5fd38d"}
 # The CLI's defaults (engine/cli_physics.py): short enough for a minute or two on a laptop CPU
@@ -133,6 +135,7 @@ class SweepPanel(QWidget):
         self.explanation = QLabel()
         self.explanation.setObjectName("sweepExplanation")
         self.explanation.setWordWrap(True)
+        self.explanation.setTextFormat(Qt.TextFormat.RichText)
         self.explanation.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.legend = QLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
@@ -307,7 +310,10 @@ class SweepPanel(QWidget):
             )
         self.legend.setText(" &nbsp; ".join(entries) + f" &nbsp; <span style='color:{theme.MUTED_TEXT}'>"
                             f"{report['model']} on {report['device']}</span>")  # fmt: skip
-        self.explanation.setText(explain(report))
+        comparisons, scaling = explain_parts(report)
+        self.explanation.setText("<br>".join([f"<b>{html.escape(c)}</b>" for c in comparisons] + [
+            html.escape(s) for s in scaling
+        ]))  # fmt: skip
 
     def _curve(self, which: str, dtype: str, colour: str, rows: list[dict], x_key: str, y_key: str) -> None:
         plot = self.ttft_plot if which == "ttft" else self.itl_plot

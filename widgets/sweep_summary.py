@@ -11,16 +11,11 @@ decode gets faster, which is the whole story of the roofline in two numbers.
 from __future__ import annotations
 
 import math
-import statistics
 
 # Within this factor a ratio reads as "about the same": timing noise on a busy machine.
 SAME = 1.1
 # A phase faster than its byte saving by more than this factor gains from faster arithmetic.
 BEYOND_BYTES = 1.25
-
-
-def geometric_mean(values) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def change(time_ratio: float) -> str:
@@ -56,10 +51,18 @@ def _rows(report: dict, key: str, dtype: str) -> list[dict]:
     return [row for row in report[key] if row["dtype"] == dtype]
 
 
-def _ratio(rows: list[dict], base_rows: list[dict], length: str, value: str) -> float:
-    """Geometric mean over the lengths both dtypes have of value(dtype) / value(baseline)."""
-    base = {row[length]: row[value] for row in base_rows}
-    return geometric_mean(row[value] / base[row[length]] for row in rows if row[length] in base)
+def _ratios_at(rows, base_rows, length: str, pick, keys: tuple[str, ...]) -> tuple[int, list[float]]:
+    """(the length chosen by `pick` among those both dtypes measured, value(dtype) / value(baseline)
+    there for each of `keys`)."""
+    base = {row[length]: row for row in base_rows}
+    mine = {row[length]: row for row in rows if row[length] in base}
+    at = pick(mine)
+    return at, [mine[at][key] / base[at][key] for key in keys]
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1000
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
 
 
 def _device_words(device: str) -> str:
@@ -67,19 +70,29 @@ def _device_words(device: str) -> str:
 
 
 def dtype_sentence(report: dict, dtype: str) -> str:
-    """e.g. 'bfloat16 prefill 2.9x slower, decode 1.7x faster than float32, with 2.0x fewer bytes
-    per step: prefill is compute-bound, decode memory-bound on this CPU.'"""
+    """e.g. 'bfloat16 prefill 2.9x slower (512-token prompt), decode 1.7x faster (128 tokens of
+    context) than float32, with 2.0x fewer bytes per step: prefill is compute-bound, decode
+    memory-bound on this CPU.'
+
+    Prefill is compared at the longest prompt, where its arithmetic dominates fixed per-step
+    costs; decode at the shortest context, where reading the weights dominates and the attention
+    kernels' behaviour at long contexts does not enter."""
     base = report["baseline_dtype"]
-    prompt, base_prompt = _rows(report, "prompt_lengths", dtype), _rows(report, "prompt_lengths", base)
-    decode, base_decode = _rows(report, "context_lengths", dtype), _rows(report, "context_lengths", base)
-    prefill_time = _ratio(prompt, base_prompt, "prompt_tokens", "ttft_s")
-    decode_time = _ratio(decode, base_decode, "context_tokens", "median_itl_s")
-    prefill_bytes = _ratio(prompt, base_prompt, "prompt_tokens", "bytes")
-    decode_bytes = _ratio(decode, base_decode, "context_tokens", "bytes_per_token")
-    head = f"{dtype} prefill {change(prefill_time)}, decode {change(decode_time)} than {base}"
+    prompt_at, (prefill_time, prefill_bytes) = _ratios_at(
+        _rows(report, "prompt_lengths", dtype), _rows(report, "prompt_lengths", base),
+        "prompt_tokens", max, ("ttft_s", "bytes"),
+    )  # fmt: skip
+    context_at, (decode_time, decode_bytes) = _ratios_at(
+        _rows(report, "context_lengths", dtype), _rows(report, "context_lengths", base),
+        "context_tokens", min, ("median_itl_s", "bytes_per_token"),
+    )  # fmt: skip
+    head = (
+        f"{dtype} against {base}: prefill {change(prefill_time)} ({prompt_at}-token prompt), decode "
+        f"{change(decode_time)} ({context_at} tokens of context)"
+    )
     if 1 / SAME < decode_bytes < SAME:
         return f"{head}, moving about the same bytes: the difference is the speed of their arithmetic."
-    head += f", with {1 / decode_bytes:.1f}x {'fewer' if decode_bytes < 1 else 'more'} bytes per decode step"
+    head += f", with {1 / decode_bytes:.1f}x {'fewer' if decode_bytes < 1 else 'more'} bytes per step"
     verdicts = {
         "prefill": bound_from_dtype_change(prefill_time, prefill_bytes),
         "decode": bound_from_dtype_change(decode_time, decode_bytes),
@@ -103,29 +116,50 @@ def scaling_sentence(report: dict, dtype: str) -> str:
     prompt = sorted(_rows(report, "prompt_lengths", dtype), key=lambda r: r["prompt_tokens"])
     if len(prompt) >= 2:
         first, last = prompt[0], prompt[-1]
+        growth = last["ttft_s"] / first["ttft_s"]
+        tokens = last["prompt_tokens"] / first["prompt_tokens"]
+        # Judged in log space, as the dtype verdicts: more than halfway to the token ratio.
+        why = (
+            "prefill computes every prompt token"
+            if growth >= math.sqrt(tokens)
+            else "far less: fixed per-step costs still dominate prefill at these lengths"
+        )
         parts.append(
-            f"TTFT grew {last['ttft_s'] / first['ttft_s']:.1f}x from {first['prompt_tokens']} to "
-            f"{last['prompt_tokens']} prompt tokens ({last['prompt_tokens'] / first['prompt_tokens']:.0f}x "
-            "the tokens: prefill computes every one)"
+            f"TTFT {_ms(first['ttft_s'])} → {_ms(last['ttft_s'])} ({growth:.1f}x) from {first['prompt_tokens']} "
+            f"to {last['prompt_tokens']} prompt tokens ({tokens:.0f}x the tokens; {why})"
         )
     decode = sorted(_rows(report, "context_lengths", dtype), key=lambda r: r["context_tokens"])
     if len(decode) >= 2:
         first, last = decode[0], decode[-1]
+        growth = last["median_itl_s"] / first["median_itl_s"]
+        more_bytes = last["bytes_per_token"] / first["bytes_per_token"]
         kv_share = last["kv_read_bytes"] / last["bytes_per_token"]
+        why = (
+            f"each decode step reads the whole KV cache: {more_bytes:.2f}x the bytes, {kv_share:.0%} of "
+            f"them KV at {last['context_tokens']}"
+            if growth <= more_bytes * BEYOND_BYTES
+            else f"more than its {more_bytes:.2f}x bytes explain: attention over the long context costs "
+            "beyond its reads here"
+        )
         parts.append(
-            f"ITL grew {last['median_itl_s'] / first['median_itl_s']:.2f}x from {first['context_tokens']} to "
-            f"{last['context_tokens']} tokens of context (each decode step reads the whole KV cache, "
-            f"{kv_share:.0%} of its bytes at {last['context_tokens']})"
+            f"ITL {_ms(first['median_itl_s'])} → {_ms(last['median_itl_s'])} ({growth:.2f}x) from "
+            f"{first['context_tokens']} to {last['context_tokens']} tokens of context ({why})"
         )
     if not parts:
         return ""
     return f"In {dtype}: " + "; ".join(parts) + "."
 
 
-def explain(report: dict) -> str:
-    """The sweep in a few sentences: per-dtype comparison first (the striking part), then scaling."""
+def explain_parts(report: dict) -> tuple[list[str], list[str]]:
+    """(the dtype comparisons: the striking part, the scaling of each dtype with length)."""
     base = report["baseline_dtype"]
     dtypes = list(dict.fromkeys(row["dtype"] for row in report["prompt_lengths"]))
-    sentences = [dtype_sentence(report, d) for d in dtypes if d != base]
-    sentences.append(scaling_sentence(report, base))
-    return " ".join(s for s in sentences if s)
+    comparisons = [dtype_sentence(report, d) for d in dtypes if d != base]
+    scaling = [s for s in (scaling_sentence(report, d) for d in dtypes) if s]
+    return comparisons, scaling
+
+
+def explain(report: dict) -> str:
+    """The sweep in a few sentences: per-dtype comparison first, then scaling."""
+    comparisons, scaling = explain_parts(report)
+    return " ".join(comparisons + scaling)

@@ -3,13 +3,14 @@ real per-dtype sweep of the tiny model runs off the GUI thread with progress, pl
 
 from __future__ import annotations
 
+import html
 import sys
 from pathlib import Path
 
 import pytest
 
 from widgets.sweep_panel import SweepPanel, busy_machine_note, parse_lengths, progress_steps
-from widgets.sweep_summary import bound_from_dtype_change, change, explain
+from widgets.sweep_summary import bound_from_dtype_change, change, explain, explain_parts
 
 # The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -51,12 +52,14 @@ def report(prefill_ratio: float, decode_ratio: float, byte_ratio: float = 0.5, d
 def test_cpu_bf16_story_prefill_compute_bound_decode_memory_bound():
     text = explain(report(prefill_ratio=2.9, decode_ratio=1 / 1.7))
     assert text.startswith(
-        "bfloat16 prefill 2.9x slower, decode 1.7x faster than float32, with 2.0x fewer bytes per decode "
-        "step: prefill is compute-bound, decode memory-bound on this CPU."
+        "bfloat16 against float32: prefill 2.9x slower (512-token prompt), decode 1.7x faster (128 tokens "
+        "of context), with 2.0x fewer bytes per step: prefill is compute-bound, decode memory-bound on this CPU."
     )
-    # The scaling sentence, from the float32 rows: 16x the prompt took 16x the time.
-    assert "TTFT grew 16.0x from 32 to 512 prompt tokens (16x the tokens" in text
-    assert "ITL grew 1.20x from 128 to 1024 tokens of context" in text
+    # The scaling sentences, per dtype: 16x the prompt took 16x the time.
+    assert "In float32: TTFT 20.0 ms → 320 ms (16.0x) from 32 to 512 prompt tokens (16x the tokens; " in text
+    assert "prefill computes every prompt token" in text
+    assert "ITL 30.0 ms → 36.0 ms (1.20x) from 128 to 1024 tokens of context" in text
+    assert "In bfloat16: TTFT 58.0 ms → 928 ms (16.0x)" in text
 
 
 def test_both_phases_following_the_bytes_are_memory_bound():
@@ -147,8 +150,10 @@ def test_real_sweep_of_the_tiny_model_in_two_dtypes(panel, qtbot, tiny_folder):
         assert x == [8, 32]
         assert y == [1000 * r["ttft_s"] for r in rows if r["dtype"] == dtype]
         assert panel.curve("itl", dtype)[0] == [16, 48]
-    assert panel.explanation.text() == explain(panel.report)
-    assert panel.explanation.text().startswith("bfloat16 prefill ")
+    comparisons, scaling = explain_parts(panel.report)
+    assert comparisons[0].startswith("bfloat16 against float32: prefill ")
+    assert f"<b>{html.escape(comparisons[0])}</b>" in panel.explanation.text()
+    assert all(html.escape(line) in panel.explanation.text() for line in scaling)
     assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
 
 
@@ -173,3 +178,17 @@ def test_a_dtype_the_device_refuses_fails_with_the_loaders_reason(panel, qtbot, 
     with qtbot.waitSignal(panel.job.failed, timeout=120_000):
         panel.run_button.click()
     assert "The sweep failed" in panel.status.text() and "float16" in panel.status.text()
+
+
+def test_growth_beyond_what_the_bytes_or_tokens_explain_is_called_out():
+    r = report(1.0, 1.0)
+    for row in r["context_lengths"]:
+        if row["dtype"] == "bfloat16" and row["context_tokens"] == 1024:
+            row["median_itl_s"] *= 3  # a slow attention path at long context
+    for row in r["prompt_lengths"]:
+        if row["dtype"] == "bfloat16":
+            row["ttft_s"] = 0.05  # flat: overhead, not the tokens
+    text = explain(r)
+    assert "In bfloat16: TTFT 50.0 ms → 50.0 ms (1.0x)" in text
+    assert "far less: fixed per-step costs still dominate prefill at these lengths" in text
+    assert "more than its 1.03x bytes explain: attention over the long context costs beyond its reads" in text
