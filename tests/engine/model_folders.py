@@ -48,7 +48,7 @@ def write_config(folder: Path, config: dict) -> Path:
 
 def save_tiny_model(folder: Path, tokenizer, **overrides) -> Path:
     """A tiny random Llama (see conftest.make_tiny_llama) saved with the real tokenizer."""
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     model = make_tiny_llama(vocab_size=len(tokenizer), **overrides)
     model.save_pretrained(folder)

@@ -3,7 +3,7 @@ under continuous batching, chunked prefill, prefix caching and preemption."""
 
 import pytest
 import torch
-from conftest import IdTokenizer, make_tiny_llama
+from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import RequestFailed, RequestFinished

@@ -3,7 +3,7 @@ several times more blocks in the same budget."""
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from tiny_models import make_tiny_llama
 from test_paged_attention import paged_forward
 
 from engine.config import EngineConfig, SamplingParams

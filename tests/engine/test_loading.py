@@ -77,7 +77,7 @@ def test_load_folder_reports_progress_and_info(tiny_folder, dtype):
 
 
 def test_loaded_folder_computes_the_same_logits_as_the_saved_model(tiny_folder):
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     loaded = load_model(ModelSpec(str(tiny_folder), device="cpu"))
     reference = make_tiny_llama(vocab_size=loaded.info.vocab_size)

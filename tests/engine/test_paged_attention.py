@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from tiny_models import make_tiny_llama
 from transformers import DynamicCache
 
 from engine.kv.paged_cache import PagedBatch, PagedCache, PagedKVStorage, SeqSlice, paged_attention

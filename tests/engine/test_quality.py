@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from tiny_models import make_tiny_llama
 
 from engine.quality import (
     compare_logits,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from tiny_models import make_tiny_llama
 from torch import nn
 
 from engine.quant import packing

@@ -3,7 +3,7 @@ target distribution, and clean KV rollback after rejections."""
 
 import pytest
 import torch
-from conftest import IdTokenizer, make_tiny_llama
+from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.events import BlockEvent, RequestFinished, SpecRound, TokenGenerated
