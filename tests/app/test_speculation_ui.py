@@ -119,3 +119,41 @@ def test_an_extra_chat_tab_shows_draft_marks_and_selects_rounds(make_window, qtb
     assert window.panels.speculation.round_table.rowCount() == len(
         live.spec_round(finished.request_id, index).draft_ids
     )
+
+
+def test_self_draft_applies_with_its_layer_count(make_window, qtbot):
+    window = make_window()
+    controls = window.controls.speculation
+    controls.set_method("self")
+    controls.self_layers.setValue(1)
+    assert controls.self_layers.isEnabled() and not controls.draft_model.isEnabled()
+    with qtbot.waitSignal(window.host.model_loaded, timeout=REPLY_TIMEOUT_MS):
+        controls.apply_button.click()
+    assert window.host.config.speculative == SpeculativeConfig("self", num_draft=4, self_draft_layers=1)
+    use_params(window, max_new_tokens=8)
+    finished = send_and_wait(qtbot, window, "Hello")
+    rounds = [r for (rid, _), r in window.host.live.spec_rounds.items() if rid == finished.request_id]
+    assert rounds and {r.proposer for r in rounds} == {"self (1 layers)"}
+
+
+def test_a_draft_model_without_a_path_is_refused_in_words(make_window, qtbot):
+    window = make_window(start=False)
+    controls = window.controls.speculation
+    controls.set_method("draft")
+    with qtbot.assertNotEmitted(controls.apply_requested):
+        controls.apply_button.click()
+    assert "draft model" in controls.error.text()
+
+
+def test_marks_colour_tokens_and_name_them():
+    from app.rich_text import ReplyToken
+    from app.spec_marks import SPEC_MARK_COLOURS, spec_token_html
+
+    tokens = [ReplyToken(i, f"w{i}", -0.1) for i in range(4)]
+    marks = ["", "accepted", "resampled", "bonus"]
+    html = spec_token_html(tokens, marks.__getitem__)
+    for i, mark in enumerate(marks):
+        link = html.split(f'href="tok:{i}"')[1].split("</a>")[0]
+        coloured = [m for m, colour in SPEC_MARK_COLOURS.items() if f"color: {colour}" in link]
+        assert coloured == ([mark] if mark else [])
+        assert (mark or "plain step") in link
