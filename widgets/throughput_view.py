@@ -70,6 +70,10 @@ class ThroughputView(QWidget):
         xs = [p.median_itl_s * 1000.0 for p in ordered]
         ys = [p.total_tokens_per_s for p in ordered]
         self.curve.setData(xs, ys)
+        if ordered:
+            # From zero on both axes: the ratios between points are what is read, and a single
+            # point would otherwise get an axis spanning a hair around its own value.
+            item.setRange(xRange=(0, max(xs) * 1.25), yRange=(0, max(ys) * 1.25), padding=0)
         for p, x, y in zip(ordered, xs, ys, strict=True):
             label = pg.TextItem(f"×{p.concurrency}", color=theme.PANEL_TEXT, anchor=(0, 1))
             label.setPos(x, y)
