@@ -202,3 +202,28 @@ def test_short_memory_is_said_instead_of_running_the_reference(tiny_folder, monk
     )
     with pytest.raises(QualityUnavailable, match="Not enough memory to run the full-precision reference"):
         compute_quality(job)
+
+
+def test_a_long_conversation_keeps_its_last_tokens_and_the_reply_position(tiny_loaded, monkeypatch):
+    from app import quality_compute
+    from app.quality_jobs import ReplyTokens
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import ChatMessage, Request
+
+    messages = (ChatMessage("user", "Tell me about the sea, the sky and the wind in a few words."),)
+    prompt = LLMEngine(tiny_loaded, EngineConfig(num_blocks=1)).prompt_ids(Request(messages=messages))
+    reply_ids = (101, 102, 103)
+    monkeypatch.setattr(quality_compute, "MAX_TOKENS", len(prompt) - 5)
+
+    def job(prompt_tokens: int) -> QualityJob:
+        reply = ReplyTokens(1, 7, prompt_tokens, reply_ids, ((),) * 3)
+        return QualityJob(ModelSpec("test"), "auto", CONVERSATION, messages, reply)
+
+    ids, start, cut = quality_compute._token_ids(job(len(prompt)), tiny_loaded)
+    assert cut == 8 and len(ids) == len(prompt) - 5
+    assert ids == [*prompt, *reply_ids][8:]
+    assert start == len(prompt) - 8 and tuple(ids[start:]) == reply_ids
+    # a prompt that no longer matches the engine's count: the text is compared, without positions
+    ids, start, _ = quality_compute._token_ids(job(len(prompt) + 1), tiny_loaded)
+    assert start is None and tuple(ids[-3:]) == reply_ids
