@@ -130,6 +130,7 @@ class RooflinePanel(QWidget):
         top.addWidget(self.device_label, 1)
         top.addWidget(self.measure_button, 0, Qt.AlignmentFlag.AlignTop)
         figures = QHBoxLayout()
+        figures.setSpacing(16)
         for phase in PHASES:
             figures.addWidget(self.utilisation[phase])
         figures.addStretch(1)
