@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 
+SCOPE = "Every scheme quantizes the decoder's linear layers; embeddings and the LM head keep the load dtype."
 REPORT_PROMPT = "Give three practical tips for keeping a houseplant alive, one sentence each."
 
 
@@ -75,6 +76,7 @@ def _print_list(statuses, as_json: bool) -> int:
     else:
         for r in rows:
             print(f"{r['name']:<18} {'yes' if r['available'] else 'NO ':<4} {r['reason']}")
+        print(f"\n{SCOPE}")
     return 0
 
 
@@ -144,6 +146,7 @@ def build_report(args, names: list[str], statuses) -> dict:
         "rounds": args.rounds,
         # quality compares with 'none' on a full-precision KV cache; greedy replies compare with
         # the 'none' row's reply, which used the same KV dtype as every other row
+        "scope": SCOPE,
         "quality_reference": "none, KV in the load dtype",
         "greedy_reference": f"none, KV {args.kv_dtype}",
         "schemes": rows,
@@ -248,7 +251,7 @@ def _table(report: dict) -> str:
         f"{'scheme':<18}{'MiB':>8}{'load s':>8}{'prefill/s':>10}{'decode/s':>10}{'mean KL':>9}{'top-1':>7}"
         f"{'ppl':>10}{'greedy':>8}{'reply top-1':>12}"
     )
-    lines = [head, cols]
+    lines = [head, SCOPE, cols]
     for r in report["schemes"]:
         if not r["available"]:
             lines.append(f"{r['scheme']:<18}  unavailable: {r['reason']}")
