@@ -10,6 +10,7 @@ import pytest
 from app_windows import REPLY_TIMEOUT_MS
 
 from app.physics_views import loaded_model_shapes, sweep_device
+from engine.config import SamplingParams
 from engine.model_shapes import ModelShapes
 
 PHYSICS_THREADS = ("kvscope-measure", "kvscope-sweep", "kvscope-kv-calculator")
@@ -41,6 +42,8 @@ def test_roofline_follows_a_chat_reply(make_window, qtbot, tiny_loaded):
     assert loaded_model_shapes(window.host) == ModelShapes.from_config(tiny_loaded.model.config)
     roofline = window.panels.roofline
     assert roofline.costs is not None and roofline.measure_button.isEnabled()
+    # A short greedy reply: the random tiny model would otherwise talk to max_new_tokens.
+    window.controls.sampling.set_params(SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
         window.controller.send("Say hello.")
     window.host.render_tick()
@@ -48,7 +51,7 @@ def test_roofline_follows_a_chat_reply(make_window, qtbot, tiny_loaded):
     steps = [stats for stats, _ in window.host.live.step_logit_rows]
     assert steps and len(roofline.points) == len(steps)
     assert [p.step for p in roofline.points] == [s.step for s in steps]
-    assert roofline.phase_points("decode")
+    assert len(roofline.phase_points("decode")) == 11  # the first token comes from the prefill
     # The calculator shows the loaded model; the sweep will load the same source.
     info = tiny_loaded.info
     c = window.physics.kv_calculator.config
