@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from app.conversations import ConversationStore, StorageError
+    from app.engine_host import share_gil_finely
     from app.paths import asset_path, conversations_db_path
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.window import MainWindow
     from engine.config import ConfigError
 
+    share_gil_finely()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")

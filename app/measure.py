@@ -256,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
+    from app.engine_host import share_gil_finely
     from app.theme import apply_theme
     from engine.config import ConfigError, ModelSpec
     from engine.loading import ModelLoadError, describe_load_error, load_model
 
+    share_gil_finely()  # as the app does
     app = QApplication.instance() or QApplication(sys.argv[:1])
     apply_theme(app)
     try:
