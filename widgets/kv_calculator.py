@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 import torch
-from PySide6.QtCore import Qt, Slot
+from PySide6.QtCore import QSize, Qt, Slot
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -38,6 +38,9 @@ GIB = 1 << 30
 BATCH_COLOURS = ("#5b9bd5", "#5fd38d", "#f0b429", "#e8833a", "#9b7ede")
 CHART_POINTS = 64
 CHART_HEADROOM = 1.3
+# Two field columns keep the calculator narrow enough for a side dock beside the chat.
+GRID_COLUMNS = 2
+PREFERRED_SIZE = (440, 640)
 
 
 class KVCalculator(QWidget):
@@ -64,7 +67,7 @@ class KVCalculator(QWidget):
         self.dtype = QComboBox()
         self.dtype.addItems(KV_DTYPES)
         self.dtype.setToolTip("Element type of the cached keys and values")
-        self.context = _int_field(1, 100_000_000, "Tokens per sequence: prompt plus reply")
+        self.context = _int_field(1, 10_000_000, "Tokens per sequence: prompt plus reply")
         self.context.setGroupSeparatorShown(True)
         self.batch = _int_field(1, 1_000_000, "Sequences held at once")
         self.weights = _gib_field("Memory the weights take (the KV cache gets what is left)")
@@ -119,7 +122,7 @@ class KVCalculator(QWidget):
             ("budget", self.budget),
         ]
         for i, (name, widget) in enumerate(fields):
-            row, col = divmod(i, 3)
+            row, col = divmod(i, GRID_COLUMNS)
             grid.addWidget(QLabel(name), row, 2 * col)
             grid.addWidget(widget, row, 2 * col + 1)
         source_row = QHBoxLayout()
@@ -143,6 +146,9 @@ class KVCalculator(QWidget):
         self.from_loaded.clicked.connect(self.use_loaded_model)
         self.from_model.clicked.connect(self.inspect_source)
         self._recompute()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        return QSize(*PREFERRED_SIZE)
 
     # ---- filling the fields ----------------------------------------------------------------
     def set_config(self, config: KVConfig) -> None:
@@ -357,7 +363,7 @@ def _int_field(low: int, high: int, tip: str) -> QSpinBox:
 
 def _gib_field(tip: str) -> QDoubleSpinBox:
     spin = QDoubleSpinBox()
-    spin.setRange(0.0, 1_000_000.0)
+    spin.setRange(0.0, 99_999.0)
     spin.setDecimals(3)
     spin.setSuffix(" GiB")
     spin.setToolTip(tip)

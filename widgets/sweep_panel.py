@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Slot
+from PySide6.QtCore import QSize, Qt, Slot
 from PySide6.QtWidgets import (
     QBoxLayout,
     QCheckBox,
@@ -42,6 +42,7 @@ DEFAULT_CONTEXT_LENGTHS = "128,512,1024"
 DEFAULT_DTYPES = ("float32", "bfloat16")
 # The sweep keeps every core busy (load ~1 per core); beyond this, something else was running.
 BUSY_LOAD_PER_CORE = 1.5
+PREFERRED_SIZE = (460, 680)
 # Below this width two plots side by side get too narrow to read their axes.
 SIDE_BY_SIDE_MIN_WIDTH = 640
 
@@ -183,6 +184,10 @@ class SweepPanel(QWidget):
         self.run_button.clicked.connect(self.run)
         self.cancel_button.clicked.connect(self.cancel)
         self._update_controls()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        # What a side dock can give; wider, the plots go side by side (resizeEvent).
+        return QSize(*PREFERRED_SIZE)
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
         # Side by side when there is room, stacked in a narrow dock (the right-hand column).
