@@ -154,7 +154,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     storage = batch.storage
     k_pool, v_pool = storage.k[module.layer_idx], storage.v[module.layer_idx]
     q_all = query[0]
-    out = query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])  # [T, heads, head_dim]
+    single = len(batch.seqs) == 1  # one sequence fills the whole row: no output buffer to assemble
+    out = (
+        None if single else query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])
+    )  # [T, heads, head_dim]
     for s in batch.seqs:
         if storage.quantized:
             k, v = storage.gather_int8(module.layer_idx, s.block_table, s.context_len, query.dtype)
@@ -183,6 +186,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         o = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
         )
+        if single:
+            return o.transpose(1, 2), None
         out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
     return out[None], None
 
