@@ -1,13 +1,27 @@
-"""The live inspection panels (from widgets/), built over one LiveState.
+"""The live inspection panels (from widgets/), built over one LiveState, and the order in
+which they redraw.
 
 Each panel only reads the state and redraws in `refresh(dirty)`; none talks to the engine.
+Qt repaints every widget marked dirty in one pass per frame, and a pyqtgraph plot costs tens of
+milliseconds to paint on a small CPU, so refreshing all plots in the same frame makes one long
+pass that the user feels as a stutter (and the engine as a GIL hog). So the plots take turns:
+one visible plot per frame, with every dirty key it missed; a plot in a hidden tab or a closed
+dock is brought up to date only now and then. Every other panel refreshes every frame.
+Measured on the packaged model (2 cores, interleaved runs): p99 delay of a 10 ms GUI probe
+timer 145-155 ms with every plot every frame, 74-91 ms with plots taking turns.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from app.store import LiveState
+
+# The pyqtgraph panels: the expensive ones to repaint.
+PLOTS = ("memory", "latency", "roofline", "step_timeline")
+# A hidden plot still folds its state (some accumulate from bounded buffers) every this many
+# frames: about 2 Hz at the 30 Hz render rate.
+HIDDEN_EVERY_FRAMES = 15
 
 
 @dataclass(slots=True)
@@ -21,21 +35,46 @@ class Panels:
     step_timeline: object  # widgets StepTimelinePanel
     speculation: object  # widgets SpeculationPanel
 
+    _pending: dict[str, set[str]] = field(default_factory=dict)  # dirty keys a panel has not seen
+    _frame: int = 0
+    _next_plot: int = 0
+
+    def named(self) -> list[tuple[str, object]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")]
+
     def all(self) -> tuple:
-        return (
-            self.probabilities,
-            self.page_map,
-            self.memory,
-            self.latency,
-            self.quality,
-            self.roofline,
-            self.step_timeline,
-            self.speculation,
-        )
+        return tuple(panel for _, panel in self.named())
 
     def refresh(self, dirty: set[str]) -> None:
-        for panel in self.all():
-            panel.refresh(dirty)
+        """One render frame: the non-plot panels, then the next visible plot, then (now and then)
+        the hidden plots; each gets all the dirty keys gathered since its last refresh."""
+        self._frame += 1
+        visible_plots = []
+        for name, panel in self.named():
+            self._pending.setdefault(name, set()).update(dirty)
+            if name not in PLOTS:
+                self._refresh(name, panel)
+            elif panel.isVisible():
+                visible_plots.append((name, panel))
+            elif self._frame % HIDDEN_EVERY_FRAMES == 0:
+                self._refresh(name, panel)
+        if visible_plots:
+            self._next_plot %= len(visible_plots)
+            self._refresh(*visible_plots[self._next_plot])
+            self._next_plot += 1
+
+    def refresh_all(self, dirty: set[str]) -> None:
+        """Every panel at once, throttles ignored: the final frame of a scripted screenshot."""
+        for name, panel in self.named():
+            self._pending.setdefault(name, set()).update(dirty)
+            self._refresh(name, panel)
+            if hasattr(panel, "flush"):
+                panel.flush()
+
+    def _refresh(self, name: str, panel) -> None:
+        keys = self._pending.get(name, set())
+        self._pending[name] = set()
+        panel.refresh(keys)
 
 
 def build_panels(live: LiveState) -> Panels:

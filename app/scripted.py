@@ -112,7 +112,7 @@ class ScriptedRun(QObject):
     def _capture(self) -> None:
         window = self.window
         window.host.render_tick()
-        window.panels.refresh(set(DIRTY_KEYS))
+        window.panels.refresh_all(set(DIRTY_KEYS))
         window.refresh_status()
         QApplication.processEvents()
         if self.screenshot is not None:
