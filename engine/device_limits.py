@@ -24,17 +24,19 @@ from engine.config import ConfigError
 from engine.loading import TORCH_DTYPES, cache_root, resolve_device
 from engine.memory import device_name, measure_memory_bandwidth
 
-# Square matmul sizes tried in order. Small sizes never reach the peak (thread start-up, cache
-# effects dominate); the ladder climbs until the FLOP/s stops improving or one matmul gets slow.
+# Square matmul sizes tried in order, up to the first that gets slow. The best size differs by
+# device: a CPU can peak at a size whose operands stay in its caches (512 on a 2-core EPYC,
+# measured) and run slower at larger ones; a GPU needs thousands to fill its units. So the
+# ladder does not stop at the first size that fails to improve (on a busy machine that is often
+# noise) but keeps the best of all sizes it tries.
 MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 # Stop climbing once a single matmul takes this long: the next size is 8x the work, and a
 # measurement the user waits for should stay within seconds (bf16 on a CPU without bf16 units
 # runs at a few GFLOP/s).
-SLOW_MATMUL_S = 0.25
-# A size that improves on the previous best by less than this has saturated the device.
-SATURATION_GAIN = 1.05
-MATMUL_REPEATS = 3
-# Large enough to stream from DRAM on any CPU's last-level cache, small enough to be quick.
+SLOW_MATMUL_S = 0.1
+# Best of several: interference only ever makes a run slower.
+MATMUL_REPEATS = 5
+# Far larger than any CPU's last-level cache, so the copy streams from DRAM; small enough to be quick.
 BANDWIDTH_BYTES = 256 * 2**20
 CACHE_FORMAT = 1
 
@@ -67,7 +69,8 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
-    """(best FLOP/s, the size n that reached it) over n x n matmuls of growing size.
+    """(best FLOP/s, the size n that reached it) over n x n matmuls of growing size, up to the
+    first whose fastest run takes longer than SLOW_MATMUL_S.
 
     The product is x @ w.T with w stored [out, in], the layout of every nn.Linear: on CPUs
     without native bf16, plain x @ w in bf16 takes a generic path ~10x slower than the one
@@ -85,10 +88,9 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype) -> tuple[float
             _sync(device)
             fastest = min(fastest, time.perf_counter() - start)
         flops = 2 * n**3 / fastest
-        saturated = flops < best_flops * SATURATION_GAIN
         if flops > best_flops:
             best_flops, best_size = flops, n
-        if saturated or fastest > SLOW_MATMUL_S:
+        if fastest > SLOW_MATMUL_S:
             break
     return best_flops, best_size
 

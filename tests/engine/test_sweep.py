@@ -102,7 +102,17 @@ def tiny_folder(tmp_path_factory, default_tokenizer):
 
 
 def test_cli_roofline_prints_limits_and_points(tiny_folder, tmp_path):
-    args = ["roofline", "--model", str(tiny_folder), "--prompt-tokens", "32", "--decode-steps", "3"]
+    args = [
+        "roofline",
+        "--model",
+        str(tiny_folder),
+        "--prompt-tokens",
+        "32",
+        "--decode-steps",
+        "3",
+        "--rounds",
+        "1",
+    ]
     proc = _run_cli([*args, "--batch-sizes", "1,2", "--json"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
