@@ -3,8 +3,8 @@ several times more blocks in the same budget."""
 
 import pytest
 import torch
-from tiny_models import make_tiny_llama
 from test_paged_attention import paged_forward
+from tiny_models import make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import RequestFinished
