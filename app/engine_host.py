@@ -8,7 +8,6 @@ signal ever crosses threads, and a burst of thousands of events costs one redraw
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,21 +35,9 @@ RENDER_INTERVAL_MS = 33
 # How long closing the window waits for the engine thread. A step of a small model takes
 # milliseconds; a model still loading cannot be interrupted, so the wait is bounded.
 SHUTDOWN_TIMEOUT_S = 30.0
-# CPython gives the GIL to a waiting thread only after the holder has run this long. The
-# default 5 ms is paid at each hand-over between the engine thread (which takes the GIL back
-# after every torch op, hundreds of times per token) and the GUI thread (painting, much of it
-# Python in pyqtgraph). Measured with python -m app.measure-style runs on the packaged model
-# (2 busy cores, interleaved): worst GUI stall 0.9-1.05 s -> 0.51-0.54 s and app/headless
-# tokens/s 0.56-0.75 -> 0.77-0.80.
-GIL_SWITCH_INTERVAL_S = 0.0005
 # When the user loads another model, the old engine gets this long to stop before the GUI moves
 # on; one still busy (mid-load) is kept and joined at exit so no thread outlives the app.
 RESTART_TIMEOUT_S = 2.0
-
-
-def share_gil_finely() -> None:
-    """Process-wide: call once before the engine thread starts (the app's and measure's main)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,15 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from app.conversations import ConversationStore, StorageError
-    from app.engine_host import share_gil_finely
     from app.paths import asset_path, conversations_db_path
+    from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
     from app.theme import apply_theme
     from app.window import MainWindow
     from engine.config import ConfigError
 
-    share_gil_finely()
+    configure_for_gui()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")

@@ -172,9 +172,20 @@ def _wait_ready(window) -> None:
 
 
 def run_measurement(
-    loaded, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 128, repeats: int = 3, config=None
+    loaded,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    config=None,
+    headless_threads: int | None = None,
+    app_threads: int | None = None,
 ):
-    """Both figures for `loaded`; builds (and closes) a full window in the current QApplication."""
+    """Both figures for `loaded`; builds (and closes) a full window in the current QApplication.
+
+    Each side runs with its own torch thread count (None: as the process has it): headless as
+    the engine's CLI runs, the app as kvscope sets itself up (one core left to the GUI)."""
+    import torch
+
     from app.conversations import ConversationStore
     from app.paths import conversations_db_path
     from app.settings import AppSettings
@@ -183,6 +194,8 @@ def run_measurement(
     from engine.request import ChatMessage, Request
 
     config = config or EngineConfig()
+    headless_threads = headless_threads or torch.get_num_threads()
+    app_threads = app_threads or torch.get_num_threads()
     params = measured_params(max_new_tokens)
     request = Request(messages=(ChatMessage("user", prompt),), sampling=params)
     headless_run(loaded, config, Request.chat(prompt, max_new_tokens=4))  # warm-up, not measured
@@ -193,7 +206,9 @@ def run_measurement(
     headless, in_app, delays = [], [], []
     try:
         for _ in range(repeats):
+            torch.set_num_threads(headless_threads)
             headless.append(headless_run(loaded, config, request))
+            torch.set_num_threads(app_threads)
             window.start_engine(config, loaded=loaded)
             _wait_ready(window)
             tokens_per_s, run_delays = app_run(window, prompt, params)
@@ -212,6 +227,8 @@ def run_measurement(
         "device": loaded.info.device,
         "generated_tokens": max_new_tokens,
         "repeats": repeats,
+        "headless_torch_threads": headless_threads,
+        "app_torch_threads": app_threads,
         "headless_tokens_per_s": headless_tps,
         "app_tokens_per_s": app_tps,
         "throughput_ratio": ratio,
@@ -256,17 +273,31 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.engine_host import share_gil_finely
+    from app.runtime import gui_torch_threads, share_gil_finely
     from app.theme import apply_theme
     from engine.config import ConfigError, ModelSpec
     from engine.loading import ModelLoadError, describe_load_error, load_model
 
-    share_gil_finely()  # as the app does
+    share_gil_finely()  # as the app does (process-wide, so for both runs)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     apply_theme(app)
     try:
         loaded = load_model(ModelSpec(args.model, args.dtype, args.device))
-        result = run_measurement(loaded, args.prompt, args.max_new_tokens, args.repeats)
+        import torch
+
+        # Headless as the engine's CLI runs; the app as kvscope configures itself.
+        headless_threads = torch.get_num_threads()
+        app_threads = (
+            headless_threads if os.environ.get("OMP_NUM_THREADS") else gui_torch_threads(os.cpu_count())
+        )
+        result = run_measurement(
+            loaded,
+            args.prompt,
+            args.max_new_tokens,
+            args.repeats,
+            headless_threads=headless_threads,
+            app_threads=app_threads,
+        )
     except (ModelLoadError, ConfigError) as exc:
         print(f"measure: {describe_load_error(exc)}", file=sys.stderr)
         return 1
@@ -279,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(
-            f"{result['model']} ({result['dtype']}, {result['device']}), {args.max_new_tokens} tokens × {args.repeats}"
+            f"{result['model']} ({result['dtype']}, {result['device']}), {args.max_new_tokens} tokens × "
+            f"{args.repeats}; torch threads: headless {result['headless_torch_threads']}, "
+            f"app {result['app_torch_threads']}"
         )
         print(
             f"GUI probe: worst delay {result['probe_worst_delay_ms']:.1f} ms, p99 {result['probe_p99_delay_ms']:.1f} ms "
