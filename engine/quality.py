@@ -102,9 +102,8 @@ def _paged_logits(model, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
         param.device,
         kv_dtype=kv_dtype,
     )
-    table = torch.arange(num_blocks, device=param.device)
     positions = torch.arange(n, device=param.device)
-    batch = PagedBatch(storage, positions, [SeqSlice(0, n, n, table)])
+    batch = PagedBatch(storage, positions, [SeqSlice(0, n, n, slice(0, num_blocks))])
     with paged_attention(model):
         out = model(input_ids=ids, position_ids=positions[None], cache=PagedCache(), paged_batch=batch)
     return out.logits[0].float()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from engine.kv.manager import KVCacheManager
-from engine.kv.paged_cache import PagedBatch, PagedCache, PagedKVStorage, SeqSlice, paged_attention
+from engine.kv.paged_cache import (
+    PagedBatch,
+    PagedCache,
+    PagedKVStorage,
+    SeqSlice,
+    block_index,
+    paged_attention,
+)
 from engine.sequence import Sequence
 
 
@@ -31,9 +38,7 @@ class ModelRunner:
             slots.extend(self.kv.slot_ids(seq, start, n))
             context = start + n
             table = [b.block_id for b in seq.block_table[: -(-context // block_size)]]
-            slices.append(
-                SeqSlice(q_start, n, context, torch.tensor(table, dtype=torch.long, device=self.device))
-            )
+            slices.append(SeqSlice(q_start, n, context, block_index(table, self.device)))
         to = dict(dtype=torch.long, device=self.device)
         batch = PagedBatch(self.storage, torch.tensor(slots, **to), slices)
         return torch.tensor([ids], **to), torch.tensor([positions], **to), batch

@@ -94,15 +94,35 @@ class PagedKVStorage:
             pools[layer_idx].view(-1, heads, self.head_dim).index_copy_(0, slots, codes.to(torch.int8))
             scales[layer_idx].view(-1, heads).index_copy_(0, slots, scale)
 
-    def gather_int8(self, layer_idx: int, block_table: torch.Tensor, context_len: int, dtype: torch.dtype):
-        """One sequence's first `context_len` K and V, dequantized to `dtype`: [L, kv_heads, head_dim]."""
-        rows = block_table.numel() * self.block_size
+    def gather(self, layer_idx: int, blocks, context_len: int, dtype: torch.dtype):
+        """One sequence's first `context_len` K and V through its blocks (a `SeqSlice.blocks`),
+        dequantized to `dtype` when stored as int8: two [L, kv_heads, head_dim] tensors."""
+        if not self.quantized:
+            return [
+                gather_blocks(pool[layer_idx], blocks).flatten(0, 1)[:context_len] for pool in (self.k, self.v)
+            ]
         out = []
         for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            codes = pools[layer_idx].index_select(0, block_table).view(rows, self.num_kv_heads, -1)
-            scale = scales[layer_idx].index_select(0, block_table).view(rows, self.num_kv_heads)
-            out.append(codes[:context_len].to(dtype) * scale[:context_len, :, None].to(dtype))
+            codes = gather_blocks(pools[layer_idx], blocks).flatten(0, 1)[:context_len]
+            scale = gather_blocks(scales[layer_idx], blocks).flatten(0, 1)[:context_len]
+            out.append(codes.to(dtype) * scale[..., None].to(dtype))
         return out
+
+
+def block_index(block_ids: list[int], device) -> slice | torch.Tensor:
+    """How to reach a sequence's blocks in a pool: a slice when the ids are consecutive (the
+    blocks are then one view of the pool, nothing is copied; a fresh pool hands out ids in
+    order, so this is the common case of a single conversation), else an index tensor."""
+    first = block_ids[0] if block_ids else 0
+    if block_ids == list(range(first, first + len(block_ids))):
+        return slice(first, first + len(block_ids))
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def gather_blocks(pool: torch.Tensor, blocks: slice | torch.Tensor) -> torch.Tensor:
+    """pool[blocks] along the block dimension. index_select, not pool[tensor]: advanced indexing
+    takes a slow generic path on CPU (~300x slower for a decode-sized gather, measured)."""
+    return pool[blocks] if isinstance(blocks, slice) else pool.index_select(0, blocks)
 
 
 @dataclass(slots=True)
@@ -112,7 +132,7 @@ class SeqSlice:
     q_start: int  # first of its query tokens in the packed row
     q_len: int  # query tokens this step
     context_len: int  # tokens in the cache after this step (past + new)
-    block_table: torch.Tensor  # block ids covering context_len tokens (long)
+    blocks: slice | torch.Tensor  # the blocks covering context_len tokens (see block_index)
 
 
 @dataclass(slots=True)
@@ -152,28 +172,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
     batch: PagedBatch = kwargs["paged_batch"]
     storage = batch.storage
-    k_pool, v_pool = storage.k[module.layer_idx], storage.v[module.layer_idx]
     q_all = query[0]
     single = len(batch.seqs) == 1  # one sequence fills the whole row: no output buffer to assemble
     out = (
         None if single else query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])
     )  # [T, heads, head_dim]
     for s in batch.seqs:
-        if storage.quantized:
-            k, v = storage.gather_int8(module.layer_idx, s.block_table, s.context_len, query.dtype)
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, L, head_dim]
-        else:
-            n_blocks = s.block_table.numel()
-            # index_select, not k_pool[table]: advanced indexing takes a slow generic path on CPU
-            # (~300x slower for a decode-sized gather, measured).
-            k = k_pool.index_select(0, s.block_table).view(
-                n_blocks * storage.block_size, storage.num_kv_heads, -1
-            )
-            v = v_pool.index_select(0, s.block_table).view(
-                n_blocks * storage.block_size, storage.num_kv_heads, -1
-            )
-            k = k[: s.context_len].transpose(0, 1)  # [kv_heads, L, head_dim]
-            v = v[: s.context_len].transpose(0, 1)
+        k, v = storage.gather(module.layer_idx, s.blocks, s.context_len, query.dtype)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, L, head_dim]
         q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, n, head_dim]
         past = s.context_len - s.q_len
         if s.q_len == 1:

@@ -45,7 +45,7 @@ def test_write_then_gather_is_within_half_a_step_per_token_and_head():
     storage.write_int8(0, slots, key, value)
     assert storage.k[0].dtype == torch.int8 and storage.k_scale[0].dtype == torch.float16
     # table [3, 1], 6 tokens: rows are slots 12..15 then 4..5; slot 12 was never written
-    k, v = storage.gather_int8(0, torch.tensor([3, 1]), 6, torch.float32)
+    k, v = storage.gather(0, torch.tensor([3, 1]), 6, torch.float32)
     assert k.shape == (6, 2, 8)
     step_k = key.abs().amax(-1, keepdim=True) / 127
     step_v = value.abs().amax(-1, keepdim=True) / 127

@@ -5,7 +5,14 @@ import torch
 from tiny_models import make_tiny_llama
 from transformers import DynamicCache
 
-from engine.kv.paged_cache import PagedBatch, PagedCache, PagedKVStorage, SeqSlice, paged_attention
+from engine.kv.paged_cache import (
+    PagedBatch,
+    PagedCache,
+    PagedKVStorage,
+    SeqSlice,
+    block_index,
+    paged_attention,
+)
 
 VOCAB = 500
 
@@ -26,7 +33,7 @@ def paged_forward(model, storage, pieces):
         pos += list(range(start, start + len(tokens)))
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
         ctx = start + len(tokens)
-        slices.append(SeqSlice(q_start, len(tokens), ctx, torch.tensor(table[: -(-ctx // bs)])))
+        slices.append(SeqSlice(q_start, len(tokens), ctx, block_index(table[: -(-ctx // bs)], "cpu")))
     batch = PagedBatch(storage, torch.tensor(slots), slices)
     with torch.inference_mode(), paged_attention(model):
         out = model(
@@ -51,14 +58,18 @@ def make_storage(model, num_blocks, block_size):
     )
 
 
+@pytest.mark.parametrize("layout", ["scattered", "consecutive"])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
-def test_prefill_then_decode_matches_dynamic_cache(model, block_size):
+def test_prefill_then_decode_matches_dynamic_cache(model, block_size, layout):
     torch.manual_seed(0)
     prompt = torch.randint(0, VOCAB, (29,)).tolist()
     decode = torch.randint(0, VOCAB, (6,)).tolist()
     storage = make_storage(model, num_blocks=64, block_size=block_size)
-    # deliberately scattered, non-monotonic physical blocks
-    table = list(range(63, 63 - 40, -1))[::-1][::2] + list(range(1, 40, 2))
+    if layout == "scattered":  # non-monotonic physical blocks: gathered through an index
+        table = list(range(63, 63 - 40, -1))[::-1][::2] + list(range(1, 40, 2))
+    else:  # consecutive ids: read as a view of the pool
+        table = list(range(5, 45))
+    assert isinstance(block_index(table, "cpu"), slice) == (layout == "consecutive")
 
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
