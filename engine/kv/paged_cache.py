@@ -99,7 +99,8 @@ class PagedKVStorage:
         dequantized to `dtype` when stored as int8: two [L, kv_heads, head_dim] tensors."""
         if not self.quantized:
             return [
-                gather_blocks(pool[layer_idx], blocks).flatten(0, 1)[:context_len] for pool in (self.k, self.v)
+                gather_blocks(pool[layer_idx], blocks).flatten(0, 1)[:context_len]
+                for pool in (self.k, self.v)
             ]
         out = []
         for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
