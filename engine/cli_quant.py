@@ -2,9 +2,9 @@
 measured in one run. Per scheme: weight bytes, load + quantize time, prefill and decode speed
 through the engine (interleaved round-robin across schemes so machine drift hits all alike),
 and quality on the shipped evaluation text against the unquantized model (mean/max KL, top-1
-agreement, perplexity), greedy agreement of a generated reply, and top-1 agreement along the
-reference's reply (same context for both). `--list` says which schemes
-can run here and why not. A scheme whose figures are bad is reported with them, never dropped.
+agreement, perplexity), each layer's output error against its unquantized twin, greedy
+agreement of a generated reply, and top-1 agreement along the reference's reply (same context
+for both). `--list` says which schemes can run here and why not. A scheme whose figures are bad is reported with them, never dropped.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def build_report(args, names: list[str], statuses) -> dict:
 
     from engine.config import ModelSpec
     from engine.loading import ModelLoadError, load_model
-    from engine.quality import compare_logits, eval_token_ids, teacher_forced_logits
+    from engine.quality import compare_logits, eval_token_ids, layer_output_errors, teacher_forced_logits
 
     status = {s.name: s for s in statuses}
     say = lambda text: print(text, file=sys.stderr)  # noqa: E731
@@ -112,6 +112,9 @@ def build_report(args, names: list[str], statuses) -> dict:
             ref_logits, teacher_forced_logits(loaded.model, eval_ids, args.kv_dtype), eval_ids
         )
         _fill_load_and_quality(row, loaded, reference, quality)
+        errors = layer_output_errors(reference.model, loaded.model)
+        row["layer_error_median"] = statistics.median(errors.values())
+        row["layer_error_max"] = max(errors.values())
         runs.append((row, _SpeedRun(loaded, args)))
     for r in range(args.rounds):
         order = runs if r % 2 == 0 else runs[::-1]  # alternate the order to cancel drift
@@ -148,6 +151,8 @@ def build_report(args, names: list[str], statuses) -> dict:
         # the 'none' row's reply, which used the same KV dtype as every other row
         "scope": SCOPE,
         "quality_reference": "none, KV in the load dtype",
+        "layer_error": "relative L2 error of each decoder linear's output vs the 'none' layer, "
+        "on a fixed standard-normal input (median and max over the layers)",
         "greedy_reference": f"none, KV {args.kv_dtype}",
         "schemes": rows,
     }
@@ -248,8 +253,8 @@ def _table(report: dict) -> str:
         f"decode {report['new_tokens']} greedy tokens, median of {report['rounds']} rounds"
     )
     cols = (
-        f"{'scheme':<18}{'MiB':>8}{'load s':>8}{'prefill/s':>10}{'decode/s':>10}{'mean KL':>9}{'top-1':>7}"
-        f"{'ppl':>10}{'greedy':>8}{'reply top-1':>12}"
+        f"{'scheme':<18}{'MiB':>8}{'load s':>8}{'prefill/s':>10}{'decode/s':>10}{'layer err':>10}"
+        f"{'mean KL':>10}{'top-1':>7}{'ppl':>10}{'greedy':>8}{'reply top-1':>12}"
     )
     lines = [head, SCOPE, cols]
     for r in report["schemes"]:
@@ -261,7 +266,8 @@ def _table(report: dict) -> str:
             continue
         lines.append(
             f"{r['scheme']:<18}{r['weight_bytes'] / 2**20:>8.1f}{r['load_s']:>8.2f}{r['prefill_tok_s']:>10.1f}"
-            f"{r['decode_tok_s']:>10.1f}{r['mean_kl']:>9.4f}{r['top1_agreement']:>7.1%}{r['perplexity']:>10.2f}"
+            f"{r['decode_tok_s']:>10.1f}{r['layer_error_max']:>10.1e}{r['mean_kl']:>10.2e}"
+            f"{r['top1_agreement']:>7.1%}{r['perplexity']:>10.2f}"
             f"{r.get('greedy_prefix_match', 1.0):>8.0%}{r.get('reply_top1_agreement', 1.0):>12.0%}"
         )
     return "\n".join(lines)

@@ -82,7 +82,7 @@ class QuantizedWeights:
     scheme: str
     bytes_before: int  # parameters + buffers in the load dtype
     bytes_after: int  # the same after quantization (codes, scales, zeros, quantization state)
-    quantized_layers: int
+    quantized_layers: int  # decoder linears no longer plain nn.Linear after quantizing
     seconds: float
 
 
@@ -125,11 +125,13 @@ def quantize_model(model: nn.Module, name: str, tokenizer=None) -> nn.Module:
         raise QuantizationError(f"The model is already quantized ({quantization_of(model).scheme}).")
     before = model_weight_bytes(model)
     start = time.perf_counter()
-    layers = len(target_linears(model))
+    plain_before = len(target_linears(model))
     # no_grad, not inference_mode: inference tensors would refuse later in-place updates
     # (bitsandbytes moves and re-wraps its parameters).
     with torch.no_grad():
         model = scheme.quantize(model, tokenizer)
+    # counted after the fact, so a layer a scheme left as a plain nn.Linear is not reported as done
+    layers = plain_before - len(target_linears(model))
     record = QuantizedWeights(name, before, model_weight_bytes(model), layers, time.perf_counter() - start)
     setattr(model, MODEL_ATTRIBUTE, record)
     return model

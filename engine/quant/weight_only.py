@@ -18,7 +18,9 @@ INT4_CUDA_OPS = ("_convert_weight_to_int4pack", "_weight_int4pack_mm")
 # size (576) is not a multiple of 128, and coarser groups cost much more quality for 1/32 of a
 # byte per weight saved. Measured on the packaged SmolLM2-135M (160 eval tokens): groups of 64
 # give mean KL 0.35 and 66% top-1 agreement; groups of 32 give KL ~5e-8 and 100%, because that
-# model was shipped as a Q4_1 GGUF (16 levels per 32 weights), which g32 min/max reproduces.
+# model was shipped as a Q4_1 GGUF (an fp16 scale and minimum per 32 input columns, 16 levels):
+# g32 min/max lands on the same grid, and the weights read back through the kernel equal the
+# loaded fp32 weights exactly in all 210 layers (checked; the KL left is float summation order).
 DEFAULT_INT4_GROUP_SIZE = 32
 # The CUDA kernel runs in bfloat16 only and tiles the input width by 16 * inner_k_tiles.
 CUDA_INT4_DTYPE = torch.bfloat16

@@ -15,8 +15,10 @@ from engine.quality import (
     compare_models,
     eval_token_ids,
     greedy_agreement,
+    layer_output_errors,
     teacher_forced_logits,
 )
+from engine.quantization import quantize_model
 
 
 def test_identical_logits_have_zero_kl_full_agreement_and_equal_perplexity():
@@ -74,6 +76,16 @@ def test_int8_kv_path_is_close_to_the_plain_forward():
     assert report.top1_agreement >= 0.95
 
 
+def test_layer_output_errors_tell_a_quantized_layer_from_an_untouched_one():
+    reference = make_tiny_llama(vocab_size=300, seed=5)
+    untouched = layer_output_errors(reference, make_tiny_llama(vocab_size=300, seed=5))
+    assert len(untouched) == 14 and set(untouched.values()) == {0.0}
+    quantized = quantize_model(make_tiny_llama(vocab_size=300, seed=5), "int8-weight-only")
+    errors = layer_output_errors(reference, quantized)
+    assert errors.keys() == untouched.keys()
+    assert all(0 < e < 0.01 for e in errors.values())  # int8 per-channel: about 0.4% per layer
+
+
 def test_greedy_agreement_counts_prefix_and_positions():
     agreement = greedy_agreement([1, 2, 3, 4, 5], [1, 2, 9, 4, 5, 6])
     assert (agreement.common_prefix, agreement.same_position, agreement.length) == (2, 4, 5)
@@ -88,10 +100,16 @@ def test_eval_text_is_a_few_hundred_tokens_of_prose(default_tokenizer):
 
 
 def test_quant_report_json_on_the_tiny_model(tmp_path, default_tokenizer):
+    """Every scheme in one report: each row evaluates its own quantized model (every decoder
+    linear replaced, each layer's output off its reference twin, a KL above zero), never the
+    reference model or its logits again."""
     from model_folders import save_tiny_model
 
+    from engine.quantization import scheme_statuses
+
     folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
-    args = ["--model", str(folder), "--schemes", "int8-weight-only", "--rounds", "1", "--new-tokens", "3"]
+    available = [s.name for s in scheme_statuses("cpu") if s.available and s.name != "none"]
+    args = ["--model", str(folder), "--schemes", ",".join(available), "--rounds", "1", "--new-tokens", "3"]
     proc = subprocess.run(
         [sys.executable, "-m", "engine", "quant-report", *args, "--json"],
         capture_output=True,
@@ -100,14 +118,21 @@ def test_quant_report_json_on_the_tiny_model(tmp_path, default_tokenizer):
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    none, int8 = report["schemes"]
-    assert (none["scheme"], int8["scheme"]) == ("none", "int8-weight-only")
+    none, *rows = report["schemes"]
+    assert [none["scheme"]] + [r["scheme"] for r in rows] == ["none", *available]
     assert none["mean_kl"] == 0.0 and none["top1_agreement"] == 1.0 and none["greedy_prefix_match"] == 1.0
-    assert none["reply_top1_agreement"] == 1.0 and 0.0 <= int8["reply_top1_agreement"] <= 1.0
-    assert int8["weight_bytes"] < none["weight_bytes"] and int8["quantized_layers"] == 14
-    assert int8["mean_kl"] > 0 and int8["perplexity_none"] == none["perplexity"]
-    for key in ("prefill_tok_s", "decode_tok_s", "load_s", "quantize_s"):
-        assert int8[key] > 0
+    assert none["reply_top1_agreement"] == 1.0 and none["layer_error_max"] == 0.0
+    assert none["quantized_layers"] == 0
+    for row in rows:
+        assert "error" not in row, row
+        assert row["quantized_layers"] == 14, row["scheme"]  # 2 layers x (4 attention + 3 MLP)
+        # random weights are on no scheme's grid: every layer moves, and so does the distribution
+        assert row["layer_error_median"] > 1e-3, row["scheme"]
+        assert row["mean_kl"] > 0 and row["perplexity"] != none["perplexity"], row["scheme"]
+        assert row["weight_bytes"] < none["weight_bytes"] and row["perplexity_none"] == none["perplexity"]
+        assert 0.0 <= row["reply_top1_agreement"] <= 1.0
+        for key in ("prefill_tok_s", "decode_tok_s", "load_s", "quantize_s"):
+            assert row[key] > 0, (row["scheme"], key)
     assert report["eval_tokens"] == len(eval_token_ids(default_tokenizer))
 
 

@@ -102,6 +102,32 @@ def test_int4_kernel_packing_round_trips_to_the_group_dequantization():
     torch.testing.assert_close(layer.dequantized_weight(), expected, atol=1e-5, rtol=0)
 
 
+def q4_1_grid_weights(rows: int, cols: int) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF dequantizes them: per 32 input columns an fp16 scale d and
+    minimum m, each weight m + d * q with q in 0..15 (both ends used, as llama.cpp's min/max
+    rounding does)."""
+    torch.manual_seed(6)
+    q = torch.randint(0, 16, (rows, cols // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(rows, cols // 32, 1) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(rows, cols // 32, 1) * 0.05).half().float()
+    return (m + d * q).reshape(rows, cols)
+
+
+def test_int4_groups_of_32_reproduce_weights_already_on_a_q4_1_grid():
+    """Why int4-weight-only scores a KL of ~5e-8 and 100% top-1 on the packaged SmolLM2: the
+    GGUF stores all 210 decoder linears as Q4_1, and min/max int4 groups of 32 land on the
+    same grid, so re-quantizing loses nothing (measured on the real model: every 32-group
+    holds at most 16 distinct values, and the kernel's weights equal the loaded ones exactly).
+    The same weights with the groups misaligned by half a block are not reproduced."""
+    w = q4_1_grid_weights(64, 256)
+    linear = nn.Linear(256, 64, bias=False)
+    linear.weight.data = w
+    assert relative_error(Int4WeightOnlyLinear(linear, 32).dequantized_weight(), w) < 1e-6
+    linear.weight.data = torch.roll(w, 16, dims=1)
+    assert relative_error(Int4WeightOnlyLinear(linear, 32).dequantized_weight(), linear.weight) > 1e-2
+
+
 def test_int8_kernel_computes_with_the_stored_codes():
     torch.manual_seed(4)
     linear = nn.Linear(96, 64)
@@ -177,6 +203,26 @@ def test_quantize_model_replaces_decoder_linears_only(tiny_loaded, scheme):
     with torch.no_grad():
         got = model(ids).logits
     assert relative_error(got, ref) < 0.25  # a whole model, errors compound; the real figures are measured
+
+
+def test_quantized_layer_count_is_what_the_scheme_replaced(monkeypatch):
+    """A scheme that leaves a layer as a plain nn.Linear is not credited with it."""
+    import engine.quantization as quantization
+    from engine.quant.base import QuantScheme
+
+    class FirstLayerOnly(QuantScheme):
+        name = "first-layer-only"
+
+        def check(self, device):
+            return True, "test scheme"
+
+        def quantize(self, model, tokenizer=None):
+            model[0] = Int8WeightOnlyLinear(model[0])
+            return model
+
+    monkeypatch.setitem(quantization._BY_NAME, FirstLayerOnly.name, FirstLayerOnly())
+    model = quantize_model(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), FirstLayerOnly.name)
+    assert quantization_of(model).quantized_layers == 1
 
 
 def test_quantizing_twice_is_refused(tiny_loaded):
