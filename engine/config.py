@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,6 +36,17 @@ class SamplingParams:
     ignore_eos: bool = False
     # Record a per-token snapshot with this many candidates (0 = none).
     snapshot_top_n: int = 0
+    # Parallel samples of one prompt: the prompt is prefilled once and its KV blocks are shared
+    # by the n sequences (copy-on-write where they diverge). Sample i draws with seed + i.
+    n: int = 1
+    # Beam search (1 = off): transformers' generate(num_beams=K, do_sample=False) semantics.
+    num_beams: int = 1
+    # A finished beam scores sum(log-probs) / generated_len ** length_penalty (> 0 favours long).
+    length_penalty: float = 1.0
+    # When the search ends: True (once num_beams hypotheses are finished), False (when the best
+    # running beam can no longer beat them, by transformers' heuristic) or "never" (the exact
+    # test). Same meaning as transformers' `early_stopping`.
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
@@ -55,6 +67,42 @@ class SamplingParams:
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.snapshot_top_n >= 0, f"snapshot_top_n must be >= 0, got {self.snapshot_top_n}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        self._check_group()
+
+    def _check_group(self) -> None:
+        _check(self.n >= 1, f"n (parallel samples) must be >= 1, got {self.n}")
+        _check(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
+        _check(
+            self.n == 1 or self.num_beams == 1,
+            "choose either n parallel samples or beam search (num_beams), not both",
+        )
+        _check(
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+            f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+        )
+        _check(
+            math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}"
+        )
+        if self.num_beams > 1:
+            _check(
+                self.temperature == 0.0,
+                "beam search picks the best-scoring beams, it does not sample: set temperature 0",
+            )
+            _check(not self.stop, "stop strings are not supported with beam search")
+        if self.n > 1:
+            _check(
+                self.temperature > 0.0,
+                "n > 1 greedy samples would all be the same reply: set a temperature above 0",
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Sequences the request runs at once: n samples or num_beams beams (1 for a plain reply)."""
+        return max(self.n, self.num_beams)
+
+    @property
+    def beam_search(self) -> bool:
+        return self.num_beams > 1
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,10 @@ class ModelInfo:
     weight_bytes: int
     kv_bytes_per_token: int
     load_seconds: float
+    # The weight scheme applied at load (engine.quantization) and what the same weights took in
+    # the load dtype before it: the "before" of the app's weights before/after. None: not known.
+    quantization: str = "none"
+    weight_bytes_before: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,9 @@ class TokenGenerated:
     spec: str = ""
     spec_round: int = -1
     t: float = 0.0
+    # Which sample of an n-sample request this token extends (0..n-1; 0 for a plain request).
+    # Beam search streams no tokens: its beams change every step (see BeamStep).
+    branch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +140,105 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceResult:
+    """One finished sequence of an n-sample or beam-search request."""
+
+    branch: int  # the sample's index (n samples) or its rank (beams, 0 = best)
+    text: str
+    token_ids: tuple[int, ...]
+    # Samples: the sum of their tokens' log-probs under the sampling distribution. Beams:
+    # transformers' beam score, sum(log-probs) / len(token_ids) ** length_penalty.
+    score: float
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """KV memory of a request's sequences with block sharing, against what they would need alone.
+
+    Both are peaks over the request's steps: `shared_blocks` the distinct blocks its sequences
+    held at once, `unshared_blocks_equivalent` the blocks they would have held with a private
+    copy of every shared block (the sum of their block-table lengths)."""
+
+    kind: str  # "samples" or "beams"
+    num_sequences: int  # n, or num_beams
+    shared_blocks: int
+    unshared_blocks_equivalent: int
+    cow_copies: int  # shared, partly filled blocks copied before a sequence wrote into them
+    forks: int = 0  # sequences started by sharing another's blocks
+    pruned: int = 0  # beams dropped by the search (their blocks freed)
+
+    @property
+    def saving(self) -> float:
+        """Fraction of the unshared blocks that sharing saved (0.25 = a quarter fewer)."""
+        if not self.unshared_blocks_equivalent:
+            return 0.0
+        return 1.0 - self.shared_blocks / self.unshared_blocks_equivalent
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFinished:
     request_id: int
     finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
-    text: str
+    text: str  # for n samples / beams: of the first entry of `sequences`
     token_ids: tuple[int, ...]
     stats: RequestStats
+    t: float = 0.0
+    # n samples (n > 1) or beam search (num_beams > 1): every sequence, best score first, and
+    # the group's memory figures. Empty / None for a plain request.
+    sequences: tuple[SequenceResult, ...] = ()
+    group: GroupStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceForked:
+    """A sequence of a group started as a copy of `parent_seq_id`: it shares all the parent's KV
+    blocks (a "share" BlockEvent under `seq_id` follows). `seq_id` names its blocks in BlockEvents."""
+
+    request_id: int
+    parent_seq_id: int
+    seq_id: int
+    branch: int  # sample index (n samples) or beam slot (beam search) it takes
+    num_tokens: int  # prompt + generated tokens it shares with the parent
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFinished:
+    """One sequence of a group ended before its request: a sample finished ("stop", "length"),
+    or a beam was dropped by the search ("pruned"). Its blocks are released ("free" follows)."""
+
+    request_id: int
+    seq_id: int
+    branch: int
+    finish_reason: str  # "stop", "length", "pruned"
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedBeam:
+    """A hypothesis that ended at a beam step and entered the kept (best num_beams) set."""
+
+    parent: int  # the beam slot (of the previous step) it extends
+    token_id: int  # its last token (EOS, or any token at max_new_tokens)
+    score: float  # sum(log-probs) / generated_len ** length_penalty
+
+
+@dataclass(frozen=True, slots=True)
+class BeamStep:
+    """One step of a beam search, for drawing the beam tree. After step s, beam slot j holds
+    the beam that extends slot `parents[j]` of step s - 1 (step 0: every parent is 0, the
+    prompt) by `token_ids[j]`; its running score is the sum of its tokens' log-probs."""
+
+    request_id: int
+    step: int  # 0-based: the index of the token just chosen
+    parents: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    token_texts: tuple[str, ...]
+    scores: tuple[float, ...]
+    seq_ids: tuple[int, ...]  # the engine sequence holding each beam (its blocks' owner)
+    finished: tuple[FinishedBeam, ...] = ()
+    done: bool = False  # the search ended at this step (RequestFinished follows)
     t: float = 0.0
 
 
@@ -167,7 +267,7 @@ class SpecRound:
     t: float = 0.0
 
 
-BLOCK_OPS = ("allocate", "append", "rollback", "share", "free", "cache", "evict")
+BLOCK_OPS = ("allocate", "append", "rollback", "share", "free", "cache", "evict", "cow")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +279,16 @@ class BlockEvent:
       append    `token_start..token_end` of `seq_id` were written into `block_ids`
       rollback  speculative slots `token_start..token_end` were discarded; `fills` are the
                 blocks' new fill levels (blocks left empty are then freed)
-      share     cached blocks reused by `seq_id` (prefix hit; ref count + 1)
+      share     blocks reused by `seq_id`, ref count + 1: a prefix-cache hit, or a fork taking
+                its parent's blocks (n samples, beams; see SequenceForked)
       free      `seq_id` released its reference; blocks may stay cached
       cache     full blocks got a prefix hash (reusable after free)
       evict     a cached-free block lost its hash because it was reused for new data
+      cow       copy-on-write: `seq_id` was about to write into `src_block_ids[i]`, a partly
+                filled block it shares; the source's `fills[i]` slots were copied into
+                `block_ids[i]` (allocated to `seq_id` by the "allocate" just before), which
+                takes the source's place in its block table, from position `token_start`. A
+                "free" of the source by `seq_id` follows (its other holders keep it).
     """
 
     op: str
@@ -194,6 +300,7 @@ class BlockEvent:
     # fill level, 1..block_size). Empty for the other ops.
     fills: tuple[int, ...] = ()
     t: float = 0.0
+    src_block_ids: tuple[int, ...] = ()  # "cow": the shared block each of `block_ids` copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +378,9 @@ Event = (
     | TokenGenerated
     | RequestFinished
     | RequestFailed
+    | SequenceForked
+    | SequenceFinished
+    | BeamStep
     | BlockEvent
     | SpecRound
     | StepStats
