@@ -2,6 +2,8 @@
 
 kvscope                                   the model you loaded last (the packaged default at first)
 kvscope --model PATH --dtype bfloat16     another model for this launch
+kvscope --quantization int8-weight-only --kv-dtype int8
+                                          quantized weights and an int8 KV cache for this launch
 kvscope --prompt TEXT --screenshot out.png --quit-after-reply
                                           scripted: load the default model, send TEXT, wait for the
                                           whole reply, save a screenshot of the window, exit 0
@@ -28,7 +30,7 @@ SCRIPTED_TIMEOUT_S = 900.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine.config import DEVICES, DTYPES
+    from engine.config import DEVICES, DTYPES, KV_DTYPES
 
     parser = argparse.ArgumentParser(
         prog="kvscope", description="Chat with a local LLM while watching its inference live."
@@ -41,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=DTYPES, help="weight and KV precision")
     parser.add_argument("--device", choices=DEVICES, help="where to run the model")
+    parser.add_argument(
+        "--quantization",
+        metavar="NAME",
+        help="weight quantization scheme applied at load ('none', 'int8-weight-only', ...; "
+        "`python -m engine quant-report --list` lists them with whether they run here)",
+    )
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache storage: the model's dtype or int8")
     parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache page")
     parser.add_argument(
         "--kv-budget-mib", type=int, metavar="MIB", help="memory for the KV-cache pool (0 = auto)"
@@ -75,17 +84,21 @@ def model_choice(args: argparse.Namespace, saved):
     import dataclasses
 
     from app.settings import ModelChoice
+    from engine.quantization import get_scheme
 
     base = ModelChoice() if args.prompt else saved
     overrides = {
         "source": args.model,
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": args.quantization,
+        "kv_dtype": args.kv_dtype,
         "block_size": args.block_size,
         "kv_budget_mib": args.kv_budget_mib,
     }
     choice = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     choice.engine_config()  # raises ConfigError with a message for bad numbers
+    get_scheme(choice.quantization)  # an unknown scheme name: a ConfigError naming the choices
     return choice
 
 
@@ -126,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model
         or args.dtype
         or args.device
+        or args.quantization
+        or args.kv_dtype
         or args.block_size is not None
         or args.kv_budget_mib is not None
     ):

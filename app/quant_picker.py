@@ -32,7 +32,7 @@ class WeightsFigures:
     scheme: str
     load_dtype: str
     bytes_now: int  # the engine's count of parameters and buffers after quantization
-    bytes_full: int | None  # every parameter in the load dtype; None when nothing was quantized
+    bytes_full: int | None  # the same weights in the load dtype; None when nothing was quantized
 
     @property
     def ratio(self) -> float | None:
@@ -40,13 +40,15 @@ class WeightsFigures:
 
 
 def weights_figures(spec: ModelSpec, info: ModelInfo) -> WeightsFigures:
-    """From the spec the engine loaded and the info it reported. A quantized model's
-    `info.params` is its parameter count before quantizing (the loader keeps it), so params x the
-    load dtype's element size is what the same weights weigh in full precision."""
-    if spec.quantization == NONE:
+    """From the spec the engine loaded and the info it reported: the engine counts the weights
+    before quantizing (`info.weight_bytes_before`). An info without that count (None) falls back
+    to the parameter count (kept from before quantizing) times the load dtype's element size."""
+    if info.quantization == NONE:
         return WeightsFigures(NONE, spec.dtype, info.weight_bytes, None)
-    full = info.params * BYTES_PER_ELEMENT[spec.dtype]
-    return WeightsFigures(spec.quantization, spec.dtype, info.weight_bytes, full)
+    full = info.weight_bytes_before
+    if full is None:
+        full = info.params * BYTES_PER_ELEMENT[spec.dtype]
+    return WeightsFigures(info.quantization, spec.dtype, info.weight_bytes, full)
 
 
 def describe_loaded(weights: WeightsFigures, loaded: ModelLoaded, kv_dtype: str) -> str:

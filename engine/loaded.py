@@ -8,6 +8,8 @@ import torch
 
 from engine.events import ModelInfo
 from engine.model_shapes import ModelShapes
+from engine.quant.base import model_weight_bytes
+from engine.quantization import NONE, quantization_of
 
 
 @dataclass(slots=True)
@@ -24,8 +26,9 @@ class LoadedModel:
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")
         shapes = ModelShapes.from_config(model.config)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+        # parameters, buffers (packed codes and scales) and bitsandbytes' quantization state
+        weight_bytes = model_weight_bytes(model)
+        record = quantization_of(model)
         info = ModelInfo(
             name=name,
             source=source,
@@ -43,5 +46,7 @@ class LoadedModel:
             weight_bytes=weight_bytes,
             kv_bytes_per_token=shapes.kv_bytes_per_token(dtype_name),
             load_seconds=load_seconds,
+            quantization=record.scheme if record else NONE,
+            weight_bytes_before=record.bytes_before if record else weight_bytes,
         )
         return LoadedModel(model, tokenizer, info, param.device, param.dtype)

@@ -11,8 +11,8 @@ import shiboken6
 from app_windows import TEST_NUM_BLOCKS, start_tiny
 from PySide6.QtCore import QTimer
 
-# Engine threads and model-inspection workers: none may outlive the test that started them.
-APP_THREAD_NAMES = ("kvscope-engine", "kvscope-inspect")
+# Engine threads, model-inspection and quality workers: none may outlive the test that started them.
+APP_THREAD_NAMES = ("kvscope-engine", "kvscope-inspect", "kvscope-quality")
 
 
 @pytest.fixture(autouse=True)

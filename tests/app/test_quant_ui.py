@@ -86,6 +86,21 @@ def test_the_choice_carries_scheme_and_kv_dtype_into_the_engine_config(qtbot):
     assert config.model.quantization == INT8 and config.kv_dtype == "int8"
 
 
+def test_command_line_scheme_and_kv_dtype_reach_the_choice_and_the_picker(qtbot):
+    from app.main import model_choice, parse_args
+    from engine.quantization import QuantizationError
+
+    args = parse_args(["--prompt", "hi", "--quantization", INT8, "--kv-dtype", "int8"])
+    choice = model_choice(args, ModelChoice())
+    config = choice.engine_config()
+    assert config.model.quantization == INT8 and config.kv_dtype == "int8"
+    picker = make_picker(qtbot)  # the window's picker gets the launch's choice the same way
+    picker.set_choice(choice)
+    assert (picker.quantization.scheme_name(), picker.quantization.kv_dtype_name()) == (INT8, "int8")
+    with pytest.raises(QuantizationError, match="Unknown quantization scheme 'int5'.*int8-weight-only"):
+        model_choice(parse_args(["--quantization", "int5"]), ModelChoice())
+
+
 # ---- loading with a scheme ---------------------------------------------------------------------
 def load(qtbot, window, folder, scheme: str, kv_dtype: str = "auto"):
     choice = ModelChoice(
@@ -112,8 +127,10 @@ def test_loading_with_a_scheme_updates_the_weights_series(make_window, qtbot, ti
     assert weights[-1] == pytest.approx(info.weight_bytes / unit)  # the engine's figure after quantizing
     assert info.weight_bytes < full.info.weight_bytes
     assert info.params == full.info.params  # the loader keeps the count before quantizing
-    assert memory.full_precision == (info.params * 4, "float32")
-    assert memory.full_precision_line.value() == pytest.approx(info.params * 4 / unit)
+    assert (info.quantization, full.info.quantization) == (INT8, "none")
+    assert info.weight_bytes_before == full.info.weight_bytes  # the engine's count before quantizing
+    assert memory.full_precision == (info.weight_bytes_before, "float32")
+    assert memory.full_precision_line.value() == pytest.approx(info.weight_bytes_before / unit)
     assert f"weights, {INT8} (tensor sizes)" in memory.legend.text()
     line = window.controls.model.quantization.loaded.text()
     assert INT8 in line and "in float32" in line and "KV int8" in line

@@ -279,6 +279,8 @@ def test_load_model_quantizes_and_reports_the_smaller_weights(tmp_path, default_
     record = quantization_of(quant.model)
     assert quant.info.weight_bytes == record.bytes_after < full.info.weight_bytes == record.bytes_before
     assert quant.info.params == full.info.params  # logical parameter count, not the packed buffers
+    assert (quant.info.quantization, full.info.quantization) == ("int4-weight-only", "none")
+    assert quant.info.weight_bytes_before == full.info.weight_bytes == full.info.weight_bytes_before
     assert quant.dtype == torch.float32
 
 
