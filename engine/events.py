@@ -39,10 +39,6 @@ class ModelInfo:
     # the load dtype before it: the "before" of the app's weights before/after. None: not known.
     quantization: str = "none"
     weight_bytes_before: int | None = None
-    # The weight scheme applied at load (engine.quantization) and what the same weights took in
-    # the load dtype before it: the "before" of the app's weights before/after. None: not known.
-    quantization: str = "none"
-    weight_bytes_before: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
