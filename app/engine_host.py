@@ -1,7 +1,8 @@
 """Hosts the engine for the GUI: owns the Engine, its EventStore sink and the LiveState fold.
 
 The engine thread only ever calls `EventStore.push` (a lock and an append), never Qt. The GUI
-pulls: a render timer on the GUI thread drains the store about 30 times a second, folds the
+pulls: a render timer on the GUI thread drains the store up to 30 times a second (paced to a CPU
+budget by app.frame_pacer while the engine generates), folds the
 batch into LiveState, and re-emits what the chat needs as ordinary same-thread Qt signals. So no
 signal ever crosses threads, and a burst of thousands of events costs one redraw per panel.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
+from app.frame_pacer import MIN_INTERVAL_MS, FramePacer
 from app.store import EventStore, LiveState
 from engine.config import EngineConfig
 from engine.events import (
@@ -29,9 +31,6 @@ from engine.events import (
 from engine.request import Request
 from engine.service import Engine
 
-# ~30 Hz: faster than the eye needs for streaming text and moving bars, slow enough that the
-# GUI thread sleeps most of each frame and the engine keeps the CPU (and the GIL).
-RENDER_INTERVAL_MS = 33
 # How long closing the window waits for the engine thread. A step of a small model takes
 # milliseconds; a model still loading cannot be interrupted, so the wait is bounded.
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -74,9 +73,10 @@ class EngineHost(QObject):
         self._in_flight: set[int] = set()
         self._retired: list[Engine] = []
         self.generation = 0  # bumped per engine: request ids restart at 1 with each engine
+        self.pacer = FramePacer()
         self._timer = QTimer(self)
-        self._timer.setInterval(RENDER_INTERVAL_MS)
-        self._timer.timeout.connect(self.render_tick)
+        self._timer.setInterval(MIN_INTERVAL_MS)
+        self._timer.timeout.connect(self._on_timer)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, config: EngineConfig, loaded=None) -> None:
@@ -144,6 +144,10 @@ class EngineHost(QObject):
 
     # ---- the render tick -------------------------------------------------------------------
     @Slot()
+    def _on_timer(self) -> None:
+        self.render_tick()
+        self._timer.setInterval(self.pacer.next_interval_ms(busy=bool(self._in_flight)))
+
     def render_tick(self) -> None:
         if self.store is None:
             return

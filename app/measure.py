@@ -134,11 +134,13 @@ def _run_until(signals, done, timeout_s: float) -> bool:
     return done()
 
 
-def app_run(window, prompt: str, params) -> tuple[float, list[float]]:
-    """Send `prompt` through the chat of a live window; tokens/s and the probe delays."""
+def app_run(window, prompt: str, params) -> tuple[float, list[float], float]:
+    """Send `prompt` through the chat of a live window; tokens/s, the probe delays and the GUI
+    thread's CPU seconds per generated token (its own work, whatever else loads the machine)."""
     window.controls.sampling.set_params(params)
     window.controller.new_conversation()
     probe = _Probe()
+    gui_cpu_start = time.thread_time()
     probe.start()
     window.controller.send(prompt)
     active = window.controller.active
@@ -151,11 +153,12 @@ def app_run(window, prompt: str, params) -> tuple[float, list[float]]:
         (host.request_finished, host.request_failed), lambda: window.controller.active is None, RUN_TIMEOUT_S
     )
     probe.stop()
+    gui_cpu_s = time.thread_time() - gui_cpu_start
     if not finished:
         raise MeasureError("the app's reply did not finish")
     if record.stats is None:
         raise MeasureError("the app's reply failed")
-    return record.stats.tokens_per_s, probe.delays_ms
+    return record.stats.tokens_per_s, probe.delays_ms, gui_cpu_s / max(1, record.stats.generated_tokens)
 
 
 def _wait_ready(window) -> None:
@@ -203,7 +206,7 @@ def run_measurement(
     conversations = ConversationStore(conversations_db_path())
     window = MainWindow(AppSettings(), conversations, interactive=False)
     window.show()
-    headless, in_app, delays = [], [], []
+    headless, in_app, delays, gui_cpu = [], [], [], []
     try:
         for _ in range(repeats):
             torch.set_num_threads(headless_threads)
@@ -211,8 +214,9 @@ def run_measurement(
             torch.set_num_threads(app_threads)
             window.start_engine(config, loaded=loaded)
             _wait_ready(window)
-            tokens_per_s, run_delays = app_run(window, prompt, params)
+            tokens_per_s, run_delays, gui_cpu_per_token = app_run(window, prompt, params)
             in_app.append(tokens_per_s)
+            gui_cpu.append(gui_cpu_per_token)
             delays.extend(run_delays)
             window.host.stop()  # idle engines off while the other run measures
     finally:
@@ -234,6 +238,7 @@ def run_measurement(
         "throughput_ratio": ratio,
         "headless_runs": headless,
         "app_runs": in_app,
+        "gui_cpu_ms_per_token": statistics.median(gui_cpu) * 1000,
         "probe_interval_ms": PROBE_INTERVAL_MS,
         "probe_samples": len(delays),
         "probe_worst_delay_ms": worst,

@@ -9,10 +9,15 @@ one visible plot per frame, with every dirty key it missed; a plot in a hidden t
 dock is brought up to date only now and then. Every other panel refreshes every frame.
 Measured on the packaged model (2 cores, interleaved runs): p99 delay of a 10 ms GUI probe
 timer 145-155 ms with every plot every frame, 74-91 ms with plots taking turns.
+A visible plot also redraws at most every PLOT_INTERVAL_S: a time series read by eye needs a
+few updates a second, and at 15 redraws a second each the plots were ~60% of the GUI thread's
+CPU time during generation (py-spy, `python -m app.measure`).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field, fields
 
 from app.store import LiveState
@@ -22,6 +27,8 @@ PLOTS = ("memory", "latency", "roofline", "step_timeline")
 # A hidden plot still folds its state (some accumulate from bounded buffers) every this many
 # frames: about 2 Hz at the 30 Hz render rate.
 HIDDEN_EVERY_FRAMES = 15
+# The shortest time between two redraws of one visible plot (4 a second).
+PLOT_INTERVAL_S = 0.25
 
 
 @dataclass(slots=True)
@@ -38,6 +45,7 @@ class Panels:
     _pending: dict[str, set[str]] = field(default_factory=dict)  # dirty keys a panel has not seen
     _frame: int = 0
     _next_plot: int = 0
+    _plot_drawn_at: dict[str, float] = field(default_factory=dict)  # perf_counter of last refresh
 
     def named(self) -> list[tuple[str, object]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")]
@@ -45,22 +53,27 @@ class Panels:
     def all(self) -> tuple:
         return tuple(panel for _, panel in self.named())
 
-    def refresh(self, dirty: set[str]) -> None:
-        """One render frame: the non-plot panels, then the next visible plot, then (now and then)
-        the hidden plots; each gets all the dirty keys gathered since its last refresh."""
+    def refresh(self, dirty: set[str], now: float | None = None) -> None:
+        """One render frame: the non-plot panels, then the next visible plot that is due, then
+        (now and then) the hidden plots; each gets all the dirty keys gathered since its last
+        refresh."""
+        now = time.perf_counter() if now is None else now
         self._frame += 1
-        visible_plots = []
+        due_plots = []
         for name, panel in self.named():
             self._pending.setdefault(name, set()).update(dirty)
             if name not in PLOTS:
                 self._refresh(name, panel)
             elif panel.isVisible():
-                visible_plots.append((name, panel))
+                if now - self._plot_drawn_at.get(name, -math.inf) >= PLOT_INTERVAL_S:
+                    due_plots.append((name, panel))
             elif self._frame % HIDDEN_EVERY_FRAMES == 0:
                 self._refresh(name, panel)
-        if visible_plots:
-            self._next_plot %= len(visible_plots)
-            self._refresh(*visible_plots[self._next_plot])
+        if due_plots:
+            self._next_plot %= len(due_plots)
+            name, panel = due_plots[self._next_plot]
+            self._refresh(name, panel)
+            self._plot_drawn_at[name] = now
             self._next_plot += 1
 
     def refresh_all(self, dirty: set[str]) -> None:

@@ -11,11 +11,12 @@ import time
 
 import numpy as np
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.store import LiveState, PageMap
 from widgets import theme
 from widgets.kv_page_canvas import KVPageCanvas
+from widgets.live_label import LiveLabel
 from widgets.throttle import RedrawThrottle
 from widgets.units import format_bytes
 
@@ -73,11 +74,11 @@ class KVPageMapPanel(QWidget):
         self.setStyleSheet(
             f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )
-        self.counters = QLabel()
+        self.counters = LiveLabel()
         self.counters.setTextFormat(Qt.TextFormat.RichText)
         self.counters.setWordWrap(True)
         self.canvas = KVPageCanvas()
-        self.legend = QLabel()
+        self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
         self.legend.setStyleSheet(f"color: {theme.MUTED_TEXT};")

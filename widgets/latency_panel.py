@@ -14,11 +14,20 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.store import LiveState
 from widgets import theme
-from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, LogValueAxis, legend_entry, styled_plot
+from widgets.live_label import LiveLabel
+from widgets.plot_style import (
+    AUTO_DOWNSAMPLE_FACTOR,
+    LogValueAxis,
+    StableRange,
+    growing_range,
+    legend_entry,
+    nice_ceiling,
+    styled_plot,
+)
 from widgets.throttle import RedrawThrottle
 
 # 10 redraws a second still reads as live; every frame would cost the engine ~5% of its time
@@ -50,7 +59,7 @@ class LatencyPanel(QWidget):
         self.setStyleSheet(
             f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )
-        self.readout = QLabel()
+        self.readout = LiveLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
         self.readout.setWordWrap(True)
         self.plot = styled_plot({"left": LogValueAxis("left")})
@@ -94,6 +103,8 @@ class LatencyPanel(QWidget):
         self.rate_curve.setDownsampling(auto=True, method="peak")
         self.rate_view.addItem(self.rate_curve)
         item.getViewBox().sigResized.connect(self._sync_rate_view)
+        self.view_range = StableRange(item.getViewBox())
+        self.rate_range = StableRange(self.rate_view)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
@@ -154,7 +165,9 @@ class LatencyPanel(QWidget):
         else:  # only first tokens so far; an all-NaN series trips pyqtgraph's bounds
             self.itl_curve.setData([], [])
         self.ttft_points.setData(x[first == 1], latency[first == 1])
-        self.rate_curve.setData(x, ring.column("tokens_per_s"))
+        rates = ring.column("tokens_per_s")
+        self.rate_curve.setData(x, rates)
+        self._hold_ranges(x, latency, rates)
         self.p50, self.p99 = itl_percentiles(latency, first)
         for line, value, name in ((self.p50_line, self.p50, "p50"), (self.p99_line, self.p99, "p99")):
             line.setVisible(math.isfinite(value))
@@ -162,6 +175,19 @@ class LatencyPanel(QWidget):
                 line.setPos(math.log10(max(value, 1e-3)))  # the y axis is log10(ms)
                 line.label.setFormat(f"{name} {value:.1f} ms")
         self.readout.setText(self._readout(ring))
+
+    def _hold_ranges(self, x: np.ndarray, latency_ms: np.ndarray, rates: np.ndarray) -> None:
+        """Token range in nice steps, whole decades of latency (the y axis is log10 ms), and
+        tokens/s from 0 with headroom on the right axis."""
+        positive = latency_ms[np.isfinite(latency_ms) & (latency_ms > 0)]
+        decades = None
+        if positive.size:
+            low = math.floor(math.log10(float(positive.min())))
+            decades = (low, max(low + 1, math.ceil(math.log10(float(positive.max())))))
+        self.view_range.show(growing_range(float(x[0]), float(x[-1]) + 1), decades)
+        finite = rates[np.isfinite(rates)]
+        if finite.size:
+            self.rate_range.show(None, (0.0, nice_ceiling(1.05 * float(finite.max()))))
 
     def _readout(self, ring) -> str:
         first = ring.column("is_first")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.store import LiveState
 from widgets import theme
-from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, legend_entry, styled_plot
+from widgets.live_label import LiveLabel
+from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, StableRange, legend_entry, nice_ceiling, styled_plot
 from widgets.units import byte_unit, format_bytes
 
 # (ring column, legend label); "{source}" is the engine's probe name for the process figures.
@@ -39,13 +40,14 @@ class MemoryPanel(QWidget):
         self.setStyleSheet(
             f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )
-        self.legend = QLabel()
+        self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
         self.plot = styled_plot()
         item = self.plot.getPlotItem()
         item.setLabel("bottom", "time since start (s)")
         item.setLabel("left", self.unit[0])
+        self.view_range = StableRange(item.getViewBox())
         self.curves: dict[str, pg.PlotDataItem] = {}
         self.weights_scheme: str | None = None  # None: the weights are not quantized
         self.full_precision: tuple[int, str] | None = None  # (bytes, load dtype) when quantized
@@ -123,6 +125,8 @@ class MemoryPanel(QWidget):
             self.full_precision_line.show()
         else:
             self.full_precision_line.hide()
+        # Headroom above the largest series so its line does not run along the frame.
+        self.view_range.show((0.0, nice_ceiling(float(x[-1]))), (0.0, nice_ceiling(1.05 * largest / unit[1])))
         self.legend.setText(self._readout(columns, shown))
 
     def _readout(self, columns: dict[str, np.ndarray], shown: tuple[str, ...]) -> str:

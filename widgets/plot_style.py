@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pyqtgraph as pg
+from PySide6.QtWidgets import QGraphicsItem
 
 from widgets import theme
 
@@ -45,7 +46,68 @@ def styled_plot(axis_items: dict[str, pg.AxisItem] | None = None) -> pg.PlotWidg
         axis = item.getAxis(side)
         axis.setPen(pg.mkPen(theme.GRID))
         axis.setTextPen(pg.mkPen(theme.MUTED_TEXT))
+        # An axis repaints whenever anything in its plot does, replaying its tick labels as
+        # text each time (the most expensive part of a live plot's paint, measured). Cached as
+        # a pixmap, it is only re-rendered when its range or size changes.
+        axis.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
     return plot
+
+
+# Range ends snap up to these multiples of a power of ten: at most ~25% of a view is empty, and
+# a growing series moves its range (and so re-renders its axes) only every ~20% of growth.
+NICE_STEPS = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest NICE_STEPS x 10^k that is >= value (value > 0; else 1)."""
+    if not math.isfinite(value) or value <= 0:
+        return 1.0
+    scale = 10.0 ** math.floor(math.log10(value))
+    for step in NICE_STEPS:
+        if step * scale >= value * (1 - 1e-12):
+            return step * scale
+    return 10.0 * scale
+
+
+class StableRange:
+    """Holds a live plot's view range still while its data grow, moving it in nice steps.
+
+    pyqtgraph's auto-range moves the view on every redraw of a growing series, and each move
+    re-renders the axes' tick labels, the most expensive part of painting a live plot. Here the
+    range only moves when the data leave it. A user who pans or zooms takes over until the
+    plot's auto-range button hands the view back."""
+
+    def __init__(self, view_box: pg.ViewBox) -> None:
+        self.view_box = view_box
+        self.user_controls = False
+        self._target: tuple | None = None
+        view_box.disableAutoRange()
+        view_box.sigRangeChangedManually.connect(self._on_user_range)
+        view_box.sigStateChanged.connect(self._on_state)
+
+    def _on_user_range(self, *_) -> None:
+        self.user_controls = True
+
+    def _on_state(self, *_) -> None:
+        if any(self.view_box.state["autoRange"]):  # the "A" button: back to the live view
+            self.user_controls = False
+            self._target = None
+            self.view_box.disableAutoRange()
+
+    def show(self, x_range: tuple[float, float] | None, y_range: tuple[float, float] | None) -> None:
+        """Make the view show at least these data ranges (None: leave that axis as it is)."""
+        if self.user_controls:
+            return
+        target = (x_range, y_range)
+        if target == self._target:
+            return
+        self._target = target
+        self.view_box.setRange(xRange=x_range, yRange=y_range, padding=0)
+
+
+def growing_range(low: float, high: float) -> tuple[float, float]:
+    """[low, a nice ceiling of high] for a series that starts at `low` and grows upwards."""
+    return low, low + nice_ceiling(high - low)
 
 
 def legend_entry(color: str, label: str, glyph: str = "━") -> str:

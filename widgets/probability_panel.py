@@ -19,6 +19,7 @@ from app.store import LiveState
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated
 from widgets import theme
+from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
 from widgets.reference import ReferenceDistribution
@@ -71,7 +72,7 @@ class ProbabilityPanel(QWidget):
             " border-radius: 3px; padding: 1px 6px; }"
             f"#probabilityPanel QToolButton:checked {{ background: #2f4a6b; border-color: {theme.SERIES['stage']}; }}"
         )
-        self.header = QLabel()
+        self.header = LiveLabel()
         self.header.setTextFormat(Qt.TextFormat.RichText)
         self.header.setWordWrap(True)
         self.banner = QLabel()
@@ -85,7 +86,7 @@ class ProbabilityPanel(QWidget):
         self.stage_buttons = QButtonGroup(self)
         self.stage_buttons.setExclusive(True)
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
-        self.summary = QLabel()
+        self.summary = LiveLabel()
         self.summary.setStyleSheet(f"color: {theme.MUTED_TEXT};")
         self.reference_note = QLabel()
         self.reference_note.setTextFormat(Qt.TextFormat.RichText)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from app.panels import HIDDEN_EVERY_FRAMES, PLOTS, Panels
+from app.panels import HIDDEN_EVERY_FRAMES, PLOT_INTERVAL_S, PLOTS, Panels
 
 
 class FakePanel:
@@ -39,13 +39,21 @@ def test_every_non_plot_panel_refreshes_every_frame_even_when_hidden():
 
 def test_visible_plots_take_turns_and_receive_every_key_they_missed():
     panels = make_panels(roofline=False, step_timeline=False)  # visible plots: memory, latency
-    panels.refresh({"memory"})
-    panels.refresh({"latency"})
-    panels.refresh({"steps"})
-    panels.refresh(set())
+    for t, keys in enumerate(({"memory"}, {"latency"}, {"steps"}, set())):
+        panels.refresh(keys, now=t * PLOT_INTERVAL_S)
     # One plot per frame, in turn; each turn brings every key since that plot's last turn.
     assert panels.memory.calls == [{"memory"}, {"latency", "steps"}]
     assert panels.latency.calls == [{"memory", "latency"}, {"steps"}]
+
+
+def test_a_visible_plot_redraws_at_most_once_per_interval_and_misses_no_key():
+    panels = make_panels(roofline=False, step_timeline=False, memory=False)  # latency only
+    frame_s = PLOT_INTERVAL_S / 5
+    for i in range(11):
+        panels.refresh({f"k{i}"}, now=i * frame_s)
+    assert len(panels.latency.calls) == 3  # at 0, 1 and 2 intervals
+    assert set().union(*panels.latency.calls) == {f"k{i}" for i in range(11)}
+    assert panels.probabilities.calls == [{f"k{i}"} for i in range(11)]  # not a plot: every frame
 
 
 def test_hidden_plots_catch_up_every_few_frames():
