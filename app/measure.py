@@ -278,12 +278,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.runtime import gui_torch_threads, share_gil_finely
+    from app.runtime import gui_torch_threads, paint_on_the_gui_thread_only, share_gil_finely
     from app.theme import apply_theme
     from engine.config import ConfigError, ModelSpec
     from engine.loading import ModelLoadError, describe_load_error, load_model
 
     share_gil_finely()  # as the app does (process-wide, so for both runs)
+    paint_on_the_gui_thread_only()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     apply_theme(app)
     try:

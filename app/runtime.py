@@ -39,7 +39,17 @@ def leave_a_core_for_the_gui() -> int:
     return torch.get_num_threads()
 
 
+def paint_on_the_gui_thread_only() -> None:
+    """Qt's raster engine splits large fills and image draws over a thread pool and waits for
+    it. Painting from Python (pyqtgraph) holds the GIL through that wait, and on a machine whose
+    cores the engine's torch threads keep busy the pool threads start late: a py-spy profile of
+    the GUI thread during generation showed ~10% of its samples in QLatch waits under
+    drawImage/drawPolygon. Must be set before the QApplication exists; a user's own setting wins."""
+    os.environ.setdefault("QT_NO_GUI_THREADPOOL", "1")
+
+
 def configure_for_gui() -> None:
-    """Call once in the GUI process before the engine thread starts."""
+    """Call once in the GUI process before the QApplication and the engine thread exist."""
+    paint_on_the_gui_thread_only()
     share_gil_finely()
     leave_a_core_for_the_gui()
