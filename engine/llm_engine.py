@@ -26,6 +26,7 @@ from engine.events import (
     StepStats,
     TokenGenerated,
 )
+from engine.group_driver import GroupDriver, GroupError
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.paged_cache import PagedKVStorage
@@ -82,6 +83,7 @@ class LLMEngine:
             loaded.device,
             kv_dtype=config.kv_dtype,
         )
+        self.kv.copy_block = self.storage.copy_block  # copy-on-write of shared blocks
         self.max_model_len = min(
             config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
             info.max_position_embeddings,
@@ -91,7 +93,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
         )
-        self.seqs: dict[int, Sequence] = {}
+        self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
+        self.groups = GroupDriver(self)  # n-sample and beam-search requests
         self.eos_ids = _eos_ids(loaded.model, self.tokenizer)
         self.step_count = 0
         self.peak_blocks_used = 0
@@ -104,10 +107,14 @@ class LLMEngine:
         try:
             seq = self._make_sequence(request, request_id)
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
-            message = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+            message = (
+                str(exc) if isinstance(exc, (RequestError, GroupError)) else f"{type(exc).__name__}: {exc}"
+            )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
             return request_id
         self.seqs[request_id] = seq
+        if seq.params.group_size > 1:
+            self.groups.start(seq)
         self.emit(RequestStarted(request_id, seq.num_prompt_tokens, seq.arrival_time))
         self.scheduler.add(seq)
         return request_id
@@ -135,6 +142,8 @@ class LLMEngine:
                 f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}): raise the KV budget."
             )
         params = request.sampling
+        if params.group_size > 1:
+            self.groups.check(params)
         seq = Sequence(request_id, ids, len(ids), params)
         seq.sampler = Sampler(params, decode_token=self._token_text)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -144,16 +153,23 @@ class LLMEngine:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def abort(self, request_id: int) -> None:
+        if request_id in self.groups.active:
+            self.groups.cancel(request_id)
+            return
         seq = self.seqs.get(request_id)
         if seq is not None:
             self._finish(seq, "cancelled")
 
     def abort_all(self) -> None:
+        for request_id in list(self.groups.active):
+            self.abort(request_id)
         for request_id in list(self.seqs):
             self.abort(request_id)
 
     def fail_running(self, message: str) -> None:
         """A step raised: every request in flight fails with the message; the engine goes on."""
+        for group in list(self.groups.active.values()):
+            self.groups.fail(group, message)
         for seq in list(self.seqs.values()):
             self._release(seq)
             self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
@@ -179,6 +195,8 @@ class LLMEngine:
         if not batch.seqs:
             self._fail_unschedulable()
             return
+        for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
+            group.measure_blocks()
         # Logit rows: the last packed position of each sequence whose tokens are all in the
         # cache after this step, or every verified position of a speculative round.
         rows, sampling, offset = [], [], 0
@@ -197,12 +215,22 @@ class LLMEngine:
             verdict = verdicts.get(seq.seq_id)
             self.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
+        beam_rows: dict[int, dict[int, int]] = {}
         for seq, r, c in sampling:
             verdict = verdicts.get(seq.seq_id)
-            if verdict is None:
-                self._sample_token(seq, logits[r])
-            else:
+            if verdict is not None:
                 self._emit_round(seq, verdict, logits[r : r + c])
+            elif seq.group is None:
+                self._sample_token(seq, logits[r])
+            elif seq.group.kind == "beams":
+                beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = r
+            elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
+                for member in self.groups.fork_samples(seq.group):
+                    self._sample_token(member, logits[r])
+            else:
+                self._sample_token(seq, logits[r])
+        for request_id, rows in beam_rows.items():
+            self.groups.beam_step(self.groups.active[request_id], rows, logits)
         t2 = time.perf_counter()
         self.step_count += 1
         self.emit(
@@ -314,15 +342,17 @@ class LLMEngine:
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
-        self._release(seq)
-        self.emit(
-            RequestFailed(
-                seq.seq_id,
-                f"The KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens) is too "
-                f"small for this conversation's {seq.num_tokens} tokens: raise the KV budget.",
-                time.perf_counter(),
-            )
+        members = seq.group.members if seq.group is not None else [seq]
+        what = f"{seq.num_tokens} tokens" if len(members) == 1 else f"{len(members)} sequences"
+        message = (
+            f"The KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens) is too "
+            f"small for this conversation's {what}: raise the KV budget."
         )
+        if seq.group is not None:
+            self.groups.fail(seq.group, message)
+            return
+        self._release(seq)
+        self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
 
     def _sample_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
@@ -334,6 +364,9 @@ class LLMEngine:
         token = result.token_id
         seq.token_ids.append(token)
         seq.token_times.append(now)
+        seq.cumulative_logprob += result.logprob
+        if seq.group is not None:
+            seq.group.mark_token_step(self.step_count, now)
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
         delta = "" if is_eos else seq.detokenizer.push(token)
         if is_eos or seq.detokenizer.stopped:
@@ -356,10 +389,14 @@ class LLMEngine:
                 spec,
                 spec_round,
                 now,
+                seq.branch,
             )
         )
         if reason is not None:
-            self._finish(seq, reason)
+            if seq.group is not None:
+                self.groups.end_sample(seq, reason)
+            else:
+                self._finish(seq, reason)
         return reason is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -197,6 +197,15 @@ class Sampler:
             return torch.zeros_like(scores[0]).scatter_(0, scores[0].argmax().reshape(1), 1.0)
         return torch.softmax(scores[0], dim=0)
 
+    def penalize(
+        self, scores: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """The penalty stages alone on scores [1, V] (beam search runs them on log-probs, as
+        transformers does); greedy params have no other stages."""
+        if not self.stages:
+            return scores
+        return self._process(scores, prompt_ids, output_ids, want_trace=False)[0]
+
     def draw(self, probs: torch.Tensor) -> int:
         """One token from a probability vector, with this request's generator (seeded or not)."""
         if not bool(torch.isfinite(probs).all()):

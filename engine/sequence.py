@@ -44,6 +44,13 @@ class Sequence:
     # Set by the engine: the sampler and the incremental detokenizer of this request.
     sampler: object = None
     detokenizer: object = None
+    # n samples / beam search: the engine.seq_group.SequenceGroup it belongs to (None for a
+    # plain request), its sample index or beam slot, its drawn tokens' summed log-probs, and the
+    # shared blocks it copied before writing into them.
+    group: object = None
+    branch: int = 0
+    cumulative_logprob: float = 0.0
+    cow_copies: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -4,12 +4,16 @@ Admission checks are paired with actions (`can_allocate`/`allocate`, `can_append
 the scheduler decides before anything changes. Prefix caching hashes only full blocks whose
 tokens are all committed to the cache, chained so a block's key names its entire prefix; a hit
 never covers the last prompt token, which is always recomputed to produce the first logits.
+
+Forks (n samples, beams) share all of a sequence's blocks by ref count. A sequence about to
+write into a shared block first copies it (copy-on-write): only the last, partly filled block
+can be written, so full shared blocks stay shared for good.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 from engine.events import BlockEvent
 from engine.kv.block_pool import Block, BlockPool
@@ -22,13 +26,21 @@ def chain_hash(parent: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        pool: BlockPool,
+        enable_prefix_caching: bool = True,
+        copy_block: Callable[[int, int], None] | None = None,
+    ):
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Copies one block's K/V (src id, dst id) for copy-on-write; None keeps bookkeeping only.
+        self.copy_block = copy_block
         self.queries = 0  # prefix-cache lookups (one per admitted sequence)
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.cow_copies = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -73,15 +85,69 @@ class KVCacheManager:
         self.append(seq, num_new_tokens)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.pool.num_free
+        return self.append_cost([(seq, num_new_tokens)]) <= self.pool.num_free
+
+    def append_cost(self, plans: Iterable[tuple[Sequence, int]]) -> int:
+        """Free blocks that appending `n` tokens to each `seq` takes, copies included. Of `w`
+        writers into one shared block held `r` times, min(w, r - 1) copy it: the last holder to
+        write finds it no longer shared."""
+        need, writers = 0, {}
+        for seq, n in plans:
+            need += max(0, self.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
+            shared = self._shared_write_target(seq, n)
+            if shared is not None:
+                writers[shared.block_id] = (shared, writers.get(shared.block_id, (shared, 0))[1] + 1)
+        return need + sum(min(w, block.ref_cnt - 1) for block, w in writers.values())
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Ensure blocks cover the next `num_new_tokens` slots."""
+        """Ensure blocks cover the next `num_new_tokens` slots, and that the one written first is
+        the sequence's own."""
+        if self._shared_write_target(seq, num_new_tokens) is not None:
+            self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need, seq.seq_id))
         seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+
+    # ---- sharing between the sequences of a group --------------------------------------------
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a fork of `parent`, same tokens) takes a reference on all the parent's blocks."""
+        assert not child.block_table
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.peak_blocks = len(child.block_table)
+        self.pool.touch(child.block_table, child.seq_id, 0)
+
+    def _shared_write_target(self, seq: Sequence, num_new_tokens: int) -> Block | None:
+        """The block the next write lands in, when it already exists and others hold it too."""
+        index = seq.num_computed_tokens // self.block_size
+        if num_new_tokens <= 0 or index >= len(seq.block_table):
+            return None
+        block = seq.block_table[index]
+        return block if block.ref_cnt > 1 else None
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        src = seq.block_table[index]
+        (dst,) = self.pool.allocate(1, seq.seq_id)
+        if self.copy_block is not None:
+            self.copy_block(src.block_id, dst.block_id)
+        dst.num_tokens = src.num_tokens
+        seq.block_table[index] = dst
+        self.pool._emit(
+            BlockEvent(
+                "cow",
+                (dst.block_id,),
+                seq.seq_id,
+                index * self.block_size,
+                index * self.block_size + src.num_tokens,
+                (src.num_tokens,),
+                time.perf_counter(),
+                (src.block_id,),
+            )
+        )
+        self.pool.free([src], seq.seq_id)
+        seq.cow_copies += 1
+        self.cow_copies += 1
 
     def slot_ids(self, seq: Sequence, start: int, count: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

@@ -1,12 +1,16 @@
-"""Block pool: exact ids, exact eviction order, and invariants under random operation sequences."""
+"""Block pool: exact ids, exact eviction order, and invariants under random operation sequences
+(single sequences, and groups that fork, copy on write, prune and end)."""
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.config import SamplingParams
 from engine.events import BlockEvent
 from engine.kv.block_pool import BlockPool, PoolExhausted
+from engine.kv.manager import KVCacheManager
+from engine.sequence import Sequence
 
 
 def test_allocate_takes_lowest_ids_first_and_reports_events():
@@ -144,3 +148,131 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class GroupMachine(RuleBasedStateMachine):
+    """Groups of sequences on the KV manager, as n samples and beams use it: start (prompt,
+    prefix cache on), fork (share every block), append to one member or to all at once
+    (copy-on-write of a shared partly filled block), prune one member, end a group.
+
+    Block contents are modelled slot by slot (a write stores the token, copy-on-write copies
+    the block), so after every step each live sequence must read its own tokens back through
+    its block table: no write into a shared block ever reaches a sibling. Ref counts equal the
+    number of block-table entries naming a block, and when the last group ends every block is
+    free again, pruned members included."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(24, 3)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching=True, copy_block=self._copy)
+        self.slots: dict[int, int] = {}  # flat slot id -> token written there
+        self.groups: dict[int, list[Sequence]] = {}
+        self.next_id = 0
+
+    def _copy(self, src: int, dst: int) -> None:
+        bs = self.pool.block_size
+        for offset in range(bs):
+            if src * bs + offset in self.slots:
+                self.slots[dst * bs + offset] = self.slots[src * bs + offset]
+
+    def _new_seq(self, tokens) -> Sequence:
+        seq = Sequence(self.next_id, list(tokens), len(tokens), SamplingParams())
+        self.next_id += 1
+        return seq
+
+    def _write(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        self.kv.append(seq, n)
+        for pos, slot in enumerate(self.kv.slot_ids(seq, start, n), start=start):
+            self.slots[slot] = seq.token_ids[pos]
+        self.kv.commit(seq, n)
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10))
+    def start_group(self, tokens):
+        seq = self._new_seq(tokens)
+        cached = self.kv.find_cached_prefix(seq)
+        n = len(tokens) - len(cached) * self.pool.block_size
+        if not self.kv.can_allocate(seq, cached, n):
+            return
+        self.kv.allocate(seq, cached, 0)
+        self._write(seq, n)
+        self.groups[seq.seq_id] = [seq]
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def fork(self, data):
+        members = self.groups[data.draw(st.sampled_from(sorted(self.groups)))]
+        parent = data.draw(st.sampled_from(members))
+        child = self._new_seq(parent.token_ids)
+        self.kv.share(parent, child)
+        members.append(child)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def append_one(self, data, tokens):
+        members = self.groups[data.draw(st.sampled_from(sorted(self.groups)))]
+        seq = data.draw(st.sampled_from(members))
+        seq.token_ids.extend(tokens)
+        if not self.kv.can_append(seq, len(tokens)):
+            del seq.token_ids[-len(tokens) :]
+            return
+        self._write(seq, len(tokens))
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append_all(self, data, token):
+        """A lockstep step: every member gets one token; the cost is counted exactly beforehand."""
+        members = self.groups[data.draw(st.sampled_from(sorted(self.groups)))]
+        cost = self.kv.append_cost([(seq, 1) for seq in members])
+        if cost > self.pool.num_free:
+            return
+        free_before = self.pool.num_free
+        for seq in members:
+            seq.token_ids.append(token)
+            self._write(seq, 1)
+        assert free_before - self.pool.num_free == cost
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def prune(self, data):
+        group_id = data.draw(st.sampled_from(sorted(self.groups)))
+        members = self.groups[group_id]
+        seq = members.pop(data.draw(st.integers(0, len(members) - 1)))
+        self.kv.free(seq)
+        if not members:
+            del self.groups[group_id]
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def end_group(self, data):
+        for seq in self.groups.pop(data.draw(st.sampled_from(sorted(self.groups)))):
+            self.kv.free(seq)
+        if not self.groups:
+            assert self.pool.num_free == self.pool.num_blocks
+            assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+
+    @invariant()
+    def isolated_and_counted(self):
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for members in self.groups.values():
+            for seq in members:
+                for b in seq.block_table:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                read = [self.slots.get(s) for s in self.kv.slot_ids(seq, 0, seq.num_computed_tokens)]
+                assert read == seq.token_ids[: seq.num_computed_tokens], (
+                    f"sequence {seq.seq_id} reads another's K/V"
+                )
+        for b in self.pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0)
+
+    def teardown(self):
+        for members in self.groups.values():
+            for seq in members:
+                self.kv.free(seq)
+        assert self.pool.num_free == self.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+
+
+TestGroupMachine = GroupMachine.TestCase
+TestGroupMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
