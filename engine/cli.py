@@ -92,6 +92,29 @@ def sampling_from(args, snapshot_top_n: int = 0):
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         snapshot_top_n=snapshot_top_n,
+        # generate only: parallel samples / beam search (chat replies one sequence at a time)
+        n=getattr(args, "n", 1),
+        num_beams=getattr(args, "num_beams", 1),
+        length_penalty=getattr(args, "length_penalty", 1.0),
+        early_stopping=EARLY_STOPPING_WORDS[getattr(args, "early_stopping", "false")],
+    )
+
+
+EARLY_STOPPING_WORDS = {"true": True, "false": False, "never": "never"}
+
+
+def add_group_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n", type=int, default=1, help="parallel samples of the prompt, sharing its KV blocks")
+    p.add_argument("--num-beams", type=int, default=1, help="beam search width (needs --temperature 0)")
+    p.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam score = sum of log-probs / length ** this"
+    )
+    p.add_argument(
+        "--early-stopping",
+        type=str.lower,
+        choices=list(EARLY_STOPPING_WORDS),
+        default="false",
+        help="beam search end: true, false (transformers' heuristic) or never",
     )
 
 
@@ -139,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None)
     g.add_argument("--probs", type=int, default=0, metavar="K", help="record the top-K candidates per token")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_group_args(g)
 
     c = sub.add_parser("chat", help="interactive terminal chat")
     add_engine_args(c)

@@ -92,7 +92,46 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
         }
     if probs_k:
         result["probs"] = [token_probs(t, probs_k) for t in tokens]
+    if outcome.group is not None:
+        result.update(group_json(outcome))
     return result
+
+
+def group_json(outcome: RequestFinished) -> dict:
+    """n samples / beams: every sequence (best first) and the group's block sharing."""
+    group = outcome.group
+    return {
+        "sequences": [
+            {
+                "text": s.text,
+                "token_ids": list(s.token_ids),
+                "score": s.score,
+                "finish_reason": s.finish_reason,
+                "branch": s.branch,
+            }
+            for s in outcome.sequences
+        ],
+        "shared_blocks": group.shared_blocks,
+        "unshared_blocks_equivalent": group.unshared_blocks_equivalent,
+        "saving": group.saving,
+        "cow_copies": group.cow_copies,
+    }
+
+
+def print_group(outcome: RequestFinished) -> None:
+    """The sequences one after another with their scores, then the memory figures."""
+    group = outcome.group
+    what = "sample" if group.kind == "samples" else "beam"
+    for rank, s in enumerate(outcome.sequences):
+        label = f"sample {s.branch}" if group.kind == "samples" else f"beam {rank}"
+        print(f"--- {label} (score {s.score:.4f}, {len(s.token_ids)} tokens, {s.finish_reason})")
+        print(s.text)
+    print(
+        f"[{group.num_sequences} {what}s: {group.shared_blocks} KV blocks with sharing vs "
+        f"{group.unshared_blocks_equivalent} unshared ({group.saving:.1%} saved), "
+        f"{group.cow_copies} copy-on-write]",
+        file=sys.stderr,
+    )
 
 
 def token_probs(token: TokenGenerated, k: int) -> dict:
@@ -112,9 +151,10 @@ def run_generate(args) -> int:
     from engine.cli import sampling_from
     from engine.request import Request
 
-    collector = Collector(stream=None if args.json else sys.stdout)
+    params = sampling_from(args, snapshot_top_n=args.probs)  # bad settings fail before the load
+    grouped = params.group_size > 1  # several sequences: printed at the end, not interleaved
+    collector = Collector(stream=None if args.json or grouped else sys.stdout)
     engine = load_engine(args, collector)
-    params = sampling_from(args, snapshot_top_n=args.probs)
     request = Request.chat(args.prompt, system=args.system, sampling=params)
     outcome = run_to_end(engine, request, collector)
     if isinstance(outcome, RequestFailed):
@@ -122,6 +162,8 @@ def run_generate(args) -> int:
         return EXIT_REQUEST_FAILED
     if args.json:
         print(json.dumps(result_json(outcome, engine, collector.tokens, args.probs)))
+    elif outcome.group is not None:
+        print_group(outcome)
     else:
         s = outcome.stats
         print(

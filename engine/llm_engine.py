@@ -379,7 +379,7 @@ class LLMEngine:
             delta += seq.detokenizer.flush()  # text held back for a possible stop string
         self.emit(
             TokenGenerated(
-                seq.seq_id,
+                seq.group.request_id if seq.group is not None else seq.seq_id,
                 seq.num_output_tokens - 1,
                 token,
                 self._token_text(token),
