@@ -4,6 +4,10 @@ engine's tokens into a streaming reply that is saved as it grows.
 Owns the current conversation (None until its first message, so opening the app does not pile
 up empty conversations), the reply in flight and the token selection shown in the
 probability panel.
+
+A reply asked for as n samples or by beam search streams into a `GroupReplyCard` (samples side
+by side; beams as a live tree, then ranked); the engine's best is stored as the message until
+the user keeps another alternative, and every alternative is stored with it as metadata.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from app.conversations import (
     title_from,
 )
 from app.engine_host import EngineHost
+from app.group_reply import GroupReply
+from app.group_reply_view import GroupReplyCard
 from app.prefix_ttft import first_uncached, prefix_cache_note
 from app.rich_text import ReplyToken
 from engine.config import ConfigError, SamplingParams
@@ -60,6 +66,10 @@ class ActiveReply:
     checkpoint: ReplyCheckpoint
     record: ReplyRecord
     text: str = ""
+    # n samples or beams: the card they stream into, and each sample's text and token count.
+    group: GroupReplyCard | None = None
+    sample_texts: dict[int, str] = field(default_factory=dict)
+    sample_tokens: dict[int, int] = field(default_factory=dict)
 
 
 def reply_meta(
@@ -114,6 +124,7 @@ class ChatController(QObject):
         host.request_finished.connect(self._on_finished)
         host.request_failed.connect(self._on_failed)
         host.status_changed.connect(self.sync_state)
+        host.frame.connect(self._on_frame)
         self.refresh_sidebar()
         self.sync_state()
 
@@ -191,6 +202,9 @@ class ChatController(QObject):
     def _add_bubble(self, msg: StoredMessage) -> MessageBubble:
         author = USER_AUTHOR if msg.role == "user" else (msg.model or "Assistant")
         record = self._records.get(msg.id)
+        stored_group = GroupReply.from_meta(msg.meta) if msg.role == "assistant" else None
+        if stored_group is not None:
+            return self._add_group_card(msg, stored_group.kind, len(stored_group.alternatives), stored_group)
         bubble = MessageBubble(msg.role, author, record.request_id if record else None)
         bubble.set_view(*self.pane.view_flags())
         if record is not None and record.generation == self.host.generation:
@@ -200,6 +214,25 @@ class ChatController(QObject):
         bubble.token_hovered.connect(self._on_token_hovered)
         bubble.token_clicked.connect(self._on_token_clicked)
         return self.pane.transcript.add(bubble)
+
+    def _add_group_card(
+        self, msg: StoredMessage, kind: str, size: int, reply: GroupReply | None = None
+    ) -> GroupReplyCard:
+        """A reply of several sequences: live (reply None, fed by the store) or as stored."""
+        record = self._records.get(msg.id)
+        # Made by the running engine: its beam steps are still in the store, the tree can show.
+        this_engine = record is not None and record.generation == self.host.generation
+        live = self.host.live if reply is None or this_engine else None
+        card = GroupReplyCard(
+            msg.model or "Assistant", record.request_id if record else None, kind, size, live
+        )
+        card.message_id = msg.id
+        card.set_view(*self.pane.view_flags())
+        if reply is not None:
+            card.show_results(reply)
+            card.set_text(reply.kept_text)
+        card.keep_requested.connect(self._on_keep_requested)
+        return self.pane.transcript.add(card)
 
     # ---- sending ---------------------------------------------------------------------------
     @Slot(str)
@@ -258,8 +291,9 @@ class ChatController(QObject):
         history = tuple(ChatMessage(m.role, m.content) for m in conv.messages if m.content)
         system = self.pane.system_prompt.toPlainText().strip()
         messages = ((ChatMessage("system", system),) if system else ()) + history
+        sampling = self._sampling()
         try:
-            request_id = self.host.submit(Request(messages=messages, sampling=self._sampling()))
+            request_id = self.host.submit(Request(messages=messages, sampling=sampling))
             msg = self.store.add_message(conv.id, "assistant", "", model=self.host.model_name)
         except (RuntimeError, ConfigError, StorageError) as exc:
             self.status_message.emit(f"Could not start the reply: {exc}", "error")
@@ -268,9 +302,14 @@ class ChatController(QObject):
         conv.messages.append(msg)
         record = ReplyRecord(self.host.generation, request_id)
         self._records[msg.id] = record
-        bubble = self._add_bubble(msg)
+        group = None
+        if sampling.group_size > 1:
+            kind = "beams" if sampling.beam_search else "samples"
+            bubble = group = self._add_group_card(msg, kind, sampling.group_size)
+        else:
+            bubble = self._add_bubble(msg)
         bubble.set_meta("generating…", "live")
-        self.active = ActiveReply(msg, bubble, ReplyCheckpoint(self.store, msg.id), record)
+        self.active = ActiveReply(msg, bubble, ReplyCheckpoint(self.store, msg.id), record, group=group)
         self._unpin()
         self.token_inspected.emit(None, None)  # follow the newest token
         self.refresh_sidebar()
@@ -309,6 +348,9 @@ class ChatController(QObject):
         if not self._is_active(request_id):
             return
         a = self.active
+        if a.group is not None:
+            self._on_sample_tokens(a, events)
+            return
         new = [ReplyToken(e.index, e.text_delta, e.logprob) for e in events]
         a.record.tokens.extend(new)
         a.text += "".join(e.text_delta for e in events)
@@ -319,21 +361,51 @@ class ChatController(QObject):
         except StorageError as exc:
             self.status_message.emit(str(exc), "error")
 
+    def _on_sample_tokens(self, a: ActiveReply, events: list[TokenGenerated]) -> None:
+        """n samples: each token extends its own sample's column (TokenGenerated.branch)."""
+        for e in events:
+            a.sample_texts[e.branch] = a.sample_texts.get(e.branch, "") + e.text_delta
+            a.sample_tokens[e.branch] = a.sample_tokens.get(e.branch, 0) + 1
+        for branch in {e.branch for e in events}:
+            a.group.set_sample_text(branch, a.sample_texts[branch], a.sample_tokens[branch])
+        a.text = a.sample_texts.get(0, "")
+        a.bubble.set_meta(f"generating… {sum(a.sample_tokens.values())} tokens", "live")
+        partial = GroupReply.streaming(a.sample_texts, a.group.size)
+        try:
+            a.checkpoint.update(a.text, partial.to_meta())
+        except StorageError as exc:
+            self.status_message.emit(str(exc), "error")
+
+    @Slot(object)
+    def _on_frame(self, dirty: set[str]) -> None:
+        if self.active is not None and self.active.group is not None:
+            self.active.group.refresh(dirty)
+
     @Slot(object)
     def _on_finished(self, event: RequestFinished) -> None:
-        if self._is_active(event.request_id):
-            self.active.record.stats = event.stats
+        if not self._is_active(event.request_id):
+            return
+        a = self.active
+        a.record.stats = event.stats
+        if a.group is None:
             self._end_reply(event.text, event.finish_reason)
+            return
+        a.group.refresh({"groups"})
+        reply = GroupReply.from_finished(event, a.group.kind)
+        a.group.show_results(reply)
+        self._end_reply(reply.kept_text, event.finish_reason, reply.to_meta())
 
     @Slot(object)
     def _on_failed(self, event: RequestFailed) -> None:
         if self._is_active(event.request_id):
             self.status_message.emit(f"The reply failed: {event.message}", "error")
-            self._end_reply(self.active.text, "failed")
+            a = self.active
+            partial = GroupReply.streaming(a.sample_texts, a.group.size) if a.sample_texts else None
+            self._end_reply(a.text, "failed", partial.to_meta() if partial else None)
 
-    def _end_reply(self, text: str, finish_reason: str) -> None:
+    def _end_reply(self, text: str, finish_reason: str, meta: dict | None = None) -> None:
         a, self.active = self.active, None
-        a.message.content, a.message.finish_reason = text, finish_reason
+        a.message.content, a.message.finish_reason, a.message.meta = text, finish_reason, meta
         a.bubble.set_text(text)
         kind = "error" if finish_reason == "failed" else ""
         turns = self.conversation.messages if self.conversation else []
@@ -341,11 +413,37 @@ class ChatController(QObject):
         uncached = first_uncached(r.stats for r in earlier if r is not None)
         a.bubble.set_meta(reply_meta(finish_reason, a.record.stats, uncached), kind)
         try:
-            a.checkpoint.finish(text, finish_reason)
+            a.checkpoint.finish(text, finish_reason, meta)
         except StorageError as exc:
             self.status_message.emit(str(exc), "error")
         self.refresh_sidebar()
         self.sync_state()
+
+    # ---- keeping one of several alternatives -----------------------------------------------
+    @Slot(int)
+    def _on_keep_requested(self, branch: int) -> None:
+        card = self.sender()
+        if isinstance(card, GroupReplyCard):
+            self.keep(card, branch)
+
+    def keep(self, card: GroupReplyCard, branch: int) -> None:
+        """Make one alternative of the last reply THE reply: its text becomes the stored message."""
+        conv = self.conversation
+        msg = next((m for m in conv.messages if m.id == card.message_id), None) if conv else None
+        reply = GroupReply.from_meta(msg.meta) if msg is not None else None
+        alternative = reply.alternative(branch) if reply is not None else None
+        if alternative is None or self.active is not None or msg is not conv.messages[-1]:
+            return
+        reply.kept = branch
+        meta = reply.to_meta()
+        finish_reason = alternative.finish_reason or msg.finish_reason
+        try:
+            self.store.update_message(msg.id, alternative.text, finish_reason, meta)
+        except StorageError as exc:
+            self.status_message.emit(str(exc), "error")
+            return
+        msg.content, msg.finish_reason, msg.meta = alternative.text, finish_reason, meta
+        card.set_kept(branch)
 
     # ---- token selection -------------------------------------------------------------------
     @Slot(object)
@@ -428,5 +526,17 @@ class ChatController(QObject):
             can_regenerate=bool(msgs),
             can_edit=self._last_user_index() is not None,
         )
+        self._sync_keep_buttons(generating)
         self.sidebar.setEnabled(not generating)
         self.sidebar.setToolTip("Stop the reply to switch conversations" if generating else "")
+
+    def _sync_keep_buttons(self, generating: bool) -> None:
+        # Only the last reply's choice can change: later turns continued from the kept text.
+        bubbles = self.pane.transcript.bubbles
+        for i, bubble in enumerate(bubbles):
+            if isinstance(bubble, GroupReplyCard):
+                last = i == len(bubbles) - 1
+                reason = (
+                    "" if last else "Only the last reply can be changed: later turns continued from this one"
+                )
+                bubble.set_keep_enabled(last and not generating, reason)

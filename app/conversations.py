@@ -18,6 +18,9 @@ from pathlib import Path
 DEFAULT_TITLE = "New conversation"
 TITLE_CHARS = 60  # a sidebar row shows about this much of the first user message
 
+# `meta`: JSON about a message beyond its text (a reply's alternatives: app.group_reply); NULL
+# for most. Added after the first release: older databases get the column by ALTER TABLE (see
+# `_migrate`), which keeps every row.
 # AUTOINCREMENT: a deleted message's id (regenerate, edit-and-resend) is never handed out
 # again, so an id names one message for good (in exports, and in the app's in-memory maps).
 _SCHEMA = """
@@ -36,7 +39,8 @@ CREATE TABLE IF NOT EXISTS messages (
     finish_reason TEXT,
     model TEXT,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    meta TEXT
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
@@ -56,6 +60,7 @@ class StoredMessage:
     )
     model: str | None = None
     created_at: float = 0.0
+    meta: dict | None = None  # e.g. the alternatives of an n-sample / beam-search reply
 
 
 @dataclass(slots=True)
@@ -99,11 +104,18 @@ class ConversationStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
+            self._migrate()
         except (OSError, sqlite3.Error) as exc:
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
+
+    def _migrate(self) -> None:
+        """Bring a database made by an older kvscope up to the current schema, keeping its rows."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
+        if "meta" not in columns:
+            self._db.execute("ALTER TABLE messages ADD COLUMN meta TEXT")
 
     # ---- conversations ---------------------------------------------------------------------
     def create(self, system_prompt: str = "", title: str = DEFAULT_TITLE) -> Conversation:
@@ -132,9 +144,9 @@ class ConversationStore:
             return None
         conv = Conversation(*row)
         conv.messages = [
-            StoredMessage(*m)
+            StoredMessage(*m[:-1], meta=_meta_from_json(m[-1]))
             for m in self._db.execute(
-                "SELECT id, role, content, finish_reason, model, created_at FROM messages "
+                "SELECT id, role, content, finish_reason, model, created_at, meta FROM messages "
                 "WHERE conversation_id = ? ORDER BY id",
                 (conversation_id,),
             )
@@ -158,21 +170,25 @@ class ConversationStore:
         content: str,
         finish_reason: str | None = None,
         model: str | None = None,
+        meta: dict | None = None,
     ) -> StoredMessage:
         now = self._clock()
         cur = self._write(
-            "INSERT INTO messages (conversation_id, role, content, finish_reason, model, created_at, updated_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (conversation_id, role, content, finish_reason, model, now, now),
+            "INSERT INTO messages (conversation_id, role, content, finish_reason, model, created_at, updated_at, "
+            "meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (conversation_id, role, content, finish_reason, model, now, now, _meta_to_json(meta)),
         )
         self._touch(conversation_id, now)
-        return StoredMessage(cur.lastrowid, role, content, finish_reason, model, now)
+        return StoredMessage(cur.lastrowid, role, content, finish_reason, model, now, meta)
 
-    def update_message(self, message_id: int, content: str, finish_reason: str | None = None) -> None:
+    def update_message(
+        self, message_id: int, content: str, finish_reason: str | None = None, meta: dict | None = None
+    ) -> None:
+        """Rewrite a message's text, finish reason and metadata (all three: pass what it has)."""
         now = self._clock()
         self._write(
-            "UPDATE messages SET content = ?, finish_reason = ?, updated_at = ? WHERE id = ?",
-            (content, finish_reason, now, message_id),
+            "UPDATE messages SET content = ?, finish_reason = ?, meta = ?, updated_at = ? WHERE id = ?",
+            (content, finish_reason, _meta_to_json(meta), now, message_id),
         )
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
@@ -193,6 +209,21 @@ class ConversationStore:
             raise StorageError(f"Could not save to the conversation database ({self.path}): {exc}") from exc
 
 
+def _meta_to_json(meta: dict | None) -> str | None:
+    return None if meta is None else json.dumps(meta, ensure_ascii=False)
+
+
+def _meta_from_json(raw: str | None) -> dict | None:
+    """A row's metadata; unreadable JSON (a damaged row) reads as none rather than failing the load."""
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 class ReplyCheckpoint:
     """Writes a streaming reply to the database at most once per `interval_s`, and always on
     `finish`: a crash loses at most the last interval of text, at one small commit a second."""
@@ -209,23 +240,23 @@ class ReplyCheckpoint:
         self._interval = interval_s
         self._clock = clock
         self._last_write = clock()
-        self._written = ""
+        self._written: tuple[str, dict | None] = ("", None)
         self.writes = 0
 
-    def update(self, text: str) -> bool:
-        """Offer the reply so far; returns True when it was written."""
+    def update(self, text: str, meta: dict | None = None) -> bool:
+        """Offer the reply so far (and its metadata); returns True when it was written."""
         now = self._clock()
-        if text == self._written or now - self._last_write < self._interval:
+        if (text, meta) == self._written or now - self._last_write < self._interval:
             return False
-        self._write(text, None, now)
+        self._write(text, None, meta, now)
         return True
 
-    def finish(self, text: str, finish_reason: str) -> None:
-        self._write(text, finish_reason, self._clock())
+    def finish(self, text: str, finish_reason: str, meta: dict | None = None) -> None:
+        self._write(text, finish_reason, meta, self._clock())
 
-    def _write(self, text: str, finish_reason: str | None, now: float) -> None:
-        self._store.update_message(self.message_id, text, finish_reason)
-        self._written = text
+    def _write(self, text: str, finish_reason: str | None, meta: dict | None, now: float) -> None:
+        self._store.update_message(self.message_id, text, finish_reason, meta)
+        self._written = (text, meta)
         self._last_write = now
         self.writes += 1
 

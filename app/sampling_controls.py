@@ -8,6 +8,7 @@ import dataclasses
 from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QDoubleSpinBox,
     QFormLayout,
     QHBoxLayout,
@@ -44,7 +45,32 @@ EXPLANATIONS: dict[str, tuple[str, str]] = {
         "Recorded candidates",
         "Candidates kept per token for the Probabilities panel (0 = none).",
     ),
+    "n": (
+        "Samples (n)",
+        "Draw n replies to one prompt side by side; they share the prompt's KV pages (temperature > 0).",
+    ),
+    "num_beams": (
+        "Beams",
+        "Beam search: keep the k best-scoring continuations each step, return them ranked "
+        "(1 = off; temperature 0).",
+    ),
+    "length_penalty": (
+        "Length penalty",
+        "Beams: a finished beam scores sum(log p) / length^penalty; above 0 favours longer replies.",
+    ),
+    "early_stopping": (
+        "Early stopping",
+        "Beams: stop once k beams finished (yes), when none running can still win (heuristic), "
+        "or only when exactly none can (never).",
+    ),
 }
+
+# The early-stopping choices in the order the combo box lists them, with transformers' values.
+EARLY_STOPPING_CHOICES: tuple[tuple[str, bool | str], ...] = (
+    ("heuristic (False)", False),
+    ("yes (True)", True),
+    ("never", "never"),
+)
 
 _ESCAPES = {"n": "\n", "t": "\t", "|": "|", "\\": "\\"}
 
@@ -111,6 +137,13 @@ class SamplingControls(QWidget):
         self.stop.setPlaceholderText("none")
         self.ignore_eos = QCheckBox()
         self.snapshot_top_n = _int(0, 200)
+        # The engine refuses a group larger than its max_num_seqs (8 by default) with a message.
+        self.n = _int(1, 16)
+        self.num_beams = _int(1, 16)
+        self.length_penalty = _double(-5.0, 5.0, 0.1)
+        self.early_stopping = QComboBox()
+        for label, _value in EARLY_STOPPING_CHOICES:
+            self.early_stopping.addItem(label)
         self.what_if = QCheckBox("What-if view")
         what_if_text = (
             "The Probabilities panel recomputes the selected token's stages from its recorded "
@@ -143,6 +176,10 @@ class SamplingControls(QWidget):
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
             "snapshot_top_n": self.snapshot_top_n,
+            "n": self.n,
+            "num_beams": self.num_beams,
+            "length_penalty": self.length_penalty,
+            "early_stopping": self.early_stopping,
         }
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
@@ -173,10 +210,12 @@ class SamplingControls(QWidget):
             self.repetition_penalty,
             self.presence_penalty,
             self.frequency_penalty,
+            self.length_penalty,
         ):
             box.valueChanged.connect(self._on_edited)
-        for box in (self.top_k, self.seed, self.max_new_tokens, self.snapshot_top_n):
+        for box in (self.top_k, self.seed, self.max_new_tokens, self.snapshot_top_n, self.n, self.num_beams):
             box.valueChanged.connect(self._on_edited)
+        self.early_stopping.currentIndexChanged.connect(self._on_edited)
         self.stop.textChanged.connect(self._on_edited)
         for check in (self.seed_fixed, self.ignore_eos):
             check.toggled.connect(self._on_edited)
@@ -199,6 +238,18 @@ class SamplingControls(QWidget):
         self.stop.setText(format_stop_strings(p.stop))
         self.ignore_eos.setChecked(p.ignore_eos)
         self.snapshot_top_n.setValue(p.snapshot_top_n)
+        self.n.setValue(p.n)
+        self.num_beams.setValue(p.num_beams)
+        self.length_penalty.setValue(p.length_penalty)
+        self.early_stopping.setCurrentIndex(
+            next(
+                i
+                for i, (_, v) in enumerate(EARLY_STOPPING_CHOICES)
+                if v == p.early_stopping and type(v) is type(p.early_stopping)
+            )
+        )
+        self._sync_beam_only()
+        self.error.hide()
         self._quiet = False
         self._params = p
 
@@ -220,7 +271,17 @@ class SamplingControls(QWidget):
             stop=parse_stop_strings(self.stop.text()),
             ignore_eos=self.ignore_eos.isChecked(),
             snapshot_top_n=self.snapshot_top_n.value(),
+            n=self.n.value(),
+            num_beams=self.num_beams.value(),
+            length_penalty=self.length_penalty.value(),
+            early_stopping=EARLY_STOPPING_CHOICES[self.early_stopping.currentIndex()][1],
         )
+
+    def _sync_beam_only(self) -> None:
+        # Length penalty and early stopping only shape a beam search: idle without one.
+        beams = self.num_beams.value() > 1
+        self.length_penalty.setEnabled(beams)
+        self.early_stopping.setEnabled(beams)
 
     # ---- slots -----------------------------------------------------------------------------
     @Slot()
@@ -228,6 +289,7 @@ class SamplingControls(QWidget):
         if self._quiet:
             return
         self.seed.setEnabled(self.seed_fixed.isChecked())
+        self._sync_beam_only()
         try:
             params = self._read()
         except ConfigError as exc:

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.group_state import GroupView
 from engine.events import (
     BLOCK_OPS,
+    BeamStep,
     BlockEvent,
     EngineError,
     KVStats,
@@ -35,13 +37,15 @@ from engine.events import (
     RequestFailed,
     RequestFinished,
     RequestStarted,
+    SequenceFinished,
+    SequenceForked,
     SpecRound,
     StepStats,
     TokenGenerated,
 )
 
 DIRTY_KEYS = frozenset(
-    {"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors", "speculation"}
+    {"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors", "speculation", "groups"}
 )
 
 # Ring capacities: 4 h of memory samples at the engine's 4 Hz; 100k tokens of latency history.
@@ -153,6 +157,9 @@ class PageMap:
         self.first_owner = np.full(num_blocks, -1, np.int64)  # colour key of the block
         self.last_op = np.full(num_blocks, -1, np.int8)  # index into BLOCK_OPS
         self.touched_t = np.full(num_blocks, -np.inf)  # engine time of the last mutation
+        # The shared block a copy-on-write copied into this one (-1: not a copy). Kept while the
+        # block is referenced, so the map can mark where a fork's own blocks branched off.
+        self.copied_from = np.full(num_blocks, -1, np.int64)
         self.owners: list[list[int]] = [[] for _ in range(num_blocks)]
 
     # ---- folding ---------------------------------------------------------------------------
@@ -171,6 +178,7 @@ class PageMap:
                 self.fill[block] = 0
                 self.cached[block] = False  # a fresh allocation never carries a prefix hash
                 self.token_start[block] = -1
+                self.copied_from[block] = -1
             elif op in ("append", "share"):
                 if op == "share":
                     self.ref_count[block] += 1
@@ -188,6 +196,16 @@ class PageMap:
                     self.fill[block] = fills[i]
                 if self.fill[block] == 0:
                     self.token_start[block] = -1
+            elif op == "cow":
+                # The block allocated just before now holds a copy of the shared source's
+                # written slots and takes its place in the writer's table from token_start.
+                if self.ref_count[block] == 0:
+                    problems.append(f"block {block} copied into while free")
+                if i < len(fills):
+                    self.fill[block] = fills[i]
+                self.token_start[block] = self._block_start(event.token_start, i)
+                if i < len(event.src_block_ids):
+                    self.copied_from[block] = event.src_block_ids[i]
             elif op == "free":
                 if self.ref_count[block] <= 0:
                     problems.append(f"block {block} freed while not referenced")
@@ -195,6 +213,8 @@ class PageMap:
                 self.ref_count[block] -= 1
                 if event.seq_id in self.owners[block]:
                     self.owners[block].remove(event.seq_id)
+                if self.ref_count[block] == 0:
+                    self.copied_from[block] = -1
                 if self.ref_count[block] == 0 and not self.cached[block]:
                     self.fill[block] = 0  # no hash: its contents are unreachable now
                     self.token_start[block] = -1
@@ -238,6 +258,7 @@ class PageMap:
         self.first_owner = np.concatenate([self.first_owner, np.full(extra, -1, np.int64)])
         self.last_op = np.concatenate([self.last_op, np.full(extra, -1, np.int8)])
         self.touched_t = np.concatenate([self.touched_t, np.full(extra, -np.inf)])
+        self.copied_from = np.concatenate([self.copied_from, np.full(extra, -1, np.int64)])
         self.owners.extend([] for _ in range(extra))
         self.num_blocks = n
 
@@ -340,6 +361,13 @@ class LiveState:
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         # Speculative rounds by (request id, round number): what a selected token's round was.
         self.spec_rounds: dict[tuple[int, int], SpecRound] = {}
+        # n-sample and beam-search requests by request id, and the request of every forked
+        # sequence (a plain request's only sequence has its request's id).
+        self.groups: dict[int, GroupView] = {}
+        self.seq_request: dict[int, int] = {}
+        # Per request, the time of each sample's latest token: a sample's inter-token latency
+        # is measured within its own stream, not from a sibling's token of the same step.
+        self._branch_last_t: dict[int, dict[int, float]] = {}
         self._handlers = {
             ModelLoading: self._on_loading,
             ModelLoaded: self._on_loaded,
@@ -349,6 +377,9 @@ class LiveState:
             RequestFinished: self._on_finished,
             RequestFailed: self._on_failed,
             BlockEvent: self._on_block,
+            SequenceForked: self._on_forked,
+            SequenceFinished: self._on_sequence_finished,
+            BeamStep: self._on_beam_step,
             SpecRound: self._on_spec_round,
             StepStats: self._on_step,
             MemorySample: self._on_memory,
@@ -378,6 +409,19 @@ class LiveState:
         if index is None:
             return view.tokens[-1]
         return view.tokens[index] if 0 <= index < len(view.tokens) else None
+
+    def request_of_seq(self, seq_id: int) -> int:
+        """The request a KV sequence belongs to (a fork's request; else the sequence itself)."""
+        return self.seq_request.get(seq_id, seq_id)
+
+    def seq_label(self, seq_id: int) -> str:
+        """How the page map names a sequence: "#3", or "#3 sample 2" / "#3 beam 1" in a group."""
+        request_id = self.request_of_seq(seq_id)
+        group = self.groups.get(request_id)
+        if group is None or not group.is_group:
+            return f"#{request_id}"
+        noun = "beam" if group.kind == "beams" else "sample"
+        return f"#{request_id} {noun} {group.branch_of.get(seq_id, 0) + 1}"
 
     def spec_round(self, request_id: int, index: int) -> SpecRound | None:
         """The speculative round that produced a token of a reply (None when it had none)."""
@@ -417,6 +461,21 @@ class LiveState:
         for request_id in [rid for rid, view in self.requests.items() if view.done][:excess]:
             del self.requests[request_id]
             self._forget_rounds(request_id)
+            self._forget_group(request_id)
+
+    def _forget_group(self, request_id: int) -> None:
+        group = self.groups.pop(request_id, None)
+        self._branch_last_t.pop(request_id, None)
+        if group is not None:
+            for seq_id in group.branch_of:
+                if self.seq_request.get(seq_id) == request_id:
+                    del self.seq_request[seq_id]
+
+    def _group(self, request_id: int) -> GroupView:
+        group = self.groups.get(request_id)
+        if group is None:
+            group = self.groups[request_id] = GroupView(request_id)
+        return group
 
     def _forget_rounds(self, request_id: int) -> None:
         for key in [k for k in self.spec_rounds if k[0] == request_id]:
@@ -426,6 +485,7 @@ class LiveState:
         # A restarted engine numbers its requests from 1 again: a start always opens a new view.
         self.requests.pop(event.request_id, None)
         self._forget_rounds(event.request_id)
+        self._forget_group(event.request_id)
         view = self._request(event.request_id)
         view.prompt_tokens, view.started_t = event.prompt_tokens, event.t
         if not self._running:
@@ -436,11 +496,22 @@ class LiveState:
 
     def _on_token(self, event: TokenGenerated) -> set[str]:
         view = self._request(event.request_id)
-        if view.tokens:
-            latency_s, is_first = event.t - view.tokens[-1].t, False
+        dirty = {"tokens", "latency", "requests"}
+        group = self.groups.get(event.request_id)
+        if event.branch > 0 or group is not None:
+            # One of n samples: each streams its own reply; `view.tokens` keeps sample 0's, so
+            # a token's (request, index) still names one token for the probability panel.
+            self._group(event.request_id).on_token(event)
+            dirty.add("groups")
+        last_t = self._branch_last_t.setdefault(event.request_id, {})
+        previous_t = last_t.get(event.branch)
+        if previous_t is not None:
+            latency_s, is_first = event.t - previous_t, False
         else:
             latency_s, is_first = event.t - view.started_t, True
-        view.tokens.append(event)
+        last_t[event.branch] = event.t
+        if event.branch == 0:
+            view.tokens.append(event)
         self._tokens_since_step += 1
         self.latest_request_id = event.request_id
 
@@ -454,9 +525,9 @@ class LiveState:
             request_id=event.request_id,
             tokens_per_s=tokens_per_s,
         )
-        if is_first:
+        if is_first and event.branch == 0:
             view.first_token_row = row
-        return {"tokens", "latency", "requests"}
+        return dirty
 
     def _rolling_rate(self, t: float) -> float:
         window, recent = self._window_t, self._last_tokens_t
@@ -481,6 +552,10 @@ class LiveState:
         view = self._request(event.request_id)
         view.status, view.finished = event.finish_reason, event
         dirty = {"requests"}
+        self._branch_last_t.pop(event.request_id, None)
+        if event.group is not None or event.request_id in self.groups:
+            self._group(event.request_id).on_finished(event)
+            dirty.add("groups")
         # The engine's own TTFT counts from arrival; the live point counted from RequestStarted.
         row = view.first_token_row
         if row is not None and self.latency.holds(row) and event.stats.ttft_s > 0:
@@ -499,7 +574,25 @@ class LiveState:
         self.spec_rounds[(event.request_id, event.round)] = event
         return {"speculation"}
 
+    def _on_forked(self, event: SequenceForked) -> set[str]:
+        self.seq_request[event.seq_id] = event.request_id
+        self._group(event.request_id).on_fork(event.parent_seq_id, event.seq_id, event.branch)
+        return {"groups"}
+
+    def _on_sequence_finished(self, event: SequenceFinished) -> set[str]:
+        self._group(event.request_id).on_sequence_finished(event.seq_id, event.finish_reason)
+        return {"groups"}
+
+    def _on_beam_step(self, event: BeamStep) -> set[str]:
+        self._group(event.request_id).on_beam_step(event)
+        self.latest_request_id = event.request_id
+        return {"groups", "requests"}
+
     def _on_block(self, event: BlockEvent) -> set[str]:
+        if event.op == "cow" and event.seq_id is not None:
+            group = self.groups.get(self.request_of_seq(event.seq_id))
+            if group is not None:
+                group.cow_copies += len(event.block_ids)
         problems = self.page_map.apply(event)
         if problems:
             self.errors.extend(f"page map: {p} ({event.op} by sequence {event.seq_id})" for p in problems)

@@ -9,6 +9,8 @@ Cell look, left to right = token order within the block:
 - in use: the owning sequence's colour over the written part, a dim shade of it over the rest;
 - shared (ref count > 1): a white outline, and the count when cells are large enough;
 - in use and prefix-cached: a violet corner mark;
+- a copy-on-write copy (a fork's own copy of a shared, partly filled block): an amber corner
+  mark, top left, while it is in use;
 - just written: brightened, fading out over FADE_S.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 from PySide6.QtCore import QEvent, QRect, Qt
@@ -31,6 +34,7 @@ FADE_S = 0.6  # how long a written block stays brightened
 HIGHLIGHT = 0.55  # how far towards white a just-written block starts
 EMPTY_SHADE = 0.32  # brightness of a used block's unwritten slots relative to its colour
 SHOW_COUNT_PX = 16  # cells at least this large print their ref count when shared
+COW_MARK = (240, 180, 41)  # theme.ACCENT as RGB: the corner of a copy-on-write copy
 
 
 def grid_for(num_blocks: int, width: int, height: int) -> tuple[int, int, int]:
@@ -95,6 +99,12 @@ def render_grid(pm: PageMap, cols: int, rows: int, cell: int, now: float) -> np.
     if inner >= 6:
         marked = np.flatnonzero((pm.ref_count[:shown] > 0) & pm.cached[:shown])
         tiles[marked, 1:3, -4:-1] = np.array(theme.BLOCK_CACHED_FREE, np.float32) * 1.6
+        copies = np.flatnonzero((pm.ref_count[:shown] > 0) & (pm.copied_from[:shown] >= 0))
+        mark = np.array(COW_MARK, np.float32)
+        # A small triangle in the top-left corner: rows 1..3, each one pixel shorter.
+        tiles[copies, 1, 1:4] = mark
+        tiles[copies, 2, 1:3] = mark
+        tiles[copies, 3, 1:2] = mark
 
     padded = np.empty((cols * rows, inner, inner, 3), np.float32)
     padded[:] = theme.BLOCK_GAP
@@ -111,6 +121,8 @@ class KVPageCanvas(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.page_map = PageMap()
+        # How a sequence id is named in tooltips (the panel passes the store's group-aware names).
+        self.seq_label: Callable[[int], str] = lambda seq_id: f"#{seq_id}"
         self.glow_until = -math.inf  # perf_counter time after which no block is brightened
         self._image: QImage | None = None
         self._grid = (0, 0, 0)
@@ -199,7 +211,7 @@ class KVPageCanvas(QWidget):
         refs = int(pm.ref_count[block])
         owners = pm.owners[block]
         if refs > 0:
-            who = ", ".join(f"#{s}" for s in owners) if owners else "unknown"
+            who = ", ".join(self.seq_label(s) for s in owners) if owners else "unknown"
             state = f"in use by request {who}" if len(owners) <= 1 else f"shared by requests {who}"
         elif pm.cached[block]:
             state = "free, prefix-cached (reusable without recompute)"
@@ -212,6 +224,8 @@ class KVPageCanvas(QWidget):
                 f"tokens {span[0]}–{span[1] - 1} · {int(pm.fill[block])}/{pm.block_size} slots written"
             )
         lines.append(f"ref count {refs}" + (" · prefix-cached" if refs and pm.cached[block] else ""))
+        if refs and pm.copied_from[block] >= 0:
+            lines.append(f"copy-on-write copy of block {int(pm.copied_from[block])}")
         if pm.last_op[block] >= 0:
             lines.append(f"last change: {BLOCK_OPS[pm.last_op[block]]}")
         return "<br>".join(lines)

@@ -1,8 +1,10 @@
 """KV-cache page map: the whole block pool as a grid, with counters and a legend.
 
 The grid is `KVPageCanvas`; this panel adds the counters (used / free / cached blocks, slot
-utilisation, bytes) and a legend naming the sequences currently holding blocks. Everything comes
-from the store's page map, which is folded exactly from the engine's block events.
+utilisation, bytes), a legend naming the sequences currently holding blocks (a group's samples
+or beams each by name and colour), and for n-sample and beam-search requests the memory that
+sharing saves. Everything comes from the store's page map, which is folded exactly from the
+engine's block events.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import numpy as np
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from app.group_state import saving_line
 from app.store import LiveState, PageMap
 from widgets import theme
-from widgets.kv_page_canvas import KVPageCanvas
+from widgets.kv_page_canvas import COW_MARK, KVPageCanvas
 from widgets.live_label import LiveLabel
 from widgets.throttle import RedrawThrottle
 from widgets.units import format_bytes
 
 LEGEND_MAX_SEQS = 6  # more sequences than this are summarised as "+n more"
+GROUP_LINES_MAX = 3  # saving lines for at most this many groups (running first, then the latest)
 # 20 redraws a second keep blocks visibly lighting up token by token, at two thirds of the GIL
 # time a redraw on every 30 Hz frame would take from the engine thread.
 REDRAW_INTERVAL_S = 0.05
@@ -50,16 +54,19 @@ def counters_text(pm: PageMap) -> str:
     return parts[0] + "<br>" + second
 
 
-def legend_text(pm: PageMap) -> str:
+def legend_text(pm: PageMap, seq_label=lambda seq: f"#{seq}") -> str:
     items = [
         _swatch(theme.BLOCK_FREE, "free"),
         _swatch(theme.BLOCK_CACHED_FREE, "cached prefix"),
-        _swatch(theme.BLOCK_OUTLINE_SHARED, "shared", "□"),
+        _swatch(theme.BLOCK_OUTLINE_SHARED, "shared (ref count)", "□"),
         "dim&nbsp;=&nbsp;unwritten",
     ]
-    seqs = [int(s) for s in np.unique(pm.first_owner[pm.ref_count > 0])]
+    in_use = pm.ref_count > 0
+    if (in_use & (pm.copied_from >= 0)).any():
+        items.append(_swatch(COW_MARK, "copy-on-write copy", "◤"))
+    seqs = [int(s) for s in np.unique(pm.first_owner[in_use])]
     for seq in seqs[:LEGEND_MAX_SEQS]:
-        items.append(_swatch(theme.seq_rgb(seq), f"request #{seq}"))
+        items.append(_swatch(theme.seq_rgb(seq), f"request {seq_label(seq)}"))
     if len(seqs) > LEGEND_MAX_SEQS:
         items.append(f"+{len(seqs) - LEGEND_MAX_SEQS} more requests")
     return " &nbsp; ".join(items)
@@ -78,6 +85,11 @@ class KVPageMapPanel(QWidget):
         self.counters.setTextFormat(Qt.TextFormat.RichText)
         self.counters.setWordWrap(True)
         self.canvas = KVPageCanvas()
+        self.canvas.seq_label = state.seq_label
+        # n samples / beams: "group: N blocks shared vs M unshared (saving P%), C copy-on-write".
+        self.group_line = LiveLabel()
+        self.group_line.setWordWrap(True)
+        self.group_line.hide()
         self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
@@ -86,13 +98,14 @@ class KVPageMapPanel(QWidget):
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)
         layout.addWidget(self.counters)
+        layout.addWidget(self.group_line)
         layout.addWidget(self.canvas, 1)
         layout.addWidget(self.legend)
         self._redraw()
 
     def refresh(self, dirty: set[str]) -> None:
         # Also redraw while a just-written block is still fading back to its plain colour.
-        if "kv" in dirty or "model" in dirty or time.perf_counter() < self.canvas.glow_until:
+        if dirty & {"kv", "model", "groups"} or time.perf_counter() < self.canvas.glow_until:
             self.throttle.request()
         if self.throttle.due():
             self._redraw()
@@ -108,10 +121,25 @@ class KVPageMapPanel(QWidget):
             self.counters.setText(f"<span style='color:{theme.MUTED_TEXT}'>KV cache: no model loaded</span>")
             self.legend.setText("")
         else:
-            self.legend.setText(legend_text(pm))
+            self.legend.setText(legend_text(pm, self.state.seq_label))
+        self._redraw_group_line(pm)
         self.canvas.set_page_map(pm)
         if pm.num_blocks:
             text = counters_text(pm)
             if self.canvas.blocks_shown < pm.num_blocks:
                 text += f" · grid shows blocks 0–{self.canvas.blocks_shown - 1} (enlarge the panel)"
             self.counters.setText(text)
+
+    def _redraw_group_line(self, pm: PageMap) -> None:
+        lines = group_lines(self.state, pm)
+        self.group_line.setVisible(bool(lines))
+        if lines:
+            self.group_line.setText("\n".join(lines))
+
+
+def group_lines(state: LiveState, pm: PageMap) -> list[str]:
+    """A saving line per group request: those running, else the latest that ended."""
+    groups = [g for g in state.groups.values() if g.is_group]
+    running = [g for g in groups if not g.done]
+    shown = running[-GROUP_LINES_MAX:] if running else groups[-1:]
+    return [saving_line(g, pm) for g in shown]
