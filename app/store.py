@@ -584,6 +584,9 @@ class LiveState:
         return {"groups"}
 
     def _on_beam_step(self, event: BeamStep) -> set[str]:
+        for seq_id in event.seq_ids:  # each announced by a SequenceForked already; cheap to be sure
+            if seq_id != event.request_id:
+                self.seq_request[seq_id] = event.request_id
         self._group(event.request_id).on_beam_step(event)
         self.latest_request_id = event.request_id
         return {"groups", "requests"}

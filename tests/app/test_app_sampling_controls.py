@@ -73,3 +73,29 @@ def test_what_if_toggle_passes_settings_and_none(qtbot):
     with qtbot.waitSignal(controls.what_if_changed) as off:
         controls.what_if.setChecked(False)
     assert off.args[0] is None
+
+
+def test_group_settings_and_invalid_combinations_are_explained_not_fixed(qtbot):
+    controls = SamplingControls(SamplingParams(temperature=0.7))
+    qtbot.addWidget(controls)
+    assert not controls.length_penalty.isEnabled() and not controls.early_stopping.isEnabled()
+    controls.num_beams.setValue(3)  # beam search does not sample: temperature 0.7 is refused
+    assert not controls.error.isHidden() and "set temperature 0" in controls.error.text()
+    assert controls.params().num_beams == 1 and controls.temperature.value() == pytest.approx(0.7)
+    assert controls.length_penalty.isEnabled() and controls.early_stopping.isEnabled()
+    with qtbot.waitSignal(controls.changed) as valid:
+        controls.temperature.setValue(0.0)
+    assert valid.args[0].num_beams == 3 and controls.error.isHidden()
+    controls.early_stopping.setCurrentIndex(2)
+    controls.length_penalty.setValue(-0.5)
+    assert (controls.params().early_stopping, controls.params().length_penalty) == ("never", -0.5)
+
+    controls.num_beams.setValue(1)
+    controls.n.setValue(4)  # greedy samples would all be equal: refused at temperature 0
+    assert "set a temperature above 0" in controls.error.text() and controls.params().n == 1
+    controls.temperature.setValue(0.9)
+    assert controls.params().n == 4
+
+    wanted = SamplingParams(temperature=0.0, num_beams=2, early_stopping=True, length_penalty=2.0)
+    controls.set_params(wanted)
+    assert controls.params() == wanted and controls.early_stopping.currentIndex() == 1

@@ -127,3 +127,25 @@ def finished(
 
 def step(kv: KVStats, step_no: int = 1, t: float = 0.0) -> StepStats:
     return StepStats(step_no, 0, 1, 1, 1, 0, 0.02, 0.015, 0.001, kv, t=t)
+
+
+def beam_step(request_id: int, step: int, parents, texts, scores, seq_ids, finished=(), done=False, t=0.0):
+    """One BeamStep; token ids are the slots' positions in `texts` (what a view never needs)."""
+    from engine.events import BeamStep, FinishedBeam
+
+    return BeamStep(
+        request_id,
+        step,
+        tuple(parents),
+        tuple(range(len(texts))),
+        tuple(texts),
+        tuple(scores),
+        tuple(seq_ids),
+        tuple(FinishedBeam(*f) for f in finished),
+        done,
+        t,
+    )
+
+
+def sample_token(request_id: int, branch: int, index: int, text: str, t: float = 0.0) -> TokenGenerated:
+    return TokenGenerated(request_id, index, index, text, text, -0.5, None, t=t, branch=branch)

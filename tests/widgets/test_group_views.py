@@ -1,0 +1,179 @@
+"""Group requests from hand-made events: the store's group fold and copy-on-write in the page
+map, the group's saving line, the beam tree and the samples' columns."""
+
+from __future__ import annotations
+
+import pytest
+from widget_events import beam_step, model_loaded, sample_token
+
+from app.group_reply import Alternative, GroupReply
+from app.group_reply_view import GroupReplyCard
+from app.group_state import group_blocks
+from app.store import LiveState
+from engine.events import (
+    BlockEvent,
+    GroupStats,
+    RequestFinished,
+    RequestStarted,
+    RequestStats,
+    SequenceFinished,
+    SequenceForked,
+    SequenceResult,
+)
+from widgets.beam_tree import BeamTreeView, beam_nodes, format_score
+from widgets.kv_page_map import KVPageMapPanel, group_lines
+
+BLOCK = 4
+FORK_A, FORK_B = 1 << 40, (1 << 40) + 1
+
+
+def fork_events():
+    """Request 1 prefills 6 tokens (a full block 0, block 1 half full) and forks twice; fork A
+    then writes its first token: block 1 is shared and partly filled, so A copies it."""
+    return [
+        RequestStarted(1, 6),
+        BlockEvent("allocate", (0, 1), 1),
+        BlockEvent("append", (0, 1), 1, 0, 6, (4, 2)),
+        SequenceForked(1, 1, FORK_A, 1, 6),
+        BlockEvent("share", (0, 1), FORK_A, 0, 6, (4, 2)),
+        SequenceForked(1, 1, FORK_B, 2, 6),
+        BlockEvent("share", (0, 1), FORK_B, 0, 6, (4, 2)),
+        BlockEvent("allocate", (2,), FORK_A),
+        BlockEvent("cow", (2,), FORK_A, 4, 6, (2,), src_block_ids=(1,)),
+        BlockEvent("free", (1,), FORK_A),
+        BlockEvent("append", (2,), FORK_A, 6, 7, (3,)),
+        sample_token(1, 1, 0, " blue"),
+    ]
+
+
+@pytest.fixture
+def state():
+    state = LiveState()
+    state.apply([model_loaded(num_blocks=8, block_size=BLOCK)])
+    return state
+
+
+def test_forks_share_blocks_and_a_copy_on_write_copy_takes_the_source_place(state):
+    dirty = state.apply(fork_events())
+    pm = state.page_map
+    assert not state.errors and "groups" in dirty
+    assert list(pm.ref_count[:3]) == [3, 2, 1]  # the source keeps its other two owners
+    assert pm.owners[1] == [1, FORK_B] and pm.owners[2] == [FORK_A]
+    assert (pm.fill[2], pm.token_start[2], pm.copied_from[2]) == (3, 4, 1)
+    group = state.groups[1]
+    assert (group.forks, group.cow_copies, group.kind) == (2, 1, "samples")
+    assert group.sample_text == {1: " blue"} and state.requests[1].tokens == []  # sample 0 only there
+    assert group_blocks(pm, group.live_seqs) == group.blocks(pm)
+    assert (group.blocks(pm).shared, group.blocks(pm).unshared) == (3, 6)
+    assert state.seq_label(FORK_A) == "#1 sample 2" and state.seq_label(1) == "#1 sample 1"
+
+
+def test_ended_forks_free_their_blocks_and_the_line_reports_the_engine_figures(state):
+    state.apply(fork_events())
+    end = [
+        SequenceFinished(1, FORK_A, 1, "length"),
+        BlockEvent("free", (2, 0), FORK_A),
+        SequenceFinished(1, FORK_B, 2, "length"),
+        BlockEvent("free", (1, 0), FORK_B),
+        BlockEvent("free", (1, 0), 1),
+    ]
+    state.apply(end)
+    pm = state.page_map
+    assert pm.used_blocks == 0 and int(pm.copied_from.max()) == -1 and not state.errors
+    stats = RequestStats(6, 3, 0, 0.1, (), 10.0, 0, 3)
+    group = GroupStats("samples", 3, 3, 6, 1, forks=2)
+    results = tuple(SequenceResult(b, "x", (1,), -0.5 * (b + 1), "length") for b in range(3))
+    state.apply([RequestFinished(1, "length", "x", (1,), stats, 0.0, results, group)])
+    assert group_lines(state, pm) == [
+        "group #1 (3 samples, peak): 3 blocks shared vs 6 unshared (saving 50%), 1 copy-on-write"
+    ]
+
+
+def test_the_page_map_panel_names_the_samples_and_shows_the_saving(qtbot, state):
+    panel = KVPageMapPanel(state)
+    qtbot.addWidget(panel)
+    panel.resize(420, 300)
+    panel.show()
+    panel.refresh(state.apply(fork_events()))
+    panel.flush()
+    legend = panel.legend.text().replace("&nbsp;", " ")
+    assert "request #1 sample 2" in legend and "copy-on-write copy" in legend
+    assert panel.group_line.text() == (
+        "group #1 (3 samples, now): 3 blocks shared vs 6 unshared (saving 50%), 1 copy-on-write"
+    )
+    tip = panel.canvas.describe(2)
+    assert "request #1 sample 2" in tip and "copy-on-write copy of block 1" in tip
+    assert "shared by requests #1 sample 1, #1 sample 3" in panel.canvas.describe(1)
+
+
+def beam_events():
+    """Two beams over three steps: at step 1 both extend beam 1 (beam 2 is pruned, a fork
+    takes its place); at step 2 a hypothesis ends off beam 2 and the search is done."""
+    return [
+        RequestStarted(5, 4),
+        SequenceForked(5, 5, 9, 1, 4),
+        beam_step(5, 0, (0, 0), (" a", " b"), (-0.1, -0.7), (5, 9)),
+        SequenceForked(5, 5, 10, 1, 5),
+        SequenceFinished(5, 9, 1, "pruned"),
+        beam_step(5, 1, (0, 0), ("\n", " c"), (-0.3, -0.9), (5, 10)),
+        beam_step(5, 2, (0, 1), (" d", " e"), (-0.5, -1e9), (5, 10), finished=[(1, 2, -0.45)], done=True),
+    ]
+
+
+def test_beam_nodes_follow_the_steps_and_fade_the_dropped_branch(state):
+    state.apply(beam_events())
+    nodes = beam_nodes(state.groups[5].beam_steps)
+    slots = [(n.step, n.row, n.parent_row, n.text, n.alive) for n in nodes if not n.finished]
+    assert slots == [
+        (0, 0, -1, " a", True),
+        (0, 1, -1, " b", False),  # nothing later extends beam 2 of step 0
+        (1, 0, 0, "\n", True),
+        (1, 1, 0, " c", True),
+        (2, 0, 0, " d", True),
+        (2, 1, 1, " e", True),
+    ]
+    (end,) = [n for n in nodes if n.finished]
+    assert (end.step, end.row, end.parent_row, end.score) == (2, 2, 1, -0.45)
+    assert format_score(-1e9) == "–" and format_score(-0.45) == "-0.45"
+    assert state.groups[5].kind == "beams" and state.seq_label(10) == "#5 beam 2"
+
+
+def test_beam_tree_view_grows_with_each_step(qtbot, state):
+    view = BeamTreeView(state, 5)
+    qtbot.addWidget(view)
+    events = beam_events()
+    state.apply(events[:3])
+    view.refresh({"groups"})
+    assert len(view.nodes) == 2
+    narrow = view.width()
+    state.apply(events[3:])
+    view.refresh({"groups"})
+    assert len(view.nodes) == 2 + 2 + 2 + 1 and view.width() > narrow
+    node = view.node_at(*view.node_rect(1, 1).center().toTuple())
+    assert node.text == " c" and "running score -0.90" in view.describe(node)
+    assert not view.grab().isNull()
+
+
+def test_sample_columns_stream_then_show_results_and_the_kept_one(qtbot, state):
+    state.apply(fork_events())
+    card = GroupReplyCard("tiny", 1, "samples", 3, state)
+    qtbot.addWidget(card)
+    card.refresh({"groups"})
+    assert "■" in card.cards[1]._title.text()  # sample 2's swatch: its sequence's page-map colour
+    card.set_sample_text(1, " blue", 1)
+    assert card.cards[1].text == " blue" and not card.cards[1].keep_button.isEnabled()
+    reply = GroupReply(
+        "samples",
+        [Alternative(b, f"text {b}", -1.0 - b, "length", 3) for b in range(3)],
+        kept=0,
+    )
+    card.show_results(reply)
+    card.set_keep_enabled(True)
+    assert card.text == "text 0" and card.cards[0].kept and not card.cards[0].keep_button.isEnabled()
+    assert "log p -2.00" in card.cards[1]._facts.text()
+    with qtbot.waitSignal(card.keep_requested) as kept:
+        card.cards[2].keep_button.click()
+    assert kept.args == [2]
+    card.set_kept(2)
+    assert card.text == "text 2" and card.cards[2].kept and not card.cards[0].kept
+    assert GroupReply.from_meta(card.reply.to_meta()) == card.reply
