@@ -28,7 +28,10 @@ from app.store import LiveState
 from widgets.beam_tree import BeamTreeView, format_score
 from widgets.theme import seq_rgb
 
-SAMPLE_COLUMNS = 3  # samples per row: narrower columns would wrap a reply to a few words a line
+# Cards per row: as many as fit at this width (at most 3), so a reply never wraps to a few words
+# a line and a narrow chat pane stacks them.
+MIN_CARD_PX = 230
+MAX_COLUMNS = 3
 TREE_MAX_HEIGHT_PX = 300  # beyond this the tree scrolls (8 beams plus finished hypotheses)
 KEEP_TIP = "Make this the reply: it is stored and the conversation continues from it"
 FINISH_NOTES = {"stop": "ended", "length": "token limit", "cancelled": "stopped", "pruned": "pruned"}
@@ -63,11 +66,7 @@ class SequenceCard(QFrame):
         self.keep_button.setToolTip(KEEP_TIP)
         self.keep_button.setEnabled(False)
         self.keep_button.clicked.connect(self._on_keep)
-        header = QHBoxLayout()
-        header.setContentsMargins(0, 0, 0, 0)
-        header.addWidget(self._title)
-        header.addStretch(1)
-        header.addWidget(self._facts)
+        self._facts.setWordWrap(True)
         footer = QHBoxLayout()
         footer.setContentsMargins(0, 0, 0, 0)
         footer.addStretch(1)
@@ -75,7 +74,8 @@ class SequenceCard(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(3)
-        layout.addLayout(header)
+        layout.addWidget(self._title)
+        layout.addWidget(self._facts)
         layout.addWidget(self._body, 1)
         layout.addLayout(footer)
         self._restyle()
@@ -142,6 +142,7 @@ class GroupReplyCard(MessageBubble):
         self.cards: dict[int, SequenceCard] = {}
         self._keep_enabled = False
         self._keep_reason = ""
+        self._columns = 1
         self._body.hide()  # the kept text is shown in its card
         layout = self.layout()
         self.heading = QLabel("")
@@ -154,11 +155,11 @@ class GroupReplyCard(MessageBubble):
             scroll = QScrollArea()
             scroll.setWidget(self.tree)
             scroll.setWidgetResizable(False)
-            scroll.setMaximumHeight(TREE_MAX_HEIGHT_PX)
             scroll.setFrameShape(QFrame.Shape.NoFrame)
             scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
             self.tree_scroll = scroll
             layout.addWidget(scroll)
+            self._fit_tree_height()
         self._grid_host = QWidget()
         self._grid = QGridLayout(self._grid_host)
         self._grid.setContentsMargins(0, 0, 0, 0)
@@ -175,15 +176,32 @@ class GroupReplyCard(MessageBubble):
             self._grid.removeWidget(card)
             card.deleteLater()
         self.cards = {}
-        for i, branch in enumerate(branches):
+        for branch in branches:
             title = f"Sample {branch + 1}" if self.kind == "samples" else f"Beam {branch + 1}"
             if self.kind == "beams" and branch == 0:
                 title += " (best)"
             card = SequenceCard(branch, title)
             card.keep_clicked.connect(self.keep_requested)
             self.cards[branch] = card
-            self._grid.addWidget(card, i // SAMPLE_COLUMNS, i % SAMPLE_COLUMNS)
+        self._place_cards()
         self._refresh_swatches()
+
+    def _place_cards(self) -> None:
+        for card in self.cards.values():
+            self._grid.removeWidget(card)
+        for i, card in enumerate(self.cards.values()):
+            self._grid.addWidget(card, i // self._columns, i % self._columns)
+        for column in range(MAX_COLUMNS):  # equal widths for the columns in use
+            self._grid.setColumnStretch(column, 1 if column < self._columns else 0)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        margins = self.layout().contentsMargins()
+        width = event.size().width() - margins.left() - margins.right()
+        columns = max(1, min(MAX_COLUMNS, len(self.cards), width // MIN_CARD_PX))
+        if columns != self._columns:
+            self._columns = columns
+            self._place_cards()
 
     # ---- streaming -------------------------------------------------------------------------
     def set_sample_text(self, branch: int, text: str, num_tokens: int) -> None:
@@ -199,10 +217,16 @@ class GroupReplyCard(MessageBubble):
         if self.tree is not None:
             at_end = self._tree_at_end()
             self.tree.refresh(dirty)
+            self._fit_tree_height()
             if at_end:
                 bar = self.tree_scroll.horizontalScrollBar()
                 bar.setValue(bar.maximum())
         self._refresh_swatches()
+
+    def _fit_tree_height(self) -> None:
+        # As tall as the tree (plus its horizontal scroll bar), up to TREE_MAX_HEIGHT_PX.
+        bar = self.tree_scroll.horizontalScrollBar().sizeHint().height()
+        self.tree_scroll.setFixedHeight(min(TREE_MAX_HEIGHT_PX, self.tree.height() + bar + 2))
 
     def _tree_at_end(self) -> bool:
         bar = self.tree_scroll.horizontalScrollBar()

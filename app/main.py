@@ -7,6 +7,8 @@ kvscope --quantization int8-weight-only --kv-dtype int8
 kvscope --prompt TEXT --screenshot out.png --quit-after-reply
                                           scripted: load the default model, send TEXT, wait for the
                                           whole reply, save a screenshot of the window, exit 0
+kvscope --prompt TEXT --n 3 / --num-beams 3
+                                          the reply as 3 samples, or by beam search with 3 beams
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quit-after-reply", action="store_true", help="exit once the reply (and screenshot) is done"
     )
     parser.add_argument(
+        "--n",
+        type=int,
+        metavar="N",
+        help="generate replies as N parallel samples (set in the Sampling controls, kept like an edit there)",
+    )
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        metavar="K",
+        help="generate replies by beam search with K beams; beam search scores, it does not sample, so "
+        "this also sets temperature 0 and clears stop strings (kept like an edit in the Sampling controls)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=SCRIPTED_TIMEOUT_S,
@@ -102,6 +117,25 @@ def model_choice(args: argparse.Namespace, saved):
     return choice
 
 
+def group_sampling(args: argparse.Namespace, params):
+    """The launch's sampling with --n / --num-beams applied (ConfigError for a bad combination)."""
+    import dataclasses
+
+    from engine.config import SamplingParams
+
+    if args.n is None and args.num_beams is None:
+        return params
+    values = dataclasses.asdict(params)
+    # Each flag chooses the mode: the other one's saved value (from an earlier launch) is reset;
+    # giving both is refused by SamplingParams with its message.
+    values.update(
+        n=args.n if args.n is not None else 1, num_beams=args.num_beams if args.num_beams is not None else 1
+    )
+    if args.num_beams is not None:
+        values.update(temperature=0.0, stop=())
+    return SamplingParams(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
@@ -135,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
 
     scripted = args.prompt is not None
     window = MainWindow(settings, conversations, interactive=not scripted)
+    try:
+        window.controls.sampling.set_params(group_sampling(args, window.controls.sampling.params()))
+    except ConfigError as exc:
+        print(f"kvscope: {exc}", file=sys.stderr)
+        window.close()
+        return 2
     if (
         args.model
         or args.dtype

@@ -589,7 +589,25 @@ class LiveState:
                 self.seq_request[seq_id] = event.request_id
         self._group(event.request_id).on_beam_step(event)
         self.latest_request_id = event.request_id
-        return {"groups", "requests"}
+        # Beam search streams no tokens (its beams change every step), so each step is one point
+        # of the latency graph: the time since the previous step, the first one's TTFT. Every
+        # beam gains one token per step, so the rolling rate reads as tokens/s per beam.
+        view = self._request(event.request_id)
+        last_t = self._branch_last_t.setdefault(event.request_id, {})
+        previous_t = last_t.get(0)
+        latency_s = event.t - (previous_t if previous_t is not None else view.started_t)
+        last_t[0] = event.t
+        row = self.latency.append(
+            t=event.t,
+            x=self.latency.appended,
+            latency_ms=latency_s * 1000.0,
+            is_first=float(previous_t is None),
+            request_id=event.request_id,
+            tokens_per_s=self._rolling_rate(event.t),
+        )
+        if previous_t is None:
+            view.first_token_row = row
+        return {"groups", "requests", "latency"}
 
     def _on_block(self, event: BlockEvent) -> set[str]:
         if event.op == "cow" and event.seq_id is not None:

@@ -58,15 +58,20 @@ def token_label(text: str) -> str:
     return shown or "∅"
 
 
-def beam_nodes(steps: list[BeamStep], finished_text=lambda token_id: f"⏹ id {token_id}") -> list[BeamNode]:
+def beam_nodes(steps: list[BeamStep]) -> list[BeamNode]:
     """Every node of the tree, step by step; `alive` marks the paths still leading somewhere."""
     if not steps:
         return []
     k = len(steps[0].token_ids)
+    # A finished hypothesis names only its last token's id; the same id chosen by a slot at any
+    # step tells its text (else the id is shown).
+    known = {tid: text for step in steps for tid, text in zip(step.token_ids, step.token_texts)}
     # Walk back from the last step: a slot is alive when a later alive slot (or a finished
-    # hypothesis) extends it.
+    # hypothesis) extends it. When the search is done, the last step's slots that hold no
+    # candidate (the no-score sentinel) lead nowhere.
+    last = steps[-1]
     alive: list[set[int]] = [set() for _ in steps]
-    alive[-1] = set(range(len(steps[-1].token_ids)))
+    alive[-1] = {j for j, score in enumerate(last.scores) if not (last.done and score <= NO_SCORE)}
     for s in range(len(steps) - 1, 0, -1):
         alive[s - 1] = {steps[s].parents[j] for j in alive[s]} | {f.parent for f in steps[s].finished}
     nodes = []
@@ -76,7 +81,8 @@ def beam_nodes(steps: list[BeamStep], finished_text=lambda token_id: f"⏹ id {t
             nodes.append(BeamNode(s, slot, parent if s else -1, text, score, False, slot in alive[s], seq_id))
         for i, fin in enumerate(step.finished):
             parent = fin.parent if s else -1
-            nodes.append(BeamNode(s, k + i, parent, finished_text(fin.token_id), fin.score, True, True))
+            text = known.get(fin.token_id, f"id {fin.token_id}")
+            nodes.append(BeamNode(s, k + i, parent, text, fin.score, True, True))
     return nodes
 
 
@@ -184,7 +190,7 @@ class BeamTreeView(QWidget):
     def describe(self, node: BeamNode) -> str:
         where = "the prompt" if node.parent_row < 0 else f"beam {node.parent_row + 1} of step {node.step}"
         if node.finished:
-            head = f"finished hypothesis at step {node.step + 1} ({node.text})"
+            head = f"a hypothesis ended at step {node.step + 1} with {token_label(node.text)!r}"
             score = f"score {format_score(node.score)} (length-penalised)"
         else:
             head = f"step {node.step + 1}, beam {node.row + 1}: {token_label(node.text)!r}"

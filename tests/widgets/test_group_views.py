@@ -130,10 +130,11 @@ def test_beam_nodes_follow_the_steps_and_fade_the_dropped_branch(state):
         (1, 0, 0, "\n", True),
         (1, 1, 0, " c", True),
         (2, 0, 0, " d", True),
-        (2, 1, 1, " e", True),
+        (2, 1, 1, " e", False),  # no candidate when the search ended (the -1e9 sentinel)
     ]
     (end,) = [n for n in nodes if n.finished]
-    assert (end.step, end.row, end.parent_row, end.score) == (2, 2, 1, -0.45)
+    # Its last token (id 2) was chosen by no slot, so it is named by id.
+    assert (end.step, end.row, end.parent_row, end.text, end.score) == (2, 2, 1, "id 2", -0.45)
     assert format_score(-1e9) == "–" and format_score(-0.45) == "-0.45"
     assert state.groups[5].kind == "beams" and state.seq_label(10) == "#5 beam 2"
 
@@ -177,3 +178,16 @@ def test_sample_columns_stream_then_show_results_and_the_kept_one(qtbot, state):
     card.set_kept(2)
     assert card.text == "text 2" and card.cards[2].kept and not card.cards[0].kept
     assert GroupReply.from_meta(card.reply.to_meta()) == card.reply
+
+
+def test_each_beam_step_is_a_latency_point_with_the_first_as_ttft(state):
+    events = beam_events()
+    started = RequestStarted(5, 4, t=10.0)
+    steps = [
+        beam_step(5, i, e.parents, e.token_texts, e.scores, e.seq_ids, t=10.5 + 0.25 * i)
+        for i, e in enumerate(e for e in events if type(e).__name__ == "BeamStep")
+    ]
+    state.apply([started, *steps])
+    assert list(state.latency.column("latency_ms")) == pytest.approx([500.0, 250.0, 250.0])
+    assert list(state.latency.column("is_first")) == [1.0, 0.0, 0.0]
+    assert state.requests[5].first_token_row == 0
