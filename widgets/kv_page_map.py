@@ -23,7 +23,7 @@ from widgets.live_label import LiveLabel
 from widgets.throttle import RedrawThrottle
 from widgets.units import format_bytes
 
-LEGEND_MAX_SEQS = 6  # more sequences than this are summarised as "+n more"
+LEGEND_MAX_SEQS = 6  # more requests than this are summarised as "+n more"
 GROUP_LINES_MAX = 3  # saving lines for at most this many groups (running first, then the latest)
 # 20 redraws a second keep blocks visibly lighting up token by token, at two thirds of the GIL
 # time a redraw on every 30 Hz frame would take from the engine thread.
@@ -54,7 +54,7 @@ def counters_text(pm: PageMap) -> str:
     return parts[0] + "<br>" + second
 
 
-def legend_text(pm: PageMap, seq_label=lambda seq: f"#{seq}") -> str:
+def legend_text(pm: PageMap, state: LiveState | None = None) -> str:
     items = [
         _swatch(theme.BLOCK_FREE, "free"),
         _swatch(theme.BLOCK_CACHED_FREE, "cached prefix"),
@@ -64,11 +64,21 @@ def legend_text(pm: PageMap, seq_label=lambda seq: f"#{seq}") -> str:
     in_use = pm.ref_count > 0
     if (in_use & (pm.copied_from >= 0)).any():
         items.append(_swatch(COW_MARK, "copy-on-write copy", "◤"))
-    seqs = [int(s) for s in np.unique(pm.first_owner[in_use])]
-    for seq in seqs[:LEGEND_MAX_SEQS]:
-        items.append(_swatch(theme.seq_rgb(seq), f"request {seq_label(seq)}"))
-    if len(seqs) > LEGEND_MAX_SEQS:
-        items.append(f"+{len(seqs) - LEGEND_MAX_SEQS} more requests")
+    # One entry per request: a group's samples or beams share it, a swatch each (the colour of
+    # the blocks that sequence owns), so a few groups do not push the grid out of the panel.
+    by_request: dict[int, list[int]] = {}
+    for seq in (int(s) for s in np.unique(pm.first_owner[in_use])):
+        by_request.setdefault(state.request_of_seq(seq) if state else seq, []).append(seq)
+    for request_id, seqs in list(by_request.items())[:LEGEND_MAX_SEQS]:
+        group = state.groups.get(request_id) if state else None
+        label = f"request #{request_id}"
+        if group is not None and group.is_group:
+            noun = "beams" if group.kind == "beams" else "samples"
+            label += f" · {max(len(group.live_seqs), len(seqs))} {noun}"
+        swatches = "".join(_swatch(theme.seq_rgb(seq), "").removesuffix("&nbsp;") for seq in seqs)
+        items.append(f"{swatches}&nbsp;{label.replace(' ', '&nbsp;')}")
+    if len(by_request) > LEGEND_MAX_SEQS:
+        items.append(f"+{len(by_request) - LEGEND_MAX_SEQS} more requests")
     return " &nbsp; ".join(items)
 
 
@@ -121,7 +131,7 @@ class KVPageMapPanel(QWidget):
             self.counters.setText(f"<span style='color:{theme.MUTED_TEXT}'>KV cache: no model loaded</span>")
             self.legend.setText("")
         else:
-            self.legend.setText(legend_text(pm, self.state.seq_label))
+            self.legend.setText(legend_text(pm, self.state))
         self._redraw_group_line(pm)
         self.canvas.set_page_map(pm)
         if pm.num_blocks:

@@ -97,7 +97,8 @@ def test_the_page_map_panel_names_the_samples_and_shows_the_saving(qtbot, state)
     panel.refresh(state.apply(fork_events()))
     panel.flush()
     legend = panel.legend.text().replace("&nbsp;", " ")
-    assert "request #1 sample 2" in legend and "copy-on-write copy" in legend
+    assert "request #1 · 3 samples" in legend and "copy-on-write copy" in legend
+    assert legend.count("■") == 2 + 2  # free, cached; then the two sequences owning blocks
     assert panel.group_line.text() == (
         "group #1 (3 samples, now): 3 blocks shared vs 6 unshared (saving 50%), 1 copy-on-write"
     )
