@@ -78,11 +78,14 @@ def headless_run(loaded, config, request) -> float:
 
 
 class _Probe:
-    """Records how late each 10 ms tick of a GUI-thread timer fires."""
+    """Records how late each 10 ms tick of a GUI-thread timer fires (and, each tick, the value
+    of `watch`: the render interval the pacer chose)."""
 
-    def __init__(self):
+    def __init__(self, watch=lambda: 0.0):
         from PySide6.QtCore import QTimer
 
+        self.watch = watch
+        self.watched: list[float] = []
         self.delays_ms: list[float] = []
         self._last: float | None = None
         self._timer = QTimer()
@@ -99,6 +102,7 @@ class _Probe:
     def _tick(self) -> None:
         now = time.perf_counter()
         self.delays_ms.append(max(0.0, (now - self._last) * 1000.0 - PROBE_INTERVAL_MS))
+        self.watched.append(self.watch())
         self._last = now
 
 
@@ -139,7 +143,7 @@ def app_run(window, prompt: str, params) -> tuple[float, list[float], float]:
     thread's CPU seconds per generated token (its own work, whatever else loads the machine)."""
     window.controls.sampling.set_params(params)
     window.controller.new_conversation()
-    probe = _Probe()
+    probe = _Probe(lambda: window.host.pacer.interval_ms)
     gui_cpu_start = time.thread_time()
     probe.start()
     window.controller.send(prompt)
@@ -158,6 +162,7 @@ def app_run(window, prompt: str, params) -> tuple[float, list[float], float]:
         raise MeasureError("the app's reply did not finish")
     if record.stats is None:
         raise MeasureError("the app's reply failed")
+    window.render_intervals_ms = probe.watched
     return record.stats.tokens_per_s, probe.delays_ms, gui_cpu_s / max(1, record.stats.generated_tokens)
 
 
@@ -206,7 +211,7 @@ def run_measurement(
     conversations = ConversationStore(conversations_db_path())
     window = MainWindow(AppSettings(), conversations, interactive=False)
     window.show()
-    headless, in_app, delays, gui_cpu = [], [], [], []
+    headless, in_app, delays, gui_cpu, intervals = [], [], [], [], []
     try:
         for _ in range(repeats):
             torch.set_num_threads(headless_threads)
@@ -217,6 +222,7 @@ def run_measurement(
             tokens_per_s, run_delays, gui_cpu_per_token = app_run(window, prompt, params)
             in_app.append(tokens_per_s)
             gui_cpu.append(gui_cpu_per_token)
+            intervals.extend(window.render_intervals_ms)
             delays.extend(run_delays)
             window.host.stop()  # idle engines off while the other run measures
     finally:
@@ -239,6 +245,7 @@ def run_measurement(
         "headless_runs": headless,
         "app_runs": in_app,
         "gui_cpu_ms_per_token": statistics.median(gui_cpu) * 1000,
+        "render_interval_ms_median": _percentile(intervals, 50),
         "probe_interval_ms": PROBE_INTERVAL_MS,
         "probe_samples": len(delays),
         "probe_worst_delay_ms": worst,

@@ -11,13 +11,16 @@ Measured on the packaged model (2 cores, interleaved runs): p99 delay of a 10 ms
 timer 145-155 ms with every plot every frame, 74-91 ms with plots taking turns.
 A visible plot also redraws at most every PLOT_INTERVAL_S: a time series read by eye needs a
 few updates a second, and at 15 redraws a second each the plots were ~60% of the GUI thread's
-CPU time during generation (py-spy, `python -m app.measure`).
+CPU time during generation (py-spy, `python -m app.measure`). And a plot's redraw is deferred a
+moment (`_defer`): Qt repaints every dirty widget of the window in one pass, so a plot redrawn
+in the same frame as the chat and the bars made that frame the longest stall of the event loop.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from app.store import LiveState
@@ -27,8 +30,9 @@ PLOTS = ("memory", "latency", "roofline", "step_timeline")
 # A hidden plot still folds its state (some accumulate from bounded buffers) every this many
 # frames: about 2 Hz at the 30 Hz render rate.
 HIDDEN_EVERY_FRAMES = 15
-# The shortest time between two redraws of one visible plot (4 a second).
-PLOT_INTERVAL_S = 0.25
+# The shortest time between two redraws of one visible plot (once a second: a history graph
+# read by eye; the text and the bars stream at the render rate).
+PLOT_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -46,6 +50,9 @@ class Panels:
     _frame: int = 0
     _next_plot: int = 0
     _plot_drawn_at: dict[str, float] = field(default_factory=dict)  # perf_counter of last refresh
+    # Runs a due plot's refresh: immediately by default; the window passes a short timer so the
+    # plot paints in a pass of its own, after the frame's other widgets.
+    _defer: Callable[[Callable[[], None]], None] = lambda refresh: refresh()
 
     def named(self) -> list[tuple[str, object]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")]
@@ -72,8 +79,8 @@ class Panels:
         if due_plots:
             self._next_plot %= len(due_plots)
             name, panel = due_plots[self._next_plot]
-            self._refresh(name, panel)
             self._plot_drawn_at[name] = now
+            self._defer(lambda: self._refresh(name, panel))
             self._next_plot += 1
 
     def refresh_all(self, dirty: set[str]) -> None:
@@ -90,7 +97,7 @@ class Panels:
         panel.refresh(keys)
 
 
-def build_panels(live: LiveState) -> Panels:
+def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | None = None) -> Panels:
     from app.quality_jobs import QUALITY_SOURCES
     from widgets.kv_page_map import KVPageMapPanel
     from widgets.latency_panel import LatencyPanel
@@ -101,7 +108,7 @@ def build_panels(live: LiveState) -> Panels:
     from widgets.speculation_panel import SpeculationPanel
     from widgets.step_timeline import StepTimelinePanel
 
-    return Panels(
+    panels = Panels(
         ProbabilityPanel(live),
         KVPageMapPanel(live),
         MemoryPanel(live),
@@ -111,3 +118,6 @@ def build_panels(live: LiveState) -> Panels:
         StepTimelinePanel(live),
         SpeculationPanel(live),
     )
+    if defer is not None:
+        panels._defer = defer
+    return panels

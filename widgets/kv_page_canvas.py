@@ -120,6 +120,8 @@ def render_grid(pm: PageMap, cols: int, rows: int, cell: int, now: float) -> np.
 class KVPageCanvas(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        # paintEvent fills the whole rect first: nothing beneath needs repainting.
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
         self.page_map = PageMap()
         # How a sequence id is named in tooltips (the panel passes the store's group-aware names).
         self.seq_label: Callable[[int], str] = lambda seq_id: f"#{seq_id}"

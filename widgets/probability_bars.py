@@ -33,6 +33,8 @@ def percent(p: float) -> str:
 class ProbabilityBars(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        # paintEvent fills the whole rect first: nothing beneath needs repainting.
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
         self.rows: list[BarRow] = []
         self.stage_names: tuple[str, ...] = ()
         self.message = ""
