@@ -21,7 +21,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
 from app.rich_text import (
     ReplyToken,
     markdown_html,
@@ -31,7 +30,6 @@ from app.rich_text import (
     token_index_from_link,
 )
 from app.spec_marks import spec_legend_html, spec_token_html
-from widgets.theme import paint_opaque
 
 # Within this many pixels of the bottom, the transcript counts as "following" the stream and
 # keeps scrolling with it; further up, the reader is looking back and is left alone.
@@ -185,9 +183,6 @@ class ChatTranscript(QScrollArea):
         self._layout.setSpacing(10)
         self._layout.addStretch(1)
         self.setWidget(self._inner)
-        # Opaque: a streaming reply repaints only the transcript, not the tabs and window beneath.
-        paint_opaque(self.viewport(), theme.WINDOW)
-        paint_opaque(self._inner, theme.WINDOW)
         self._follow = True
         self.verticalScrollBar().rangeChanged.connect(self._on_range_changed)
         self.verticalScrollBar().valueChanged.connect(self._on_scrolled)

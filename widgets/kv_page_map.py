@@ -88,7 +88,6 @@ class KVPageMapPanel(QWidget):
         self.state = state
         self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("kvPageMapPanel")
-        theme.paint_opaque(self)
         self.setStyleSheet(
             f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )

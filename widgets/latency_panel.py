@@ -56,7 +56,6 @@ class LatencyPanel(QWidget):
         self.p50 = self.p99 = math.nan
         self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("latencyPanel")
-        theme.paint_opaque(self)
         self.setStyleSheet(
             f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )

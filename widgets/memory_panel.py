@@ -37,7 +37,6 @@ class MemoryPanel(QWidget):
         self.state = state
         self.unit: tuple[str, int] = ("MiB", 1 << 20)
         self.setObjectName("memoryPanel")
-        theme.paint_opaque(self)
         self.setStyleSheet(
             f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
         )

@@ -66,7 +66,6 @@ class ProbabilityPanel(QWidget):
         self.throttle = RedrawThrottle(FOLLOW_REDRAW_INTERVAL_S)
 
         self.setObjectName("probabilityPanel")
-        theme.paint_opaque(self)
         self.setStyleSheet(
             f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
             f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.PANEL_TEXT}; border: 1px solid {theme.GRID};"

@@ -53,18 +53,3 @@ def mono_font(point_size: float = 9.0) -> QFont:
     font.setPointSizeF(point_size)
     return font
 
-
-def paint_opaque(widget, colour: str = BACKGROUND) -> None:
-    """Declare that `widget` fills its whole rect with `colour` before drawing on it.
-
-    Qt repaints the widgets beneath a non-opaque widget every time it updates (the dock, the
-    main window and their style-sheet backgrounds): during generation that was the largest
-    share of the GUI thread's paint work (~110 Mpx of main-window background for a 96-token
-    reply). A palette-filled background makes the widget opaque to Qt, so only it repaints."""
-    from PySide6.QtGui import QColor, QPalette
-
-    palette = widget.palette()
-    palette.setColor(widget.backgroundRole(), QColor(colour))
-    palette.setColor(QPalette.ColorRole.Window, QColor(colour))
-    widget.setPalette(palette)
-    widget.setAutoFillBackground(True)
