@@ -18,8 +18,8 @@ import time
 
 # The fastest rate: ~30 Hz, faster than the eye needs for streaming text and moving bars.
 MIN_INTERVAL_MS = 33
-# The slowest rate while generating: 4 Hz still reads as live text and moving bars.
-MAX_INTERVAL_MS = 250
+# The slowest rate while generating: 2.5 Hz still reads as live text and moving bars.
+MAX_INTERVAL_MS = 400
 # The GUI thread's CPU time as a share of wall time, while the engine generates. At 10% the
 # engine keeps ~90% of its headless speed (the target), whatever the machine.
 CPU_BUDGET = 0.10
