@@ -38,3 +38,17 @@ class StepGate:
 
     def release(self) -> None:
         self.released.set()
+
+
+def stop_on_first_tokens(window) -> list[int]:
+    """Click Stop when the first tokens of a reply reach the window (once); returns the list
+    that receives the stopped request's id."""
+    stopped: list[int] = []
+
+    def stop(request_id, _events):
+        if not stopped:
+            stopped.append(request_id)
+            window.chat.stop_button.click()
+
+    window.host.tokens_generated.connect(stop)
+    return stopped

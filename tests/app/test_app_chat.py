@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from app_windows import REPLY_TIMEOUT_MS, StepGate, start_tiny
+from app_windows import REPLY_TIMEOUT_MS, StepGate, start_tiny, stop_on_first_tokens
 
 from engine.config import SamplingParams
 
@@ -82,14 +82,7 @@ def test_selecting_a_reply_token_shows_its_snapshot_in_the_probability_panel(mak
 def test_stop_ends_the_reply_early_and_keeps_what_was_generated(make_window, qtbot):
     window = make_window()
     use_params(window, max_new_tokens=2000)
-    stopped = []
-
-    def stop_on_first_tokens(request_id, events):
-        if not stopped:
-            stopped.append(request_id)
-            window.chat.stop_button.click()
-
-    window.host.tokens_generated.connect(stop_on_first_tokens)
+    stop_on_first_tokens(window)
     assert not window.chat.stop_button.isEnabled()
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as finished:
         window.controller.send("Count to a million")

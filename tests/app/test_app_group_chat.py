@@ -5,7 +5,7 @@ from), stop works, and the page map shows the group's shared blocks and its memo
 from __future__ import annotations
 
 import numpy as np
-from app_windows import REPLY_TIMEOUT_MS, StepGate
+from app_windows import REPLY_TIMEOUT_MS, StepGate, stop_on_first_tokens
 from test_app_chat import send_and_wait, stored_messages, use_params
 
 from app.group_reply import GroupReply
@@ -131,14 +131,7 @@ def test_the_page_map_shows_the_groups_shared_blocks_and_its_saving(make_window,
 def test_stop_cancels_the_whole_group_and_keeps_the_partial_samples(make_window, qtbot):
     window = make_window()
     use_params(window, temperature=0.9, n=2, max_new_tokens=2000)
-    stopped = []
-
-    def stop_on_first_tokens(request_id, events):
-        if not stopped:
-            stopped.append(request_id)
-            window.chat.stop_button.click()
-
-    window.host.tokens_generated.connect(stop_on_first_tokens)
+    stop_on_first_tokens(window)
     event = send_and_wait(qtbot, window, "Count to a million")
     assert event.finish_reason == "cancelled" and len(event.sequences) == 2
     assert all(0 < len(s.token_ids) < 2000 for s in event.sequences)
