@@ -52,4 +52,3 @@ def mono_font(point_size: float = 9.0) -> QFont:
     font = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
     font.setPointSizeF(point_size)
     return font
-
