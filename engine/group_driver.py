@@ -136,6 +136,14 @@ class GroupDriver:
         capped = members[0].num_tokens + 1 >= engine.max_model_len
         result = group.beam.step(log_probs, length_capped=capped)
         slots = members if len(members) == k else members * k
+        now = time.perf_counter()
+        group.mark_token_step(engine.step_count, now)
+        if result.done:
+            # No beam runs again: nothing to fork or extend (the kept hypotheses hold the
+            # tokens); each slot is shown on the sequence that holds its parent's blocks.
+            self._emit_beam_step(group, result, tuple(slots[p].seq_id for p in result.parents), now)
+            self._finish(group, None, self._beam_results(group, group.beam.ranked(), None))
+            return
 
         # The first new beam from a parent continues in the parent's sequence; any other forks
         # it (before the parent's new token is appended, so the fork copies the same tokens).
@@ -154,15 +162,17 @@ class GroupDriver:
             if id(seq) not in claimed:
                 self._drop(group, seq, "pruned")
                 group.pruned += 1
-        now = time.perf_counter()
         for branch, (seq, token, score) in enumerate(zip(new_members, result.tokens, result.scores)):
             seq.branch = branch
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
         group.members = new_members
         engine.scheduler.replace_members(members, new_members)
-        group.mark_token_step(engine.step_count, now)
         group.measure_blocks()
+        self._emit_beam_step(group, result, tuple(seq.seq_id for seq in new_members), now)
+
+    def _emit_beam_step(self, group: SequenceGroup, result, seq_ids: tuple[int, ...], now: float) -> None:
+        engine = self.engine
         engine.emit(
             BeamStep(
                 request_id=group.request_id,
@@ -171,14 +181,12 @@ class GroupDriver:
                 token_ids=result.tokens,
                 token_texts=tuple(engine._token_text(t) for t in result.tokens),
                 scores=result.scores,
-                seq_ids=tuple(seq.seq_id for seq in new_members),
+                seq_ids=seq_ids,
                 finished=tuple(FinishedBeam(p, t, s) for p, t, s in result.finished),
                 done=result.done,
                 t=now,
             )
         )
-        if result.done:
-            self._finish(group, None, self._beam_results(group, group.beam.ranked(), None))
 
     def _beam_results(self, group: SequenceGroup, hyps: list[Hypothesis], reason: str | None):
         eos = set() if group.params.ignore_eos else self.engine.eos_ids
