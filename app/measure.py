@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -138,9 +139,18 @@ def _run_until(signals, done, timeout_s: float) -> bool:
     return done()
 
 
-def app_run(window, prompt: str, params) -> tuple[float, list[float], float]:
-    """Send `prompt` through the chat of a live window; tokens/s, the probe delays and the GUI
-    thread's CPU seconds per generated token (its own work, whatever else loads the machine)."""
+@dataclass(frozen=True, slots=True)
+class AppRun:
+    """One reply through the window."""
+
+    tokens_per_s: float
+    probe_delays_ms: list[float]
+    gui_cpu_s_per_token: float  # the GUI thread's own CPU time (whatever else loads the machine)
+    render_intervals_ms: list[float]  # the pacer's interval at each probe tick
+
+
+def app_run(window, prompt: str, params) -> AppRun:
+    """Send `prompt` through the chat of a live window and measure it (AppRun)."""
     window.controls.sampling.set_params(params)
     window.controller.new_conversation()
     probe = _Probe(lambda: window.host.pacer.interval_ms)
@@ -162,8 +172,8 @@ def app_run(window, prompt: str, params) -> tuple[float, list[float], float]:
         raise MeasureError("the app's reply did not finish")
     if record.stats is None:
         raise MeasureError("the app's reply failed")
-    window.render_intervals_ms = probe.watched
-    return record.stats.tokens_per_s, probe.delays_ms, gui_cpu_s / max(1, record.stats.generated_tokens)
+    per_token = gui_cpu_s / max(1, record.stats.generated_tokens)
+    return AppRun(record.stats.tokens_per_s, probe.delays_ms, per_token, probe.watched)
 
 
 def _wait_ready(window) -> None:
@@ -219,11 +229,11 @@ def run_measurement(
             torch.set_num_threads(app_threads)
             window.start_engine(config, loaded=loaded)
             _wait_ready(window)
-            tokens_per_s, run_delays, gui_cpu_per_token = app_run(window, prompt, params)
-            in_app.append(tokens_per_s)
-            gui_cpu.append(gui_cpu_per_token)
-            intervals.extend(window.render_intervals_ms)
-            delays.extend(run_delays)
+            run = app_run(window, prompt, params)
+            in_app.append(run.tokens_per_s)
+            gui_cpu.append(run.gui_cpu_s_per_token)
+            intervals.extend(run.render_intervals_ms)
+            delays.extend(run.probe_delays_ms)
             window.host.stop()  # idle engines off while the other run measures
     finally:
         window.close()

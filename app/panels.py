@@ -108,7 +108,7 @@ def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | 
     from widgets.speculation_panel import SpeculationPanel
     from widgets.step_timeline import StepTimelinePanel
 
-    panels = Panels(
+    return Panels(
         ProbabilityPanel(live),
         KVPageMapPanel(live),
         MemoryPanel(live),
@@ -117,7 +117,5 @@ def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | 
         RooflinePanel(live),
         StepTimelinePanel(live),
         SpeculationPanel(live),
+        **({} if defer is None else {"_defer": defer}),
     )
-    if defer is not None:
-        panels._defer = defer
-    return panels
