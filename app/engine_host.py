@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
 from app.frame_pacer import MIN_INTERVAL_MS, FramePacer
-from app.store import EventStore, LiveState
 from engine.config import EngineConfig
+from engine.core.service import Engine
 from engine.events import (
     EngineError,
     ModelLoaded,
@@ -29,7 +29,8 @@ from engine.events import (
     TokenGenerated,
 )
 from engine.request import Request
-from engine.service import Engine
+from live.event_store import EventStore
+from live.state import LiveState
 
 # How long closing the window waits for the engine thread. A step of a small model takes
 # milliseconds; a model still loading cannot be interrupted, so the wait is bounded.

@@ -99,7 +99,7 @@ def model_choice(args: argparse.Namespace, saved):
     import dataclasses
 
     from app.settings import ModelChoice
-    from engine.quantization import get_scheme
+    from engine.quant.schemes import get_scheme
 
     base = ModelChoice() if args.prompt else saved
     overrides = {
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
-    from app.conversations import ConversationStore, StorageError
+    from app.chat.conversations import ConversationStore, StorageError
     from app.paths import asset_path, conversations_db_path
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun

@@ -51,8 +51,8 @@ def measured_params(max_new_tokens: int):
 
 def headless_run(loaded, config, request) -> float:
     """tokens/s of `request` on an Engine whose events go into a list (no GUI at all)."""
+    from engine.core.service import Engine
     from engine.events import RequestFailed, RequestFinished
-    from engine.service import Engine
 
     events: list = []
     done = threading.Event()
@@ -204,7 +204,7 @@ def run_measurement(
     the engine's CLI runs, the app as kvscope sets itself up (one core left to the GUI)."""
     import torch
 
-    from app.conversations import ConversationStore
+    from app.chat.conversations import ConversationStore
     from app.paths import conversations_db_path
     from app.settings import AppSettings
     from app.window import MainWindow
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import gui_torch_threads, paint_on_the_gui_thread_only, share_gil_finely
     from app.theme import apply_theme
     from engine.config import ConfigError, ModelSpec
-    from engine.loading import ModelLoadError, describe_load_error, load_model
+    from engine.model.errors import ModelLoadError, describe_load_error
+    from engine.model.loading import load_model
 
     share_gil_finely()  # as the app does (process-wide, so for both runs)
     paint_on_the_gui_thread_only()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from app.store import LiveState
+from live.state import LiveState
 
 # The pyqtgraph panels: the expensive ones to repaint.
 PLOTS = ("memory", "latency", "roofline", "step_timeline")
@@ -98,7 +98,7 @@ class Panels:
 
 
 def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | None = None) -> Panels:
-    from app.quality_jobs import QUALITY_SOURCES
+    from app.quality.jobs import QUALITY_SOURCES
     from widgets.kv_page_map import KVPageMapPanel
     from widgets.latency_panel import LatencyPanel
     from widgets.memory_panel import MemoryPanel

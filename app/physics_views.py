@@ -9,7 +9,7 @@ from PySide6.QtCore import QObject, Slot
 from PySide6.QtWidgets import QDockWidget, QMenu
 
 from app.engine_host import EngineHost
-from engine.model_shapes import ModelShapes
+from engine.model.shapes import ModelShapes
 from widgets.kv_calculator import KVCalculator
 from widgets.roofline_panel import RooflinePanel
 from widgets.sweep_panel import SweepPanel

@@ -14,8 +14,8 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtWidgets import QApplication
 
-from app.store import DIRTY_KEYS
 from app.window import MainWindow
+from live.state import DIRTY_KEYS
 
 # After the reply ends, let this many milliseconds of render and status ticks pass so every
 # panel (and the status bar's slow timer) has drawn the final state before the capture.

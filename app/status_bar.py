@@ -11,8 +11,8 @@ import math
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
 
-from app.model_picker import human_bytes
-from app.store import LiveState
+from app.models.picker import human_bytes
+from live.state import LiveState
 
 # An error stays visible this long (and in the tooltip of the label until the next one).
 ERROR_VISIBLE_MS = 30_000

@@ -20,22 +20,22 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_controller import ChatController
-from app.chat_tabs import ChatTabs
-from app.chat_view import ChatPane
-from app.controls import ControlsPanel
-from app.conversation_list import ConversationList
-from app.conversations import ConversationStore, StorageError
+from app.batching.load_tool import LoadToolPanel
+from app.chat.controller import ChatController
+from app.chat.conversation_list import ConversationList
+from app.chat.conversations import ConversationStore, StorageError
+from app.chat.tabs import ChatTabs
+from app.chat.view import ChatPane
+from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
-from app.load_tool import LoadToolPanel
 from app.panels import Panels, build_panels
 from app.physics_views import PhysicsViews
-from app.quality_controller import QualityController
+from app.quality.controller import QualityController
 from app.settings import AppSettings, ModelChoice
-from app.speculation_view import SpeculationController
+from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from engine.config import ConfigError, EngineConfig
-from engine.llm_engine import DEFAULT_KV_BUDGET_BYTES
+from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333

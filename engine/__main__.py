@@ -1,8 +1,8 @@
-"""`python -m engine ...`: see engine/cli.py."""
+"""`python -m engine ...`: see engine/cli/main.py."""
 
 import sys
 
-from engine.cli import main
+from engine.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

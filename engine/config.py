@@ -116,7 +116,7 @@ class ModelSpec:
     source: str = "default"
     dtype: str = "float32"
     device: str = "auto"
-    quantization: str = "none"  # a scheme name from engine.quantization (validated there)
+    quantization: str = "none"  # a scheme name from engine.quant.schemes (validated there)
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "model source must not be empty")

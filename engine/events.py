@@ -35,7 +35,7 @@ class ModelInfo:
     weight_bytes: int
     kv_bytes_per_token: int
     load_seconds: float
-    # The weight scheme applied at load (engine.quantization) and what the same weights took in
+    # The weight scheme applied at load (engine.quant.schemes) and what the same weights took in
     # the load dtype before it: the "before" of the app's weights before/after. None: not known.
     quantization: str = "none"
     weight_bytes_before: int | None = None

@@ -16,7 +16,7 @@ from tiny_models import make_tiny_llama  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
-    from engine.loading import load_default_tokenizer
+    from engine.model.default_model import load_default_tokenizer
 
     return load_default_tokenizer()
 
@@ -24,7 +24,7 @@ def default_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_loaded(default_tokenizer):
     """A LoadedModel around a tiny random Llama that speaks the real SmolLM2 tokenizer."""
-    from engine.loaded import LoadedModel
+    from engine.model.loaded import LoadedModel
 
     model = make_tiny_llama(vocab_size=len(default_tokenizer))
     model.generation_config.eos_token_id = default_tokenizer.eos_token_id
@@ -35,6 +35,6 @@ def tiny_loaded(default_tokenizer):
 def default_loaded():
     """The real packaged SmolLM2-135M-Instruct, fp32 on CPU (converted once, then cached)."""
     from engine.config import ModelSpec
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     return load_model(ModelSpec("default", dtype="float32", device="cpu"))

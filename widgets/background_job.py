@@ -28,7 +28,7 @@ def describe_error(exc: BaseException) -> str:
     """A one-line reason for the user: the message of the engine's own errors (ConfigError,
     ModelLoadError are written for people), else the exception's type and text."""
     from engine.config import ConfigError
-    from engine.loading import ModelLoadError
+    from engine.model.errors import ModelLoadError
 
     if isinstance(exc, (ConfigError, ModelLoadError)) and str(exc):
         return str(exc)

@@ -17,8 +17,8 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from app.store import LiveState
 from engine.events import BeamStep
+from live.state import LiveState
 from widgets import theme
 
 COLUMN_PX = 92  # one step

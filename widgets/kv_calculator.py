@@ -25,9 +25,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.store import LiveState
 from engine.config import DTYPES
-from engine.model_shapes import DTYPE_BYTES
+from engine.model.shapes import DTYPE_BYTES
+from live.state import LiveState
 from widgets import theme
 from widgets.background_job import BackgroundJob
 from widgets.kv_memory import KV_DTYPES, KVConfig, chart_batches
@@ -177,7 +177,7 @@ class KVCalculator(QWidget):
             self.error = "No model is loaded yet."
             self._recompute()
             return
-        from engine.memory import available_memory_bytes
+        from engine.measure.memory import available_memory_bytes
 
         info = loaded.info
         self.follows_loaded = True
@@ -211,7 +211,7 @@ class KVCalculator(QWidget):
         self.results.setText(f"Reading the config of {source}…")
 
         def inspect(_progress):
-            from engine.model_inspect import inspect_model
+            from engine.model.inspect import inspect_model
 
             return inspect_model(source, dtype=dtype)
 

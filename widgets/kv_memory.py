@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model_shapes import DTYPE_BYTES
+from engine.model.shapes import DTYPE_BYTES
 
 KV_DTYPES = tuple(DTYPE_BYTES)
 

@@ -25,8 +25,8 @@ from PySide6.QtCore import QEvent, QRect, Qt
 from PySide6.QtGui import QColor, QFont, QImage, QPainter
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from app.store import PageMap
 from engine.events import BLOCK_OPS
+from live.page_map import PageMap
 from widgets import theme
 
 MAX_CELL_PX = 40

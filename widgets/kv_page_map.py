@@ -15,8 +15,9 @@ import numpy as np
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
-from app.group_state import saving_line
-from app.store import LiveState, PageMap
+from live.groups import saving_line
+from live.page_map import PageMap
+from live.state import LiveState
 from widgets import theme
 from widgets.kv_page_canvas import COW_MARK, KVPageCanvas
 from widgets.live_label import LiveLabel

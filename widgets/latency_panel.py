@@ -16,7 +16,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
-from app.store import LiveState
+from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.plot_style import (

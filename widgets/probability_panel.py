@@ -15,9 +15,9 @@ from collections.abc import Callable
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
-from app.store import LiveState
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated
+from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
@@ -210,7 +210,7 @@ class ProbabilityPanel(QWidget):
             return token.snapshot.stages
         self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
         self.banner.show()
-        from engine.sampling import what_if  # pure function of the snapshot; loads torch lazily
+        from engine.sampling.what_if import what_if  # pure function of the snapshot; loads torch lazily
 
         try:
             return what_if(token.snapshot, self._what_if)

@@ -1,6 +1,6 @@
 """Quality panel: what the running quantization costs against full precision, and its speed.
 
-A run (started here, computed by app/quality_runner.py off the GUI thread) compares the running
+A run (started here, computed by app/quality/runner.py off the GUI thread) compares the running
 model with its unquantized reference on the current conversation or the shipped evaluation text:
 mean and max KL, top-1 agreement and both perplexities as figures, and the per-token KL plotted
 along the text (top-1 disagreements marked, the reply shaded). Hovering the plot names the token.
@@ -17,7 +17,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import QComboBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.store import LiveState
+from live.state import LiveState
 from widgets import theme
 from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, legend_entry, styled_plot
 from widgets.token_text import visible
@@ -157,7 +157,7 @@ class QualityPanel(QWidget):
         self.status.show()
 
     def show_result(self, result) -> None:
-        """Draw a QualityResult (app/quality_compute.py)."""
+        """Draw a QualityResult (app/quality/compute.py)."""
         self.result = result
         self.run_button.setEnabled(True)
         self.status.setText("")

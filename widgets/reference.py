@@ -1,6 +1,6 @@
 """The full-precision reference at one generated token, as a quality run measured it.
 
-A quality run (app/quality_runner.py) feeds the reply's exact tokens through the unquantized
+A quality run (app/quality/runner.py) feeds the reply's exact tokens through the unquantized
 model; at each reply token it keeps that model's probabilities for the candidates the engine's
 snapshot recorded, so the probability panel can draw them next to the running model's own.
 """

@@ -7,9 +7,9 @@ kernels do (memory-bound: a decode reads every weight for a token or two); steps
 could (compute-bound: a prefill reuses each weight for many tokens). Batching decodes and
 longer prefill chunks move points to the right.
 
-The limits come from `engine.device_limits` on request (a button; seconds of measuring on a
+The limits come from `engine.measure.device_limits` on request (a button; seconds of measuring on a
 worker thread, then cached per device and dtype). The FLOP and byte counts come from
-`engine.roofline.step_cost` with the loaded model's shapes, which the window hands over on load.
+`engine.measure.roofline.step_cost` with the loaded model's shapes, which the window hands over on load.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 from PySide6.QtCore import Qt, Slot
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.store import LiveState
-from engine import device_limits
-from engine.device_limits import DeviceLimits
-from engine.model_shapes import ModelShapes
-from engine.roofline import duration, si
+from engine.measure import device_limits
+from engine.measure.device_limits import DeviceLimits
+from engine.measure.roofline import duration, si
+from engine.model.shapes import ModelShapes
+from live.state import LiveState
 from widgets import theme
 from widgets.background_job import BackgroundJob
 from widgets.plot_style import styled_plot

@@ -1,6 +1,6 @@
 """Engine steps as roofline points, and the live MFU/MBU of the recent ones (no Qt here).
 
-A point is one StepStats seen through `engine.roofline.step_cost`: the FLOPs and bytes its
+A point is one StepStats seen through `engine.measure.roofline.step_cost`: the FLOPs and bytes its
 scheduled sequences imply for the loaded model's shapes, over the forward time the engine
 measured. Its x is the arithmetic intensity (FLOP/byte), its y the FLOP/s it achieved.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.device_limits import DeviceLimits
 from engine.events import ModelInfo, StepStats
-from engine.model_shapes import ModelShapes
-from engine.roofline import Utilisation, mbu, mfu, step_cost
+from engine.measure.device_limits import DeviceLimits
+from engine.measure.roofline import Utilisation, mbu, mfu, step_cost
+from engine.model.shapes import ModelShapes
 
 PHASES = ("prefill", "decode", "mixed")
 

@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.store import LiveState
 from engine.events import SpecRound
+from live.state import LiveState
 from widgets import theme
 from widgets.plot_style import styled_plot
 

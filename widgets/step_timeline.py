@@ -16,8 +16,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from app.store import LiveState
 from engine.events import StepStats
+from live.state import LiveState
 from widgets import theme
 from widgets.plot_style import legend_entry, styled_plot
 from widgets.throttle import RedrawThrottle

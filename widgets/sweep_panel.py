@@ -1,7 +1,7 @@
 """Sweeps: TTFT against prompt length and ITL against context length, measured per dtype on the
 user's machine, plotted, and explained in a sentence drawn from the numbers.
 
-The sweep is `engine.sweep.compare_dtypes`: the loaded model's source is loaded once per chosen
+The sweep is `engine.measure.sweep.compare_dtypes`: the loaded model's source is loaded once per chosen
 dtype (held together and measured interleaved, so drift hits them alike) in a separate engine of
 its own. It runs on a worker thread with progress and cancel; cancelling takes effect between
 two runs. The app's own engine keeps its model; for clean figures, do not chat meanwhile: both
@@ -35,7 +35,7 @@ from widgets.plot_style import LogValueAxis, legend_entry, styled_plot
 from widgets.sweep_summary import explain_parts
 
 DTYPE_COLOURS = {"float32": "#5b9bd5", "bfloat16": "#e8833a", "float16": "#5fd38d"}
-# The CLI's defaults (engine/cli_physics.py): short enough for a minute or two on a laptop CPU
+# The CLI's defaults (engine/cli/physics.py): short enough for a minute or two on a laptop CPU
 # with a small model, long enough that prefill scaling and the KV read both show.
 DEFAULT_PROMPT_LENGTHS = "32,128,512"
 DEFAULT_CONTEXT_LENGTHS = "128,512,1024"
@@ -241,7 +241,7 @@ class SweepPanel(QWidget):
         source, device = self.source, self.device
 
         def sweep(progress):
-            from engine.sweep import compare_dtypes
+            from engine.measure.sweep import compare_dtypes
 
             return compare_dtypes(
                 source, dtypes, prompts, contexts, device=device, decode_tokens=decode, repeats=repeats,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable
 
+from engine.core.sequence import Sequence
 from engine.events import BlockEvent
 from engine.kv.block_pool import Block, BlockPool
-from engine.sequence import Sequence
 
 
 def chain_hash(parent: Hashable | None, tokens: tuple[int, ...]) -> Hashable:

@@ -1,2 +1,2 @@
-"""Weight (and activation) quantization schemes. The public face is `engine.quantization`;
+"""Weight (and activation) quantization schemes. The public face is `engine.quant.schemes`;
 this package holds one module per family of schemes plus the shared tensor math."""

@@ -42,7 +42,7 @@ def test_config():
 def make_window(qtbot, tiny_loaded, test_config):
     """make_window(start=True) -> a shown MainWindow; engine on the tiny model when `start`.
     At teardown each window is closed and must leave no engine thread and no active timer."""
-    from app.conversations import ConversationStore
+    from app.chat.conversations import ConversationStore
     from app.paths import conversations_db_path
     from app.settings import AppSettings
     from app.window import MainWindow

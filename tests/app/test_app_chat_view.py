@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-import app.chat_view as chat_view
-from app.chat_view import STREAM_RENDER_BUDGET, ChatPane, MessageBubble
-from app.rich_text import ReplyToken
+import app.chat.view as chat_view
+from app.chat.rich_text import ReplyToken
+from app.chat.view import STREAM_RENDER_BUDGET, ChatPane, MessageBubble
 
 
 class SteppingClock:

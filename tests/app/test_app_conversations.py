@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from app.conversations import (
+from app.chat.conversations import (
     DEFAULT_TITLE,
     ConversationStore,
     ReplyCheckpoint,

@@ -8,8 +8,8 @@ import numpy as np
 from app_windows import REPLY_TIMEOUT_MS, StepGate, stop_on_first_tokens
 from test_app_chat import send_and_wait, stored_messages, use_params
 
-from app.group_reply import GroupReply
-from app.group_reply_view import GroupReplyCard
+from app.chat.group_reply import GroupReply
+from app.chat.group_reply_view import GroupReplyCard
 from widgets.beam_tree import format_score
 
 # 33 prompt tokens with the SmolLM2 chat template: the last prompt block is partly filled, so

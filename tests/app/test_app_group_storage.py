@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from app.conversations import ConversationStore, ReplyCheckpoint, export_json
-from app.group_reply import Alternative, GroupReply
+from app.chat.conversations import ConversationStore, ReplyCheckpoint, export_json
+from app.chat.group_reply import Alternative, GroupReply
 
 # The messages table as kvscope created it before replies carried metadata.
 OLD_SCHEMA = """

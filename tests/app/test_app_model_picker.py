@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.model_picker import ModelPicker, describe_estimate, human_bytes
+from app.models.picker import ModelPicker, describe_estimate, human_bytes
 from app.settings import MIB, ModelChoice
 
 ESTIMATE = {

@@ -11,7 +11,7 @@ from app_windows import REPLY_TIMEOUT_MS
 
 from app.physics_views import loaded_model_shapes, sweep_device
 from engine.config import SamplingParams
-from engine.model_shapes import ModelShapes
+from engine.model.shapes import ModelShapes
 
 PHYSICS_THREADS = ("kvscope-measure", "kvscope-sweep", "kvscope-kv-calculator")
 

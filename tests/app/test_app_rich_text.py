@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from app import theme
-from app.rich_text import (
+from app.chat.rich_text import (
     PARTIAL_CHARACTER_MARK,
     ReplyToken,
     markdown_html,

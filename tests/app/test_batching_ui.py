@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from app_windows import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS
 
+from app.batching.load_run import LoadSpec, build_requests
+from app.batching.load_tool import LoadToolPanel
 from app.engine_host import EngineHost
-from app.load_run import LoadSpec, build_requests
-from app.load_tool import LoadToolPanel
 from engine.config import EngineConfig
 
 

@@ -11,15 +11,15 @@ import torch
 from app_windows import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS
 from PySide6.QtCore import Qt
 
-from app.model_picker import ModelPicker
-from app.quality_compute import compute_quality
-from app.quality_jobs import CONVERSATION, EVAL_TEXT, QualityJob, QualityUnavailable
-from app.quality_runner import THREAD_NAME
+from app.models.picker import ModelPicker
+from app.quality.compute import compute_quality
+from app.quality.jobs import CONVERSATION, EVAL_TEXT, QualityJob, QualityUnavailable
+from app.quality.runner import THREAD_NAME
 from app.settings import ModelChoice
 from engine.config import ModelSpec, SamplingParams
-from engine.memory import AVAILABLE_MEMORY_ENV
-from engine.model_shapes import ModelShapes
-from engine.quantization import get_scheme
+from engine.measure.memory import AVAILABLE_MEMORY_ENV
+from engine.model.shapes import ModelShapes
+from engine.quant.schemes import get_scheme
 
 QUALITY_TIMEOUT_MS = 180_000
 INT8 = "int8-weight-only"
@@ -88,7 +88,7 @@ def test_the_choice_carries_scheme_and_kv_dtype_into_the_engine_config(qtbot):
 
 def test_command_line_scheme_and_kv_dtype_reach_the_choice_and_the_picker(qtbot):
     from app.main import model_choice, parse_args
-    from engine.quantization import QuantizationError
+    from engine.quant.schemes import QuantizationError
 
     args = parse_args(["--prompt", "hi", "--quantization", INT8, "--kv-dtype", "int8"])
     choice = model_choice(args, ModelChoice())
@@ -209,7 +209,8 @@ def test_a_run_before_any_model_says_what_to_do(make_window, qtbot):
 
 
 def test_short_memory_is_said_instead_of_running_the_reference(tiny_folder, monkeypatch):
-    from engine.loading import read_config, resolve_source
+    from engine.model.configs import read_config
+    from engine.model.sources import resolve_source
 
     shapes = ModelShapes.from_config(read_config(resolve_source(str(tiny_folder))))
     # room for the weights (the quantized copy loads) but not for the reference's logits too
@@ -222,10 +223,10 @@ def test_short_memory_is_said_instead_of_running_the_reference(tiny_folder, monk
 
 
 def test_a_long_conversation_keeps_its_last_tokens_and_the_reply_position(tiny_loaded, monkeypatch):
-    from app import quality_compute
-    from app.quality_jobs import ReplyTokens
+    from app.quality import compute as quality_compute
+    from app.quality.jobs import ReplyTokens
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.request import ChatMessage, Request
 
     messages = (ChatMessage("user", "Tell me about the sea, the sky and the wind in a few words."),)

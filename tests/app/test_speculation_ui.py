@@ -146,8 +146,8 @@ def test_a_draft_model_without_a_path_is_refused_in_words(make_window, qtbot):
 
 
 def test_marks_colour_tokens_and_name_them():
-    from app.rich_text import ReplyToken
-    from app.spec_marks import SPEC_MARK_COLOURS, spec_token_html
+    from app.chat.rich_text import ReplyToken
+    from app.chat.spec_marks import SPEC_MARK_COLOURS, spec_token_html
 
     tokens = [ReplyToken(i, f"w{i}", -0.1) for i in range(4)]
     marks = ["", "accepted", "resampled", "bonus"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
-from engine.llm_engine import LLMEngine
 from engine.request import Request
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.config import SamplingParams
+from engine.core.sequence import Sequence
 from engine.events import BlockEvent
 from engine.kv.block_pool import BlockPool, PoolExhausted
 from engine.kv.manager import KVCacheManager
-from engine.sequence import Sequence
 
 
 def test_allocate_takes_lowest_ids_first_and_reports_events():

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from engine import device_limits
 from engine.config import ConfigError
-from engine.device_limits import cache_path, load_or_measure, measure_device_limits
-from engine.memory import device_name
+from engine.measure import device_limits
+from engine.measure.device_limits import cache_path, load_or_measure, measure_device_limits
+from engine.measure.memory import device_name
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ import torch
 from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished
-from engine.llm_engine import LLMEngine
-from engine.loaded import LoadedModel
+from engine.model.loaded import LoadedModel
 from engine.request import Request
 
 VOCAB = 800

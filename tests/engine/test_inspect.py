@@ -6,9 +6,10 @@ import pytest
 from model_folders import LLAMA_8B_CONFIG, write_config
 
 from engine.config import ConfigError
-from engine.loading import ModelLoadError, default_gguf_path
-from engine.memory import AVAILABLE_MEMORY_ENV
-from engine.model_inspect import inspect_model
+from engine.measure.memory import AVAILABLE_MEMORY_ENV
+from engine.model.errors import ModelLoadError
+from engine.model.inspect import inspect_model
+from engine.model.sources import default_gguf_path
 
 GiB = 2**30
 

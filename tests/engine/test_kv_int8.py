@@ -7,10 +7,10 @@ from test_paged_attention import paged_forward
 from tiny_models import make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
 from engine.kv.paged_cache import PagedKVStorage
-from engine.llm_engine import LLMEngine
-from engine.quality import greedy_agreement
+from engine.measure.quality import greedy_agreement
 from engine.request import Request
 
 VOCAB = 500

@@ -10,20 +10,13 @@ import pytest
 import torch
 from model_folders import BERT_CONFIG, LLAMA_8B_CONFIG, VIT_CONFIG, save_tiny_model, write_config
 
-from engine import loading
 from engine.config import ModelSpec
-from engine.loading import (
-    SOURCE_MARKER,
-    ModelLoadError,
-    default_gguf_path,
-    describe_load_error,
-    find_cached_hf_models,
-    is_converted,
-    load_model,
-    publish_atomically,
-    source_fingerprint,
-)
-from engine.memory import AVAILABLE_MEMORY_ENV
+from engine.measure.memory import AVAILABLE_MEMORY_ENV
+from engine.model import default_model
+from engine.model.cache_dirs import SOURCE_MARKER, is_converted, publish_atomically, source_fingerprint
+from engine.model.errors import ModelLoadError, describe_load_error
+from engine.model.loading import load_model
+from engine.model.sources import default_gguf_path, find_cached_hf_models
 
 
 @pytest.fixture
@@ -315,18 +308,18 @@ def test_default_model_dir_converts_once_and_again_when_the_gguf_changes(tmp_pat
         (target / "config.json").write_text("{}")
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(loading, "default_gguf_path", lambda: fake_gguf)
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: fake_gguf)
     monkeypatch.setattr(
-        loading, "read_gguf_config", lambda path: LlamaConfig(hidden_size=64, intermediate_size=64)
+        default_model, "read_gguf_config", lambda path: LlamaConfig(hidden_size=64, intermediate_size=64)
     )
-    monkeypatch.setattr(loading, "_convert_gguf_to_folder", fake_convert)
+    monkeypatch.setattr(default_model, "_convert_gguf_to_folder", fake_convert)
 
-    folder = loading.default_model_dir()
+    folder = default_model.default_model_dir()
     assert folder == tmp_path / "cache" / "models" / "smollm2-135m-instruct"
-    assert loading.default_model_dir() == folder
+    assert default_model.default_model_dir() == folder
     assert conversions == [b"version one"]
     fake_gguf.write_bytes(b"version two!")
-    loading.default_model_dir()
+    default_model.default_model_dir()
     assert conversions == [b"version one", b"version two!"]
     assert (folder / SOURCE_MARKER).read_text() == source_fingerprint(fake_gguf)
 

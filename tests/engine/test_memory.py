@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from engine.memory import (
+from engine.measure.memory import (
     AVAILABLE_MEMORY_ENV,
     available_memory_bytes,
     device_name,
@@ -32,7 +32,7 @@ def test_cpu_probe_sees_a_new_allocation():
     # In a fresh process: inside the test run, memory freed by earlier tests can be handed back
     # to this allocation without the RSS moving.
     script = (
-        "import torch; from engine.memory import probe_memory\n"
+        "import torch; from engine.measure.memory import probe_memory\n"
         "cpu = torch.device('cpu'); before = probe_memory(cpu)[0]\n"
         "block = torch.ones(64 * 2**20)  # 256 MiB, every page written\n"
         "print(probe_memory(cpu)[0] - before)\n"

@@ -8,6 +8,7 @@ import torch
 from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import (
     BlockEvent,
     RequestFailed,
@@ -18,8 +19,7 @@ from engine.events import (
     TokenGenerated,
 )
 from engine.kv.paged_cache import block_index
-from engine.llm_engine import LLMEngine
-from engine.loaded import LoadedModel
+from engine.model.loaded import LoadedModel
 from engine.request import Request
 
 VOCAB = 800

@@ -1,9 +1,9 @@
 """Prefix caching at the KV-manager level: exact block ids, ref counts, hits and eviction order."""
 
 from engine.config import SamplingParams
+from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.sequence import Sequence
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama
 
-from engine.quality import (
+from engine.measure.quality import (
     compare_logits,
     compare_models,
     eval_token_ids,
@@ -18,7 +18,7 @@ from engine.quality import (
     layer_output_errors,
     teacher_forced_logits,
 )
-from engine.quantization import quantize_model
+from engine.quant.schemes import quantize_model
 
 
 def test_identical_logits_have_zero_kl_full_agreement_and_equal_perplexity():
@@ -105,7 +105,7 @@ def test_quant_report_json_on_the_tiny_model(tmp_path, default_tokenizer):
     reference model or its logits again."""
     from model_folders import save_tiny_model
 
-    from engine.quantization import scheme_statuses
+    from engine.quant.schemes import scheme_statuses
 
     folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
     available = [s.name for s in scheme_statuses("cpu") if s.available and s.name != "none"]
@@ -153,7 +153,7 @@ def test_real_model_int8_weight_only_and_int8_kv_stay_close_to_fp32(default_load
     top-1 token at most positions, and so does the int8 KV cache."""
     import copy
 
-    from engine.quantization import quantize_model
+    from engine.quant.schemes import quantize_model
 
     ids = eval_token_ids(default_loaded.tokenizer)[:128]
     reference = teacher_forced_logits(default_loaded.model, ids)

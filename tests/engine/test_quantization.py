@@ -12,10 +12,7 @@ from torch import nn
 
 from engine.quant import packing
 from engine.quant.base import missing_kernels, model_weight_bytes, target_linears
-from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
-from engine.quant.w8a8 import W8A8Linear, int8_matmul
-from engine.quant.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from engine.quantization import (
+from engine.quant.schemes import (
     QuantizationError,
     check_scheme,
     get_scheme,
@@ -24,6 +21,9 @@ from engine.quantization import (
     scheme_names,
     scheme_statuses,
 )
+from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
+from engine.quant.w8a8 import W8A8Linear, int8_matmul
+from engine.quant.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 # Stated bounds: relative L2 error of a quantized linear's output against the fp32 layer, on
 # random weights (nn.Linear's init) and standard-normal inputs. Measured values are about half
@@ -207,7 +207,7 @@ def test_quantize_model_replaces_decoder_linears_only(tiny_loaded, scheme):
 
 def test_quantized_layer_count_is_what_the_scheme_replaced(monkeypatch):
     """A scheme that leaves a layer as a plain nn.Linear is not credited with it."""
-    import engine.quantization as quantization
+    import engine.quant.schemes as quantization
     from engine.quant.base import QuantScheme
 
     class FirstLayerOnly(QuantScheme):
@@ -271,7 +271,7 @@ def test_load_model_quantizes_and_reports_the_smaller_weights(tmp_path, default_
     from model_folders import save_tiny_model
 
     from engine.config import ModelSpec
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
     full = load_model(ModelSpec(str(folder)))
@@ -286,7 +286,7 @@ def test_load_model_quantizes_and_reports_the_smaller_weights(tmp_path, default_
 
 def test_load_model_refuses_an_unknown_scheme_before_reading_weights(tmp_path):
     from engine.config import ModelSpec
-    from engine.loading import load_model
+    from engine.model.loading import load_model
 
     with pytest.raises(QuantizationError, match="Unknown quantization scheme 'int2'"):
         load_model(ModelSpec(str(tmp_path / "does-not-exist"), quantization="int2"))

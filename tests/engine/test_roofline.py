@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import StepStats
-from engine.llm_engine import LLMEngine
-from engine.model_shapes import ModelShapes
+from engine.measure.roofline import attainable_flops, bound, mbu, mfu, step_cost, steps_with_logit_rows
+from engine.model.shapes import ModelShapes
 from engine.request import Request
-from engine.roofline import attainable_flops, bound, mbu, mfu, step_cost, steps_with_logit_rows
 
 
 def tiny(num_kv_heads: int = 2, tied: bool = True) -> ModelShapes:

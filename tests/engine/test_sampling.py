@@ -16,7 +16,9 @@ from transformers import (
 )
 
 from engine.config import SamplingParams
-from engine.sampling import PENALTY_STAGES, Sampler, SamplingError, what_if
+from engine.sampling.sampler import Sampler, SamplingError
+from engine.sampling.stages import PENALTY_STAGES
+from engine.sampling.what_if import what_if
 
 PROMPT = [3, 5, 5, 8, 13, 21]
 OUTPUT = [5, 34, 34, 34, 55, 89, 3]

@@ -1,10 +1,10 @@
 """Scheduler: token budget, chunked prefill, FIFO admission, running cap, preemption."""
 
 from engine.config import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SeqStatus, Sequence
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence
 
 
 def make(num_blocks=200, block_size=16, budget=1024, max_seqs=8, chunk=None):

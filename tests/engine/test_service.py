@@ -6,6 +6,7 @@ import time
 import pytest
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.service import Engine
 from engine.events import (
     BlockEvent,
     EngineError,
@@ -18,7 +19,6 @@ from engine.events import (
     TokenGenerated,
 )
 from engine.request import Request
-from engine.service import Engine
 
 
 class Sink:

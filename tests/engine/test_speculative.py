@@ -6,11 +6,12 @@ import torch
 from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, SpecRound, TokenGenerated
-from engine.llm_engine import LLMEngine
-from engine.loaded import LoadedModel
+from engine.model.loaded import LoadedModel
 from engine.request import Request
-from engine.speculative import DraftModelProposer, NgramProposer, first_layers, verify
+from engine.speculative.proposers import DraftModelProposer, NgramProposer, first_layers
+from engine.speculative.verify import verify
 
 VOCAB = 300
 NEW = 30

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from engine import device_limits
 from engine.config import ConfigError
-from engine.model_shapes import ModelShapes
-from engine.roofline import step_cost
-from engine.sweep import (
+from engine.measure import device_limits
+from engine.measure.roofline import step_cost
+from engine.measure.sweep import (
     measure_roofline_points,
     prompt_ids,
     sweep_context_lengths,
     sweep_prompt_lengths,
 )
+from engine.model.shapes import ModelShapes
 
 
 def test_prompt_ids_have_the_asked_length(default_tokenizer):

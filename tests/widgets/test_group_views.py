@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 from widget_events import beam_step, model_loaded, sample_token
 
-from app.group_reply import Alternative, GroupReply
-from app.group_reply_view import GroupReplyCard
-from app.group_state import group_blocks
-from app.store import LiveState
+from app.chat.group_reply import Alternative, GroupReply
+from app.chat.group_reply_view import GroupReplyCard
 from engine.events import (
     BlockEvent,
     GroupStats,
@@ -20,6 +18,8 @@ from engine.events import (
     SequenceForked,
     SequenceResult,
 )
+from live.groups import group_blocks
+from live.state import LiveState
 from widgets.beam_tree import BeamTreeView, beam_nodes, format_score
 from widgets.kv_page_map import KVPageMapPanel, group_lines
 

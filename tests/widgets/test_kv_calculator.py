@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from widget_events import model_info
 
-from app.store import LiveState
 from engine.events import ModelLoaded
-from engine.model_shapes import ModelShapes
+from engine.model.shapes import ModelShapes
+from live.state import LiveState
 from widgets.kv_calculator import GIB, KVCalculator
 from widgets.kv_memory import KVConfig, chart_batches
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from widget_events import model_loaded
 
-from app.store import LiveState
 from engine.events import BlockEvent
+from live.state import LiveState
 from widgets import theme
 from widgets.kv_page_canvas import EMPTY_SHADE, MAX_CELL_PX, grid_for, render_grid
 from widgets.kv_page_map import KVPageMapPanel

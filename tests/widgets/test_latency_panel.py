@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from widget_events import token
 
-from app.store import LiveState
 from engine.events import RequestStarted
+from live.state import LiveState
 from widgets.latency_panel import LatencyPanel
 
 

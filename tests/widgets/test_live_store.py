@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from widget_events import finished, model_loaded, token
 
-from app.store import EventStore, LiveState, PageMap, RingBuffer
 from engine.events import (
     BlockEvent,
     EngineError,
@@ -19,6 +18,10 @@ from engine.events import (
     StepStats,
     TokenGenerated,
 )
+from live.event_store import EventStore
+from live.page_map import PageMap
+from live.ring_buffer import RingBuffer
+from live.state import LiveState
 
 
 def block_state(pm: PageMap, block: int) -> tuple:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.store import LiveState
 from engine.events import MemorySample
+from live.state import LiveState
 from widgets.memory_panel import MemoryPanel
 
 MIB = 1 << 20

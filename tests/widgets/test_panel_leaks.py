@@ -9,8 +9,8 @@ import PySide6
 import pytest
 from widget_events import model_loaded, snapshot, token
 
-from app.store import LiveState
 from engine.events import BlockEvent, MemorySample, RequestStarted
+from live.state import LiveState
 from widgets.kv_page_map import KVPageMapPanel
 from widgets.latency_panel import LatencyPanel
 from widgets.memory_panel import MemoryPanel

@@ -6,11 +6,12 @@ import time
 
 import pytest
 
-from app.store import EventStore, LiveState
 from engine.config import EngineConfig
+from engine.core.service import Engine
 from engine.events import MemorySample, StepStats, TokenGenerated
 from engine.request import Request
-from engine.service import Engine
+from live.event_store import EventStore
+from live.state import LiveState
 from widgets import theme
 from widgets.kv_page_map import KVPageMapPanel
 from widgets.latency_panel import LatencyPanel

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from widget_events import snapshot, token
 
-from app.store import LiveState
 from engine.config import SamplingParams
 from engine.events import RequestStarted
+from live.state import LiveState
 from widgets.probability_panel import WHAT_IF_LABEL, ProbabilityPanel
 from widgets.probability_rows import cut_lines, entropy_text
 from widgets.token_text import visible
@@ -94,7 +94,7 @@ def test_pinned_token_not_yet_generated_appears_when_it_arrives(panel, state):
 
 
 def test_what_if_shows_the_engine_recomputation_clearly_labelled(panel, state):
-    from engine.sampling import what_if
+    from engine.sampling.what_if import what_if
 
     snap = make_snap(drawn=0, temperature=1.0)
     panel.refresh(state.apply([token(1, 0, 0.1, " the", snap)]))

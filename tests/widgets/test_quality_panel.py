@@ -11,12 +11,12 @@ import pytest
 import torch
 from widget_events import finished, model_loaded, snapshot, token
 
-from app.quality_compute import QualityResult, SpeedFigures
-from app.quality_jobs import CONVERSATION, QUALITY_SOURCES, QualityJob
-from app.store import LiveState
+from app.quality.compute import QualityResult, SpeedFigures
+from app.quality.jobs import CONVERSATION, QUALITY_SOURCES, QualityJob
 from engine.config import ModelSpec
 from engine.events import MemorySample, RequestStarted
-from engine.quality import compare_logits
+from engine.measure.quality import compare_logits
+from live.state import LiveState
 from widgets.memory_panel import MemoryPanel
 from widgets.probability_panel import ProbabilityPanel
 from widgets.quality_panel import QualityPanel

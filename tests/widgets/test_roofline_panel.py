@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 from widget_events import model_info
 
-from app.store import LiveState
-from engine import device_limits
 from engine.config import EngineConfig
-from engine.device_limits import DeviceLimits
+from engine.core.service import Engine
 from engine.events import KVStats, ModelLoaded, StepStats, TokenGenerated
-from engine.model_shapes import ModelShapes
+from engine.measure import device_limits
+from engine.measure.device_limits import DeviceLimits
+from engine.measure.roofline import mbu, mfu, step_cost
+from engine.model.shapes import ModelShapes
 from engine.request import Request
-from engine.roofline import mbu, mfu, step_cost
-from engine.service import Engine
+from live.state import LiveState
 from widgets.roofline_panel import RooflinePanel
 
 # A SmolLM2-135M-shaped config (30 layers, 9 query heads over 3 KV heads of 64, tied embedding).

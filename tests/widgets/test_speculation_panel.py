@@ -3,12 +3,12 @@ engine's RequestStats once it ends; round rows with their verdicts; a slowdown s
 
 import pytest
 
-from app.speculation_measure import SpeedRun, SpeedupResult
-from app.store import LiveState
+from app.speculation.measure import SpeedRun, SpeedupResult
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished, RequestStats, SpecRound
-from engine.llm_engine import LLMEngine
 from engine.request import Request
+from live.state import LiveState
 from widgets.speculation_panel import SpeculationPanel, acceptance_of, round_rows
 
 

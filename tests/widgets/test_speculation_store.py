@@ -3,12 +3,13 @@ engine's KVStats after every step) and every round is kept by request and round 
 
 import torch
 
-from app.store import LiveState, PageMap
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, SpecRound, StepStats, TokenGenerated
-from engine.llm_engine import LLMEngine
 from engine.request import Request
-from engine.speculative import NgramProposer
+from engine.speculative.proposers import NgramProposer
+from live.page_map import PageMap
+from live.state import LiveState
 
 
 class WrongProposer(NgramProposer):

@@ -6,11 +6,12 @@ import time
 
 import numpy as np
 
-from app.store import EventStore, LiveState
 from engine.config import EngineConfig
+from engine.core.service import Engine
 from engine.events import KVStats, RequestFinished, StepStats
 from engine.request import Request
-from engine.service import Engine
+from live.event_store import EventStore
+from live.state import LiveState
 from widgets.step_timeline import StepTimelinePanel, timeline_series
 
 WAIT_S = 120.0

@@ -24,8 +24,8 @@ def test_requests_within_the_interval_are_deferred_to_the_next_due_frame():
 def test_panels_carry_a_deferred_redraw_to_a_later_idle_frame(qtbot):
     from widget_events import token
 
-    from app.store import LiveState
     from engine.events import RequestStarted
+    from live.state import LiveState
     from widgets.latency_panel import LatencyPanel
 
     state = LiveState()
@@ -45,8 +45,8 @@ def test_panels_carry_a_deferred_redraw_to_a_later_idle_frame(qtbot):
 def test_flush_draws_a_deferred_redraw_at_once(qtbot):
     from widget_events import token
 
-    from app.store import LiveState
     from engine.events import RequestStarted
+    from live.state import LiveState
     from widgets.latency_panel import LatencyPanel
 
     state = LiveState()

@@ -1,0 +1,1 @@
+"""The load tool: N requests at once on the running engine, to watch continuous batching."""

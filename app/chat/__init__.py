@@ -1,0 +1,1 @@
+"""The chat: transcript and input, conversations in SQLite, tabs, group replies (samples, beams)."""

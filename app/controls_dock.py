@@ -1,0 +1,59 @@
+"""The Controls dock: the model section over the sampling section, in one scrolling column."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Slot
+from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, QWidget
+
+from app.models.picker import ModelPicker
+from app.sampling_controls import SamplingControls
+from app.settings import DEFAULT_SAMPLING, ModelChoice
+from app.speculation.controls import SpeculationControls
+from engine.config import SamplingParams
+
+
+class ControlsPanel(QScrollArea):
+    def __init__(
+        self,
+        params: SamplingParams,
+        choice: ModelChoice,
+        default_budget_bytes: int,
+        parent: QWidget | None = None,
+    ):
+        super().__init__(parent)
+        self.setObjectName("controls")
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.model = ModelPicker(choice, default_budget_bytes)
+        self.sampling = SamplingControls(params)
+        self.speculation = SpeculationControls()
+        reset = QPushButton("Reset to defaults")
+        reset.setToolTip("Back to kvscope's starting sampling settings")
+        reset.clicked.connect(self._on_reset)
+
+        model_box = QGroupBox("Model")
+        QVBoxLayout(model_box).addWidget(self.model)
+        sampling_box = QGroupBox("Sampling")
+        sampling_layout = QVBoxLayout(sampling_box)
+        sampling_layout.addWidget(self.sampling)
+        sampling_layout.addWidget(reset)
+
+        speculation_box = QGroupBox("Speculative decoding")
+        QVBoxLayout(speculation_box).addWidget(self.speculation)
+
+        inner = QWidget()
+        layout = QVBoxLayout(inner)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addWidget(model_box)
+        layout.addWidget(sampling_box)
+        layout.addWidget(speculation_box)
+        layout.addStretch(1)
+        self.setWidget(inner)
+
+    @Slot()
+    def _on_reset(self) -> None:
+        defaults = DEFAULT_SAMPLING
+        self.sampling.set_params(defaults)
+        self.sampling.changed.emit(defaults)
+        if self.sampling.what_if.isChecked():
+            self.sampling.what_if_changed.emit(defaults)

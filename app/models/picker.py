@@ -1,0 +1,262 @@
+"""Choosing the model: source (packaged default, a folder, a .gguf file, the local HF cache),
+dtype, device, KV block size and budget, with the memory estimate shown before loading.
+
+The estimate (`engine.model.inspect.inspect_model`) reads only config/metadata, but a GGUF
+header can still take a moment, so it runs on a short-lived worker thread and reports back
+through a queued signal to a bound slot.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.models.quant_picker import QuantizationChoice
+from app.settings import MIB, ModelChoice
+from engine.config import DEVICES, DTYPES
+
+DEFAULT_LABEL = "Packaged default: SmolLM2-135M-Instruct"
+GIB = 1024**3
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
+    """A few short lines from inspect_model's figures and the chosen KV budget."""
+    per_token = est["kv_bytes_per_token"]
+    per_block = per_token * block_size
+    pool_blocks = kv_budget_bytes // per_block if per_block else 0
+    fit = "fits" if est["weights_fit_in_budget"] else "does NOT fit"
+    return "\n".join(
+        [
+            f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
+            f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
+            f"Weights ≈ {human_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
+            f"{human_bytes(est['budget_bytes'])} ({est['budget_source']})",
+            f"KV cache: {human_bytes(per_token)} per token; the full {est['context']:,}-token context "
+            f"needs {human_bytes(est['kv_bytes_for_context'])}",
+            f"KV budget {human_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+            f"= {pool_blocks * block_size:,} tokens",
+        ]
+    )
+
+
+def cached_model_entries() -> list[tuple[str, str]]:
+    """(label, source) for each model in the local Hugging Face cache; [] when none or unreadable."""
+    from engine.model.sources import find_cached_hf_models
+
+    entries = []
+    for item in find_cached_hf_models():
+        source = item if isinstance(item, str) else getattr(item, "repo_id", None) or str(item)
+        entries.append((f"HF cache: {source}", source))
+    return entries
+
+
+class _EstimateRelay(QObject):
+    """Carries a worker thread's result to the GUI thread (queued: the receiver lives there)."""
+
+    finished = Signal(int, object, str)  # ticket, estimate dict or None, error message
+
+
+class ModelPicker(QWidget):
+    load_requested = Signal(object)  # ModelChoice
+
+    def __init__(self, choice: ModelChoice, default_budget_bytes: int, parent: QWidget | None = None):
+        super().__init__(parent)
+        self._default_budget = default_budget_bytes
+        self.source = QComboBox()
+        self.source.setToolTip("Which model to load")
+        self.source.addItem(DEFAULT_LABEL, "default")
+        # Long paths and repo ids must not widen the whole Controls column: show the start,
+        # the full text is in the drop-down and the tooltip.
+        self.source.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.source.setMinimumContentsLength(14)
+        self.folder_button = QPushButton("Folder…")
+        self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
+        self.gguf_button = QPushButton("GGUF…")
+        self.gguf_button.setToolTip("A single .gguf model file")
+        self.dtype = QComboBox()
+        self.dtype.addItems(DTYPES)
+        self.dtype.setToolTip("Weight and KV precision: float32 is exact; bfloat16 halves memory")
+        self.device = QComboBox()
+        self.device.addItems(DEVICES)
+        self.device.setToolTip("auto uses a CUDA GPU when PyTorch has one, else the CPU")
+        self.block_size = QSpinBox()
+        self.block_size.setRange(1, 1024)
+        self.block_size.setToolTip(
+            "Tokens per KV page: small pages waste less, large pages mean fewer lookups"
+        )
+        self.kv_budget = QSpinBox()
+        self.kv_budget.setRange(0, 1024 * 1024)
+        self.kv_budget.setSuffix(" MiB")
+        self.kv_budget.setSpecialValueText(f"auto ({human_bytes(default_budget_bytes)})")
+        self.kv_budget.setToolTip("Memory for the paged KV cache; it sets how many pages the pool has")
+        self.quantization = QuantizationChoice(self)
+        self.estimate = QLabel("")
+        self.estimate.setObjectName("estimate")
+        self.estimate.setWordWrap(True)
+        self.load_button = QPushButton("Load model")
+        self.load_button.setObjectName("loadButton")
+        self.load_button.setToolTip("Stop the current engine and start one with these settings")
+        self.load_button.clicked.connect(self._on_load_clicked)
+
+        browse_row = QHBoxLayout()
+        browse_row.addWidget(self.folder_button)
+        browse_row.addWidget(self.gguf_button)
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.addRow("dtype", self.dtype)
+        form.addRow("device", self.device)
+        form.addRow("KV block size", self.block_size)
+        form.addRow("KV budget", self.kv_budget)
+        self.quantization.add_rows(form)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.source)
+        layout.addLayout(browse_row)
+        layout.addLayout(form)
+        layout.addWidget(self.estimate)
+        layout.addWidget(self.load_button)
+
+        self._relay = _EstimateRelay(self)
+        self._relay.finished.connect(self._on_estimate)
+        self._ticket = 0
+        self._worker: threading.Thread | None = None
+        self._estimate: dict | None = None
+        self.set_choice(choice)
+        self.source.currentIndexChanged.connect(self.refresh_estimate)
+        self.dtype.currentIndexChanged.connect(self.refresh_estimate)
+        self.device.currentTextChanged.connect(self.quantization.set_device)
+        self.kv_budget.valueChanged.connect(self._on_pool_changed)
+        self.block_size.valueChanged.connect(self._on_pool_changed)
+        self.folder_button.clicked.connect(self._on_pick_folder)
+        self.gguf_button.clicked.connect(self._on_pick_gguf)
+
+    # ---- values ----------------------------------------------------------------------------
+    def set_choice(self, choice: ModelChoice) -> None:
+        self._select_source(choice.source)
+        self.dtype.setCurrentText(choice.dtype)
+        self.device.setCurrentText(choice.device)
+        self.block_size.setValue(choice.block_size)
+        self.kv_budget.setValue(choice.kv_budget_mib)
+        self.quantization.set_device(choice.device)
+        self.quantization.set_values(choice.quantization, choice.kv_dtype)
+
+    def choice(self) -> ModelChoice:
+        return ModelChoice(
+            source=self.source.currentData(),
+            dtype=self.dtype.currentText(),
+            device=self.device.currentText(),
+            block_size=self.block_size.value(),
+            kv_budget_mib=self.kv_budget.value(),
+            quantization=self.quantization.scheme_name(),
+            kv_dtype=self.quantization.kv_dtype_name(),
+        )
+
+    def add_cached_models(self) -> None:
+        """List the models of the local HF cache (a directory scan; called once at startup)."""
+        try:
+            entries = cached_model_entries()
+        except Exception as exc:  # noqa: BLE001 - a broken cache must not break the picker
+            self.source.setToolTip(f"The local Hugging Face cache could not be read: {exc}")
+            return
+        for label, source in entries:
+            if self.source.findData(source) < 0:
+                self.source.addItem(label, source)
+
+    def _select_source(self, source: str) -> None:
+        index = self.source.findData(source)
+        if index < 0:
+            self.source.addItem(source, source)
+            index = self.source.count() - 1
+        self.source.setCurrentIndex(index)
+
+    # ---- estimate --------------------------------------------------------------------------
+    @Slot()
+    def refresh_estimate(self) -> None:
+        """Start inspecting the chosen source; a newer request supersedes an older one."""
+        self._ticket += 1
+        ticket, choice = self._ticket, self.choice()
+        self.source.setToolTip(self.source.currentText())
+        self._estimate = None
+        self.estimate.setText("Reading the model's metadata…")
+        self._worker = threading.Thread(
+            target=self._inspect, args=(ticket, choice), name="kvscope-inspect", daemon=True
+        )
+        self._worker.start()
+
+    def _inspect(self, ticket: int, choice: ModelChoice) -> None:
+        try:
+            from engine.model.inspect import inspect_model
+
+            # Context and memory budget left to inspect_model: the model's full context against
+            # the memory available now (our KV budget is a part of that, shown beside it).
+            est = inspect_model(choice.source, dtype=choice.dtype)
+            self._relay.finished.emit(ticket, est, "")
+        except Exception as exc:  # noqa: BLE001 - shown to the user as the reason
+            self._relay.finished.emit(ticket, None, str(exc) or type(exc).__name__)
+
+    @Slot(int, object, str)
+    def _on_estimate(self, ticket: int, est: dict | None, error: str) -> None:
+        if ticket != self._ticket:
+            return  # the user has picked something else since
+        if est is None:
+            self._estimate = None
+            self.estimate.setText(f"Cannot estimate this model: {error}")
+            self.estimate.setProperty("kind", "error")
+        else:
+            self._estimate = est
+            self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
+            self.estimate.setProperty("kind", "")
+        self.estimate.style().unpolish(self.estimate)
+        self.estimate.style().polish(self.estimate)
+
+    def _kv_budget_bytes(self) -> int:
+        return self.kv_budget.value() * MIB or self._default_budget
+
+    @Slot()
+    def _on_pool_changed(self) -> None:
+        """Budget or block size moved: the estimate's figures stand, only the pool line changes."""
+        if self._estimate is not None:
+            self.estimate.setText(
+                describe_estimate(self._estimate, self._kv_budget_bytes(), self.block_size.value())
+            )
+
+    def wait_for_estimate(self, timeout: float = 5.0) -> None:
+        """Join a running inspection (window close, tests) so no worker outlives the picker."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+
+    # ---- slots -----------------------------------------------------------------------------
+    @Slot()
+    def _on_pick_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
+        if folder:
+            self._select_source(folder)
+
+    @Slot()
+    def _on_pick_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", "", "GGUF models (*.gguf)")
+        if path:
+            self._select_source(path)
+
+    @Slot()
+    def _on_load_clicked(self) -> None:
+        self.load_requested.emit(self.choice())

@@ -1,0 +1,70 @@
+"""Connects the quantization views to the engine host: the quality panel's runs, the reference
+overlay in the probability panel, and the loaded model's weights in the picker and memory graph.
+
+Lives beside the window so the window only builds it and shuts it down.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Slot
+
+from app.models.quant_picker import KV_LABELS, weights_figures
+from app.quality.compute import QualityResult
+from app.quality.jobs import QualityUnavailable, job_for
+from app.quality.runner import QualityRunner
+from widgets.reference import ReferenceDistribution
+
+
+class QualityController(QObject):
+    def __init__(self, host, chat, panels, picker, parent: QObject | None = None):
+        super().__init__(parent)
+        self.host, self.chat, self.panels, self.picker = host, chat, panels, picker
+        self.runner = QualityRunner(self)
+        self.result: QualityResult | None = None
+        self.result_generation: int | None = None  # the engine the result's request ids belong to
+        panels.quality.run_requested.connect(self.run)
+        self.runner.progress.connect(panels.quality.set_running)
+        self.runner.finished.connect(self._on_finished)
+        self.runner.failed.connect(panels.quality.show_error)
+        host.model_loaded.connect(self._on_model_loaded)
+        panels.probabilities.set_reference_source(self.reference_at)
+
+    @Slot(str)
+    def run(self, source: str) -> None:
+        try:
+            job = job_for(source, self.host, self.chat)
+        except QualityUnavailable as exc:
+            self.panels.quality.show_error(str(exc))
+            return
+        self.panels.quality.set_running("starting")
+        self.runner.start(job)
+
+    def shutdown(self, timeout: float = 60.0) -> bool:
+        return self.runner.shutdown(timeout)
+
+    def reference_at(self, request_id: int, index: int) -> ReferenceDistribution | None:
+        """The full-precision reference at a reply token, when the last run covered that reply
+        of the running engine."""
+        result = self.result
+        if result is None or result.job.reply is None or self.result_generation != self.host.generation:
+            return None
+        if result.job.reply.request_id != request_id:
+            return None
+        return result.reference.get(index)
+
+    @Slot(object)
+    def _on_finished(self, result: QualityResult) -> None:
+        self.result = result
+        reply = result.job.reply
+        self.result_generation = reply.generation if reply is not None else None
+        self.panels.quality.show_result(result)
+        self.panels.probabilities.set_reference_source(self.reference_at)  # redraw with the overlay
+
+    @Slot(object)
+    def _on_model_loaded(self, event) -> None:
+        config = self.host.config
+        weights = weights_figures(config.model, event.info)
+        self.panels.memory.set_weights_scheme(weights.scheme, weights.bytes_full, weights.load_dtype)
+        self.picker.quantization.show_loaded(weights, event, config.kv_dtype)
+        kv = "" if config.kv_dtype == "auto" else f", KV {KV_LABELS[config.kv_dtype]}"
+        self.panels.quality.set_engine_label(f"{weights.scheme}{kv}")

@@ -1,0 +1,2 @@
+"""Speculative decoding in the window: its controls, the restart that applies them, and the
+measured speedup."""

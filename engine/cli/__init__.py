@@ -1,0 +1,1 @@
+"""The headless CLI (`python -m engine ...`): one module per group of commands."""

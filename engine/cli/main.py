@@ -1,0 +1,129 @@
+"""The headless CLI: `python -m engine generate|chat|inspect-model|bench`.
+
+It is the app's scripted face and the test contract: every figure it prints comes from the same
+engine the window drives. Errors print one clear line to stderr and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from engine.cli.args import (
+    add_engine_args,
+    add_group_args,
+    add_model_args,
+    add_sampling_args,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EXIT_BAD_INPUT = 2
+EXIT_REQUEST_FAILED = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    from engine.cli import physics as cli_physics
+
+    cli_physics.add_commands(sub)
+
+    g = sub.add_parser("generate", help="one reply to one prompt")
+    add_engine_args(g)
+    add_sampling_args(g, temperature=0.0)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--system", default=None)
+    g.add_argument("--probs", type=int, default=0, metavar="K", help="record the top-K candidates per token")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_group_args(g)
+
+    c = sub.add_parser("chat", help="interactive terminal chat")
+    add_engine_args(c)
+    add_sampling_args(c, temperature=0.7)
+    c.add_argument("--system", default=None)
+
+    i = sub.add_parser("inspect-model", help="shapes and memory of a model, without loading weights")
+    i.add_argument("source", help="'default', an HF folder, a .gguf file or a cached repo id")
+    i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    i.add_argument("--context", type=int, default=None)
+    i.add_argument("--budget-gib", type=float, default=None)
+    i.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="engine vs transformers generate(), interleaved in one run")
+    add_model_args(b)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LIST",
+        help="e.g. 1,2,4,8: continuous batching vs one-by-one at each level, and prefix-cache TTFT",
+    )
+    b.add_argument(
+        "--speculation",
+        action="store_true",
+        help="speculative decoding (n-gram, self-draft) vs plain decoding on a repeat task and free chat",
+    )
+    b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
+    b.add_argument("--json", action="store_true")
+
+    from engine.cli import quant as cli_quant
+
+    cli_quant.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine.config import ConfigError
+    from engine.model.errors import ModelLoadError
+
+    try:
+        from engine.cli import physics as cli_physics
+
+        if args.command in cli_physics.COMMANDS:
+            return cli_physics.run(args)
+        if args.command == "generate":
+            from engine.cli.generate import run_generate
+
+            return run_generate(args)
+        if args.command == "chat":
+            from engine.cli.generate import run_chat
+
+            return run_chat(args)
+        if args.command == "inspect-model":
+            return run_inspect(args)
+        if args.command == "bench":
+            from engine.measure.bench import run_bench
+
+            return run_bench(args)
+        if args.command == "quant-report":
+            from engine.cli import quant as cli_quant
+
+            return cli_quant.run(args)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return EXIT_BAD_INPUT
+
+
+def run_inspect(args) -> int:
+    from engine.model.inspect import inspect_model
+
+    report = inspect_model(args.source, dtype=args.dtype, context=args.context, budget_gib=args.budget_gib)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        width = max(map(len, report))
+        for key, value in report.items():
+            print(f"{key:<{width}}  {value}")
+    return 0

@@ -1,0 +1,272 @@
+"""The engine's side of n-sample and beam-search requests: forks, beam steps, results.
+
+`LLMEngine` runs the forwards and hands over logits; this module decides what the group's
+sequences become: samples fork once the prompt is in the cache and then run on their own;
+beams re-fork every step from the parents the search picked, and pruned beams free their
+blocks. It emits the group events (SequenceForked, SequenceFinished, BeamStep) and the final
+RequestFinished with every sequence ranked and the group's memory figures.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.core.beam_search import BeamSearch, Hypothesis
+from engine.core.detokenize import IncrementalDetokenizer
+from engine.core.seq_group import SequenceGroup
+from engine.core.sequence import Sequence
+from engine.events import (
+    BeamStep,
+    FinishedBeam,
+    RequestFailed,
+    RequestFinished,
+    RequestStats,
+    SequenceFinished,
+    SequenceForked,
+    SequenceResult,
+)
+from engine.sampling.sampler import Sampler
+
+# Forked sequences get ids from here up, so they never equal a request id (the service counts
+# from 1, direct engine callers from 1_000_000).
+FORK_SEQ_ID_BASE = 1 << 40
+
+
+class GroupError(ValueError):
+    """A group request this engine cannot run; the message is for the user."""
+
+
+class GroupDriver:
+    def __init__(self, engine):
+        self.engine = engine
+        self.active: dict[int, SequenceGroup] = {}
+        self._next_seq_id = FORK_SEQ_ID_BASE
+
+    # ---- start -----------------------------------------------------------------------------
+    def check(self, params) -> None:
+        config = self.engine.config
+        what = f"beam search with {params.num_beams} beams" if params.beam_search else f"n={params.n} samples"
+        if config.speculative is not None:
+            raise GroupError(f"{what} cannot run with speculative decoding: turn one of them off.")
+        if params.group_size > config.max_num_seqs:
+            raise GroupError(
+                f"{what} run {params.group_size} sequences at once, but the engine runs at most "
+                f"{config.max_num_seqs} (max_num_seqs): ask for fewer or raise it."
+            )
+        if params.beam_search and params.num_beams > config.max_num_batched_tokens:
+            raise GroupError(
+                f"{what} need {params.num_beams} tokens per step, more than the step budget "
+                f"({config.max_num_batched_tokens}, max_num_batched_tokens)."
+            )
+
+    def start(self, seq: Sequence) -> SequenceGroup:
+        params = seq.params
+        beam = None
+        if params.beam_search:
+            eos = set() if params.ignore_eos else self.engine.eos_ids
+            beam = BeamSearch(
+                params.num_beams, eos, params.max_new_tokens, params.length_penalty, params.early_stopping
+            )
+        group = SequenceGroup(seq.seq_id, params, seq, beam)
+        self.active[group.request_id] = group
+        return group
+
+    # ---- forks -----------------------------------------------------------------------------
+    def _fork(self, group: SequenceGroup, parent: Sequence, branch: int) -> Sequence:
+        engine = self.engine
+        seq_id, self._next_seq_id = self._next_seq_id, self._next_seq_id + 1
+        engine.emit(
+            SequenceForked(
+                group.request_id, parent.seq_id, seq_id, branch, parent.num_tokens, time.perf_counter()
+            )
+        )
+        child = group.fork(parent, seq_id, branch, engine.kv)  # emits the "share"
+        engine.seqs[seq_id] = child
+        return child
+
+    def fork_samples(self, group: SequenceGroup) -> list[Sequence]:
+        """The prompt is in the cache: n - 1 more samples share its blocks. Returns all n."""
+        engine = self.engine
+        parent = group.members[0]
+        prompt = parent.token_ids[: parent.num_prompt_tokens]
+        for branch in range(1, group.size):
+            child = self._fork(group, parent, branch)
+            child.sampler = Sampler(group.sample_params(branch), decode_token=engine._token_text)
+            child.detokenizer = IncrementalDetokenizer(engine.tokenizer, prompt, group.params.stop)
+            group.members.append(child)
+        group.forked = True
+        engine.scheduler.replace_members([parent], group.members)
+        group.measure_blocks()
+        return list(group.members)
+
+    def end_sample(self, seq: Sequence, reason: str) -> None:
+        """One sample finished; the request finishes with its last sample."""
+        group = seq.group
+        seq.finish_reason = reason
+        seq.detokenizer.flush()
+        self._drop(group, seq, reason)
+        group.ended.append(seq)
+        if not group.members:
+            self._finish(group, None, self._sample_results(group))
+
+    def _drop(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
+        engine = self.engine
+        engine.emit(SequenceFinished(group.request_id, seq.seq_id, seq.branch, reason, time.perf_counter()))
+        engine.scheduler.remove(seq)  # emits the "free"
+        engine.seqs.pop(seq.seq_id, None)
+        group.members.remove(seq)
+
+    # ---- beams -----------------------------------------------------------------------------
+    def beam_step(self, group: SequenceGroup, rows: dict[int, int], logits: torch.Tensor) -> None:
+        """All running beams got logits (`rows`: seq_id -> row): rank, re-fork, prune."""
+        engine, members, k = self.engine, list(group.members), group.size
+        prompt = members[0].token_ids[: members[0].num_prompt_tokens]
+        log_probs = torch.cat(
+            [
+                seq.sampler.penalize(
+                    torch.log_softmax(logits[rows[seq.seq_id]].float(), -1)[None], prompt, seq.output_ids
+                )
+                for seq in members
+            ]
+        )
+        if len(members) == 1:
+            log_probs = log_probs.expand(k, -1)  # step 0: every beam is the prompt
+        capped = members[0].num_tokens + 1 >= engine.max_model_len
+        result = group.beam.step(log_probs, length_capped=capped)
+        slots = members if len(members) == k else members * k
+        now = time.perf_counter()
+        group.mark_token_step(engine.step_count, now)
+        if result.done:
+            # No beam runs again: nothing to fork or extend (the kept hypotheses hold the
+            # tokens); each slot is shown on the sequence that holds its parent's blocks.
+            self._emit_beam_step(group, result, tuple(slots[p].seq_id for p in result.parents), now)
+            self._finish(group, None, self._beam_results(group, group.beam.ranked(), None))
+            return
+
+        # The first new beam from a parent continues in the parent's sequence; any other forks
+        # it (before the parent's new token is appended, so the fork copies the same tokens).
+        claimed: set[int] = set()
+        new_members = []
+        for branch, parent_slot in enumerate(result.parents):
+            parent = slots[parent_slot]
+            if id(parent) in claimed:
+                child = self._fork(group, parent, branch)
+                child.sampler = parent.sampler  # greedy: only its penalty stages are used
+                new_members.append(child)
+            else:
+                claimed.add(id(parent))
+                new_members.append(parent)
+        for seq in members:
+            if id(seq) not in claimed:
+                self._drop(group, seq, "pruned")
+                group.pruned += 1
+        for branch, (seq, token, score) in enumerate(zip(new_members, result.tokens, result.scores)):
+            seq.branch = branch
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score
+        group.members = new_members
+        engine.scheduler.replace_members(members, new_members)
+        group.measure_blocks()
+        self._emit_beam_step(group, result, tuple(seq.seq_id for seq in new_members), now)
+
+    def _emit_beam_step(self, group: SequenceGroup, result, seq_ids: tuple[int, ...], now: float) -> None:
+        engine = self.engine
+        engine.emit(
+            BeamStep(
+                request_id=group.request_id,
+                step=group.beam.generated - 1,
+                parents=result.parents,
+                token_ids=result.tokens,
+                token_texts=tuple(engine._token_text(t) for t in result.tokens),
+                scores=result.scores,
+                seq_ids=seq_ids,
+                finished=tuple(FinishedBeam(p, t, s) for p, t, s in result.finished),
+                done=result.done,
+                t=now,
+            )
+        )
+
+    def _beam_results(self, group: SequenceGroup, hyps: list[Hypothesis], reason: str | None):
+        eos = set() if group.params.ignore_eos else self.engine.eos_ids
+        results = []
+        for rank, hyp in enumerate(hyps):
+            ended_on_eos = bool(hyp.token_ids) and hyp.token_ids[-1] in eos
+            text_ids = hyp.token_ids[:-1] if ended_on_eos else hyp.token_ids
+            why = reason or ("stop" if ended_on_eos else "length")
+            results.append(SequenceResult(rank, self._text(group, text_ids), hyp.token_ids, hyp.score, why))
+        return results
+
+    def _text(self, group: SequenceGroup, token_ids) -> str:
+        first = group.every_seq[0]
+        detok = IncrementalDetokenizer(self.engine.tokenizer, first.token_ids[: first.num_prompt_tokens])
+        for token in token_ids:
+            detok.push(token)
+        detok.flush()
+        return detok.text
+
+    # ---- the end ---------------------------------------------------------------------------
+    def _sample_results(self, group: SequenceGroup, reason: str | None = None) -> list[SequenceResult]:
+        results = [
+            SequenceResult(
+                seq.branch,
+                seq.detokenizer.text,
+                tuple(seq.output_ids),
+                seq.cumulative_logprob,
+                seq.finish_reason or reason or "cancelled",
+            )
+            for seq in sorted(group.ended + group.members, key=lambda s: s.branch)
+        ]
+        return sorted(results, key=lambda r: -r.score)
+
+    def cancel(self, request_id: int) -> None:
+        group = self.active[request_id]
+        if group.kind == "samples":
+            results = self._sample_results(group, "cancelled")
+        elif group.beam.generated:
+            results = self._beam_results(group, group.beam.running_ranked(), "cancelled")
+        else:
+            results = []
+        self._finish(group, "cancelled", results)
+
+    def fail(self, group: SequenceGroup, message: str) -> None:
+        self._release(group)
+        self.engine.emit(RequestFailed(group.request_id, message, time.perf_counter()))
+
+    def _release(self, group: SequenceGroup) -> None:
+        for seq in list(group.members):
+            self.engine.scheduler.remove(seq)
+            self.engine.seqs.pop(seq.seq_id, None)
+        self.active.pop(group.request_id, None)
+
+    def _finish(self, group: SequenceGroup, reason: str | None, results: list[SequenceResult]) -> None:
+        self._release(group)
+        best = results[0] if results else None
+        times = group.token_times
+        first = group.every_seq[0]
+        generated = sum(len(r.token_ids) for r in results)
+        decode_time = times[-1] - times[0] if len(times) > 1 else 0.0
+        stats = RequestStats(
+            prompt_tokens=first.num_prompt_tokens,
+            generated_tokens=generated,
+            cached_prompt_tokens=first.num_cached_tokens,
+            ttft_s=times[0] - first.arrival_time if times else 0.0,
+            itl_s=tuple(b - a for a, b in zip(times, times[1:])),
+            tokens_per_s=(len(times) - 1) * group.size / decode_time if decode_time > 0 else 0.0,
+            preemptions=group.preemptions,
+            peak_blocks=group.peak_shared,
+            target_forwards=max(seq.target_forwards for seq in group.every_seq),
+        )
+        self.engine.emit(
+            RequestFinished(
+                group.request_id,
+                reason or (best.finish_reason if best else "cancelled"),
+                best.text if best else "",
+                best.token_ids if best else (),
+                stats,
+                time.perf_counter(),
+                tuple(results),
+                group.stats(),
+            )
+        )

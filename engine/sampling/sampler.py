@@ -1,0 +1,152 @@
+"""The sampler: a pipeline of logit stages for one sequence, with optional per-stage snapshots.
+
+The stages and their order are engine.sampling.stages. Temperature 0 means greedy: the argmax
+of the penalized logits (the truncation stages are skipped, as they cannot change the argmax).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import SamplingParams
+from engine.events import TokenSnapshot
+from engine.sampling.snapshot import take_snapshot
+from engine.sampling.stages import PENALTY_STAGES, build_stages
+
+
+class SamplingError(RuntimeError):
+    """The logits cannot be sampled from (e.g. the model produced NaN)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float  # log-prob of the token under the final distribution
+    snapshot: TokenSnapshot | None
+
+
+def _history_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.LongTensor:
+    t = torch.as_tensor(list(ids), dtype=torch.long, device=device).reshape(1, -1)
+    # Embedding tables can be larger than the LM head; ids the head cannot produce need no penalty.
+    return t[t < vocab].reshape(1, -1)
+
+
+class Sampler:
+    """Samples one sequence's next token from its logits under fixed `SamplingParams`."""
+
+    def __init__(self, params: SamplingParams, decode_token: Callable[[int], str] | None = None):
+        self.params = params
+        self.stages = build_stages(params)
+        self._decode_token = decode_token or (lambda token_id: f"#{token_id}")
+        self._generator: torch.Generator | None = None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        # Made lazily: the logits' device is only known at the first call.
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self.params.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self.params.seed)
+        return self._generator
+
+    def sample(
+        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> SampleResult:
+        scores = logits.detach().to(torch.float32).reshape(1, -1)
+        want_snapshot = self.params.snapshot_top_n > 0
+        if self.params.greedy and not self.stages and not want_snapshot:
+            # The hot path of plain greedy decoding: an argmax and one log-sum-exp.
+            token = int(scores[0].argmax())
+            return SampleResult(token, self._checked(float(scores[0, token] - scores[0].logsumexp(0))), None)
+
+        scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot)
+        if self.params.greedy:
+            token = int(scores[0].argmax())
+        else:
+            token = self.draw(torch.softmax(scores[0], dim=0))
+        return self._result(scores, trace, penalized, token)
+
+    def distribution(
+        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """The final sampling distribution [V] after every stage (one-hot at the argmax when
+        greedy): the p (or q) of speculative verification."""
+        scores = logits.detach().to(torch.float32).reshape(1, -1)
+        scores, _, _ = self._process(scores, prompt_ids, output_ids, want_trace=False)
+        if self.params.greedy:
+            return torch.zeros_like(scores[0]).scatter_(0, scores[0].argmax().reshape(1), 1.0)
+        return torch.softmax(scores[0], dim=0)
+
+    def penalize(
+        self, scores: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """The penalty stages alone on scores [1, V] (beam search runs them on log-probs, as
+        transformers does); greedy params have no other stages."""
+        if not self.stages:
+            return scores
+        return self._process(scores, prompt_ids, output_ids, want_trace=False)[0]
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from a probability vector, with this request's generator (seeded or not)."""
+        if not bool(torch.isfinite(probs).all()):
+            self._checked(math.nan)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(probs.device)))
+
+    def uniform(self) -> float:
+        """A U(0, 1) draw from this request's generator (speculative acceptance tests)."""
+        return float(torch.rand((), generator=self._generator_for(torch.device("cpu"))))
+
+    def result_for(
+        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], token: int
+    ) -> SampleResult:
+        """Logprob (and snapshot, when asked) of a token chosen elsewhere, e.g. by the
+        speculative verifier, under this request's pipeline."""
+        scores = logits.detach().to(torch.float32).reshape(1, -1)
+        scores, trace, penalized = self._process(
+            scores, prompt_ids, output_ids, self.params.snapshot_top_n > 0
+        )
+        return self._result(scores, trace, penalized, token)
+
+    def _process(self, scores, prompt_ids, output_ids, want_trace: bool):
+        """Run the stages; returns the final scores [1, V], the per-stage trace (or None) and
+        the scores after the penalty stages."""
+        trace = [("raw", scores)] if want_trace else None
+        penalized = scores
+        histories: dict[str, torch.LongTensor] = {}
+        for stage in self.stages:
+            if stage.history == "none":
+                ids = None
+            elif stage.history not in histories:
+                ids = [*prompt_ids, *output_ids] if stage.history == "prompt+output" else output_ids
+                ids = histories[stage.history] = _history_tensor(ids, scores.shape[1], scores.device)
+            else:
+                ids = histories[stage.history]
+            scores = stage.processor(ids, scores)
+            if stage.name in PENALTY_STAGES:
+                penalized = scores
+            if trace is not None:
+                trace.append((stage.name, scores))
+        return scores, trace, penalized
+
+    def _result(self, scores, trace, penalized, token: int) -> SampleResult:
+        logprob = self._checked(float(scores[0, token] - scores[0].logsumexp(0)))
+        snapshot = None
+        if trace is not None:
+            snapshot = take_snapshot(
+                trace, penalized[0], token, self.params.snapshot_top_n, self._decode_token
+            )
+        return SampleResult(token, logprob, snapshot)
+
+    @staticmethod
+    def _checked(logprob: float) -> float:
+        if math.isnan(logprob):
+            raise SamplingError(
+                "the model produced invalid logits (NaN), so no token can be chosen; "
+                "this usually means the weights overflowed in this dtype: try float32"
+            )
+        return logprob

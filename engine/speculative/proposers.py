@@ -1,0 +1,146 @@
+"""Proposers of draft tokens: n-gram prompt lookup, a draft model, or the target's first layers.
+Their guesses are checked by engine.speculative.verify."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache
+
+from engine.core.sequence import Sequence
+from engine.sampling.sampler import Sampler
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
+    `max_n` down to `min_n`) and propose the tokens that followed it. No model; q is one-hot."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, seq: Sequence, k: int) -> tuple[list[int], list[torch.Tensor | None]]:
+        tokens = seq.token_ids
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    follow = tokens[start + n : start + n + k]
+                    if follow:
+                        return list(follow), [None] * len(follow)
+        return [], []
+
+    def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A smaller causal LM sharing the target's tokenizer proposes k tokens autoregressively,
+    sampled under the request's own sampling settings (its q). Each sequence keeps a draft-side
+    DynamicCache, cropped back to the verified prefix after every round."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "draft"):
+        self.model = model
+        self.name = name
+        self._state: dict[int, tuple[DynamicCache, int, Sampler]] = {}
+
+    @torch.inference_mode()
+    def propose(self, seq: Sequence, k: int) -> tuple[list[int], list[torch.Tensor | None]]:
+        cache, cached, sampler = self._state.get(seq.seq_id) or (
+            DynamicCache(config=self.model.config),
+            0,
+            Sampler(seq.params),
+        )
+        device = next(self.model.parameters()).device
+        new = seq.token_ids[cached:]
+        prompt, output = seq.token_ids[: seq.num_prompt_tokens], list(seq.output_ids)
+        logits = self._forward(new, cached, cache, device)
+        drafts, qs = [], []
+        for i in range(k):
+            q = sampler.distribution(logits, prompt, output + drafts)
+            x = int(q.argmax()) if seq.params.greedy else sampler.draw(q)
+            drafts.append(x)
+            qs.append(q)
+            if i < k - 1:
+                logits = self._forward([x], len(seq.token_ids) + i, cache, device)
+        self._state[seq.seq_id] = (cache, len(seq.token_ids) + k - 1, sampler)
+        return drafts, qs
+
+    def _forward(self, ids: list[int], start: int, cache: DynamicCache, device) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=device)
+        positions = torch.arange(start, start + len(ids), device=device)[None]
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        return out.logits[0, -1].float()
+
+    def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
+        """Only the first `valid_tokens` of the sequence are still true; drop the rest."""
+        state = self._state.get(seq.seq_id)
+        if state is None:
+            return
+        cache, cached, sampler = state
+        keep = min(cached, valid_tokens)
+        if cached > keep:
+            cache.crop(-(cached - keep))  # transformers 5.x: a negative count removes tokens
+        self._state[seq.seq_id] = (cache, keep, sampler)
+
+    def release(self, seq: Sequence) -> None:
+        self._state.pop(seq.seq_id, None)
+
+
+def first_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """A self-draft: the target truncated to its first `num_layers` decoder layers (then its
+    final norm and LM head), sharing the target's weights: no extra weight memory."""
+    inner = model.model
+    if not 1 <= num_layers < inner.config.num_hidden_layers:
+        raise ValueError(
+            f"a self-draft needs 1..{inner.config.num_hidden_layers - 1} layers, got {num_layers}"
+        )
+    draft_inner = copy.copy(inner)
+    draft_inner._modules = dict(inner._modules)
+    draft_inner.config = copy.deepcopy(inner.config)
+    draft_inner.config.num_hidden_layers = num_layers
+    draft = copy.copy(model)
+    draft._modules = dict(model._modules)
+    draft._modules["model"] = draft_inner
+    draft.config = draft_inner.config
+    return draft
+
+
+def make_proposer(config, loaded):
+    """The proposer named by `config.speculative` for the target `loaded`."""
+    spec = config.speculative
+    if spec.method == "ngram":
+        return NgramProposer()
+    if spec.method == "self":
+        layers = spec.self_draft_layers or max(1, loaded.info.num_layers // 4)
+        return DraftModelProposer(first_layers(loaded.model, layers), name=f"self ({layers} layers)")
+    from engine.config import ModelSpec
+    from engine.model.loading import load_model
+
+    draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
+    check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
+    return DraftModelProposer(draft.model, name=f"draft ({draft.info.name})")
+
+
+PROBE_TEXT = "Speculative decoding checks drafts: 42 tokens, naïve café, 你好, 🙂."
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Draft tokens are target tokens: the two vocabularies must agree."""
+    from engine.config import ConfigError
+
+    same = len(target_tokenizer) == len(draft_tokenizer) and target_tokenizer.encode(
+        PROBE_TEXT
+    ) == draft_tokenizer.encode(PROBE_TEXT)
+    if not same:
+        raise ConfigError(
+            "The draft model's tokenizer differs from the target's, so its tokens cannot be verified; "
+            "choose a draft model of the same family (same vocabulary)."
+        )

@@ -1,0 +1,58 @@
+"""Speculative decoding: proposers guess k tokens cheaply; one target forward checks them all.
+
+Verification is the standard rejection sampling (Leviathan et al. 2023): draft token x with
+draft probability q(x) is accepted with probability min(1, p(x)/q(x)), where p is the target's
+distribution after the request's own sampling stages; on the first rejection the token is drawn
+from the normalised residual max(p - q, 0); when every draft is accepted a bonus token is drawn
+from the target's next distribution. The emitted tokens are distributed exactly as p, whatever
+the draft. Greedy is the special case of one-hot p: drafts are kept while they equal the argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accepted: int  # leading draft tokens kept
+    token: int  # the token after them: resampled on a rejection, else the bonus
+    bonus: bool
+    accept_probs: tuple[float, ...]  # min(1, p/q) of each draft token examined
+    p_of_draft: tuple[float, ...]
+    q_of_draft: tuple[float, ...]
+
+
+def verify(
+    p: torch.Tensor,
+    draft: list[int],
+    q: list[torch.Tensor | None],
+    draw: Callable[[torch.Tensor], int],
+    uniform: Callable[[], float],
+) -> Verdict:
+    """p: [len(draft) + 1, V] target distributions; q[i]: the draft's distribution for draft[i]
+    (None = a deterministic, one-hot proposal such as n-gram lookup)."""
+    accept_probs, ps, qs = [], [], []
+    for i, x in enumerate(draft):
+        px = float(p[i, x])
+        qx = 1.0 if q[i] is None else float(q[i][x])
+        a = min(1.0, px / qx) if qx > 0 else 0.0
+        accept_probs.append(a)
+        ps.append(px)
+        qs.append(qx)
+        if uniform() < a:
+            continue
+        if q[i] is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - q[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        # Rejection with zero residual mass needs p == q, where acceptance is certain; guard
+        # against float dust all the same.
+        token = draw(residual / total) if total > 0 else draw(p[i])
+        return Verdict(i, token, False, tuple(accept_probs), tuple(ps), tuple(qs))
+    return Verdict(len(draft), draw(p[len(draft)]), True, tuple(accept_probs), tuple(ps), tuple(qs))
