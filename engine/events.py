@@ -7,7 +7,9 @@ consumer on another thread can keep them without touching torch or the engine's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.model.shapes import ModelShapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,11 @@ class ModelInfo:
     # the load dtype before it: the "before" of the app's weights before/after. None: not known.
     quantization: str = "none"
     weight_bytes_before: int | None = None
+    # The shapes every cost formula reads (KV bytes per token, FLOPs and bytes per step).
+    shapes: ModelShapes | None = None
+    # Bytes per weight element as stored (fractional for packed formats: 4-bit codes with their
+    # group scales are ~0.56); what a step that reads the weights in their own format moves.
+    weight_bytes_per_param: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +332,28 @@ class KVStats:
 
 
 @dataclass(frozen=True, slots=True)
+class StepCost:
+    """FLOPs and bytes of one engine step (engine.measure.roofline.step_cost computes it from
+    what the step actually ran: its sequences, its LM-head rows, the kernels' weight bytes)."""
+
+    flops: int | float
+    weight_bytes: int | float  # layer weights, gathered embedding rows, the LM head when it runs
+    kv_read_bytes: int | float
+    kv_write_bytes: int | float
+    # Every term above by name, for the roofline's tooltip.
+    breakdown: dict[str, int | float] = field(default_factory=dict, compare=False)
+
+    @property
+    def bytes_total(self) -> int | float:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte moved: where the step sits on the roofline."""
+        return self.flops / self.bytes_total
+
+
+@dataclass(frozen=True, slots=True)
 class StepStats:
     step: int
     prefill_tokens: int
@@ -346,6 +375,17 @@ class StepStats:
     # roofline's FLOP and byte counts are computed from.
     seq_shapes: tuple[tuple[int, int], ...] = ()
     t: float = 0.0
+    # Rows the LM head computed (one per sequence that samples; 1 + drafts for a speculative
+    # round; one per beam), as the runner ran them: never inferred from the tokens emitted.
+    logit_rows: int = 0
+    # Phase times: drafting (speculative proposers, before the target forward), the target
+    # forward, then postprocess (sampling, verification, events) in `sample_s`. `forward_s`
+    # never includes drafting. duration_s = schedule + draft_s + forward_s + sample_s.
+    draft_s: float = 0.0
+    # The matmul kernel the step's linears ran ("fp32", "int4-packed/bf16", ...), as chosen by
+    # rows; and the step's FLOPs and bytes computed by the engine from what it ran.
+    kernel: str = ""
+    cost: StepCost | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +400,10 @@ class MemorySample:
     device_total_bytes: int  # system RAM / GPU memory
     source: str  # e.g. "psutil RSS" or "torch.cuda counters" or "NVML"
     t: float = 0.0
+    # A speculative draft model's own weights and its KV cache (0 without one; a self-draft
+    # shares the target's weights and counts only its cache).
+    draft_weights_bytes: int = 0
+    draft_cache_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

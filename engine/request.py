@@ -26,10 +26,17 @@ class Request:
     messages: tuple[ChatMessage, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Continue a reply that already has these tokens (a branch from a chosen token, a reply cut
+    # off by a crash): they follow the chat template's generation prompt as part of the prompt,
+    # so the prefix cache shares their blocks with the reply they came from. The request streams
+    # only what comes after them.
+    reply_prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.prompt_token_ids):
             raise ConfigError("a request needs either chat messages or prompt token ids (exactly one)")
+        if self.reply_prefix_ids and not self.messages:
+            raise ConfigError("a reply prefix continues a chat: it needs chat messages")
 
     @staticmethod
     def chat(

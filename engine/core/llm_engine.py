@@ -125,7 +125,9 @@ class LLMEngine:
             return list(request.prompt_token_ids)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + list(
+            request.reply_prefix_ids
+        )
 
     def _make_sequence(self, request: Request, request_id: int) -> Sequence:
         ids = self.prompt_ids(request)
@@ -191,6 +193,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose_drafts()
+        t_drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         self._trim_drafts(batch)
         if not batch.seqs:
@@ -209,6 +212,7 @@ class LLMEngine:
                 count = 1 + seq.num_draft_tokens
                 sampling.append((seq, len(rows), count))
                 rows.extend(range(offset - count, offset))
+        t_forward = time.perf_counter()
         logits = self.runner.forward(batch.seqs, batch.num_tokens, rows)
         t1 = time.perf_counter()
         verdicts = {seq.seq_id: self._verify(seq, logits[r : r + c]) for seq, r, c in sampling if c > 1}
@@ -230,8 +234,8 @@ class LLMEngine:
                     self._sample_token(member, logits[r])
             else:
                 self._sample_token(seq, logits[r])
-        for request_id, rows in beam_rows.items():
-            self.groups.beam_step(self.groups.active[request_id], rows, logits)
+        for request_id, seq_rows in beam_rows.items():
+            self.groups.beam_step(self.groups.active[request_id], seq_rows, logits)
         t2 = time.perf_counter()
         self.step_count += 1
         self.emit(
@@ -243,7 +247,7 @@ class LLMEngine:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 duration_s=t2 - t0,
-                forward_s=t1 - t0,
+                forward_s=t1 - t_forward,
                 sample_s=t2 - t1,
                 kv=self.kv_stats(),
                 prefix_queries=self.kv.queries,
@@ -252,6 +256,8 @@ class LLMEngine:
                 preemptions=self.scheduler.preemptions,
                 seq_shapes=shapes,
                 t=t2,
+                logit_rows=len(rows),
+                draft_s=t_drafted - t0,
             )
         )
 

@@ -13,9 +13,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig
 from engine.events import EngineError, Event, ModelInfo, ModelLoaded, ModelLoadFailed, ModelLoading
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+
+T = TypeVar("T")
 
 # How often an idle engine wakes to sample memory: the memory graph keeps moving while idle,
 # and it bounds how long shutdown waits on an idle loop.
@@ -35,6 +42,8 @@ class Engine:
         self._core = None
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
+        self._closing = threading.Lock()  # `call` vs the loop's end: a call is run or failed, never lost
+        self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -77,6 +86,36 @@ class Engine:
     def cancel(self, request_id: int) -> None:
         self._commands.put(("cancel", request_id))
 
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run `fn(llm_engine)` on the engine thread between two steps; its result (or exception)
+        arrives in the returned Future. How the GUI asks the engine anything (count tokens,
+        recompute a token's logits, read a figure) without touching its state from another
+        thread. Before the model is loaded, or after it failed, the Future fails."""
+        future: Future[T] = Future()
+        with self._closing:
+            if self._closed:
+                future.set_exception(RuntimeError(self._closed_reason()))
+            else:
+                self._commands.put(("call", (fn, future)))
+        return future
+
+    def _closed_reason(self) -> str:
+        if self.load_error:
+            return f"the model did not load: {self.load_error}"
+        return "the engine has stopped"
+
+    def _close(self) -> None:
+        """The loop has ended: no command will run again. Calls still queued fail at once."""
+        with self._closing:
+            self._closed = True
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                payload[1].set_exception(RuntimeError(self._closed_reason()))
+
     # ---- thread body -----------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
         with contextlib.suppress(Exception):  # a broken consumer must not kill inference
@@ -91,12 +130,14 @@ class Engine:
             self.load_error = describe_load_error(exc)
             self._emit(ModelLoadFailed(self.load_error, time.perf_counter()))
             self._ready.set()
+            self._close()
             return
         self._ready.set()
         try:
             self._serve()
         finally:
             self._core.abort_all()
+            self._close()
 
     def _load(self) -> None:
         from engine.core.llm_engine import LLMEngine
@@ -151,3 +192,11 @@ class Engine:
             self._core.add_request(request, request_id=request_id)
         elif kind == "cancel":
             self._core.abort(payload)
+        elif kind == "call":
+            fn, future = payload
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self._core))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
+                future.set_exception(exc)

@@ -14,29 +14,10 @@ share of the weights.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.events import StepStats, TokenGenerated
+from engine.events import StepCost, StepStats, TokenGenerated
 from engine.model.shapes import ModelShapes
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    flops: int | float
-    weight_bytes: int | float  # layer weights, gathered embedding rows, the LM head when it runs
-    kv_read_bytes: int | float
-    kv_write_bytes: int | float
-    # Every term above by name, for the roofline's tooltip.
-    breakdown: dict[str, int | float] = field(default_factory=dict, compare=False)
-
-    @property
-    def bytes_total(self) -> int | float:
-        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte moved: where the step sits on the roofline."""
-        return self.flops / self.bytes_total
 
 
 def step_cost(

@@ -48,5 +48,7 @@ class LoadedModel:
             load_seconds=load_seconds,
             quantization=record.scheme if record else NONE,
             weight_bytes_before=record.bytes_before if record else weight_bytes,
+            shapes=shapes,
+            weight_bytes_per_param=weight_bytes / max(1, shapes.params),
         )
         return LoadedModel(model, tokenizer, info, param.device, param.dtype)

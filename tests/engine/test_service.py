@@ -143,3 +143,36 @@ def test_a_model_that_fails_to_load_reports_and_stops(tmp_path):
     assert failed.message == engine.load_error and "nope" in failed.message
     engine.shutdown()
     assert not engine.is_alive()
+
+
+def test_call_runs_on_the_engine_thread_and_returns_its_result(tiny_loaded):
+    engine = Engine(EngineConfig(num_blocks=16), sink=lambda event: None, loaded=tiny_loaded)
+    engine.start()
+    try:
+        engine.wait_until_loaded(60)
+        where = engine.call(lambda core: (threading.current_thread().name, core.kv.pool.num_blocks))
+        assert where.result(60) == ("kvscope-engine", 16)
+        failing = engine.call(lambda core: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result(60)
+        assert engine.call(lambda core: "still serving").result(60) == "still serving"
+    finally:
+        engine.shutdown()
+    late = engine.call(lambda core: "never runs")
+    with pytest.raises(RuntimeError, match="stopped"):
+        late.result(5)
+
+
+def test_call_fails_when_the_model_did_not_load(tmp_path):
+    from engine.config import ModelSpec
+
+    engine = Engine(
+        EngineConfig(model=ModelSpec(str(tmp_path / "missing"), device="cpu")), sink=lambda e: None
+    )
+    engine.start()
+    try:
+        engine.wait_until_loaded(60)
+        with pytest.raises(RuntimeError, match="did not load"):
+            engine.call(lambda core: 1).result(10)
+    finally:
+        engine.shutdown()
