@@ -30,8 +30,12 @@ def add_command(sub) -> None:
     )
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched in one step at most")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)"
+    )
+    s.add_argument(
+        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+    )
 
 
 def run(args: argparse.Namespace) -> int:

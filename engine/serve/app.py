@@ -10,6 +10,7 @@ GET /metrics, GET /v1/kvscope/events. With an API key, every /v1 route needs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -35,14 +36,41 @@ KEEPALIVE_S = 15.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code), status)
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code), status
+    )
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {text}\n\n".encode()
+
+
+class RequireKey:
+    """`Authorization: Bearer KEY` on every /v1 route. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would wrap `receive` and hide a client's disconnect from the routes."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
+                    401,
+                    "Incorrect or missing API key: send Authorization: Bearer KEY.",
+                    None,
+                    "invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
@@ -56,7 +84,9 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return error_response(400, f"{param + ': ' if param else ''}{first.get('msg')}", param, "invalid_value")
+        return error_response(
+            400, f"{param + ': ' if param else ''}{first.get('msg')}", param, "invalid_value"
+        )
 
     @app.exception_handler(ServeError)
     async def _refused(_request: Request, exc: ServeError) -> JSONResponse:
@@ -66,18 +96,17 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(given.encode(), api_key.encode()):
-                return error_response(401, "Incorrect or missing API key: send Authorization: Bearer KEY.", None, "invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model:
-            raise ServeError(f"The model `{name}` does not exist: this server serves `{model}`.", "model", "model_not_found", 404)
+            raise ServeError(
+                f"The model `{name}` does not exist: this server serves `{model}`.",
+                "model",
+                "model_not_found",
+                404,
+            )
 
     # ---- information -----------------------------------------------------------------------
     @app.get("/health")
@@ -111,12 +140,16 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
-        return await generate("chat", _planned(lambda: chat_plan(body, bridge.max_model_len)), body.stream, request)
+        return await generate(
+            "chat", _planned(lambda: chat_plan(body, bridge.max_model_len)), body.stream, request
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await generate("completion", _planned(lambda: completion_plan(body, bridge.max_model_len)), body.stream, request)
+        return await generate(
+            "completion", _planned(lambda: completion_plan(body, bridge.max_model_len)), body.stream, request
+        )
 
     async def generate(kind: str, plan: Plan, stream: bool, request: Request) -> Response:
         from engine.serve.replies import Reply
@@ -127,7 +160,9 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         try:
             for prompt in plan.prompts:
                 check = _capacity_check(plan, "messages" if kind == "chat" else "prompt")
-                started.append(await bridge.start_request(prompt.token_ids, plan.sampling, channel, check, plan.tag))
+                started.append(
+                    await bridge.start_request(prompt.token_ids, plan.sampling, channel, check, plan.tag)
+                )
         except ServeError:
             _cancel(started)
             raise
@@ -147,7 +182,9 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             _cancel(started)
             raise reply.error
         if stream:
-            return StreamingResponse(_stream(channel, reply, first, started), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(
+                _stream(channel, reply, first, started), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         return await _whole(channel, reply, first, started, request)
 
     async def _opening(channel: Channel, reply) -> list[dict]:
@@ -172,7 +209,11 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
                     yield sse(chunk)
             if reply.error is not None:
                 error = reply.error
-                yield sse(error_body(error.message, ERROR_TYPES.get(error.status, "server_error"), error.param, error.code))
+                yield sse(
+                    error_body(
+                        error.message, ERROR_TYPES.get(error.status, "server_error"), error.param, error.code
+                    )
+                )
             elif reply.plan.include_usage:
                 yield sse(reply.usage_chunk())
             yield sse("[DONE]")
@@ -181,16 +222,18 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             # way the engine stops working for it, and its blocks are freed.
             _cancel(started)
 
-    async def _whole(channel: Channel, reply, first: list[dict], started: list[Started], request: Request) -> Response:
+    async def _whole(
+        channel: Channel, reply, first: list[dict], started: list[Started], request: Request
+    ) -> Response:
         try:
+            checked = time.monotonic()
             while not reply.done:
-                try:
-                    events = await asyncio.wait_for(channel.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
+                with contextlib.suppress(TimeoutError):
+                    reply.fold(await asyncio.wait_for(channel.get(), DISCONNECT_POLL_S))
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
-                reply.fold(events)
+                        return Response(status_code=499)  # nobody to answer; nginx's code for it
         finally:
             _cancel(started)
         if reply.error is not None:
@@ -212,7 +255,12 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/kvscope/events")
     async def events(request: Request) -> Response:
         loop = asyncio.get_running_loop()
-        hello = {"server": "kvscope", "model": model, "t": time.perf_counter(), "block_size": bridge.config.block_size}
+        hello = {
+            "server": "kvscope",
+            "model": model,
+            "t": time.perf_counter(),
+            "block_size": bridge.config.block_size,
+        }
         channel = await bridge.subscribe(loop)
 
         async def body():
@@ -237,7 +285,11 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
 
 
 def _message_of(exc: Exception) -> str:
-    return str(exc) if isinstance(exc, (ConfigError, ValueError)) and str(exc) else f"{type(exc).__name__}: {exc}"
+    return (
+        str(exc)
+        if isinstance(exc, (ConfigError, ValueError)) and str(exc)
+        else f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _planned(make) -> Plan:
@@ -286,4 +338,3 @@ def capacity_check(core, ids: list[int], plan: Plan, param: str) -> None:
             "max_tokens" if plan.max_tokens_given else param,
             "kv_cache_too_small",
         )
-

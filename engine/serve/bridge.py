@@ -128,7 +128,7 @@ class EngineBridge:
                 self._channels[request_id] = channel
                 subscribers = tuple(self._subscribers) if tag else ()
             for subscriber in subscribers:
-                    subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
+                subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
             self.metrics.arrived(request_id, arrival)
             core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
             return Started(request_id, len(ids))

@@ -104,7 +104,11 @@ def token_bytes_table(tokenizer) -> list[bytes]:
 def _gpt2_byte_chars() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte: printable Latin-1 bytes are themselves, the
     others are shifted to code points from 256 up in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -51,16 +51,26 @@ class ServeMetrics:
         self.running = gauge(
             "num_requests_running", "Sequences in the engine's running batch (a request of n samples is n)."
         )
-        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled (queued or preempted).")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: the fraction of the pool's blocks in use.")
+        self.waiting = gauge(
+            "num_requests_waiting", "Sequences waiting to be scheduled (queued or preempted)."
+        )
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: the fraction of the pool's blocks in use."
+        )
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."
         )
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens served from cache.")
-        self.preemptions = counter("num_preemptions", "Preemptions (a sequence's blocks freed to recompute later).")
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens served from cache."
+        )
+        self.preemptions = counter(
+            "num_preemptions", "Preemptions (a sequence's blocks freed to recompute later)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests the engine started.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated (every sample and beam).")
-        self.success = counter("request_success", "Requests that finished, by finish reason.", ("finished_reason",))
+        self.success = counter(
+            "request_success", "Requests that finished, by finish reason.", ("finished_reason",)
+        )
         self.ttft = histogram(
             "time_to_first_token_seconds", "From the HTTP request's arrival to its first token.", TTFT_BUCKETS
         )
@@ -74,7 +84,9 @@ class ServeMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = counter(
-            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the round.", ("position",)
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the round.",
+            ("position",),
         )
         self._lock = threading.Lock()
         self._arrival: dict[int, float] = {}  # request id -> perf_counter of its HTTP arrival

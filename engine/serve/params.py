@@ -79,7 +79,9 @@ def _refuse(param: str, message: str) -> ServeError:
     return ServeError(message, param=param, code="invalid_value")
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, default_max: int, top_n: int) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, default_max: int, top_n: int
+) -> SamplingParams:
     if body.logit_bias:
         raise _refuse("logit_bias", "logit_bias is not supported by this server")
     if body.n < 1:
@@ -133,7 +135,9 @@ def chat_plan(body: ChatRequest, default_max: int) -> Plan:
         request = Request(messages=messages, sampling=params, reply_prefix_ids=prefix)
     except ConfigError as exc:
         raise _refuse("messages", str(exc)) from exc
-    return Plan((Prompt(chat=request),), params, top_logprobs, max_tokens is not None, _usage(body), _tag(body))
+    return Plan(
+        (Prompt(chat=request),), params, top_logprobs, max_tokens is not None, _usage(body), _tag(body)
+    )
 
 
 def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
@@ -148,7 +152,9 @@ def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
         raise _refuse("echo", "echo with logprobs (prompt logprobs) is not supported by this server")
     params = sampling_params(body, body.max_tokens, default_max, _snapshot_size(top))
     if body.kvscope and body.kvscope.reply_prefix_ids:
-        raise _refuse("kvscope.reply_prefix_ids", "reply_prefix_ids continues a chat reply: use chat completions")
+        raise _refuse(
+            "kvscope.reply_prefix_ids", "reply_prefix_ids continues a chat reply: use chat completions"
+        )
     prompts = []
     for prompt in _prompts(body.prompt):
         if isinstance(prompt, str):
@@ -175,14 +181,17 @@ def _prompts(prompt) -> list:
 def _message(index: int, message) -> ChatMessage:
     role = ROLE_ALIASES.get(message.role, message.role)
     if role not in ("system", "user", "assistant"):
-        raise _refuse(f"messages.{index}.role", f"role {message.role!r} is not supported (system, user, assistant)")
+        raise _refuse(
+            f"messages.{index}.role", f"role {message.role!r} is not supported (system, user, assistant)"
+        )
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
                 raise _refuse(
-                    f"messages.{index}.content", f"content part of type {part.type!r} is not supported (text only)"
+                    f"messages.{index}.content",
+                    f"content part of type {part.type!r} is not supported (text only)",
                 )
             texts.append(part.text)
         content = "".join(texts)

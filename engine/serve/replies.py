@@ -119,9 +119,14 @@ class Reply:
         if self.plan.top_logprobs is None or token.snapshot is None:
             return
         if self.kind == "chat":
-            entry = self.strings.chat_entry(token.token_id, token.text, token.snapshot, self.plan.top_logprobs)
+            entry = self.strings.chat_entry(
+                token.token_id, token.text, token.snapshot, self.plan.top_logprobs
+            )
         else:
-            top = {self.strings.text_of(i, token.snapshot): lp for i, lp in top_raw(token.snapshot, self.plan.top_logprobs)}
+            top = {
+                self.strings.text_of(i, token.snapshot): lp
+                for i, lp in top_raw(token.snapshot, self.plan.top_logprobs)
+            }
             entry = (token.text, raw_logprob(token.snapshot, token.token_id), top, choice.text_offset)
             choice.text_offset += len(token.text)
         choice.logprobs.append(entry)
@@ -160,7 +165,12 @@ class Reply:
         """Chat streams open with the assistant role for every choice."""
         chunk = self._head("chat.completion.chunk")
         chunk["choices"] = [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             for i in range(len(self.choices))
         ]
         return self._with_usage_slot(chunk)
@@ -170,7 +180,8 @@ class Reply:
             return None
         chunk = self._head("text_completion")
         chunk["choices"] = [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": None} for i, c in enumerate(self.choices)
+            {"index": i, "text": c.text, "logprobs": None, "finish_reason": None}
+            for i, c in enumerate(self.choices)
         ]
         return self._with_usage_slot(chunk)
 
@@ -180,10 +191,20 @@ class Reply:
             logprobs = self._logprobs_object(delta["logprobs"])
         if self.kind == "chat":
             body = {"content": delta["text"]} if delta["text"] or logprobs else {}
-            choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": delta["finish_reason"]}
+            choice = {
+                "index": index,
+                "delta": body,
+                "logprobs": logprobs,
+                "finish_reason": delta["finish_reason"],
+            }
             chunk = self._head("chat.completion.chunk")
         else:
-            choice = {"index": index, "text": delta["text"], "logprobs": logprobs, "finish_reason": delta["finish_reason"]}
+            choice = {
+                "index": index,
+                "text": delta["text"],
+                "logprobs": logprobs,
+                "finish_reason": delta["finish_reason"],
+            }
             chunk = self._head("text_completion")
         chunk["choices"] = [choice]
         if self.done and all(c.finish_reason for c in self.choices):

@@ -48,7 +48,9 @@ def state_events(core, mirror: BlockMirror) -> list:
             out.append(RequestStarted(seq.seq_id, seq.num_prompt_tokens, seq.arrival_time))
         else:
             out.append(
-                SequenceForked(group.request_id, group.request_id, seq.seq_id, seq.branch, seq.num_tokens, now)
+                SequenceForked(
+                    group.request_id, group.request_id, seq.seq_id, seq.branch, seq.num_tokens, now
+                )
             )
     seen: set[int] = set()
     for seq in seqs:

@@ -56,7 +56,10 @@ class EventsListener:
     def _run(self):
         import json
 
-        with httpx.Client(timeout=None) as http, http.stream("GET", self.url + "/v1/kvscope/events", headers=self.headers) as r:
+        with (
+            httpx.Client(timeout=None) as http,
+            http.stream("GET", self.url + "/v1/kvscope/events", headers=self.headers) as r,
+        ):
             self._response = r
             event = None
             try:

@@ -4,7 +4,6 @@ prefix cache, on the tiny random model (a real uvicorn on a loopback port)."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -66,14 +65,18 @@ def test_streamed_greedy_text_equals_engine_generate(folder_server):
 
 
 def test_non_streaming_matches_streaming_with_usage_and_timings(client):
-    args = dict(messages=chat("Name three rivers."), temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    args = dict(
+        messages=chat("Name three rivers."), temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
     texts, _ = streamed(client, **args)
     whole = client.chat.completions.create(model=MODEL, **args)
     assert whole.object == "chat.completion" and whole.choices[0].message.content == texts[0]
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 12 and whole.usage.total_tokens == whole.usage.prompt_tokens + 12
     timings = whole.model_extra["timings"]
-    assert timings["predicted_n"] == 12 and timings["prompt_n"] + timings["cache_n"] == whole.usage.prompt_tokens
+    assert (
+        timings["predicted_n"] == 12 and timings["prompt_n"] + timings["cache_n"] == whole.usage.prompt_tokens
+    )
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
 
 
@@ -146,23 +149,34 @@ def test_sampled_token_logprob_is_under_the_raw_distribution(client, reference_m
         assert entry.top_logprobs == []
         token_id = id_of[bytes(entry.bytes)]
         # not the sampling distribution's (temperature 1.5, top-k 50): the model's own
-        assert entry.logprob == pytest.approx(float(raw_log_softmax(reference_model, ids)[token_id]), abs=1e-4)
+        assert entry.logprob == pytest.approx(
+            float(raw_log_softmax(reference_model, ids)[token_id]), abs=1e-4
+        )
         ids.append(token_id)
 
 
 def test_completions_logprobs_and_echo(client):
-    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=3)
+    reply = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=3
+    )
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == reply.choices[0].text and lp.text_offset[0] == 0
-    assert all(len(t) <= 3 and max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
-    echoed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True)
+    assert all(
+        len(t) <= 3 and max(t.values()) == pytest.approx(v)
+        for t, v in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+    echoed = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == "Once upon a time" + reply.choices[0].text
 
 
 def test_completions_with_several_prompts_and_token_prompts(client, default_tokenizer):
     ids = default_tokenizer("The sky is")["input_ids"]
-    reply = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4, temperature=0)
+    reply = client.completions.create(
+        model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4, temperature=0
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == reply.choices[0].text
@@ -172,7 +186,12 @@ def test_completions_with_several_prompts_and_token_prompts(client, default_toke
 # ---- n, stop, seed ---------------------------------------------------------------------------
 def test_n_samples_are_choices_and_a_seed_reproduces_them(client):
     args = dict(
-        messages=chat("Invent a word."), temperature=1.0, n=3, max_tokens=8, seed=11, extra_body={"ignore_eos": True}
+        messages=chat("Invent a word."),
+        temperature=1.0,
+        n=3,
+        max_tokens=8,
+        seed=11,
+        extra_body={"ignore_eos": True},
     )
     first = client.chat.completions.create(model=MODEL, **args)
     again = client.chat.completions.create(model=MODEL, **args)
@@ -187,7 +206,13 @@ def test_n_samples_are_choices_and_a_seed_reproduces_them(client):
 
 
 def test_stop_string_ends_the_reply_before_it(client):
-    args = dict(messages=chat("Write a sentence."), temperature=1.0, seed=5, max_tokens=24, extra_body={"ignore_eos": True})
+    args = dict(
+        messages=chat("Write a sentence."),
+        temperature=1.0,
+        seed=5,
+        max_tokens=24,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(model=MODEL, **args).choices[0].message.content
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), f"no usable stop string in {full!r}"
@@ -199,8 +224,12 @@ def test_stop_string_ends_the_reply_before_it(client):
 
 # ---- the prefix cache ------------------------------------------------------------------------
 def test_cached_tokens_on_a_repeated_long_system_prompt(client):
-    system = " ".join(f"Guideline {i}: be precise about item {i} and mention nothing else." for i in range(40))
-    first = client.chat.completions.create(model=MODEL, messages=chat("First question?", system), max_tokens=2)
+    system = " ".join(
+        f"Guideline {i}: be precise about item {i} and mention nothing else." for i in range(40)
+    )
+    first = client.chat.completions.create(
+        model=MODEL, messages=chat("First question?", system), max_tokens=2
+    )
     second = client.chat.completions.create(model=MODEL, messages=chat("Another one!", system), max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
