@@ -23,6 +23,7 @@ from engine.core.service import Engine
 from engine.events import BlockEvent
 from engine.request import Request
 from engine.serve.channel import Channel
+from engine.serve.codec import RequestTagged
 from engine.serve.metrics import ServeMetrics
 from engine.serve.snapshot import BlockMirror, state_events
 
@@ -37,16 +38,6 @@ class ServeError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTagged:
-    """Serve-only record on the events stream, just before the engine's RequestStarted: the
-    request id the engine gave to a client's tagged request (how an attached app knows its own)."""
-
-    request_id: int
-    tag: str
-    t: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import functools
 import json
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any
 
 from engine import events as _events
@@ -24,6 +25,20 @@ _TYPES: dict[str, type] = {
     for name, value in vars(_events).items()
     if isinstance(value, type) and dataclasses.is_dataclass(value)
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTagged:
+    """Serve-only record on the events stream, just before the engine's RequestStarted: the
+    request id the engine gave to a client's tagged request (how an attached app finds its own
+    requests among everyone's)."""
+
+    request_id: int
+    tag: str
+    t: float = 0.0
+
+
+_TYPES["RequestTagged"] = RequestTagged
 
 
 class DecodeError(ValueError):
@@ -81,7 +96,7 @@ def from_wire(item) -> Any | None:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(_events) | {"ModelShapes": _TYPES["ModelShapes"]})
+    return typing.get_type_hints(cls, vars(_events) | _TYPES)
 
 
 def _build(cls: type, data: dict):
