@@ -21,6 +21,7 @@ from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnava
 from app.remote.target import RemoteSource, RemoteTarget
 from engine.config import EngineConfig
 from live.event_store import EventStore
+from live.page_map import PageMap
 from live.state import LiveState
 
 # Polled metrics kept for the graphs: an hour at one poll a second.
@@ -76,10 +77,10 @@ class AttachableHost(EngineHost):
 
     # ---- the render tick -------------------------------------------------------------------
     def render_tick(self) -> None:
-        if self._records is not None:
-            for record in self._records.drain():
-                self._fold(record)
+        records = self._records.drain() if self._records is not None else []
         super().render_tick()
+        for record in records:  # after the events pushed before them (the connecting progress)
+            self._fold(record)
 
     def _fold(self, record) -> None:
         kind = type(record)
@@ -87,8 +88,13 @@ class AttachableHost(EngineHost):
             source = record.source
             self.model_name = source.display_name
             if not source.events:
-                # No ModelLoaded will come: the server is ready once it has answered.
+                # No ModelLoaded will come: the server is ready once it has answered, and what
+                # the live state knew of a previous engine's model and pool is not this one's.
                 self._loading, self._ready = False, True
+                live = self.live
+                live.loading, live.loaded, live.kv_stats = None, None, None
+                live.page_map = PageMap()
+                self.frame.emit({"model", "kv"})
                 self.status_changed.emit()
             self._set_remote(source)
         elif kind is RemoteMetrics:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Slot
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.remote.host import AttachableHost
 from widgets import theme
@@ -42,9 +42,9 @@ class RemoteMetricsPanel(QWidget):
         self.readout = QLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
         self.readout.setWordWrap(True)
-        self.kv_plot, self.kv_curve = self._plot("KV usage (%)", theme.SERIES["ttft"])
+        self.kv_plot, self.kv_curve = self._plot("KV usage %", theme.SERIES["ttft"])
         self.tps_plot, self.tps_curve = self._plot("tokens/s", theme.SERIES["tokens_per_s"])
-        self.lat_plot, self.itl_curve = self._plot("latency (ms)", theme.SERIES["itl"])
+        self.lat_plot, self.itl_curve = self._plot("ITL ━ TTFT ▲ ms", theme.SERIES["itl"])
         self.ttft_curve = self.lat_plot.getPlotItem().plot(
             pen=None, symbol="t1", symbolSize=9, symbolBrush=pg.mkBrush(theme.SERIES["ttft"]), symbolPen=None
         )
@@ -54,8 +54,10 @@ class RemoteMetricsPanel(QWidget):
         layout.setSpacing(3)
         layout.addWidget(self.header)
         layout.addWidget(self.readout)
+        plots = QHBoxLayout()  # side by side: the dock sits under the chat, wide and short
         for plot in (self.kv_plot, self.tps_plot, self.lat_plot):
-            layout.addWidget(plot, 1)
+            plots.addWidget(plot, 1)
+        layout.addLayout(plots, 1)
         host.metrics_changed.connect(self.redraw)
         host.source_changed.connect(self.redraw)
         self.redraw()
@@ -63,8 +65,10 @@ class RemoteMetricsPanel(QWidget):
     def _plot(self, label: str, colour: str):
         plot = styled_plot()
         item = plot.getPlotItem()
-        item.setLabel("left", label)
-        item.setLabel("bottom", "seconds ago")
+        item.setTitle(
+            f"<span style='color:{theme.MUTED_TEXT}'>{label} · last {WINDOW_S / 60:.0f} min</span>",
+            size="8pt",
+        )
         curve = item.plot(pen=pg.mkPen(colour, width=1.5), connect="finite")
         return plot, curve
 
@@ -85,7 +89,7 @@ class RemoteMetricsPanel(QWidget):
         prefix = f"{family}:" if family else "no known prefix"
         self.header.setText(
             f"<b>{source.server_name}</b> at {source.target.label} · source: its /metrics ({prefix} names), "
-            f"polled every second. <span style='color:{theme.MUTED_TEXT}'>The server's own figures; the "
+            f"polled every second, the last {WINDOW_S / 60:.0f} minutes (x: seconds ago). <span style='color:{theme.MUTED_TEXT}'>The server's own figures; the "
             "Latency panel has this client's TTFT and ITL per reply.</span>"
         )
         points = list(host.metrics)

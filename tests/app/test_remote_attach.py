@@ -84,10 +84,14 @@ def test_attached_to_kvscope_every_panel_works_from_its_events(qtbot, make_windo
 
 
 def test_attached_as_a_plain_openai_server(qtbot, make_window, server, tiny_loaded):
-    window = make_window(start=False)
+    window = make_window(start=True)  # from a local engine to the remote one
+    local_blocks = window.host.live.page_map.num_blocks
     attach_and_ask(qtbot, window, server, use_events=False)
     host, live = window.host, window.host.live
-    assert host.remote is not None and not host.remote.events
+    assert host.attached and host.remote is not None and not host.remote.events
+    # the local engine's model and pool are not the remote's: forgotten, not shown as if they were
+    assert local_blocks and live.loaded is None and live.page_map.num_blocks == 0
+    assert window.status.model.text() == host.model_name
     conv = window.conversations.load(window.controller.conversation.id)
     assert conv.messages[-1].content == server_reply(server)
     assert "(kvscope)" in conv.messages[-1].model

@@ -199,3 +199,19 @@ def test_the_events_stream_rebuilds_the_page_map_exactly(server, client):
     cached = truth["cached"]
     assert np.array_equal(late_state["start"][cached], early_state["start"][cached])
     assert late.hello["server"] == "kvscope" and late.hello["model"] == MODEL
+
+
+def test_a_tagged_request_is_named_on_the_events_stream_before_it_starts(server, client):
+    from engine.events import RequestStarted
+    from engine.serve.codec import RequestTagged
+
+    with EventsListener(server.url) as listener:
+        client.chat.completions.create(
+            model=MODEL, messages=chat("Tagged."), max_tokens=2, extra_body={"kvscope": {"tag": "abc123"}}
+        )
+        wait_for(lambda: listener.of(RequestFinished), what="the tagged request's end")
+        events = listener.all()
+    (tagged,) = [e for e in events if isinstance(e, RequestTagged)]
+    started = next(e for e in events if isinstance(e, RequestStarted))
+    assert tagged.tag == "abc123" and started.request_id == tagged.request_id
+    assert events.index(tagged) < events.index(started)
