@@ -185,3 +185,13 @@ def test_the_cli_refuses_a_public_bind_without_a_key_before_loading(monkeypatch)
         "error: refusing to listen on 0.0.0.0 without --api-key: anyone who can reach it could use the engine. "
         "Give --api-key KEY (clients then send 'Authorization: Bearer KEY'), or bind 127.0.0.1."
     ]
+
+
+def test_kvscope_serve_is_the_same_command():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KVSCOPE_API_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "serve", "--host", "10.1.2.3", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2 and "refusing to listen on 10.1.2.3 without --api-key" in result.stderr
+    assert "Traceback" not in result.stderr
