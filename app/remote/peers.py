@@ -37,20 +37,27 @@ LONG_SYSTEM = " ".join(
 )
 # vLLM's own subscriber types decode its messages; run with vLLM's python (it has zmq and msgspec).
 ZMQ_SUBSCRIBER = r"""
-import collections, json, sys, time, zmq, msgspec
+import json, signal, sys, time, zmq, msgspec
 from vllm.distributed.kv_events import KVEventBatch
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # the runner is done: report
 ctx = zmq.Context(); sock = ctx.socket(zmq.SUB)
 sock.connect(sys.argv[1]); sock.setsockopt(zmq.SUBSCRIBE, b"")
 decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-kinds, messages, topics, deadline = collections.Counter(), 0, set(), time.time() + float(sys.argv[2])
+received, deadline = [], time.time() + float(sys.argv[2])
 print("ready", flush=True)
-while time.time() < deadline:
+while time.time() < deadline and not stop:
     if not sock.poll(200):
         continue
-    parts = sock.recv_multipart(); messages += 1; topics.add(parts[0].decode(errors="replace"))
+    parts = sock.recv_multipart()
     for event in decoder.decode(parts[-1]).events:
-        kinds[type(event).__name__] += 1
-print(json.dumps({"messages": messages, "events": dict(kinds), "topics": sorted(topics)}), flush=True)
+        item = {"t": time.time(), "topic": parts[0].decode(errors="replace"), "type": type(event).__name__}
+        if hasattr(event, "block_hashes"):
+            item["blocks"] = len(event.block_hashes)
+        if hasattr(event, "token_ids"):
+            item.update(tokens=len(event.token_ids), block_size=event.block_size, first_tokens=event.token_ids[:12])
+        received.append(item)
+print(json.dumps(received), flush=True)
 """
 
 
@@ -116,11 +123,13 @@ class Client:
 
 
 def check(results: dict, name: str, fn) -> None:
+    start = time.time()  # wall clock: the ZMQ subscriber (another process) stamps with it too
     try:
         value = fn()
         results[name] = {"ok": True, **(value if isinstance(value, dict) else {"value": value})}
     except Exception as exc:  # noqa: BLE001 - every check reports, none stops the others
         results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    results[name]["wall"] = [start, time.time()]
     print(
         f"  {'ok  ' if results[name]['ok'] else 'FAIL'} {name}: {json.dumps(results[name])[:300]}",
         file=sys.stderr,
@@ -252,25 +261,29 @@ def run_vllm(out: Path) -> dict:
         cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     )
     result: dict = {"command": " ".join(cmd)}
+    subscriber = None
     try:
         started = time.monotonic()
         wait_healthy(url, server, 900)
         result["start_s"] = round(time.monotonic() - started)
         subscriber = subprocess.Popen(
-            [str(VLLM_PYTHON), "-c", ZMQ_SUBSCRIBER, f"tcp://127.0.0.1:{ZMQ_PORT}", "240"],
+            [str(VLLM_PYTHON), "-c", ZMQ_SUBSCRIBER, f"tcp://127.0.0.1:{ZMQ_PORT}", "1800"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         subscriber.stdout.readline()  # "ready": connected before the first request
         time.sleep(1.0)  # ZMQ's slow joiner: let the subscription reach the publisher
         result["checks"] = attach_checks(url, "vllm")
         check(result["checks"], "app_attached", lambda: app_screenshot(url, out, "vllm"))
-        zmq_out, zmq_err = subscriber.communicate(timeout=300)
+        subscriber.terminate()  # it reports what it received, then exits
+        zmq_out, zmq_err = subscriber.communicate(timeout=60)
         result["zmq_kv_events"] = (
             json.loads(zmq_out.strip().splitlines()[-1]) if zmq_out.strip() else {"error": zmq_err[-500:]}
         )
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        if subscriber is not None and subscriber.poll() is None:
+            subscriber.kill()
         server.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.wait(60)
@@ -279,6 +292,29 @@ def run_vllm(out: Path) -> dict:
         log.close()
     result["status"] = _status(result)
     return result
+
+
+def zmq_summary(received: list[dict], checks: dict, folder: Path) -> dict:
+    """What the subscriber got, by the check that was running, and the blocks it was told of
+    (vLLM publishes a block when it fills and is hashed for the prefix cache)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    by_check = {}
+    for name, c in checks.items():
+        start, end = c.get("wall", (0, 0))
+        during = [e for e in received if start <= e["t"] <= end + 0.5]
+        by_check[name] = {k: sum(1 for e in during if e["type"] == k) for k in {e["type"] for e in during}}
+    stored = [e for e in received if e["type"] == "BlockStored"]
+    return {
+        "events": len(received),
+        "by_check": by_check,
+        "block_size": stored[0]["block_size"] if stored else None,
+        "stored_blocks": [
+            {"blocks": e["blocks"], "tokens": e["tokens"], "starts": tokenizer.decode(e["first_tokens"])}
+            for e in stored[:8]
+        ],
+    }
 
 
 def run_llamacpp(out: Path) -> dict:
