@@ -22,10 +22,11 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import httpx
 
+from app.remote.http import RemoteError, error_message, request_body, sse_messages
 from app.remote.kvscope_events import EventTranslator
 from app.remote.openai_stream import ReplyAdapter
 from app.remote.prom import MetricsSample, family_of, parse, point_between
@@ -47,46 +48,6 @@ CONNECT_TIMEOUT_S = 10.0
 # A reply may wait long for its first token on a busy server; a stream idle this long is dead.
 READ_TIMEOUT_S = 600.0
 RECONNECT_S = 1.0
-MAX_TOP_LOGPROBS = 20  # what OpenAI's API allows (and vLLM by default)
-
-
-class RemoteError(RuntimeError):
-    """Something the server said or did, in one line for the user."""
-
-
-def error_message(response: httpx.Response, body: bytes) -> str:
-    """The server's own words from an OpenAI-shaped error (or its status and text)."""
-    try:
-        data = json.loads(body)
-        error = data.get("error", data) if isinstance(data, dict) else data
-        message = error.get("message") if isinstance(error, dict) else str(error)
-        if isinstance(message, str) and message:
-            return message
-        detail = data.get("detail") if isinstance(data, dict) else None
-        if detail:
-            return str(detail)
-    except (ValueError, AttributeError):
-        pass
-    text = body.decode("utf-8", "replace").strip()[:200]
-    return f"HTTP {response.status_code}{': ' + text if text else ''}"
-
-
-async def sse_messages(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
-    """(event, data) per server-sent event; event is "" when the server names none."""
-    event, data = "", []
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield event, "\n".join(data)
-            event, data = "", []
-        elif line.startswith(":"):
-            continue
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        yield event, "\n".join(data)
 
 
 class RemoteEngine:
@@ -344,54 +305,6 @@ class RemoteEngine:
             future.cancel()
 
     # ---- replies ---------------------------------------------------------------------------
-    def _body(self, request: Request, tag: str | None) -> dict:
-        p = request.sampling
-        server = self.source.server_name
-        if not tag:
-            if p.beam_search:
-                raise RemoteError(
-                    f"beam search runs on kvscope's own engine; {server} takes no beam search over its API"
-                )
-            if request.reply_prefix_ids:
-                raise RemoteError(
-                    f"continuing a reply from a chosen token needs token ids, which {server} does not report"
-                )
-        body: dict = {
-            "model": self.source.model,
-            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": p.max_new_tokens,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "presence_penalty": p.presence_penalty,
-            "frequency_penalty": p.frequency_penalty,
-            "n": p.n,
-        }
-        optional = {
-            "seed": p.seed,
-            "stop": list(p.stop) or None,
-            # not OpenAI's, but vLLM, SGLang, llama.cpp and kvscope take them
-            "top_k": p.top_k or None,
-            "min_p": p.min_p or None,
-            "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-            "ignore_eos": p.ignore_eos or None,
-        }
-        body.update({k: v for k, v in optional.items() if v is not None})
-        if tag:
-            body["kvscope"] = {
-                "tag": tag,
-                "snapshot_top_n": p.snapshot_top_n,
-                "num_beams": p.num_beams,
-                "length_penalty": p.length_penalty,
-                "early_stopping": p.early_stopping,
-                "reply_prefix_ids": list(request.reply_prefix_ids),
-            }
-        elif not self._logprobs_refused:
-            # the probability panel's bars, and each token's boundary and logprob
-            body.update(logprobs=True, top_logprobs=min(p.snapshot_top_n, MAX_TOP_LOGPROBS))
-        return body
-
     async def _reply(self, request_id: int, request: Request) -> None:
         if self.source.events:
             await self._kvscope_reply(request_id, request)
@@ -404,7 +317,7 @@ class RemoteEngine:
         )
         self._sink(adapter.started())
         try:
-            body = self._body(request, None)
+            body = request_body(self.source, request, None, self._logprobs_refused)
             await self._stream_reply(body, adapter)
         except asyncio.CancelledError:
             self._sink(adapter.finished(time.perf_counter(), "cancelled"))
@@ -446,7 +359,9 @@ class RemoteEngine:
         tag = uuid.uuid4().hex
         self._translator.pending[tag] = request_id  # before sending: its RequestTagged may come first
         try:
-            async with self._http.stream("POST", "/v1/chat/completions", json=self._body(request, tag)) as r:
+            async with self._http.stream(
+                "POST", "/v1/chat/completions", json=request_body(self.source, request, tag, False)
+            ) as r:
                 if r.status_code != 200:
                     self._fail_own(request_id, error_message(r, await r.aread()))
                     return
