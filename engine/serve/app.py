@@ -18,6 +18,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import ConfigError
@@ -117,7 +118,7 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(bridge.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(bridge.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -28,6 +28,7 @@ _PARAM_OF_MESSAGE = (
     ("snapshot_top_n", "kvscope.snapshot_top_n"),
     ("stop strings", "stop"),
     ("n ", "n"),
+    ("n=", "n"),
     ("num_beams", "kvscope.num_beams"),
     ("beam search", "kvscope.num_beams"),
     ("choose either n", "n"),

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from engine.events import (
     RequestFailed,
     RequestFinished,
+    RequestStarted,
     RequestStats,
     SequenceFinished,
     TokenGenerated,
 )
 from engine.serve.bridge import ServeError, Started
 from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
-from engine.serve.params import Plan
+from engine.serve.params import Plan, param_of
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class Reply:
         self.index_of = {s.request_id: i for i, s in enumerate(started)}
         self.choices = [Choice() for _ in range(len(started) * self.n)]
         self.stats: dict[int, RequestStats] = {}
+        self.started: set[int] = set()
         self.error: ServeError | None = None
         for i, prompt_text in enumerate(plan.echo_prompts):
             for branch in range(self.n):
@@ -105,8 +107,13 @@ class Reply:
                 self._finish(request_index * self.n + event.branch, event.finish_reason, changed)
             elif kind is RequestFinished:
                 self._request_finished(request_index, event, changed)
+            elif kind is RequestStarted:
+                self.started.add(event.request_id)
             elif kind is RequestFailed:
-                self.error = ServeError(event.message, code="request_failed", status=500)
+                if event.request_id in self.started:  # it ran and broke
+                    self.error = ServeError(event.message, code="request_failed", status=500)
+                else:  # the engine refused it (n over the batch, a group with speculation, ...)
+                    self.error = ServeError(event.message, param_of(event.message), "invalid_request")
         return [self._chunk(index, delta) for index, delta in sorted(changed.items())]
 
     def _delta(self, changed: dict[int, dict], index: int) -> dict:

@@ -37,6 +37,7 @@ def assert_openai_shape(body: dict, param=None, code=None) -> dict:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"n": 0}, "n"),
         ({"n": 2, "temperature": 0}, "n"),
+        ({"n": 20, "temperature": 1}, "n"),  # more sequences than the engine batches
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
