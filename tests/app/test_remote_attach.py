@@ -133,3 +133,21 @@ def test_an_unreachable_server_is_a_clear_message(qtbot, make_window):
         window.remote_views.attach(RemoteTarget.parse(f"127.0.0.1:{port}"))
     assert blocker.args[0].startswith(f"cannot reach http://127.0.0.1:{port}")
     assert not window.host.status().ready
+
+
+def test_the_attach_dialog_keeps_what_was_typed_when_the_url_is_bad(qtbot, make_window):
+    from app.remote.attach_dialog import AttachDialog
+
+    window = make_window(start=False)
+    titles = [a.text() for a in window.menuBar().actions()]
+    assert titles[-2:] == ["&Remote", "&Help"]
+    dialog = AttachDialog("", window)
+    qtbot.addWidget(dialog)
+    dialog.url.setText("ftp://example")
+    dialog.key.setText("secret")
+    dialog.accept()
+    assert dialog.result() == 0 and dialog.target is None
+    assert "http:// or https://" in dialog.error.text() and dialog.url.text() == "ftp://example"
+    dialog.url.setText("gpu-box:8000/v1")
+    dialog.accept()
+    assert dialog.target == RemoteTarget("http://gpu-box:8000", "secret")
