@@ -39,6 +39,7 @@ from engine.events import (
     ModelLoading,
     RequestFailed,
     RequestFinished,
+    RequestStats,
 )
 from engine.request import Request
 from engine.serve import codec
@@ -48,6 +49,8 @@ CONNECT_TIMEOUT_S = 10.0
 # A reply may wait long for its first token on a busy server; a stream idle this long is dead.
 READ_TIMEOUT_S = 600.0
 RECONNECT_S = 1.0
+# A kvscope reply cancelled before the events stream named it waits this long for its end there.
+CANCEL_GRACE_S = 2.0
 
 
 class RemoteEngine:
@@ -80,6 +83,8 @@ class RemoteEngine:
         self._stopping = threading.Event()
         self._http: httpx.AsyncClient | None = None
         self._replies: dict[int, concurrent.futures.Future] = {}
+        self._tasks: dict[int, asyncio.Task] = {}  # loop thread: the replies that have begun
+        self._cancel_first: set[int] = set()  # loop thread: cancelled before they began
         self._ended: set[int] = set()  # kvscope: own requests known to have ended
         self._failed_here: set[int] = set()  # kvscope: own requests failed from the HTTP side
         self._logprobs_refused = False
@@ -110,9 +115,19 @@ class RemoteEngine:
         return request_id
 
     def cancel(self, request_id: int) -> None:
-        future = self._replies.get(request_id)
-        if future is not None:
-            future.cancel()  # cancels the task: its HTTP stream closes, the server cancels
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: so has the reply
+                loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
+
+    def _cancel_on_loop(self, request_id: int) -> None:
+        """Cancelling the task closes its HTTP stream, which the server takes as a disconnect and
+        cancels the request. A reply not yet begun ends before it sends anything."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+        elif request_id in self._replies:
+            self._cancel_first.add(request_id)
 
     def call(self, fn) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -166,8 +181,8 @@ class RemoteEngine:
                 self._ready.set()
             await self._stop.wait()
             self._loop = None
-            for future in list(self._replies.values()):
-                future.cancel()
+            for request_id in list(self._replies):
+                self._cancel_on_loop(request_id)
             for task in tasks:
                 task.cancel()
             # let cancelled replies send their last events and close their streams
@@ -294,7 +309,7 @@ class RemoteEngine:
                 f"lost {self.target.label}'s events stream ({why}); reconnecting", time.perf_counter()
             )
         )
-        for request_id, future in list(self._replies.items()):
+        for request_id in list(self._replies):
             if request_id not in self._ended:
                 self._ended.add(request_id)
                 self._sink(
@@ -302,14 +317,28 @@ class RemoteEngine:
                         request_id, f"the events stream from {self.target.label} broke", time.perf_counter()
                     )
                 )
-            future.cancel()
+            self._cancel_on_loop(request_id)
 
     # ---- replies ---------------------------------------------------------------------------
     async def _reply(self, request_id: int, request: Request) -> None:
-        if self.source.events:
-            await self._kvscope_reply(request_id, request)
-        else:
-            await self._openai_reply(request_id, request)
+        self._tasks[request_id] = asyncio.current_task()
+        try:
+            if request_id in self._cancel_first:
+                self._cancel_first.discard(request_id)
+                self._end_unseen(request_id)
+            elif self.source.events:
+                await self._kvscope_reply(request_id, request)
+            else:
+                await self._openai_reply(request_id, request)
+        finally:
+            self._tasks.pop(request_id, None)
+
+    def _end_unseen(self, request_id: int) -> None:
+        """A reply cancelled before the server said anything of it ends here."""
+        if request_id not in self._ended:
+            self._ended.add(request_id)
+            stats = RequestStats(0, 0, 0, 0.0, (), 0.0, 0, 0)
+            self._sink(RequestFinished(request_id, "cancelled", "", (), stats, time.perf_counter()))
 
     async def _openai_reply(self, request_id: int, request: Request) -> None:
         adapter = ReplyAdapter(
@@ -356,13 +385,18 @@ class RemoteEngine:
                     self._sink(event)
 
     async def _kvscope_reply(self, request_id: int, request: Request) -> None:
+        """Sends the request; its events come on the events stream, mapped by its tag. The tag
+        stays pending until that stream names it (the two connections keep no order between
+        them), unless the server refused it or it was cancelled before being named."""
         tag = uuid.uuid4().hex
-        self._translator.pending[tag] = request_id  # before sending: its RequestTagged may come first
+        pending = self._translator.pending
+        pending[tag] = request_id  # before sending: its RequestTagged may come first
         try:
             async with self._http.stream(
                 "POST", "/v1/chat/completions", json=request_body(self.source, request, tag, False)
             ) as r:
                 if r.status_code != 200:
+                    pending.pop(tag, None)  # refused: the engine never started it
                     self._fail_own(request_id, error_message(r, await r.aread()))
                     return
                 async for _event, data in sse_messages(r):
@@ -371,14 +405,20 @@ class RemoteEngine:
                     chunk = json.loads(data)
                     if isinstance(chunk, dict) and "error" in chunk:
                         self._fail_own(request_id, error_message(r, data.encode()))
+        except asyncio.CancelledError:
+            if pending.pop(tag, None) is not None:
+                # Not named yet: the server may never have started it. If its end has not come
+                # on the stream by then, it ends here.
+                asyncio.get_running_loop().call_later(CANCEL_GRACE_S, self._end_unseen, request_id)
+            raise
         except RemoteError as exc:
+            pending.pop(tag, None)
             self._fail_own(request_id, str(exc))
         except httpx.HTTPError as exc:
+            pending.pop(tag, None)
             self._fail_own(
                 request_id, f"the connection to {self.target.label} failed: {exc or type(exc).__name__}"
             )
-        finally:
-            self._translator.pending.pop(tag, None)
 
     def _fail_own(self, request_id: int, message: str) -> None:
         """A refusal before the engine started the request (or an error it did not report)."""

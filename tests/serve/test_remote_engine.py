@@ -129,3 +129,13 @@ def test_shutdown_cancels_what_is_in_flight(server):
     wait(lambda: server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10) == 0)
     with pytest.raises(RuntimeError, match="not connected"):
         engine.submit(long_request())
+
+
+def test_a_reply_cancelled_at_once_still_ends(remote, server):
+    engine, events, _ = remote
+    rid = engine.submit(long_request())
+    engine.cancel(rid)  # before, while or after the request reaches the server: it must end
+    wait(lambda: events.of(RequestFinished, rid) or events.of(RequestFailed, rid))
+    (done,) = events.of(RequestFinished, rid)
+    assert done.finish_reason == "cancelled"
+    wait(lambda: server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10) == 0)
