@@ -26,11 +26,12 @@ from collections.abc import Callable
 
 import httpx
 
+from app.remote import vllm_kv
 from app.remote.http import RemoteError, error_message, request_body, sse_messages
 from app.remote.kvscope_events import EventTranslator
 from app.remote.openai_stream import ReplyAdapter
 from app.remote.prom import MetricsSample, family_of, parse, point_between
-from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable
+from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable, RemotePrefixCache
 from app.remote.target import RemoteSource, RemoteTarget
 from engine.events import (
     EngineError,
@@ -179,6 +180,10 @@ class RemoteEngine:
                 tasks.append(asyncio.create_task(self._follow_events()))
             else:
                 self._ready.set()
+            if self.source.family == "vllm":
+                endpoint = vllm_kv.endpoint_for(self.target.url)
+                report = lambda state: self._on_record(RemotePrefixCache(state))  # noqa: E731
+                tasks.append(asyncio.create_task(vllm_kv.follow(endpoint, report)))
             await self._stop.wait()
             self._loop = None
             for request_id in list(self._replies):

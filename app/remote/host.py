@@ -17,8 +17,9 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_host import RESTART_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, EngineHost
 from app.remote.engine import RemoteEngine
 from app.remote.prom import MetricsPoint, MetricsSample
-from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable
+from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable, RemotePrefixCache
 from app.remote.target import RemoteSource, RemoteTarget
+from app.remote.vllm_kv import PrefixCacheState
 from engine.config import EngineConfig
 from live.event_store import EventStore
 from live.page_map import PageMap
@@ -40,6 +41,7 @@ class AttachableHost(EngineHost):
         self.metrics_sample: MetricsSample | None = None  # the latest poll: which figures exist
         self.metrics_family = ""
         self.metrics_error: str | None = None
+        self.prefix_cache: PrefixCacheState | None = None  # a vLLM server's, from its ZMQ events
         self._records: EventStore | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -52,6 +54,7 @@ class AttachableHost(EngineHost):
         self.store, self._records = EventStore(), EventStore()
         self.metrics.clear()
         self.metrics_sample, self.metrics_family, self.metrics_error = None, "", None
+        self.prefix_cache = None
         self.engine = RemoteEngine(target, self.store.push, self._records.push, use_events=use_events)
         self._loading, self._ready = True, False
         self.model_name = ""
@@ -105,6 +108,9 @@ class AttachableHost(EngineHost):
             self.metrics_changed.emit()
         elif kind is RemoteMetricsUnavailable:
             self.metrics_error = record.message
+            self.metrics_changed.emit()
+        elif kind is RemotePrefixCache:
+            self.prefix_cache = record.state
             self.metrics_changed.emit()
 
     def _set_remote(self, source: RemoteSource | None) -> None:

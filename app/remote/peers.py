@@ -276,9 +276,11 @@ def run_vllm(out: Path) -> dict:
         check(result["checks"], "app_attached", lambda: app_screenshot(url, out, "vllm"))
         subscriber.terminate()  # it reports what it received, then exits
         zmq_out, zmq_err = subscriber.communicate(timeout=60)
-        result["zmq_kv_events"] = (
-            json.loads(zmq_out.strip().splitlines()[-1]) if zmq_out.strip() else {"error": zmq_err[-500:]}
-        )
+        if zmq_out.strip():
+            received = json.loads(zmq_out.strip().splitlines()[-1])
+            result["zmq_kv_events"] = zmq_summary(received, result["checks"], folder)
+        else:
+            result["zmq_kv_events"] = {"error": zmq_err[-800:]}
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

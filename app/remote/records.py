@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from app.remote.prom import MetricsPoint, MetricsSample
 from app.remote.target import RemoteSource
+from app.remote.vllm_kv import PrefixCacheState
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +29,10 @@ class RemoteMetricsUnavailable:
     """The server's /metrics could not be read (or holds no figure the app knows): why."""
 
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefixCache:
+    """A vLLM server's prefix-cache blocks, from its ZMQ KV-cache events (app.remote.vllm_kv)."""
+
+    state: PrefixCacheState

@@ -15,26 +15,41 @@ from PySide6.QtWidgets import QDockWidget, QLabel, QMenu, QVBoxLayout, QWidget
 from app.remote.attach_dialog import AttachDialog
 from app.remote.metrics_panel import RemoteMetricsPanel
 from app.remote.target import RemoteSource, RemoteTarget
+from app.remote.vllm_kv import PrefixCacheState
 from widgets import theme
 
 URL_SETTING = "remote/url"
 
 
-def notices(source: RemoteSource, kv_now: str) -> dict[str, str]:
+def prefix_cache_line(source: RemoteSource, state: PrefixCacheState | None) -> str:
+    """vLLM only: its prefix-cache blocks, as its ZMQ KV-cache events tell them."""
+    if source.family != "vllm" or state is None:
+        return ""
+    if not state.batches:
+        return (
+            f"<br>Listening for its ZMQ KV-cache events at <code>{state.endpoint}</code>: none yet. vLLM "
+            'publishes them when started with <code>--kv-events-config \'{"enable_kv_cache_events": true, '
+            '"publisher": "zmq"}\'</code>, and a block only once it fills (its CPU backend\'s blocks hold '
+            "128 tokens, so a short chat stores none)."
+        )
+    size = f" of {state.block_size} tokens" if state.block_size else ""
+    return (
+        f"<br><b>Its prefix cache</b>, from its ZMQ KV-cache events at <code>{state.endpoint}</code>: "
+        f"<b>{state.blocks}</b> blocks{size} cached ({state.tokens:,} tokens); {state.stored} stored, "
+        f"{state.removed} evicted, {state.cleared} clears since this app subscribed. The events name "
+        "blocks by content hash, not by their place in the pool."
+    )
+
+
+def notices(source: RemoteSource, kv_now: str, prefix: str = "") -> dict[str, str]:
     """What each panel says for a server that streams no engine events."""
     s = f"{source.server_name} at {source.target.label}"
-    zmq = (
-        " (vLLM can publish its block events over ZMQ with --kv-events-config; they carry block hashes "
-        "and token ids, not the pool's layout, and kvscope does not read them)"
-        if source.family == "vllm"
-        else ""
-    )
     serve = "Attached to <code>kvscope serve</code>, this panel shows the remote engine as if it were local."
     return {
         "page_map": (
             f"<b>KV-cache pages: not exposed by {s}.</b><br>An OpenAI-compatible API reports no KV blocks, "
-            f"so there is no page map to draw{zmq}. What the server does export, its KV-cache usage"
-            f"{kv_now}, is graphed in <i>Remote metrics</i>.<br>{serve}"
+            "so there is no page map to draw. What the server does export, its KV-cache usage"
+            f"{kv_now}, is graphed in <i>Remote metrics</i>.{prefix}<br>{serve}"
         ),
         "roofline": (
             f"<b>Roofline: not available for {s}.</b><br>A roofline places each engine step's FLOPs and "
@@ -171,7 +186,7 @@ class RemoteViews(QObject):
         if source is not None and not source.events:
             point = self.host.metrics[-1] if self.host.metrics else None
             kv_now = f" ({point.kv_usage * 100:.1f}% now)" if point and point.kv_usage is not None else ""
-            texts = notices(source, kv_now)
+            texts = notices(source, kv_now, prefix_cache_line(source, self.host.prefix_cache))
         for key, cover in self.covers.items():
             cover.cover(texts.get(key))
 

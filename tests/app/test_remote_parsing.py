@@ -208,3 +208,67 @@ def test_a_kvscope_stream_is_moved_to_this_apps_ids_and_clock():
     assert tr.translate(BlockEvent("free", (4,), None, t=0.0)) == BlockEvent("free", (4,), None)
     beam = tr.translate(BeamStep(41, 0, (0,), (9,), ("x",), (-1.0,), (1 << 40,), t=1004.0))
     assert beam.seq_ids == (3,) and beam.t == 9.0
+
+
+def vllm_batch(*events) -> bytes:
+    """A batch as vLLM's ZmqEventPublisher sends it: msgspec's array-like [ts, events, dp_rank]
+    with each event a map tagged by "type" (block hashes are ints or bytes)."""
+    import msgpack
+
+    return msgpack.packb([1.0, list(events), 0])
+
+
+def stored(hashes, block_size=128):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": list(range(block_size * len(hashes))), "block_size": block_size,
+            "lora_id": None, "medium": "GPU"}  # fmt: skip
+
+
+def test_vllm_kv_events_fold_into_its_prefix_cache():
+    from app.remote.vllm_kv import PrefixCacheMirror, endpoint_for
+
+    assert endpoint_for("http://gpu-box:8000") == "tcp://gpu-box:5557"
+    mirror = PrefixCacheMirror("tcp://h:5557")
+    mirror.fold(vllm_batch(stored([11, 12, b"\x01\x02"])))
+    mirror.fold(vllm_batch({"type": "BlockRemoved", "block_hashes": [12, 99], "medium": "GPU"}))
+    state = mirror.state()
+    assert (state.blocks, state.tokens, state.block_size) == (2, 256, 128)
+    assert (state.stored, state.removed, state.batches) == (3, 1, 2)
+    mirror.fold(vllm_batch({"type": "AllBlocksCleared"}))
+    assert mirror.state().blocks == 0 and mirror.state().cleared == 1
+
+
+def test_vllm_kv_events_arrive_over_zmq_and_say_so_in_the_page_map_notice():
+    import asyncio
+
+    import zmq
+
+    from app.remote.target import RemoteSource
+    from app.remote.views import notices, prefix_cache_line
+    from app.remote.vllm_kv import follow
+
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    states = []
+
+    async def run():
+        task = asyncio.create_task(follow(f"tcp://127.0.0.1:{port}", states.append))
+        for _ in range(200):  # ZMQ's slow joiner: publish until the subscription has arrived
+            publisher.send_multipart([b"", (0).to_bytes(8, "big"), vllm_batch(stored([1, 2]))])
+            await asyncio.sleep(0.02)
+            if len(states) > 1:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(run())
+    finally:
+        publisher.close(0)
+        context.term()
+    assert states[0].batches == 0 and states[-1].blocks == 2 and states[-1].block_size == 128
+    source = RemoteSource(RemoteTarget.parse("127.0.0.1:8000"), "smollm2", "vllm", False, True)
+    assert "Listening for its ZMQ KV-cache events" in prefix_cache_line(source, states[0])
+    text = notices(source, "", prefix_cache_line(source, states[-1]))["page_map"]
+    assert "<b>2</b> blocks of 128 tokens cached (256 tokens)" in text
