@@ -65,11 +65,13 @@ class RemoteMetricsPanel(QWidget):
     def _plot(self, label: str, colour: str):
         plot = styled_plot()
         item = plot.getPlotItem()
-        item.setTitle(
-            f"<span style='color:{theme.MUTED_TEXT}'>{label} · last {WINDOW_S / 60:.0f} min</span>",
-            size="8pt",
-        )
-        curve = item.plot(pen=pg.mkPen(colour, width=1.5), connect="finite")
+        item.setTitle(f"<span style='color:{theme.MUTED_TEXT}'>{label}</span>", size="8pt")
+        # points as well as lines: a server that updates its counters only when a request ends
+        # (llama.cpp) gives isolated points between gaps
+        curve = item.plot(
+            pen=pg.mkPen(colour, width=1.5), connect="finite", symbol="o", symbolSize=4, symbolPen=None,
+            symbolBrush=pg.mkBrush(colour),
+        )  # fmt: skip
         return plot, curve
 
     @Slot()

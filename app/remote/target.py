@@ -72,6 +72,15 @@ class RemoteSource:
         return FAMILY_NAMES.get(self.family, self.family)
 
     @property
+    def model_name(self) -> str:
+        """The served model's id, or the file's name when a server names it by its path (llama.cpp
+        does); a repo id like org/model stays whole."""
+        path = self.model.replace("\\", "/")
+        if not (path.startswith(("/", "~", "./")) or path.endswith(".gguf") or ":/" in path):
+            return self.model
+        return path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf") or self.model
+
+    @property
     def display_name(self) -> str:
         """The model with the server named: what conversations store as the reply's model."""
-        return f"{self.model} @ {self.target.label} ({self.server_name})"
+        return f"{self.model_name} @ {self.target.label} ({self.server_name})"

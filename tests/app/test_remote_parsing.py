@@ -272,3 +272,15 @@ def test_vllm_kv_events_arrive_over_zmq_and_say_so_in_the_page_map_notice():
     assert "Listening for its ZMQ KV-cache events" in prefix_cache_line(source, states[0])
     text = notices(source, "", prefix_cache_line(source, states[-1]))["page_map"]
     assert "<b>2</b> blocks of 128 tokens cached (256 tokens)" in text
+
+
+def test_a_model_named_by_its_path_is_shown_by_its_file_name():
+    from app.remote.target import RemoteSource
+
+    target = RemoteTarget.parse("h:8080")
+    name = RemoteSource(
+        target, "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "llamacpp", False, True
+    ).display_name
+    assert name == "SmolLM2-135M-Instruct.Q4_1 @ h:8080 (llama.cpp)"
+    repo = RemoteSource(target, "HuggingFaceTB/SmolLM2-135M-Instruct", "vllm", False, True).display_name
+    assert repo == "HuggingFaceTB/SmolLM2-135M-Instruct @ h:8080 (vLLM)"
