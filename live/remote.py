@@ -13,7 +13,9 @@ from engine.events import TokenSnapshot
 
 REMOTE_TOP_K = "remote_top_k"
 REMOTE_TOP_K_LABEL = "remote top-K"
-REMOTE_TOP_K_MEANING = "the server's top-K logprobs for the token it sampled (after its sampling): no per-stage view"
+REMOTE_TOP_K_MEANING = (
+    "the server's top-K logprobs for the token it sampled (after its sampling): no per-stage view"
+)
 
 
 def is_remote_snapshot(snapshot: TokenSnapshot | None) -> bool:
