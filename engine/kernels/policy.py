@@ -79,6 +79,13 @@ class KernelPolicy:
             by_bucket = self.table[table_key(storage)] = measure(storage)
         return by_bucket[bucket(rows)]
 
+    def prepare(self, storages: list[WeightStorage]) -> None:
+        """Measure (or read from the cache) the table of every format and shape in a model now,
+        at load, so the first forward is not slowed by it and the load can say what runs."""
+        for storage in storages:
+            if len(storage.kernels()) > 1 and table_key(storage) not in self.table:
+                self.table[table_key(storage)] = measure(storage)
+
     def describe(self) -> list[str]:
         """One line per measured format: which kernel runs which row counts."""
         lines = []

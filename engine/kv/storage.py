@@ -123,24 +123,6 @@ class PagedKVStorage:
         """The first `context_len` K and V of a sequence: [kv_heads, context_len, head_dim] each."""
         return self.read(layer, blocks, 0, context_len, dtype)
 
-    def read_padded(self, layer: int, table: torch.Tensor, dtype: torch.dtype):
-        """Batched decode: K and V of every block of `table` [B, max_blocks], as
-        [B, kv_heads, max_blocks * block_size, head_dim] (padding blocks included: mask them)."""
-        b, width = table.shape
-        out = []
-        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            pool = pools[layer]
-            heads, _, bs, dim = pool.shape
-            codes = pool.index_select(1, table.reshape(-1)).view(heads, b, width * bs, dim).transpose(0, 1)
-            if not self.quantized:
-                out.append(codes if codes.dtype == dtype else codes.to(dtype))
-                continue
-            scale = (
-                scales[layer].index_select(1, table.reshape(-1)).view(heads, b, width * bs).transpose(0, 1)
-            )
-            out.append(codes.to(dtype) * scale[..., None].to(dtype))
-        return out[0], out[1]
-
 
 def _tokens(pool: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """pool [heads, blocks, block_size, ...] at `blocks`, flattened to [heads, tokens, ...].
