@@ -83,7 +83,9 @@ class LayerAttention:
     sinks: torch.Tensor | None = None  # [heads] sink logits (gpt-oss)
 
 
-def attend(storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention) -> torch.Tensor:
+def attend(
+    storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
+) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
     [T, heads, head_dim]."""
     single = len(batch.seqs) == 1
@@ -94,14 +96,18 @@ def attend(storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBat
         rows = q[seq.q_start : seq.q_start + seq.q_len]
         if seq.q_len == 1 and how.softcap is None and how.sinks is None:
             # decode: the query heads of each KV head as that head's queries (GQA without a copy)
-            o = F.scaled_dot_product_attention(rows.view(k.shape[0], -1, k.shape[-1]), k, v, scale=how.scaling)
+            o = F.scaled_dot_product_attention(
+                rows.view(k.shape[0], -1, k.shape[-1]), k, v, scale=how.scaling
+            )
             o = o.reshape(1, -1, k.shape[-1])  # [1, heads, d]
         else:
             mask = batch.causal_mask(index, seq, how.window) if seq.q_len > 1 else None
             causal = seq.q_len > 1 and mask is None
             if mask is not None and start:
                 mask = mask[:, start:]
-            o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=causal)[0].transpose(0, 1)
+            o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=causal)[0].transpose(
+                0, 1
+            )
         if single:
             return o
         out[seq.q_start : seq.q_start + seq.q_len] = o  # type: ignore[index]

@@ -156,7 +156,9 @@ def bench_paths(args, progress) -> dict:
         if path == "generate":
             return run_hf(loaded_by["fp32"].model, prompt_ids, args.new_tokens)
         if path == "llama.cpp":
-            result = run_llama_bench(llama_bench, gguf, len(prompt_ids), args.new_tokens, torch.get_num_threads())
+            result = run_llama_bench(
+                llama_bench, gguf, len(prompt_ids), args.new_tokens, torch.get_num_threads()
+            )
             return len(prompt_ids) / result.prefill_tokens_per_s, [result.itl_s] * (args.new_tokens - 1), None
         return run_engine(engines[path], prompt_ids, args.new_tokens, sinks[path])
 
@@ -204,9 +206,11 @@ def bench_paths(args, progress) -> dict:
         "decode_split_ms": split,
         "bandwidth_bytes_per_s": bandwidth,
         "mbu": mbu,
-        "outputs_equal_fp32": {p: ids == outputs.get("fp32") for p, ids in outputs.items() if "fp32" in outputs},
-        "weights_bytes": {p: l.info.weight_bytes for p, l in loaded_by.items()},
-        "kernels": {p: list(l.info.notes) for p, l in loaded_by.items()},
+        "outputs_equal_fp32": {
+            p: ids == outputs.get("fp32") for p, ids in outputs.items() if "fp32" in outputs
+        },
+        "weights_bytes": {p: m.info.weight_bytes for p, m in loaded_by.items()},
+        "kernels": {p: list(m.info.notes) for p, m in loaded_by.items()},
         "notes": notes,
     }
 
@@ -242,7 +246,9 @@ def _table(r: dict) -> str:
             f"{path:12}{s['ttft_s'] * 1e3:>10.1f}{s['prefill_tokens_per_s']:>15.1f}"
             f"{s['median_itl_s'] * 1e3:>15.2f}{s['p99_itl_s'] * 1e3:>12.2f}{s['tokens_per_s']:>14.1f}"
         )
-    lines.append("ratios (this run): " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items() if v is not None))
+    lines.append(
+        "ratios (this run): " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items() if v is not None)
+    )
     split = r["decode_split_ms"]
     if split:
         parts = ("matmuls", "attention", "rest_of_forward", "sampling", "events")

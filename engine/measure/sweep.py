@@ -221,7 +221,8 @@ def compare_dtypes(
     benches = {}
     for dtype in dtypes:
         report(f"loading {source} in {dtype}")
-        loaded = load_model(ModelSpec(source, dtype=dtype, device=device))
+        # dense weights in each dtype: what the sweep compares (a GGUF's own bits would not change)
+        loaded = load_model(ModelSpec(source, dtype=dtype, device=device, quantization="none"))
         longest = max(max(prompt_lengths) + 1, max(context_lengths) + decode_tokens + 1)
         benches[dtype] = _Bench(loaded, longest)
         benches[dtype].warm_up()

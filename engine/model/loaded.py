@@ -74,6 +74,8 @@ def _notes(model, policy: KernelPolicy) -> tuple[str, ...]:
     from engine.model.llama_forward import unsupported_reason
 
     reason = unsupported_reason(model)
-    forward = "forward: kvscope's Llama-family forward" if reason is None else f"forward: transformers' ({reason})"
+    forward = (
+        "forward: kvscope's Llama-family forward" if reason is None else f"forward: transformers' ({reason})"
+    )
     threads = f"{torch.get_num_threads()} engine threads (torch intra-op)"
     return (forward, threads, *[f"kernels {line}" for line in policy.describe()])
