@@ -44,6 +44,10 @@ def describe_params(params: SamplingParams) -> str:
         parts.append(f"top-p {params.top_p:g}")
     if params.min_p > 0.0:
         parts.append(f"min-p {params.min_p:g}")
+    if params.typical_p < 1.0:
+        parts.append(f"typical-p {params.typical_p:g}")
+    if params.xtc_probability > 0.0:
+        parts.append(f"XTC {params.xtc_threshold:g} at p {params.xtc_probability:g}")
     return " · ".join(parts)
 
 
@@ -208,11 +212,14 @@ class ProbabilityPanel(QWidget):
         if self._what_if is None:
             self.banner.hide()
             return token.snapshot.stages
+        from engine.sampling.what_if import what_if, what_if_notes  # pure; loads torch lazily
+
         self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
         self.banner.show()
-        from engine.sampling.what_if import what_if  # pure function of the snapshot; loads torch lazily
-
         try:
+            notes = what_if_notes(token.snapshot, self._what_if)
+            if notes:
+                self.banner.setText(self.banner.text() + "".join(f"\n· {n}" for n in notes))
             return what_if(token.snapshot, self._what_if)
         except Exception as exc:  # noqa: BLE001 - a what-if must never break the render timer
             self.what_if_error = f"{type(exc).__name__}: {exc}"

@@ -23,6 +23,11 @@ STAGE_LABELS = {
     "top_k": "top-k",
     "top_p": "top-p",
     "min_p": "min-p",
+    "dry": "DRY",
+    "logit_bias": "logit bias",
+    "banned_tokens": "banned",
+    "typical_p": "typical-p",
+    "xtc": "XTC",
 }
 
 
