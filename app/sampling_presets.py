@@ -2,9 +2,10 @@
 own (save, load, delete), kept in the settings file.
 
 A preset sets the sampler's settings (temperature, truncations, penalties, DRY, XTC, groups,
-logit bias and bans as typed) and leaves the reply's length, stop strings, seed and the
-recorded candidates as they are: choosing "Code" does not cut a long answer short. A user's
-preset keeps everything it was saved with except the recorded candidates.
+logit bias and bans as typed, tokenized again by the model in use) and leaves the reply's
+length, stop strings, seed and the recorded candidates as they are: choosing "Code" does not
+cut a long answer short. A user's preset keeps everything it was saved with except the
+recorded candidates.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ SAMPLER_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
     "dry_sequence_breakers", "xtc_threshold", "xtc_probability", "n", "num_beams", "length_penalty",
-    "early_stopping", "logit_bias", "banned_token_ids",
+    "early_stopping",
 )  # fmt: skip
-NOT_SAVED = ("snapshot_top_n",)  # a display setting, not how the reply is made
+# Not kept as values: the recorded candidates are a display setting, and the logit bias and bans
+# are kept as typed (`token_texts`), their ids belonging to whichever model tokenizes them.
+NOT_SAVED = ("snapshot_top_n", "logit_bias", "banned_token_ids")
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,8 +54,9 @@ class TokenTextEditors(QObject):
         self._timer.setSingleShot(True)
         self._timer.setInterval(RESOLVE_DELAY_MS)
         self._timer.timeout.connect(self.resolve_now)
-        self.bias.textEdited.connect(self._timer.start)
-        self.banned.textEdited.connect(self._timer.start)
+        # (not textEdited -> QTimer.start directly: the text would be taken for the interval)
+        self.bias.textEdited.connect(lambda _text: self._timer.start())
+        self.banned.textEdited.connect(lambda _text: self._timer.start())
         self._asked = 0  # numbers the resolutions: only the latest one's answer is used
 
     # ---- values ------------------------------------------------------------------------------
@@ -99,20 +100,19 @@ class TokenTextEditors(QObject):
                 self._show(label, describe(resolved), "")
                 apply(resolved)
 
-        def failed(message: str) -> None:
-            if asked != self._asked:
-                return
+        def no_model(message: str) -> None:
             if all(e.token_id is not None for e in entries):  # ids need no tokenizer
                 done([ResolvedEntry(e, (e.token_id,), (f"#{e.token_id}",)) for e in entries])
             else:
-                self._show(
-                    label, f"not applied yet: {message} (text is tokenized by the model)", theme.WARNING
-                )
+                self._show(label, f"not applied yet: {message} (text is tokenized by the model)", theme.WARNING)
 
-        if self.resolver is None:
-            failed("no model is loaded")
-        else:
-            self.resolver(entries, done, failed)  # on_error comes at once when no model is ready
+        def failed(message: str) -> None:
+            if asked == self._asked:
+                self._show(label, message, theme.ERROR)
+
+        # The resolver answers False (after calling on_error) when no model can tokenize now.
+        if self.resolver is None or not self.resolver(entries, done, failed):
+            no_model("no model is loaded")
 
     def _apply_bias(self, resolved: list[ResolvedEntry]) -> None:
         pairs = bias_pairs(resolved)

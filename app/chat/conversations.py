@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.chat.schema import SchemaError, prepare
+from app.chat.schema import SchemaError, prepare, probe
 from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
 from app.chat.tree import Conversation, StoredMessage, default_leaf
 
@@ -71,8 +71,9 @@ class ConversationStore:
         self._clock = clock
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            probe(self.path)
             self._db = sqlite3.connect(str(self.path), isolation_level=None)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, SchemaError) as exc:
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
         try:
             self._db.execute("PRAGMA journal_mode=WAL")

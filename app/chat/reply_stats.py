@@ -119,9 +119,10 @@ def stored_sampling(meta: dict | None) -> SamplingParams | None:
 
 
 def dropped_before(meta: dict | None) -> int:
-    """How many leading messages of the path the reply's prompt left out (the context limit)."""
+    """How many leading messages of the path the reply's prompt left out (the context limit):
+    the path position of the first message it was given."""
     raw = (meta or {}).get(CONTEXT_KEY)
-    value = raw.get("dropped", 0) if isinstance(raw, dict) else 0
+    value = raw.get("first_kept", 0) if isinstance(raw, dict) else 0
     return value if isinstance(value, int) and value > 0 else 0
 
 

@@ -14,6 +14,7 @@ current leaf its last message. A database from a newer kvscope is refused, not g
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 SCHEMA_VERSION = 2
 
@@ -72,15 +73,34 @@ class SchemaError(Exception):
     """The database cannot be brought to this version's schema; str() is for the user."""
 
 
-def prepare(db: sqlite3.Connection) -> bool:
-    """Create or migrate the schema (one transaction); True when full-text search is available
-    (an SQLite built without FTS5 still stores conversations; search then scans the text)."""
-    version = db.execute("PRAGMA user_version").fetchone()[0]
+def probe(path: Path) -> None:
+    """Check an existing file is a database this version can read, through a read-only
+    connection: one that fails leaves the file and its WAL as they were (a read-write
+    connection's close would checkpoint or delete the WAL of a file it could not read).
+    Raises sqlite3.Error or SchemaError."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    # immutable: no locks and no shared-memory file either; the header is all it reads.
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+    try:
+        _check_version(db.execute("PRAGMA user_version").fetchone()[0])
+    finally:
+        db.close()
+
+
+def _check_version(version: int) -> None:
     if version > SCHEMA_VERSION:
         raise SchemaError(
             f"it was written by a newer kvscope (schema version {version}; this one reads up to "
             f"{SCHEMA_VERSION}): update kvscope to open it"
         )
+
+
+def prepare(db: sqlite3.Connection) -> bool:
+    """Create or migrate the schema (one transaction); True when full-text search is available
+    (an SQLite built without FTS5 still stores conversations; search then scans the text)."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    _check_version(version)
     db.execute("BEGIN IMMEDIATE")
     try:
         for sql in _TABLES:

@@ -150,9 +150,12 @@ class ReplyStreaming:
             self._set_editing(None)
             self.pane.input.clear()
         record = ReplyRecord(
-            self.host.generation, request_id, list(plan.prefix_tokens), list(plan.prefix_ids)
+            self.host.generation,
+            request_id,
+            tokens=list(plan.prefix_tokens),
+            token_ids=list(plan.prefix_ids),
+            lead_text="" if plan.prefix_tokens else plan.prefix_text,
         )
-        record.lead_text = "" if plan.prefix_tokens else plan.prefix_text
         self._records[msg.id] = record
         sampling = plan.sampling
         live_group = ("beams" if sampling.beam_search else "samples", sampling.group_size)
