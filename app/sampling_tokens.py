@@ -104,7 +104,9 @@ class TokenTextEditors(QObject):
             if all(e.token_id is not None for e in entries):  # ids need no tokenizer
                 done([ResolvedEntry(e, (e.token_id,), (f"#{e.token_id}",)) for e in entries])
             else:
-                self._show(label, f"not applied yet: {message} (text is tokenized by the model)", theme.WARNING)
+                self._show(
+                    label, f"not applied yet: {message} (text is tokenized by the model)", theme.WARNING
+                )
 
         def failed(message: str) -> None:
             if asked == self._asked:
