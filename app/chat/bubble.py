@@ -93,6 +93,12 @@ class MessageBubble(QFrame):
         self._author = QLabel(author)
         self._author.setObjectName("bubbleAuthor")
         self._meta = QLabel("")
+        # A reply's figures can be a long line: it wraps in the header's room instead of widening
+        # the bubble past the transcript (which would clip the reply's right edge).
+        self._meta.setWordWrap(True)
+        self._meta.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        self._meta.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self._meta.setMinimumWidth(60)
         self._meta.setObjectName("bubbleMeta")
         self._body = QLabel()
         self._body.setObjectName("bubbleBody")
@@ -149,8 +155,7 @@ class MessageBubble(QFrame):
         header.addWidget(self._author)
         for widget in (self.fork_prev, self.fork_label, self.fork_next):
             header.addWidget(widget)
-        header.addStretch(1)
-        header.addWidget(self._meta)
+        header.addWidget(self._meta, 1)
         header.addWidget(self.actions_button)
         footer = QHBoxLayout()
         footer.setContentsMargins(0, 0, 0, 0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPen
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app import theme
 from app.chat.context_fit import ContextFit
@@ -85,19 +85,25 @@ class ContextMeter(QWidget):
         self.pool_bar = MeterBar()
         self.pool_label = QLabel("")
         self.pool_label.setObjectName("meterText")
+        # What happens at the limit, on a line of its own under the bars (hidden until then).
         self.note = QLabel("")
         self.note.setObjectName("meterNote")
-        self.note.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(2, 0, 2, 0)
-        layout.setSpacing(6)
+        self.note.setWordWrap(True)
+        self.note.hide()
+        bars = QHBoxLayout()
+        bars.setContentsMargins(0, 0, 0, 0)
+        bars.setSpacing(6)
         for widget in (self.context_bar, self.context_label):
-            layout.addWidget(widget)
-        layout.addSpacing(10)
+            bars.addWidget(widget)
+        bars.addSpacing(10)
         for widget in (self.pool_bar, self.pool_label):
-            layout.addWidget(widget)
-        layout.addSpacing(10)
-        layout.addWidget(self.note, 1)
+            bars.addWidget(widget)
+        bars.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 0, 2, 0)
+        layout.setSpacing(2)
+        layout.addLayout(bars)
+        layout.addWidget(self.note)
         self.fit: ContextFit | None = None
         self.sent_tokens = 0  # of the shown fit: the conversation without the draft
         self.generated = 0
@@ -121,6 +127,7 @@ class ContextMeter(QWidget):
         self.context_label.setText(f"Context: {reason}")
         self.context_label.setToolTip("")
         self.note.setText("")
+        self.note.hide()
 
     def show_pool(self, used_slots: int, total_slots: int, this_chat: int | None = None) -> None:
         segments = (Segment(used_slots, SENT),)
@@ -147,7 +154,8 @@ class ContextMeter(QWidget):
         self.context_bar.set_segments(segments, fit.limit)
         share = used / fit.limit if fit.limit else 0.0
         which = "context" if fit.context_window <= fit.pool_tokens else "KV pool's"
-        self.context_label.setText(f"Context {used:,} / {fit.limit:,} tokens ({share:.0%})")
+        bound = " · pool-bound" if fit.pool_tokens < fit.context_window else ""
+        self.context_label.setText(f"Context {used:,} / {fit.limit:,} tokens ({share:.0%}){bound}")
         colour = theme.ERROR if not fit.fits else theme.WARNING if share >= WARN_SHARE or fit.dropped else ""
         self.context_label.setStyleSheet(f"color: {colour};" if colour else "")
         self.context_label.setToolTip(
@@ -169,4 +177,4 @@ class ContextMeter(QWidget):
             self.note.setStyleSheet(f"color: {theme.WARNING};")
         else:
             self.note.setText("")
-        self.note.setToolTip(self.note.text())
+        self.note.setVisible(bool(self.note.text()))

@@ -37,7 +37,7 @@ _CODE_BLOCK = (
     '<table width="100%" cellspacing="0" cellpadding="6" style="margin: 4px 0px;" bgcolor="{bg}">'
     '<tr><td style="color: {muted}; font-size: small;">{lang}</td>'
     '<td align="right" style="font-size: small;"><a href="{link}" style="color: {accent};'
-    ' text-decoration: none;">⧉ Copy</a></td></tr>'
+    ' text-decoration: none;">Copy</a></td></tr>'
     '<tr><td colspan="2"><pre style="white-space: pre-wrap; color: {fg}; font-family: monospace;">{code}</pre>'
     "</td></tr></table>"
 )

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -40,6 +41,10 @@ class ChatTranscript(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self._inner = QWidget()
         self._inner.setObjectName("transcriptInner")
+        # The scroll area sizes its widget to at least its minimum size hint, which word-wrapped
+        # bubbles compute at their narrowest (far taller than at the real width): a blank gap
+        # below the last message. Ignored vertically, the height comes from heightForWidth.
+        self._inner.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
         self._layout = QVBoxLayout(self._inner)
         self._layout.setContentsMargins(16, 12, 16, 12)
         self._layout.setSpacing(10)
