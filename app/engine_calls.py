@@ -56,6 +56,12 @@ class EngineCalls(QObject):
         return True
 
     @property
+    def local(self) -> bool:
+        """The engine runs in this process (a remote server's has no engine thread to ask; the
+        host knows no EngineConfig for it)."""
+        return self.host.engine is not None and self.host.config is not None
+
+    @property
     def busy(self) -> bool:
         return bool(self._pending)
 

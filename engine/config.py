@@ -235,8 +235,8 @@ class EngineConfig:
 
     model: ModelSpec = field(default_factory=ModelSpec)
     block_size: int = 16
-    # KV pool size: explicit block count wins; else a memory budget in bytes; else sized to
-    # hold `max_model_len` tokens for `max_num_seqs` sequences.
+    # KV pool size: an explicit block count wins; else a memory budget in bytes (the engine's
+    # DEFAULT_KV_BUDGET_BYTES when neither is given).
     num_blocks: int | None = None
     kv_budget_bytes: int | None = None
     max_model_len: int | None = None  # defaults to the model's context length (capped at 8192)
@@ -244,7 +244,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
-    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8" stores K/V quantized per block
+    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8": codes with a scale per token and head
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated
+from live.remote import is_remote_snapshot
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
@@ -287,6 +288,10 @@ class ProbabilityPanel(QWidget):
         if self._what_if is None:
             self.banner.hide()
             return token.snapshot.stages
+        if is_remote_snapshot(token.snapshot):
+            self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
+            self.banner.show()
+            return token.snapshot.stages
         from engine.sampling.what_if import what_if, what_if_notes  # pure; loads torch lazily
 
         self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
@@ -319,7 +324,12 @@ class ProbabilityPanel(QWidget):
             f" <span style='color:{theme.MUTED_TEXT}'>({where})</span>"
             f" drawn <span style='color:{theme.ACCENT}'><b>{_html(visible(token.text))}</b></span>"
         )
-        if snap is not None and stages:
+        if is_remote_snapshot(snap):
+            text += (
+                f" p&nbsp;{percent(snap.drawn_prob)}"
+                f" <span style='color:{theme.MUTED_TEXT}'>(as the server reports it)</span>"
+            )
+        elif snap is not None and stages:
             if self._what_if is None:
                 text += (
                     f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"

@@ -27,6 +27,9 @@ class ContextTracking:
         if not self.host.status().ready:
             self.pane.meter.show_unavailable("no model loaded")
             return
+        if not self.calls.local:
+            self.pane.meter.show_unavailable("not counted here: the engine runs on a server")
+            return
         draft = self.pane.input.toPlainText().strip()
         conv = self.conversation
         editing = conv.nodes.get(self._editing_id) if conv and self._editing_id is not None else None

@@ -130,6 +130,10 @@ class ContextMeter(QWidget):
         self.note.hide()
 
     def show_pool(self, used_slots: int, total_slots: int, this_chat: int | None = None) -> None:
+        if total_slots <= 0:  # a server that does not say (or nothing loaded)
+            self.pool_bar.set_segments((), 0)
+            self.pool_label.setText("KV pool: not known")
+            return
         segments = (Segment(used_slots, SENT),)
         self.pool_bar.set_segments(segments, total_slots)
         share = used_slots / total_slots if total_slots else 0.0

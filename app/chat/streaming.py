@@ -63,6 +63,8 @@ class ReplyStreaming:
         if not self.host.status().ready:
             self._refuse("No model is loaded: load one in the Controls panel first.")
             return False
+        if not self.calls.local:
+            return self._prepare_remote(plan)
         head, history, tail, _ = self._prompt_parts(plan)
         policy, prefix, chosen = self.context_policy(), plan.prefix_ids, plan.chosen
         before = prefix[: len(prefix) - len(chosen)]
@@ -79,6 +81,18 @@ class ReplyStreaming:
         self.calls.run(
             work, lambda result: self._on_prepared(plan, *result), lambda m: self._on_unprepared(plan, m)
         )
+        return True
+
+    def _prepare_remote(self, plan: ReplyPlan) -> bool:
+        """A remote server: nothing here can count its tokens or decode them, so the whole
+        conversation is sent as it is (the server applies its own limit and says so)."""
+        if plan.prefix_ids:
+            self._refuse(
+                "Branching and continuing need the engine in this app (it continues from token ids)."
+            )
+            return False
+        self.pane.meter.show_unavailable("not counted here: the engine runs on a server")
+        self._launch(plan, None)
         return True
 
     def _on_prepared(self, plan: ReplyPlan, fit: ContextFit, chosen_text: str) -> None:
@@ -107,13 +121,16 @@ class ReplyStreaming:
         self.sync_state()
 
     # ---- a plan, started ------------------------------------------------------------------
-    def _launch(self, plan: ReplyPlan, fit: ContextFit) -> None:
+    def _launch(self, plan: ReplyPlan, fit: ContextFit | None) -> None:
+        """Store and submit the plan; `fit` None: not measured (a remote server's engine)."""
         head, _, tail, before = self._prompt_parts(plan)
-        kept = before[fit.dropped :]
+        dropped = fit.dropped if fit is not None else 0
+        kept = before[dropped:]
         first_kept = plan.history.index(kept[0]) if kept else len(plan.history) - (plan.kind != "send")
         messages = head + tuple(ChatMessage(m.role, m.content) for m in kept) + tuple(tail)
-        context = {"first_kept": first_kept, "prompt_tokens": fit.prompt_tokens, "limit": fit.limit}
-        context = context if fit.dropped else None
+        context = None
+        if dropped:
+            context = {"first_kept": first_kept, "prompt_tokens": fit.prompt_tokens, "limit": fit.limit}
         request_id = stored_user = None
         try:
             conv = self._conversation_for(plan)

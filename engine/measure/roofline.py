@@ -13,10 +13,10 @@ share of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.events import StepCost, StepStats, TokenGenerated
+from engine.events import StepCost
 from engine.model.shapes import ModelShapes
 
 
@@ -105,22 +105,6 @@ def step_cost(
         kv_write_bytes=kv_write,
         breakdown=breakdown,
     )
-
-
-def steps_with_logit_rows(events: Sequence[object]) -> list[tuple[StepStats, int]]:
-    """Each StepStats in `events` with the number of rows its LM head computed.
-
-    The engine emits a step's TokenGenerated events before its StepStats, one per sequence it
-    sampled, and computes logits only for those: counting them gives the exact logit rows
-    (a prefill chunk that does not finish its prompt samples nothing)."""
-    out, sampled = [], 0
-    for event in events:
-        if isinstance(event, TokenGenerated):
-            sampled += 1
-        elif isinstance(event, StepStats):
-            out.append((event, sampled))
-            sampled = 0
-    return out
 
 
 # ---- utilisation -----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFailed, RequestFinished
+from engine.events import RequestFailed, RequestFinished, StepStats
 from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import bound, mbu, mfu, step_cost, steps_with_logit_rows
+from engine.measure.roofline import bound, mbu, mfu, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
 
@@ -273,7 +273,8 @@ def measure_roofline_points(
                 f"then {decode_steps} decode steps"
             )
             bench.run(prompt, decode_steps + 1, copies=batch)
-            for phase, group in _phases(steps_with_logit_rows(bench.events), batch).items():
+            steps = [(e, e.logit_rows) for e in bench.events if isinstance(e, StepStats)]
+            for phase, group in _phases(steps, batch).items():
                 if group and (phase not in fastest or _forward_s(group) < _forward_s(fastest[phase])):
                     fastest[phase] = group
         points += [_point(bench, limits, phase, batch, group, rounds) for phase, group in fastest.items()]

@@ -27,19 +27,22 @@ def test_native_is_the_default_for_the_packaged_gguf_and_keeps_its_blocks(native
     assert native.info.weight_bytes < native.info.weight_bytes_before / 5  # ~92 MiB against 513 MiB
 
 
-def test_native_q4_1_against_its_float32_twin_on_the_eval_text(native, default_loaded):
-    """Teacher-forced over the 404-token eval text, as served (a prompt that long takes the
-    kernel table's prefill kernel), and with every row through the decode kernel (the packed
-    int4/Q8_0 kernels with bfloat16 activations, as generation computes each new token)."""
+@pytest.mark.parametrize(
+    ("kernel", "top1"),
+    # dense-bf16: a prefill's rows through a bfloat16 matmul of the dequantized layer; packed: each
+    # row as generation computes a new token (the packed int4/Q8_0 kernels, bfloat16 activations).
+    # Measured on the 403 predictions: 99.26% and 98.76% (5 near-ties flip).
+    [("dense-bf16", 0.99), ("packed", 0.985)],
+)
+def test_native_q4_1_against_its_float32_twin_on_the_eval_text(
+    native, default_loaded, monkeypatch, kernel, top1
+):
     ids = eval_token_ids(native.tokenizer)
     reference = teacher_forced_logits(default_loaded.model, ids)
-    served = compare_logits(reference, teacher_forced_logits(native.model, ids), ids)
-    assert served.mean_kl <= 1e-3
-    assert served.top1_agreement >= 0.99
-    with native.policy.step([1] * len(ids)):  # each row as a decode row
-        as_decoded = compare_logits(reference, teacher_forced_logits(native.model, ids), ids)
-    assert as_decoded.mean_kl <= 1e-3
-    assert as_decoded.top1_agreement >= 0.985  # measured 0.9876: 5 of 403 near-ties flip
+    monkeypatch.setattr(native.policy, "choose", lambda storage, rows: kernel)
+    report = compare_logits(reference, teacher_forced_logits(native.model, ids), ids)
+    assert report.mean_kl <= 1e-3
+    assert report.top1_agreement >= top1
 
 
 def test_batched_native_decoding_equals_lone_native_decoding(native):
