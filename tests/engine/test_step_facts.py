@@ -105,9 +105,7 @@ def test_a_speculative_steps_forward_time_excludes_drafting(tiny_loaded, monkeyp
     clock = FakeClock()
     monkeypatch.setattr(llm_engine_module.time, "perf_counter", clock)
     events: list = []
-    engine = LLMEngine(
-        tiny_loaded, EngineConfig(num_blocks=64, speculative=SpeculativeConfig("ngram", 4)), events.append
-    )
+    engine = LLMEngine(tiny_loaded, EngineConfig(num_blocks=64, speculative=SpeculativeConfig("ngram", 4)), events.append)
     propose, forward = engine.proposer.propose, engine.runner.forward
 
     def slow_propose(seq, k):
@@ -121,10 +119,7 @@ def test_a_speculative_steps_forward_time_excludes_drafting(tiny_loaded, monkeyp
     engine.proposer.propose = slow_propose
     engine.runner.forward = timed_forward
     engine.add_request(
-        Request(
-            prompt_token_ids=PROMPT,
-            sampling=SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True),
-        )
+        Request(prompt_token_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
     )
     while engine.has_work():
         engine.step()
