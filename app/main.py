@@ -9,6 +9,9 @@ kvscope --prompt TEXT --screenshot out.png --quit-after-reply
                                           whole reply, save a screenshot of the window, exit 0
 kvscope --prompt TEXT --n 3 / --num-beams 3
                                           the reply as 3 samples, or by beam search with 3 beams
+kvscope generate --prompt TEXT --json     the headless engine CLI (generate, chat, inspect-model,
+                                          bench, ...; the same as `python -m engine`): the frozen
+                                          app has no Python to run `-m engine` with
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ for _name, _value in (
 # scripted run reports failure instead of hanging a CI job.
 SCRIPTED_TIMEOUT_S = 900.0
 
+# Exit status when kvscope cannot start here at all (no usable Qt platform, unwritable folders).
+EXIT_CANNOT_START = 2
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine.config import DEVICES, DTYPES, KV_DTYPES
 
     parser = argparse.ArgumentParser(
-        prog="kvscope", description="Chat with a local LLM while watching its inference live."
+        prog="kvscope",
+        description="Chat with a local LLM while watching its inference live.",
+        epilog="kvscope COMMAND ... runs the headless engine instead of the window, COMMAND one of "
+        f"{', '.join(engine_commands())} (kvscope generate --help).",
     )
     parser.add_argument(
         "--model",
@@ -136,14 +145,46 @@ def group_sampling(args: argparse.Namespace, params):
     return SamplingParams(**values)
 
 
+def engine_commands() -> tuple[str, ...]:
+    from engine.cli.main import command_names
+
+    return command_names()
+
+
+def show_startup_error(message: str) -> None:
+    """A dialog for a person who started kvscope from a menu, where stderr goes unseen."""
+    from PySide6.QtWidgets import QMessageBox
+
+    QMessageBox.critical(None, "kvscope cannot start", message)
+
+
+def startup_failed(message: str, interactive: bool) -> int:
+    print(f"kvscope: {message}", file=sys.stderr)
+    if interactive:
+        show_startup_error(message)
+    return EXIT_CANNOT_START
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in engine_commands():
+        from engine.cli.main import main as engine_main
+
+        return engine_main(argv, prog="kvscope")
     args = parse_args(argv)
+
+    from app.startup import platform_problem
+
+    # Before the QApplication: without a platform Qt aborts with no library named.
+    problem = platform_problem()
+    if problem is not None:
+        return startup_failed(problem, interactive=False)
 
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
     from app.chat.conversations import ConversationStore, StorageError
-    from app.paths import asset_path, conversations_db_path
+    from app.paths import DirectoryError, asset_path, conversations_db_path
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
@@ -159,15 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
     apply_theme(app)
 
-    settings = AppSettings()
+    scripted = args.prompt is not None
+    try:
+        settings = AppSettings()
+        conversations = ConversationStore(conversations_db_path())
+    except (DirectoryError, StorageError) as exc:
+        return startup_failed(str(exc), interactive=not scripted)
     try:
         choice = model_choice(args, settings.model_choice())
-        conversations = ConversationStore(conversations_db_path())
-    except (ConfigError, StorageError) as exc:
+    except ConfigError as exc:
         print(f"kvscope: {exc}", file=sys.stderr)
+        conversations.close()
         return 2
 
-    scripted = args.prompt is not None
     window = MainWindow(settings, conversations, interactive=not scripted)
     try:
         window.controls.sampling.set_params(group_sampling(args, window.controls.sampling.params()))
