@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")
-    app.setDesktopFileName("kvscope")
+    # Wayland matches the window to its desktop entry (and icon) by this name.
+    app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
     apply_theme(app)
 

@@ -4,6 +4,8 @@ One connection, used from the GUI thread only. Each write is its own transaction
 so an app crash loses at most what the caller had not yet handed over: the chat pane writes a
 streaming reply through `ReplyCheckpoint`, at most once a second and always on finish/stop.
 WAL journaling keeps those frequent small commits cheap and readers never blocked.
+A second kvscope running on the same database shares it safely: WAL lets each read while the
+other writes, and writers wait their turn (BUSY_TIMEOUT_S); tests/app/test_two_instances.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 DEFAULT_TITLE = "New conversation"
 TITLE_CHARS = 60  # a sidebar row shows about this much of the first user message
+BUSY_TIMEOUT_S = 10.0
 
 # `meta`: JSON about a message beyond its text (a reply's alternatives: app.chat.group_reply); NULL
 # for most. Added after the first release: older databases get the column by ALTER TABLE (see
@@ -96,15 +99,27 @@ class ConversationStore:
         self._clock = clock
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), isolation_level=None)
+            # timeout: a second kvscope on the same database (WAL: readers never wait, writers
+            # take turns) waits this long for the other's write to end instead of failing at once
+            # with "database is locked". Each write is one small autocommit, held for milliseconds.
+            self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=BUSY_TIMEOUT_S)
             self._db.execute("PRAGMA journal_mode=WAL")
             # In WAL mode NORMAL still survives an application crash (every commit is in the
             # log before execute() returns); it only skips the fsync per commit, which on a
             # busy disk can stall the GUI thread for a visible fraction of a second.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            self._migrate()
+            # One instance at a time creates or migrates the schema (two starting together would
+            # both see an old table and both ALTER it).
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in filter(str.strip, _SCHEMA.split(";")):
+                    self._db.execute(statement)
+                self._migrate()
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
         except (OSError, sqlite3.Error) as exc:
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
 
