@@ -60,9 +60,12 @@ def library_problem(plugin: Path) -> str | None:
     try:
         ctypes.CDLL(str(plugin))
     except OSError as exc:
-        library = missing_library(str(exc))
+        # Frozen, PyInstaller's ctypes wrapper replaces dlerror()'s text with its own guess and
+        # chains the original error: read that one.
+        error = str(exc.__cause__ or exc)
+        library = missing_library(error)
         if library is None:
-            return f"its plugin {plugin.name} does not load ({exc})"
+            return f"its plugin {plugin.name} does not load ({error})"
         package = DEBIAN_PACKAGES.get(library)
         hint = f" (Debian/Ubuntu package {package})" if package else ""
         return f"it needs the system library {library}, which is not installed{hint}"

@@ -83,6 +83,8 @@ def size_report(bundle: Path, top: int = 15) -> str:
     total, parts = size_by_part(bundle)
     lines = [f"bundle {bundle}: {total / MIB:.0f} MiB in all; biggest parts:"]
     for name, size in parts[:top]:
+        if name == "kvscope":  # one-folder mode appends the archive of Python modules to it
+            name = "kvscope (the executable, with the compiled Python modules appended)"
         lines.append(f"  {size / MIB:8.1f} MiB  {size / total:5.1%}  {name}")
     rest = sum(size for _, size in parts[top:])
     lines.append(f"  {rest / MIB:8.1f} MiB  {rest / total:5.1%}  ({len(parts) - top} smaller parts)")
@@ -147,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     timings["tarball"] = time.monotonic() - start
     print(f"[package] {tarball} ({tarball.stat().st_size / MIB:.0f} MiB)")
     if args.smoke:
-        from smoke import run_smoke  # packaging/ is this script's folder, first on sys.path
+        from smoke import SmokeFailure, run_smoke  # packaging/, this script's folder, is on sys.path
 
         start = time.monotonic()
-        run_smoke(tarball)
+        try:
+            run_smoke(tarball)
+        except SmokeFailure as failure:
+            print(failure, file=sys.stderr)
+            return 1
         timings["smoke"] = time.monotonic() - start
     print("[package] took " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     return 0

@@ -138,3 +138,20 @@ def test_the_engine_cli_with_an_unwritable_cache_exits_2(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert code == 2 and "cannot write its cache folder" in err and "KVSCOPE_CACHE_DIR" in err
     assert "Traceback" not in err
+
+
+def test_the_frozen_apps_wrapped_loader_error_still_names_the_library(monkeypatch, tmp_path):
+    """PyInstaller's ctypes.CDLL raises its own message, chaining dlopen's: the latter is read."""
+    import app.startup as startup
+
+    def frozen_cdll(name):
+        try:
+            raise OSError("libxcb-cursor.so.0: cannot open shared object file: No such file or directory")
+        except OSError as base:
+            raise OSError(f"Failed to load dynlib/dll {name!r}. Most likely ...") from base
+
+    monkeypatch.setattr(startup.ctypes, "CDLL", frozen_cdll)
+    problem = startup.library_problem(tmp_path / "libqxcb.so")
+    assert problem == (
+        "it needs the system library libxcb-cursor.so.0, which is not installed (Debian/Ubuntu package libxcb-cursor0)"
+    )
