@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         except SmokeFailure as failure:
             print(failure, file=sys.stderr)
             return 1
+        except subprocess.TimeoutExpired as timeout:
+            print(f"[smoke] FAILED: {timeout.cmd[0]} ran past {timeout.timeout:.0f} s", file=sys.stderr)
+            return 1
         timings["smoke"] = time.monotonic() - start
     print("[package] took " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     return 0

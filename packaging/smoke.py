@@ -40,8 +40,12 @@ class SmokeFailure(AssertionError):
     pass
 
 
+PASSED: list[str] = []  # the checks that held, for the closing "N passed, N failed" line
+
+
 def check(condition: bool, what: str, proc: subprocess.CompletedProcess | None = None) -> None:
     if condition:
+        PASSED.append(what)
         print(f"[smoke] ok: {what}", flush=True)
         return
     detail = ""
@@ -142,11 +146,16 @@ def break_xcb_dependency(bundle: Path) -> str:
 
 def run_smoke(tarball: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="kvscope-smoke-"))
-    check(ROOT not in work.parents, f"working outside the checkout ({work})")
+    PASSED.clear()
     try:
+        check(ROOT not in work.parents, f"working outside the checkout ({work})")
         _smoke(tarball, work)
+    except (SmokeFailure, subprocess.TimeoutExpired):
+        print(f"smoke: {len(PASSED)} passed, 1 failed", flush=True)
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(f"smoke: {len(PASSED)} passed, 0 failed", flush=True)
 
 
 def _smoke(tarball: Path, work: Path) -> None:
