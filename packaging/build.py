@@ -1,4 +1,4 @@
-"""`./dev package [--models causal-lm|default] [--smoke] [--no-freeze]`: the frozen one-folder
+"""`./dev package [--smoke] [--no-freeze]`: the frozen one-folder
 bundle dist/kvscope/, its size by biggest parts, and the tarball a person installs.
 
 Steps: freeze with PyInstaller (packaging/kvscope.spec, at low CPU priority), report the bundle's
@@ -15,7 +15,6 @@ appstreamcli are installed), and pack dist/kvscope-<version>-linux-<arch>.tar.gz
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import re
 import shutil
@@ -48,17 +47,16 @@ def version() -> str:
     return tomllib.loads(text)["project"]["version"]
 
 
-def freeze(models: str) -> float:
+def freeze() -> float:
     """Run PyInstaller on the spec; returns the seconds it took."""
-    env = dict(os.environ, KVSCOPE_FREEZE_MODELS=models)
     command = [sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN"]
     command += ["--distpath", str(DIST), "--workpath", str(ROOT / "build" / "pyinstaller")]
     command.append(str(ROOT / "packaging" / "kvscope.spec"))
     if shutil.which("nice"):
         command = ["nice", "-n", "15", *command]  # freezing is CPU heavy; others share the cores
-    print(f"[package] freezing ({models} architectures): {' '.join(command)}", flush=True)
+    print(f"[package] freezing: {' '.join(command)}", flush=True)
     start = time.monotonic()
-    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    subprocess.run(command, cwd=ROOT, check=True)
     return time.monotonic() - start
 
 
@@ -124,19 +122,13 @@ def make_tarball(bundle: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./dev package", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--models",
-        choices=["causal-lm", "default"],
-        default="causal-lm",
-        help="transformers architectures to freeze in: every causal LM, or only the default model's",
-    )
     parser.add_argument("--smoke", action="store_true", help="then run the frozen app (packaging/smoke.py)")
     parser.add_argument("--no-freeze", action="store_true", help="reuse dist/kvscope/ as it is")
     args = parser.parse_args(argv)
 
     timings = {}
     if not args.no_freeze:
-        timings["freeze"] = freeze(args.models)
+        timings["freeze"] = freeze()
     if not (BUNDLE / "kvscope").is_file():
         raise SystemExit(f"packaging: no frozen app at {BUNDLE}; run ./dev package without --no-freeze")
     report = size_report(BUNDLE)

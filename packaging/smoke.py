@@ -4,7 +4,8 @@ Outside the checkout, with a fresh HOME and a PATH with no venv or Python of our
 unpack the tarball, run its install.sh, then start the installed `kvscope` under Xvfb with
 `--prompt ... --screenshot ... --quit-after-reply` and check the reply (in the conversation
 database the app wrote) and the screenshot; run the bundle's headless CLI (`kvscope generate
---json`) and check it gives the same greedy tokens as the engine run from source; check that an
+--json`) and check it gives the same greedy tokens as the engine run from source, on the packaged
+model and on a tiny random Qwen2 folder (another architecture); check that an
 unwritable data or cache folder, a missing display and a missing system Qt library each end in a
 one-line message (exit 2), not a traceback or an abort; finally uninstall with install.sh --remove.
 Any failed check raises SmokeFailure; the screenshot is kept as dist/smoke/kvscope-frozen.png.
@@ -125,13 +126,36 @@ def stored_reply(home: Path) -> tuple[str, str, str | None]:
     return prompt, reply, finish
 
 
-def source_tokens() -> list[int]:
+def source_tokens(*model: str) -> list[int]:
     """The same greedy request through the engine from source (this checkout's venv)."""
-    command = [sys.executable, "-m", "engine", "generate", "--prompt", PROMPT]
+    command = [sys.executable, "-m", "engine", "generate", *model, "--prompt", PROMPT]
     command += ["--max-new-tokens", str(CLI_TOKENS), "--temperature", "0", "--json"]
     proc = run(command, dict(os.environ), ROOT)
     check(proc.returncode == 0, "the engine from source answers the same request", proc)
     return json.loads(proc.stdout)["token_ids"]
+
+
+# A tiny random Qwen2 (not the default model's llama) saved as a model folder with the packaged
+# tokenizer: the frozen bundle must load other architectures as the source does. A wide weight
+# init so that greedy decoding varies from token to token (a near-uniform model repeats one).
+TINY_QWEN2 = """
+import sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from engine.model.default_model import load_default_tokenizer
+tok = load_default_tokenizer()
+torch.manual_seed(0)
+config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.5,
+    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+Qwen2ForCausalLM(config).eval().save_pretrained(sys.argv[1])
+tok.save_pretrained(sys.argv[1])
+"""
+
+
+def tiny_qwen2_folder(folder: Path) -> Path:
+    proc = run([sys.executable, "-c", TINY_QWEN2, str(folder)], dict(os.environ), ROOT)
+    check(proc.returncode == 0, "made a tiny random Qwen2 model folder", proc)
+    return folder
 
 
 def break_xcb_dependency(bundle: Path) -> str:
@@ -224,6 +248,14 @@ def _smoke(tarball: Path, work: Path) -> None:
             "its KV blocks were used and freed",
         )
         check(out["token_ids"] == source_tokens(), "frozen and source engines chose the same greedy tokens")
+        qwen2 = tiny_qwen2_folder(work / "tiny-qwen2")
+        proc = run([*command, "--model", str(qwen2), "--temperature", "0", "--json"], env, work)
+        check(proc.returncode == 0, "the frozen CLI loads a Qwen2 model folder", proc)
+        tokens = json.loads(proc.stdout)["token_ids"]
+        check(
+            len(set(tokens)) > 1 and tokens == source_tokens("--model", str(qwen2)),
+            f"and decodes it as the source does: {tokens}",
+        )
 
         # ---- bad input: one-line messages, exit 2, no traceback ------------------------------
         blocker = work / "a-file"
