@@ -66,7 +66,9 @@ def clean_env(home: Path, runtime: Path, **extra: str) -> dict[str, str]:
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout: float = RUN_TIMEOUT_S):
     start = time.monotonic()
     proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    shown = " ".join(command[:1] + [c if " " not in c else repr(c) for c in command[1:]])
+    # A script passed with -c is shown by its first line only.
+    words = [c if "\n" not in c else repr(c.strip().splitlines()[0] + " ...") for c in command]
+    shown = " ".join(words[:1] + [w if " " not in w or w[0] == "'" else repr(w) for w in words[1:]])
     print(f"[smoke] $ {shown}  -> exit {proc.returncode} in {time.monotonic() - start:.0f} s", flush=True)
     return proc
 
