@@ -41,7 +41,7 @@ def _unwritable(folder: Path, exc: OSError) -> ModelLoadError:
     reason = exc.strerror or type(exc).__name__
     return ModelLoadError(
         f"kvscope cannot write its cache folder {folder} ({reason}), where it keeps the converted "
-        "default model. Make it writable, or set KVSCOPE_CACHE_DIR to a folder you can write."
+        "files of the default model. Make it writable, or set KVSCOPE_CACHE_DIR to a folder you can write."
     )
 
 
