@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.runtime import gui_torch_threads
+
 ROOT = Path(__file__).resolve().parent.parent
 KEPT = ROOT / "dist" / "smoke"
 APP_ID = "io.github.kvscope.kvscope"
@@ -128,11 +130,19 @@ def stored_reply(home: Path) -> tuple[str, str, str | None]:
     return prompt, reply, finish
 
 
-def source_tokens(*model: str) -> list[int]:
-    """The same greedy request through the engine from source (this checkout's venv)."""
+# The CLI runs with as many torch threads as the window (app/runtime.py: all cores but one): the
+# engine times its kernels once per thread count on a new machine (engine/kernels/policy.py),
+# minutes on a busy 2-core box, and the window's first run has just done so for that count.
+CLI_THREADS = {"OMP_NUM_THREADS": str(gui_torch_threads(os.cpu_count()))}
+
+
+def source_tokens(home: Path, *model: str) -> list[int]:
+    """The same greedy request through the engine from source (this checkout's venv). It reads
+    the frozen run's cache, so both use the kernels that one measured: tokens depend on them."""
     command = [sys.executable, "-m", "engine", "generate", *model, "--prompt", PROMPT]
     command += ["--max-new-tokens", str(CLI_TOKENS), "--temperature", "0", "--json"]
-    proc = run(command, dict(os.environ), ROOT)
+    env = dict(os.environ, KVSCOPE_CACHE_DIR=str(home / ".cache" / "kvscope"), **CLI_THREADS)
+    proc = run(command, env, ROOT)
     check(proc.returncode == 0, "the engine from source answers the same request", proc)
     return json.loads(proc.stdout)["token_ids"]
 
@@ -237,7 +247,8 @@ def _smoke(tarball: Path, work: Path) -> None:
 
         # ---- the headless CLI of the same binary ---------------------------------------------
         command = [str(binary), "generate", "--prompt", PROMPT, "--max-new-tokens", str(CLI_TOKENS)]
-        proc = run([*command, "--temperature", "0", "--json"], env, work)
+        cli_env = dict(env, **CLI_THREADS)
+        proc = run([*command, "--temperature", "0", "--json"], cli_env, work)
         check(proc.returncode == 0, "kvscope generate --json ran", proc)
         out = json.loads(proc.stdout)
         check(
@@ -249,13 +260,15 @@ def _smoke(tarball: Path, work: Path) -> None:
             out["kv"]["peak_blocks_used"] > 0 and out["kv"]["blocks_used_end"] == 0,
             "its KV blocks were used and freed",
         )
-        check(out["token_ids"] == source_tokens(), "frozen and source engines chose the same greedy tokens")
+        check(
+            out["token_ids"] == source_tokens(home), "frozen and source engines chose the same greedy tokens"
+        )
         qwen2 = tiny_qwen2_folder(work / "tiny-qwen2")
-        proc = run([*command, "--model", str(qwen2), "--temperature", "0", "--json"], env, work)
+        proc = run([*command, "--model", str(qwen2), "--temperature", "0", "--json"], cli_env, work)
         check(proc.returncode == 0, "the frozen CLI loads a Qwen2 model folder", proc)
         tokens = json.loads(proc.stdout)["token_ids"]
         check(
-            len(set(tokens)) > 1 and tokens == source_tokens("--model", str(qwen2)),
+            len(set(tokens)) > 1 and tokens == source_tokens(home, "--model", str(qwen2)),
             f"and decodes it as the source does: {tokens}",
         )
 
