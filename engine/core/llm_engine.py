@@ -83,6 +83,7 @@ class LLMEngine:
             loaded.dtype,
             loaded.device,
             kv_dtype=config.kv_dtype,
+            layers=loaded.attention or None,
         )
         self.kv.copy_block = self.storage.copy_block  # copy-on-write of shared blocks
         self.max_model_len = min(

@@ -49,7 +49,7 @@ class ModelRunner:
         positions in `logit_rows` (the lm_head runs only on those)."""
         input_ids, position_ids, batch = self.build_batch(seqs, num_tokens)
         keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        with paged_attention(self.model):
+        with paged_attention(self.model, batch):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

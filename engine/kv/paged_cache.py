@@ -8,18 +8,27 @@ each sequence's K/V through its block table and attends causally. One forward th
 prefill chunks and decodes of many sequences at once (continuous batching).
 
 The batch description travels to both through the model's forward kwargs (`paged_batch=`),
-which transformers passes down to `cache.update(..., kwargs=...)` and to the attention function.
+which transformers passes down to `cache.update(..., kwargs=...)` and to the attention function,
+and through `paged_attention(model, batch)` for families whose decoder layers drop those kwargs
+(StableLM, Persimmon, GPT-NeoX-Japanese...).
+
+Each layer does what its family's attention does (engine/model/layer_attention.py): a sliding
+layer reads only the blocks of its window and masks the rest, Gemma 2 soft-caps its logits and
+gpt-oss adds its sink logits (those two through an explicit softmax: SDPA has neither).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+
+from engine.model.layer_attention import LayerAttention
 
 ATTN_IMPLEMENTATION = "kvscope_paged"
 
@@ -41,7 +50,16 @@ _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
 
 class PagedKVStorage:
     def __init__(
-        self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype="auto"
+        self,
+        num_layers,
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+        kv_dtype="auto",
+        layers: tuple[LayerAttention, ...] | None = None,
     ):
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
@@ -62,6 +80,11 @@ class PagedKVStorage:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.kv_dtype = kv_dtype
+        # Per layer: window, soft cap, sinks (read once from the config). None: what each call's
+        # kwargs say (tests that build a storage by hand).
+        if layers is not None and len(layers) != num_layers:
+            raise ValueError(f"{len(layers)} layer descriptions for {num_layers} layers")
+        self.layers = tuple(layers) if layers is not None else None
         self.bytes_per_block = self.block_bytes(
             num_layers, block_size, num_kv_heads, head_dim, dtype, kv_dtype
         )
@@ -94,20 +117,33 @@ class PagedKVStorage:
             pools[layer_idx].view(-1, heads, self.head_dim).index_copy_(0, slots, codes.to(torch.int8))
             scales[layer_idx].view(-1, heads).index_copy_(0, slots, scale)
 
-    def gather(self, layer_idx: int, blocks, context_len: int, dtype: torch.dtype):
-        """One sequence's first `context_len` K and V through its blocks (a `SeqSlice.blocks`),
-        dequantized to `dtype` when stored as int8: two [L, kv_heads, head_dim] tensors."""
+    def gather(self, layer_idx: int, blocks, context_len: int, dtype: torch.dtype, start: int = 0):
+        """One sequence's K and V of positions [start, context_len) through its blocks (a
+        `SeqSlice.blocks`), dequantized to `dtype` when stored as int8: two [L, kv_heads,
+        head_dim] tensors. Blocks wholly before `start` are not read (a sliding window)."""
+        skip = start // self.block_size
+        blocks = drop_blocks(blocks, skip)
+        first, last = start - skip * self.block_size, context_len - skip * self.block_size
         if not self.quantized:
             return [
-                gather_blocks(pool[layer_idx], blocks).flatten(0, 1)[:context_len]
-                for pool in (self.k, self.v)
+                gather_blocks(pool[layer_idx], blocks).flatten(0, 1)[first:last] for pool in (self.k, self.v)
             ]
         out = []
         for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            codes = gather_blocks(pools[layer_idx], blocks).flatten(0, 1)[:context_len]
-            scale = gather_blocks(scales[layer_idx], blocks).flatten(0, 1)[:context_len]
+            codes = gather_blocks(pools[layer_idx], blocks).flatten(0, 1)[first:last]
+            scale = gather_blocks(scales[layer_idx], blocks).flatten(0, 1)[first:last]
             out.append(codes.to(dtype) * scale[..., None].to(dtype))
         return out
+
+    def layer(self, layer_idx: int, call_kwargs: dict) -> LayerAttention:
+        """What layer `layer_idx` does: from the config when given, else from the call."""
+        if self.layers is not None:
+            return self.layers[layer_idx]
+        return LayerAttention(
+            call_kwargs.get("sliding_window") or None,
+            call_kwargs.get("softcap") or None,
+            call_kwargs.get("s_aux") is not None,
+        )
 
 
 def block_index(block_ids: list[int], device) -> slice | torch.Tensor:
@@ -118,6 +154,15 @@ def block_index(block_ids: list[int], device) -> slice | torch.Tensor:
     if block_ids == list(range(first, first + len(block_ids))):
         return slice(first, first + len(block_ids))
     return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def drop_blocks(blocks: slice | torch.Tensor, n: int) -> slice | torch.Tensor:
+    """A `block_index` without its first `n` blocks."""
+    if n == 0:
+        return blocks
+    if isinstance(blocks, slice):
+        return slice(blocks.start + n, blocks.stop)
+    return blocks[n:]
 
 
 def gather_blocks(pool: torch.Tensor, blocks: slice | torch.Tensor) -> torch.Tensor:
@@ -143,6 +188,17 @@ class PagedBatch:
     seqs: list[SeqSlice]
 
 
+# The batch of the forward in progress, for layers that do not pass the forward's kwargs on.
+_ACTIVE_BATCH: ContextVar[PagedBatch | None] = ContextVar("kvscope_paged_batch", default=None)
+
+
+def batch_of(kwargs: dict | None) -> PagedBatch:
+    batch = (kwargs or {}).get("paged_batch") or _ACTIVE_BATCH.get()
+    if batch is None:
+        raise RuntimeError("paged attention ran outside a paged forward (no batch given)")
+    return batch
+
+
 class PagedCache(Cache):
     """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
 
@@ -150,7 +206,7 @@ class PagedCache(Cache):
         super().__init__(layers=[])
 
     def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
-        batch: PagedBatch = (kwargs or {}).get("paged_batch") or extra.get("paged_batch")
+        batch = batch_of(kwargs or extra)
         storage = batch.storage
         if storage.quantized:
             key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
@@ -169,33 +225,78 @@ class PagedCache(Cache):
         return query_length, 0
 
 
+def visible_keys(past: int, q_len: int, window: int | None) -> int:
+    """First key position any of a chunk's queries (positions past .. past + q_len - 1) sees."""
+    return 0 if window is None else max(0, past - window + 1)
+
+
+def chunk_mask(past: int, q_len: int, first_key: int, context_len: int, window: int | None, device):
+    """(mask, is_causal) for a chunk's queries over keys [first_key, context_len): query at p sees
+    key j when j <= p and, in a sliding window, j > p - window (transformers' overlay). None and
+    a flag where SDPA needs no explicit mask."""
+    if q_len == 1:
+        return None, False  # a decode reads exactly the keys it sees (first_key: visible_keys)
+    if past == 0 and (window is None or q_len <= window):
+        return None, True
+    rows = torch.arange(q_len, device=device)[:, None] + past
+    cols = torch.arange(first_key, context_len, device=device)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask, False
+
+
+def attend_explicit(q, k, v, mask, causal: bool, scale, softcap: float | None, sinks):
+    """softmax(Q K^T * scale) V by hand, for what SDPA lacks: Gemma 2's soft cap (as its eager
+    attention: cap before the mask, softmax in float32) and gpt-oss's sinks (a per-head logit in
+    the softmax, dropped after it). q [heads, n, d], k/v [kv_heads, L, d] -> [heads, n, d]."""
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
-    batch: PagedBatch = kwargs["paged_batch"]
+    batch = batch_of(kwargs)
     storage = batch.storage
+    layer = storage.layer(module.layer_idx, kwargs)
+    sinks = getattr(module, "sinks", None) if layer.sinks else None
     q_all = query[0]
     single = len(batch.seqs) == 1  # one sequence fills the whole row: no output buffer to assemble
     out = (
         None if single else query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])
     )  # [T, heads, head_dim]
     for s in batch.seqs:
-        k, v = storage.gather(module.layer_idx, s.blocks, s.context_len, query.dtype)
+        past = s.context_len - s.q_len
+        first = visible_keys(past, s.q_len, layer.window)
+        k, v = storage.gather(module.layer_idx, s.blocks, s.context_len, query.dtype, start=first)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, L, head_dim]
         q = q_all[:, s.q_start : s.q_start + s.q_len]  # [heads, n, head_dim]
-        past = s.context_len - s.q_len
-        if s.q_len == 1:
-            mask, causal = None, False
-        elif past == 0:
-            mask, causal = None, True
-        else:  # a prefill chunk after cached tokens: query j sees keys <= past + j
-            rows = torch.arange(s.q_len, device=q.device)[:, None] + past
-            mask, causal = torch.arange(s.context_len, device=q.device)[None, :] <= rows, False
-        o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
-        )
+        mask, causal = chunk_mask(past, s.q_len, first, s.context_len, layer.window, q.device)
+        if layer.plain:
+            o = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
+            )[0]
+        else:
+            o = attend_explicit(q, k, v, mask, causal, scaling, layer.softcap, sinks)
         if single:
-            return o.transpose(1, 2), None
-        out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+            return o.transpose(0, 1)[None], None
+        out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
     return out[None], None
 
 
@@ -203,13 +304,16 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 @contextmanager
-def paged_attention(model):
+def paged_attention(model, batch: PagedBatch | None = None):
     """Route the model's attention through the paged kernel for one forward, then restore it
-    (so the same model object still serves transformers' own generate() as a reference)."""
+    (so the same model object still serves transformers' own generate() as a reference).
+    `batch` reaches layers that drop the forward's kwargs."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_IMPLEMENTATION
+    token = _ACTIVE_BATCH.set(batch)
     try:
         yield
     finally:
+        _ACTIVE_BATCH.reset(token)
         config._attn_implementation = previous

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.events import ModelInfo
+from engine.model.layer_attention import LayerAttention, layer_attention
 from engine.model.shapes import ModelShapes
 from engine.quant.base import model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
@@ -19,6 +20,8 @@ class LoadedModel:
     info: ModelInfo
     device: torch.device
     dtype: torch.dtype
+    # Per layer: sliding window, soft cap, sinks (engine/model/layer_attention.py)
+    attention: tuple[LayerAttention, ...] = ()
 
     @staticmethod
     def from_model(model, tokenizer, *, name: str, source: str, load_seconds: float = 0.0) -> LoadedModel:
@@ -51,4 +54,4 @@ class LoadedModel:
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
         )
-        return LoadedModel(model, tokenizer, info, param.device, param.dtype)
+        return LoadedModel(model, tokenizer, info, param.device, param.dtype, layer_attention(model.config))
