@@ -34,6 +34,7 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.paged_cache import PagedKVStorage
 from engine.measure.memory import probe_memory
+from engine.model import chat_template
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import make_proposer
@@ -110,7 +111,9 @@ class LLMEngine:
             seq = self._make_sequence(request, request_id)
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
             message = (
-                str(exc) if isinstance(exc, (RequestError, GroupError)) else f"{type(exc).__name__}: {exc}"
+                str(exc)
+                if isinstance(exc, (RequestError, GroupError, chat_template.ChatTemplateError))
+                else f"{type(exc).__name__}: {exc}"
             )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
             return request_id
@@ -122,13 +125,7 @@ class LLMEngine:
         return request_id
 
     def prompt_ids(self, request: Request) -> list[int]:
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + list(
-            request.reply_prefix_ids
-        )
+        return chat_template.prompt_ids(self.tokenizer, request)
 
     def _make_sequence(self, request: Request, request_id: int) -> Sequence:
         ids = self.prompt_ids(request)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.events import ModelInfo
+from engine.model.chat_template import chat_note
 from engine.model.layer_attention import LayerAttention, layer_attention
 from engine.model.shapes import ModelShapes
 from engine.quant.base import model_weight_bytes
@@ -53,5 +54,6 @@ class LoadedModel:
             weight_bytes_before=record.bytes_before if record else weight_bytes,
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
+            chat_note=chat_note(tokenizer),
         )
         return LoadedModel(model, tokenizer, info, param.device, param.dtype, layer_attention(model.config))
