@@ -12,7 +12,7 @@ which transformers passes down to `cache.update(..., kwargs=...)` and to the att
 and through `paged_attention(model, batch)` for families whose decoder layers drop those kwargs
 (StableLM, Persimmon, GPT-NeoX-Japanese...).
 
-Each layer does what its family's attention does (engine/model/layer_attention.py): a sliding
+Each layer does what its family's attention does (probed at load: engine/model/layer_attention.py): a sliding
 layer reads only the blocks of its window and masks the rest, Gemma 2 soft-caps its logits and
 gpt-oss adds its sink logits (those two through an explicit softmax: SDPA has neither).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -80,8 +80,8 @@ class PagedKVStorage:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.kv_dtype = kv_dtype
-        # Per layer: window, soft cap, sinks (read once from the config). None: what each call's
-        # kwargs say (tests that build a storage by hand).
+        # Per layer: window, soft cap, sinks (probed once at load). None: what each call's kwargs
+        # say (tests that build a storage by hand).
         if layers is not None and len(layers) != num_layers:
             raise ValueError(f"{len(layers)} layer descriptions for {num_layers} layers")
         self.layers = tuple(layers) if layers is not None else None
@@ -136,14 +136,10 @@ class PagedKVStorage:
         return out
 
     def layer(self, layer_idx: int, call_kwargs: dict) -> LayerAttention:
-        """What layer `layer_idx` does: from the config when given, else from the call."""
+        """What layer `layer_idx` does: as probed at load when given, else as this call says."""
         if self.layers is not None:
             return self.layers[layer_idx]
-        return LayerAttention(
-            call_kwargs.get("sliding_window") or None,
-            call_kwargs.get("softcap") or None,
-            call_kwargs.get("s_aux") is not None,
-        )
+        return LayerAttention.of_call(call_kwargs)
 
 
 def block_index(block_ids: list[int], device) -> slice | torch.Tensor:
@@ -186,6 +182,11 @@ class PagedBatch:
     storage: PagedKVStorage
     slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
     seqs: list[SeqSlice]
+    # Layers that wrote K/V and layers that attended through the pool, this forward: a layer
+    # that writes but computes its own attention (Bloom's ALiBi) would read only the new
+    # tokens' K/V and be silently wrong, so `paged_attention` refuses the forward instead.
+    written: list[int] = field(default_factory=list)
+    attended: list[int] = field(default_factory=list)
 
 
 # The batch of the forward in progress, for layers that do not pass the forward's kwargs on.
@@ -207,6 +208,7 @@ class PagedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
         batch = batch_of(kwargs or extra)
+        batch.written.append(layer_idx)
         storage = batch.storage
         if storage.quantized:
             key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
@@ -223,6 +225,23 @@ class PagedCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
         return query_length, 0
+
+
+class AttentionMismatch(RuntimeError):
+    """The model's attention is not what kvscope read from its config: stop rather than be wrong."""
+
+
+def check_call(layer: LayerAttention, layer_idx: int, kwargs: dict) -> None:
+    """What transformers passes this layer must be what the load-time probe saw
+    (engine/model/layer_attention.py): the soft cap, the sinks, and the window where the call
+    names one (some families slide through their mask alone). Three lookups per layer and step."""
+    called = LayerAttention.of_call(kwargs)
+    window_differs = called.window is not None and called.window != layer.window
+    if window_differs or (called.softcap, called.sinks) != (layer.softcap, layer.sinks):
+        raise AttentionMismatch(
+            f"layer {layer_idx} attends with {called}, but kvscope probed {layer} at load; "
+            "it stops rather than give wrong tokens"
+        )
 
 
 def visible_keys(past: int, q_len: int, window: int | None) -> int:
@@ -273,9 +292,11 @@ def attend_explicit(q, k, v, mask, causal: bool, scale, softcap: float | None, s
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
     batch = batch_of(kwargs)
+    batch.attended.append(module.layer_idx)
     storage = batch.storage
     layer = storage.layer(module.layer_idx, kwargs)
-    sinks = getattr(module, "sinks", None) if layer.sinks else None
+    check_call(layer, module.layer_idx, kwargs)
+    sinks = kwargs.get("s_aux") if layer.sinks else None
     q_all = query[0]
     single = len(batch.seqs) == 1  # one sequence fills the whole row: no output buffer to assemble
     out = (
@@ -317,3 +338,8 @@ def paged_attention(model, batch: PagedBatch | None = None):
     finally:
         _ACTIVE_BATCH.reset(token)
         config._attn_implementation = previous
+    if batch is not None and sorted(batch.written) != sorted(batch.attended):
+        raise AttentionMismatch(
+            f"layers {sorted(set(batch.written) ^ set(batch.attended))} wrote K/V without attending through "
+            "the paged cache (or the reverse): this model's attention bypasses kvscope's, whose tokens would be wrong"
+        )

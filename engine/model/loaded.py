@@ -8,7 +8,7 @@ import torch
 
 from engine.events import ModelInfo
 from engine.model.chat_template import chat_note
-from engine.model.layer_attention import LayerAttention, layer_attention
+from engine.model.layer_attention import LayerAttention, probe_attention
 from engine.model.shapes import ModelShapes
 from engine.quant.base import model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
@@ -21,7 +21,7 @@ class LoadedModel:
     info: ModelInfo
     device: torch.device
     dtype: torch.dtype
-    # Per layer: sliding window, soft cap, sinks (engine/model/layer_attention.py)
+    # Per layer: sliding window, soft cap, sinks, as transformers calls the attention (probed at load)
     attention: tuple[LayerAttention, ...] = ()
 
     @staticmethod
@@ -56,4 +56,4 @@ class LoadedModel:
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
             chat_note=chat_note(tokenizer),
         )
-        return LoadedModel(model, tokenizer, info, param.device, param.dtype, layer_attention(model.config))
+        return LoadedModel(model, tokenizer, info, param.device, param.dtype, probe_attention(model, shapes))

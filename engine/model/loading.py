@@ -14,8 +14,10 @@ from engine.model.checks import TORCH_DTYPES, check_dtype_on_device, check_fits,
 from engine.model.configs import read_config
 from engine.model.default_model import default_model_dir
 from engine.model.errors import ModelLoadError, first_line
+from engine.model.layer_attention import AttentionProbeError
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
+from engine.model.support import check_support
 from engine.quant.schemes import QuantizationError, check_scheme, quantization_of, quantize_model
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -89,7 +91,9 @@ def load_model(
     check_dtype_on_device(spec.dtype, device)
     check_scheme(spec.quantization, device)
     src = resolve_source(spec.source)
-    check_fits(read_config(src), spec.dtype, device, src.name, available_bytes)
+    config = read_config(src)
+    check_support(config, src.name)  # every family either has parity tests or is refused here
+    check_fits(config, spec.dtype, device, src.name, available_bytes)
     if src.kind == "default" and src.is_gguf:
         src = ModelSource("default", default_model_dir(report), src.name)
     report(f"loading weights ({spec.dtype})", 0.4)
@@ -106,9 +110,16 @@ def load_model(
     if spec.quantization != "none":
         report(f"quantizing weights ({spec.quantization})", 0.85)
         model = _quantize(model.eval(), spec.quantization, tokenizer, src.name)
-    loaded = LoadedModel.from_model(
-        model.eval(), tokenizer, name=src.name, source=spec.source, load_seconds=time.perf_counter() - start
-    )
+    try:
+        loaded = LoadedModel.from_model(
+            model.eval(),
+            tokenizer,
+            name=src.name,
+            source=spec.source,
+            load_seconds=time.perf_counter() - start,
+        )
+    except AttentionProbeError as exc:  # the real model's attention, seen from its calls
+        raise ModelLoadError(f"{src.name} cannot be served: {exc}.") from None
     record = quantization_of(model)
     if record is not None:  # packed weights live in buffers: count them, and the logical params
         loaded.info = dataclasses.replace(loaded.info, weight_bytes=record.bytes_after, params=params)
