@@ -47,7 +47,7 @@ class ModelSource:
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.suffix.lower() == ".gguf"
+        return self.kind == "gguf" or self.path.suffix.lower() == ".gguf"
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -66,7 +66,7 @@ def resolve_source(source: str) -> ModelSource:
     if path.is_dir():
         return ModelSource("folder", path, path.resolve().name)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not has_gguf_magic(path):  # Ollama's blobs have no suffix
             raise ModelLoadError(
                 f"{path} is a single file but not a .gguf file. Choose a .gguf file, or the folder that "
                 "holds the model's config.json and weights."
@@ -78,6 +78,14 @@ def resolve_source(source: str) -> ModelSource:
         f"No model found at {path}: the path does not exist. Check the spelling, or choose a model "
         "folder, a .gguf file, or a model already in the local Hugging Face cache."
     )
+
+
+def has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def hf_cache_dir() -> Path:
