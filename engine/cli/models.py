@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 
 from engine.hub.online import HubError
 
@@ -147,12 +146,13 @@ class _Bar:
 
     def __init__(self):
         self.last = (-1, "")
+        self.drawn = False
 
     def __call__(self, p) -> None:
         pct = int(100 * p.done_bytes / p.total_bytes) if p.total_bytes else 100
         if (pct, p.file) == self.last:
             return
-        self.last = (pct, p.file)
+        self.last, self.drawn = (pct, p.file), True
         filled = pct * 30 // 100
         rate = f"{p.bytes_per_s / 2**20:.1f} MiB/s" if p.bytes_per_s else ""
         print(
@@ -169,9 +169,9 @@ def _download(args) -> int:
     from engine.hub.files import repo_files
 
     choice = _pick(repo_files(args.repo), args)
-    cancel = threading.Event()
+    bar = _Bar()
     try:
-        result = download_files(args.repo, choice.files, progress=_Bar(), cancel=cancel)
+        result = download_files(args.repo, choice.files, progress=bar)
     except KeyboardInterrupt:
         print(
             "\ninterrupted: what arrived is kept in the Hugging Face cache; run the same command to resume",
@@ -179,7 +179,8 @@ def _download(args) -> int:
         )
         return EXIT_INTERRUPTED
     finally:
-        print(file=sys.stderr)
+        if bar.drawn:
+            print(file=sys.stderr)  # end the bar's line
     report = {
         "repo_id": result.repo_id,
         "revision": result.revision,
