@@ -112,11 +112,27 @@ class Repo:
         }
         if self.safetensors():
             out["safetensors"] = self.safetensors()
-        if any(n.endswith(".gguf") for n in self.files):
-            out["gguf"] = {"total": 0, "architecture": "llama"}
+        gguf = next((d for n, d in sorted(self.files.items()) if n.endswith(".gguf")), None)
+        if gguf is not None:  # the Hub reads the first GGUF's header for these
+            out["gguf"] = _gguf_summary(gguf)
         if self.config():
             out["config"] = self.config()
         return out
+
+
+def _gguf_summary(data: bytes) -> dict:
+    from engine.hub.gguf_header import GGUFHeaderError, read_header
+
+    try:
+        header = read_header(lambda start, end: data[start : end + 1])
+    except (GGUFHeaderError, ValueError):
+        return {}
+    arch = header.fields.get("general.architecture")
+    return {
+        "total": header.params,
+        "architecture": arch,
+        "context_length": header.fields.get(f"{arch}.context_length"),
+    }
 
 
 def repo_from_folder(repo_id: str, folder: Path, **fields) -> Repo:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
+from engine.model.chat_template import NOTE_PLAIN_TEXT
 
 EXIT_REQUEST_FAILED = 1
 
@@ -52,6 +53,9 @@ def load_engine(args, collector):
         print(f"[{fraction:4.0%}] {stage}", file=sys.stderr)
 
     loaded = load_model(config.model, progress=progress)
+    note = loaded.info.chat_note  # what kvscope does to this model's conversations
+    if note and (getattr(args, "system", None) or note == NOTE_PLAIN_TEXT):
+        print(f"note: {note}", file=sys.stderr)
     return LLMEngine(loaded, config, collector)
 
 
@@ -72,7 +76,11 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
             "blocks_used_end": engine.kv.pool.num_used,
             "bytes_per_block": engine.storage.bytes_per_block,
         },
-        "model": {"name": engine.loaded.info.name, "dtype": engine.loaded.info.dtype},
+        "model": {
+            "name": engine.loaded.info.name,
+            "dtype": engine.loaded.info.dtype,
+            "chat_note": engine.loaded.info.chat_note,
+        },
     }
     if engine.config.speculative is not None:
         result["speculative"] = {

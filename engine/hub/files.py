@@ -103,8 +103,8 @@ def _config_shapes(repo_id: str, revision: str):
 def _gguf_config(repo_id: str, revision: str, filename: str):
     from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
-    fields, tensors = read_header(remote_fetcher(repo_id, filename, revision))
-    return config_from_header(fields, tensors, PurePosixPath(filename).name)
+    header = read_header(remote_fetcher(repo_id, filename, revision))
+    return config_from_header(header, PurePosixPath(filename).name)
 
 
 def _estimate(config, dtype: str, context: int | None, budget, weight_bytes: int | None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 
 CHUNK = 1 << 20
 MAX_HEADER_BYTES = 64 << 20  # a header past this is not one kvscope can use
@@ -93,8 +94,15 @@ class _Skipped:
         self.count = count
 
 
-def read_header(fetch: Callable[[int, int], bytes]) -> tuple[dict, set[str]]:
-    """(metadata key -> value, tensor names) of a GGUF file reachable through `fetch`."""
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    fields: dict  # metadata key -> value (the token list only as its length)
+    tensor_names: frozenset[str]
+    params: int  # elements over all tensors, the model's parameter count
+
+
+def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
+    """The metadata and tensor table of a GGUF file reachable through `fetch`."""
     s = _Stream(fetch)
     if s.read(4) != b"GGUF":
         raise GGUFHeaderError("not a GGUF file (no GGUF magic)")
@@ -106,18 +114,22 @@ def read_header(fetch: Callable[[int, int], bytes]) -> tuple[dict, set[str]]:
     for _ in range(n_kv):
         key = s.string()
         fields[key] = _value(s, s.unpack("<I"), keep_strings=not key.startswith("tokenizer."))
-    names = set()
+    names, params = set(), 0
     for _ in range(n_tensors):
         names.add(s.string())
-        dims = s.unpack("<I")
-        s.read(8 * dims + 4 + 8)  # dims, type, offset
-    return fields, names
+        count = 1
+        for _ in range(s.unpack("<I")):
+            count *= s.unpack("<Q")
+        params += count
+        s.read(4 + 8)  # type, offset
+    return GGUFHeader(fields, frozenset(names), params)
 
 
-def config_from_header(fields: dict, tensor_names: set[str], name: str):
+def config_from_header(header: GGUFHeader, name: str):
     """The transformers config of a GGUF header (a ModelLoadError when it describes none)."""
     from engine.model.configs import gguf_metadata_config
 
+    fields = header.fields
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = tokens.count if isinstance(tokens, _Skipped) else (len(tokens) if tokens else None)
 
@@ -125,7 +137,7 @@ def config_from_header(fields: dict, tensor_names: set[str], name: str):
         value = fields.get(key)
         return None if isinstance(value, _Skipped) else value
 
-    return gguf_metadata_config(value_of, tensor_names, vocab, name)
+    return gguf_metadata_config(value_of, set(header.tensor_names), vocab, name)
 
 
 def remote_fetcher(repo_id: str, filename: str, revision: str | None = None) -> Callable[[int, int], bytes]:

@@ -3,6 +3,7 @@ system prompt merged into the first user turn where it has none (Gemma), plain t
 where the tokenizer has no template at all."""
 
 import copy
+import json
 
 import pytest
 from tiny_models import make_tiny_llama
@@ -126,3 +127,18 @@ def test_a_conversation_the_template_refuses_fails_with_one_line(default_tokeniz
     (failed,) = [e for e in events if isinstance(e, RequestFailed)]
     assert failed.message.startswith("The model's chat template refuses this conversation")
     assert "roles must alternate" in failed.message and "\n" not in failed.message
+
+
+def test_the_cli_says_when_it_merges_the_system_prompt(default_tokenizer, tmp_path, capsys):
+    from model_folders import save_tiny_model
+
+    from engine.cli.main import main
+
+    folder = save_tiny_model(tmp_path / "gemma-template", with_template(default_tokenizer, GEMMA_TEMPLATE))
+    argv = ["generate", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2", "--prompt", "Hi"]
+    assert main([*argv, "--system", SYSTEM]) == 0
+    assert f"note: {NOTE_SYSTEM_MERGED}" in capsys.readouterr().err
+    assert main(argv) == 0  # no system prompt: nothing to say
+    assert "note:" not in capsys.readouterr().err
+    assert main([*argv, "--system", SYSTEM, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["chat_note"] == NOTE_SYSTEM_MERGED
