@@ -10,23 +10,22 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QComboBox,
     QDialog,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QProgressBar,
     QPushButton,
     QSpinBox,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
+from app.models.browser_cache import CacheTab
+from app.models.browser_table import item, table
 from app.models.browser_worker import HubWorker
 from app.models.picker import human_bytes
 from engine.config import DTYPES
@@ -38,27 +37,6 @@ SORTS = (("Most downloaded", "downloads"), ("Most liked", "likes"), ("Trending",
 
 def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
-
-
-def _item(text: str, sort_value=None, tip: str = "") -> QTableWidgetItem:
-    item = QTableWidgetItem(text)
-    item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEditable)
-    if sort_value is not None:
-        item.setData(Qt.ItemDataRole.UserRole, sort_value)
-    if tip:
-        item.setToolTip(tip)
-    return item
-
-
-def _table(columns: tuple[str, ...]) -> QTableWidget:
-    table = QTableWidget(0, len(columns))
-    table.setHorizontalHeaderLabels(list(columns))
-    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-    table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-    table.verticalHeader().setVisible(False)
-    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-    return table
 
 
 def fit_text(choice) -> tuple[str, str]:
@@ -105,7 +83,7 @@ class ModelBrowser(QDialog):
         self.status = QLabel("")
         self.status.setObjectName("estimate")
         self.status.setWordWrap(True)
-        self.results = _table(RESULT_COLUMNS)
+        self.results = table(RESULT_COLUMNS)
 
         self.repo_title = QLabel("Choose a model to see its files")
         self.repo_title.setStyleSheet("font-weight: bold;")
@@ -120,7 +98,7 @@ class ModelBrowser(QDialog):
         self.context.setValue(4096)
         self.context.setSuffix(" tokens")
         self.context.setToolTip("The context whose KV cache the fit reserves next to the weights")
-        self.files_table = _table(FILE_COLUMNS)
+        self.files_table = table(FILE_COLUMNS)
         self.download_button = QPushButton("Download")
         self.download_button.setEnabled(False)
         self.cancel_button = QPushButton("Cancel")
@@ -131,8 +109,11 @@ class ModelBrowser(QDialog):
         self.progress.setRange(0, 1000)
         self.progress.setTextVisible(False)
         self.progress_label = QLabel("")
+        self.cache = CacheTab(self)
 
         self._layout()
+        self.tabs.currentChanged.connect(self._on_tab)
+        self.cache.model_chosen.connect(self._choose)
         self.search_button.clicked.connect(self.search)
         self.query.returnPressed.connect(self.search)
         self.results.itemSelectionChanged.connect(self._on_result_selected)
@@ -183,7 +164,10 @@ class ModelBrowser(QDialog):
         splitter.addWidget(top)
         splitter.addWidget(bottom)
         splitter.setSizes([400, 360])
-        QVBoxLayout(self).addWidget(splitter)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(splitter, "Hugging Face Hub")
+        self.tabs.addTab(self.cache, "On this machine")
+        QVBoxLayout(self).addWidget(self.tabs)
 
     # ---- search ----------------------------------------------------------------------------
     @Slot()
@@ -205,16 +189,16 @@ class ModelBrowser(QDialog):
             )
             served = "–" if h.supported is None else ("serves" if h.supported else "refuses")
             cells = (
-                _item(h.repo_id, tip=h.repo_id),
-                _item(_count(h.downloads), h.downloads),
-                _item(_count(h.likes), h.likes),
-                _item(params, h.params),
-                _item(human_bytes(h.weights_bytes) if h.weights_bytes else "?", h.weights_bytes),
-                _item(h.license or "?"),
-                _item(
+                item(h.repo_id, tip=h.repo_id),
+                item(_count(h.downloads), h.downloads),
+                item(_count(h.likes), h.likes),
+                item(params, h.params),
+                item(human_bytes(h.weights_bytes) if h.weights_bytes else "?", h.weights_bytes),
+                item(h.license or "?"),
+                item(
                     h.gated or "no", tip="accept the licence on the Hub and set HF_TOKEN" if h.gated else ""
                 ),
-                _item(served, tip=h.support_note),
+                item(served, tip=h.support_note),
             )
             for col, cell in enumerate(cells):
                 self.results.setItem(row, col, cell)
@@ -260,11 +244,11 @@ class ModelBrowser(QDialog):
         for row, c in enumerate(files.choices):
             total, verdict_text = fit_text(c)
             cells = (
-                _item(c.label, tip="\n".join(c.files)),
-                _item(human_bytes(c.weights_bytes), c.weights_bytes),
-                _item(total),
-                _item(verdict_text),
-                _item(c.note or ("" if c.loadable else "not loadable by kvscope")),
+                item(c.label, tip="\n".join(c.files)),
+                item(human_bytes(c.weights_bytes), c.weights_bytes),
+                item(total),
+                item(verdict_text),
+                item(c.note or ("" if c.loadable else "not loadable by kvscope")),
             )
             for col, cell in enumerate(cells):
                 self.files_table.setItem(row, col, cell)
@@ -339,8 +323,17 @@ class ModelBrowser(QDialog):
     @Slot()
     def _on_use(self) -> None:
         if self._downloaded_source:
-            self.model_chosen.emit(self._downloaded_source)
-            self.accept()
+            self._choose(self._downloaded_source)
+
+    @Slot(str)
+    def _choose(self, source: str) -> None:
+        self.model_chosen.emit(source)
+        self.accept()
+
+    @Slot(int)
+    def _on_tab(self, index: int) -> None:
+        if self.tabs.widget(index) is self.cache:
+            self.cache.refresh()
 
     # ---- messages --------------------------------------------------------------------------
     @Slot(int, str, str)
