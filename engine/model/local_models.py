@@ -115,6 +115,18 @@ def _ollama_model(root: Path, manifests: Path, manifest: Path) -> LocalModel | N
     return None
 
 
+def ollama_name(blob: Path) -> str | None:
+    """The `model:tag` whose manifest names this blob (Ollama's store: models/blobs/sha256-...)."""
+    root = blob.parent.parent
+    if blob.parent.name != "blobs" or not (root / "manifests").is_dir():
+        return None
+    for manifest in sorted(p for p in (root / "manifests").rglob("*") if p.is_file()):
+        model = _ollama_model(root, root / "manifests", manifest)
+        if model is not None and Path(model.source) == blob:
+            return model.name
+    return None
+
+
 def hf_cache_models() -> list[LocalModel]:
     from engine.hub.cache import list_cached
 

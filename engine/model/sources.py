@@ -71,6 +71,10 @@ def resolve_source(source: str) -> ModelSource:
                 f"{path} is a single file but not a .gguf file. Choose a .gguf file, or the folder that "
                 "holds the model's config.json and weights."
             )
+        if path.suffix.lower() != ".gguf":  # an Ollama blob: named as Ollama names it
+            from engine.model.local_models import ollama_name
+
+            return ModelSource("gguf", path, ollama_name(path) or path.name)
         return ModelSource("gguf", path, path.stem)
     if _REPO_ID.match(source) and not source.lower().endswith(".gguf"):
         return ModelSource("repo", _cached_repo_folder(source), source)

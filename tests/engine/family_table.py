@@ -77,7 +77,9 @@ def reference(folder: Path, new_tokens: int) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -104,7 +106,9 @@ def row(name: str, model_type: str, tokenizer, new_tokens: int, block_size: int,
     prompt = result["prompt_tokens"]
     if got == ref:
         return f"| {name} | token-for-token parity ({len(got)} tokens after a {prompt}-token prompt) |"
-    first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b) if got[: len(ref)] != ref else len(ref)
+    first = (
+        next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b) if got[: len(ref)] != ref else len(ref)
+    )
     return f"| {name} | DIFFERENT from token {first} of {len(ref)} |"
 
 

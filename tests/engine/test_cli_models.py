@@ -174,9 +174,41 @@ def test_models_on_this_machine_are_found_with_their_sizes(machine, hub):
     assert all(m.size_bytes == size for m in found.values())
     (ollama,) = ollama_models()
     src = resolve_source(ollama.source)  # an Ollama blob has no .gguf suffix: its magic says GGUF
-    assert src.is_gguf and src.kind == "gguf"
+    assert src.is_gguf and src.kind == "gguf" and src.name == "smollm2:135m"
 
 
 def test_list_shows_the_other_stores(machine, hub, capsys):
     code, out, _ = cli(capsys, "list")
     assert code == 0 and "Ollama" in out and "smollm2:135m" in out and "LM Studio" in out
+
+
+# ---- the rest of the bad inputs, as the CLI says them ---------------------------------
+def test_a_full_disk_is_one_line(hub, capsys, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    code, out, err = cli(capsys, "download", TINY)
+    assert code == 2 and "Not enough disk space" in err and err.count("\n") == 1
+
+
+def test_custom_code_and_a_broken_safetensors_header_are_one_line(hub, capsys, tiny_folder, tmp_path):
+    custom = json.loads((tiny_folder / "config.json").read_text())
+    custom.update(model_type="my_llama", auto_map={"AutoModelForCausalLM": "modeling_my.MyLlama"})
+    hub.add(
+        Repo(
+            "kvscope-test/custom-code",
+            {"config.json": json.dumps(custom).encode(), "model.safetensors": b"x"},
+        )
+    )
+    code, out, _ = cli(capsys, "files", "kvscope-test/custom-code")
+    assert code == 0 and "needs custom Python code from the model repo, which kvscope never runs" in out
+
+    files = {p.name: p.read_bytes() for p in tiny_folder.iterdir() if p.is_file()}
+    data = files["model.safetensors"]
+    files["model.safetensors"] = data[:8] + b"{not json" + data[17:]
+    hub.add(Repo("kvscope-test/broken-header", files))
+    assert cli(capsys, "download", "kvscope-test/broken-header")[0] == 0
+    code = main(["generate", "--model", "kvscope-test/broken-header", "--device", "cpu", "--prompt", "Hi"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith("error: The weights of kvscope-test/broken-header could not be read")
