@@ -107,9 +107,9 @@ def _cached_repo_folder(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(), local_files_only=True))
     except LocalEntryNotFoundError:
         raise ModelLoadError(
-            f"The model {repo_id} is not in the local Hugging Face cache, and kvscope never downloads. "
-            f"Download it first (for example `hf download {repo_id}`), or choose a folder or .gguf file. "
-            f"(No local path named {repo_id!r} exists either.)"
+            f"The model {repo_id} is not in the local Hugging Face cache, and loading never downloads. "
+            f"Download it first (`python -m engine models download {repo_id}`, or Hub… in the model picker), "
+            f"or choose a folder or .gguf file. (No local path named {repo_id!r} exists either.)"
         ) from None
 
 
