@@ -12,11 +12,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated
+from live.remote import is_remote_snapshot
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
@@ -44,10 +53,21 @@ def describe_params(params: SamplingParams) -> str:
         parts.append(f"top-p {params.top_p:g}")
     if params.min_p > 0.0:
         parts.append(f"min-p {params.min_p:g}")
+    if params.typical_p < 1.0:
+        parts.append(f"typical-p {params.typical_p:g}")
+    if params.xtc_probability > 0.0:
+        parts.append(f"XTC {params.xtc_threshold:g} at p {params.xtc_probability:g}")
     return " · ".join(parts)
 
 
+CONTINUE_HINT = "Click a candidate, then continue the reply from it as a new branch"
+
+
 class ProbabilityPanel(QWidget):
+    # (request id, token index, candidate token id): cut the reply there, put that token there
+    # and generate on (the chat makes it a branch of the reply).
+    continue_requested = Signal(int, int, int)
+
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
@@ -93,6 +113,18 @@ class ProbabilityPanel(QWidget):
         self.reference_note.setWordWrap(True)
         self.reference_note.hide()
         self.bars = ProbabilityBars()
+        self.bars.row_clicked.connect(self._on_row_clicked)
+        self.bars.row_double_clicked.connect(self._on_row_double_clicked)
+        self.continue_button = QPushButton("↳ Continue from here")
+        self.continue_button.setToolTip(
+            "Cut the reply at this token, put the chosen candidate there and generate the rest with the "
+            "current settings, as a new branch (the prefix's KV blocks come from the prefix cache)"
+        )
+        self.continue_button.clicked.connect(self._on_continue_clicked)
+        self.continue_hint = QLabel(CONTINUE_HINT)
+        self.continue_hint.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.continue_hint.setWordWrap(True)
+        self._chosen_for: tuple[int, int] | None = None  # the token the chosen row belongs to
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
@@ -106,6 +138,10 @@ class ProbabilityPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.reference_note)
         layout.addWidget(self.bars, 1)
+        continue_row = QHBoxLayout()
+        continue_row.addWidget(self.continue_hint, 1)
+        continue_row.addWidget(self.continue_button)
+        layout.addLayout(continue_row)
         self._update()
 
     # ---- public API --------------------------------------------------------------------------
@@ -130,6 +166,44 @@ class ProbabilityPanel(QWidget):
         """Show the bars after stage `name` (None: the final stage)."""
         self._stage_choice = name
         self._update()
+
+    def choose_candidate(self, row: int | None) -> None:
+        """Choose a candidate row of the shown token (None: none) for "continue from here"."""
+        shown = self._shown
+        valid = row is not None and shown is not None and 0 <= row < len(self.rows)
+        self._chosen_for = (shown.request_id, shown.index) if valid else None
+        self.bars.choose_row(row if valid else None)
+        self._sync_continue()
+
+    def chosen_candidate(self) -> tuple[int, int, int] | None:
+        """(request id, token index, token id) that "continue from here" would use."""
+        row = self.bars.chosen_row
+        if self._chosen_for is None or row is None or row >= len(self.rows):
+            return None
+        return (*self._chosen_for, self.rows[row].token_id)
+
+    def _on_row_clicked(self, row: int) -> None:
+        self.choose_candidate(row)
+
+    def _on_row_double_clicked(self, row: int) -> None:
+        self.choose_candidate(row)
+        self._on_continue_clicked()
+
+    def _on_continue_clicked(self) -> None:
+        chosen = self.chosen_candidate()
+        if chosen is not None:
+            self.continue_requested.emit(*chosen)
+
+    def _sync_continue(self) -> None:
+        chosen = self.chosen_candidate()
+        self.continue_button.setEnabled(chosen is not None)
+        if chosen is None:
+            self.continue_button.setText("↳ Continue from here")
+            self.continue_hint.setText(CONTINUE_HINT if self._shown is not None else "")
+        else:
+            text = self.rows[self.bars.chosen_row].text
+            self.continue_button.setText(f"↳ Continue with “{text}”")
+            self.continue_hint.setText(f"reply #{chosen[0]}, token {chosen[1]}: a new branch from here")
 
     def flush(self) -> None:
         """Redraw now, ignoring the throttle (before a screenshot)."""
@@ -161,6 +235,12 @@ class ProbabilityPanel(QWidget):
         # A pinned token not yet generated (or dropped) stays stale and is looked up again.
         self._stale = token is None
         self._shown = token
+        if self._chosen_for is not None and (
+            token is None or (token.request_id, token.index) != self._chosen_for
+        ):
+            self._chosen_for = None  # another token: its candidates are other rows
+            self.bars.choose_row(None)
+        self._sync_continue()
         if token is None:
             self._clear(
                 "No tokens yet: send a message to see how each token was chosen."
@@ -208,11 +288,18 @@ class ProbabilityPanel(QWidget):
         if self._what_if is None:
             self.banner.hide()
             return token.snapshot.stages
+        if is_remote_snapshot(token.snapshot):
+            self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
+            self.banner.show()
+            return token.snapshot.stages
+        from engine.sampling.what_if import what_if, what_if_notes  # pure; loads torch lazily
+
         self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
         self.banner.show()
-        from engine.sampling.what_if import what_if  # pure function of the snapshot; loads torch lazily
-
         try:
+            notes = what_if_notes(token.snapshot, self._what_if)
+            if notes:
+                self.banner.setText(self.banner.text() + "".join(f"\n· {n}" for n in notes))
             return what_if(token.snapshot, self._what_if)
         except Exception as exc:  # noqa: BLE001 - a what-if must never break the render timer
             self.what_if_error = f"{type(exc).__name__}: {exc}"
@@ -237,7 +324,12 @@ class ProbabilityPanel(QWidget):
             f" <span style='color:{theme.MUTED_TEXT}'>({where})</span>"
             f" drawn <span style='color:{theme.ACCENT}'><b>{_html(visible(token.text))}</b></span>"
         )
-        if snap is not None and stages:
+        if is_remote_snapshot(snap):
+            text += (
+                f" p&nbsp;{percent(snap.drawn_prob)}"
+                f" <span style='color:{theme.MUTED_TEXT}'>(as the server reports it)</span>"
+            )
+        elif snap is not None and stages:
             if self._what_if is None:
                 text += (
                     f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"

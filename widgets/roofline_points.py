@@ -34,7 +34,7 @@ class ModelCosts:
     def kv_bytes_per_element(self, stats: StepStats) -> float:
         """Bytes per stored K/V element, from the pool's own block size (int8 caches include
         their scales, so this can be fractional)."""
-        elements_per_block = stats.kv.block_size * self.shapes.kv_bytes_per_token("int8")
+        elements_per_block = stats.kv.block_size * self.shapes.kv_elements_per_token
         return stats.kv.bytes_per_block / elements_per_block
 
 

@@ -56,6 +56,8 @@ def load_engine(args, collector):
     note = loaded.info.chat_note  # what kvscope does to this model's conversations
     if note and (getattr(args, "system", None) or note == NOTE_PLAIN_TEXT):
         print(f"note: {note}", file=sys.stderr)
+    for note in loaded.info.notes:  # how it runs: the weights kept, the forward, the kernels
+        print(f"       {note}", file=sys.stderr)
     return LLMEngine(loaded, config, collector)
 
 
@@ -80,6 +82,9 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
             "name": engine.loaded.info.name,
             "dtype": engine.loaded.info.dtype,
             "chat_note": engine.loaded.info.chat_note,
+            "quantization": engine.loaded.info.quantization,
+            "weight_bytes": engine.loaded.info.weight_bytes,
+            "notes": list(engine.loaded.info.notes),
         },
     }
     if engine.config.speculative is not None:

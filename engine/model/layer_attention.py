@@ -1,6 +1,6 @@
 """What each layer's attention does beyond causal softmax(Q K^T * scale) V, as transformers calls it.
 
-The paged attention (engine/kv/paged_cache.py) reads every layer's K/V through block tables; to
+The paged attention (engine/kv/attention.py) reads every layer's K/V through block tables; to
 give the same tokens as the family's own attention it must also apply, per layer:
 
 - a sliding window (Mistral, Starcoder2, Phi-3, the sliding layers of Gemma 2/3, Cohere 2,
@@ -52,7 +52,7 @@ HANDLED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "dropout", "sc
 
 
 @dataclass(frozen=True, slots=True)
-class LayerAttention:
+class AttentionSpec:
     window: int | None = None  # sliding window in tokens (the query itself included); None = full
     softcap: float | None = None  # attention-logit soft cap; None = none
     sinks: bool = False  # the call's `s_aux` (per-head sink logits) joins the softmax
@@ -63,10 +63,10 @@ class LayerAttention:
         return self.softcap is None and not self.sinks
 
     @staticmethod
-    def of_call(kwargs: dict) -> LayerAttention:
+    def of_call(kwargs: dict) -> AttentionSpec:
         window = kwargs.get("sliding_window")
         softcap = kwargs.get("softcap")
-        return LayerAttention(
+        return AttentionSpec(
             int(window) if window else None,
             float(softcap) if softcap else None,
             kwargs.get("s_aux") is not None,
@@ -143,7 +143,7 @@ def _record_calls(model, calls: dict[int, list]) -> None:
         )
         kv_shape = (key.shape[1], key.shape[-1], value.shape[1], value.shape[-1])
         calls.setdefault(getattr(module, "layer_idx", None), []).append(
-            (LayerAttention.of_call(kwargs), attention_mask, unknown, kv_shape)
+            (AttentionSpec.of_call(kwargs), attention_mask, unknown, kv_shape)
         )
         # The output is never used: zeros of the shape attention returns ([batch, T, heads, d]).
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
@@ -168,8 +168,8 @@ def _record_calls(model, calls: dict[int, list]) -> None:
         config._attn_implementation = previous
 
 
-def probe_attention(model, shapes) -> tuple[LayerAttention, ...]:
-    """One LayerAttention per layer, from one two-token forward. Raises AttentionProbeError.
+def probe_attention(model, shapes) -> tuple[AttentionSpec, ...]:
+    """One AttentionSpec per layer, from one two-token forward. Raises AttentionProbeError.
     `shapes` (ModelShapes) is what the paged KV pool will hold per layer: the K and V each layer
     attends with must be exactly that (not heads tiled after the cache, not V of another width)."""
     num_layers = shapes.num_layers
@@ -218,7 +218,7 @@ def probe_attention(model, shapes) -> tuple[LayerAttention, ...]:
     return tuple(layers)
 
 
-def _with_mask(i: int, layer: LayerAttention, mask) -> LayerAttention:
+def _with_mask(i: int, layer: AttentionSpec, mask) -> AttentionSpec:
     """The layer's attention once its mask is taken into account: a sliding mask gives the window
     (a family may pass none to the attention function); anything but a causal or sliding mask is
     refused, and so is a mask that disagrees with the window the call passes."""
@@ -240,7 +240,7 @@ def _with_mask(i: int, layer: LayerAttention, mask) -> LayerAttention:
             f"{'slides over ' + str(mask.window) if mask.window else 'is fully causal'}; transformers' own "
             "attention paths disagree, so kvscope has no reference to match"
         )
-    return LayerAttention(mask.window, layer.softcap, layer.sinks)
+    return AttentionSpec(mask.window, layer.softcap, layer.sinks)
 
 
 def _layers(ids: list[int]) -> str:

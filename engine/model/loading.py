@@ -9,16 +9,17 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import ModelSpec
+from engine.config import AUTO, ModelSpec
 from engine.model.checks import TORCH_DTYPES, check_dtype_on_device, check_fits, resolve_device
 from engine.model.configs import read_config
-from engine.model.default_model import default_model_dir
+from engine.model.default_model import default_model_dir, load_default_tokenizer
 from engine.model.errors import ModelLoadError, first_line
+from engine.model.gguf_native import NATIVE
 from engine.model.layer_attention import AttentionProbeError
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import check_support
-from engine.quant.schemes import QuantizationError, check_scheme, quantization_of, quantize_model
+from engine.quant.schemes import QuantizationError, check_scheme, get_scheme, quantize_model
 
 # ---- loading ---------------------------------------------------------------------------------
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -75,6 +76,22 @@ def _load_tokenizer(src: ModelSource):
         ) from None
 
 
+CPU = torch.device("cpu")
+
+
+def resolve_scheme(quantization: str, src: ModelSource, device: torch.device = CPU) -> str:
+    """'auto' is 'native' for a GGUF source (its own blocks kept) and 'none' otherwise (and on
+    a GPU, where native's CPU kernels do not run)."""
+    if quantization == AUTO:
+        return NATIVE if src.gguf is not None and device.type == "cpu" else "none"
+    if quantization == NATIVE and src.gguf is None:
+        raise ModelLoadError(
+            f"'native' keeps a GGUF file's own quantized blocks, but {src.name} is not a GGUF file. "
+            "Choose 'none' or another quantization scheme."
+        )
+    return quantization
+
+
 def load_model(
     spec: ModelSpec,
     progress: Callable[[str, float], None] | None = None,
@@ -89,13 +106,22 @@ def load_model(
     report("checking the model", 0.0)
     device = resolve_device(spec.device)
     check_dtype_on_device(spec.dtype, device)
-    check_scheme(spec.quantization, device)
+    if spec.quantization != AUTO:
+        get_scheme(spec.quantization)  # an unknown name is refused before anything is read
     src = resolve_source(spec.source)
+    scheme = resolve_scheme(spec.quantization, src, device)
+    check_scheme(scheme, device)
+    if scheme == NATIVE:
+        from engine.model.configs import read_gguf_config
+
+        config = read_gguf_config(src.gguf)
+        check_support(config, src.name)
+        return _load_native(spec, src, config, report, start, available_bytes)
     config = read_config(src)
     check_support(config, src.name)  # every family either has parity tests or is refused here
     check_fits(config, spec.dtype, device, src.name, available_bytes)
     if src.kind == "default" and src.is_gguf:
-        src = ModelSource("default", default_model_dir(report), src.name)
+        src = ModelSource("default", default_model_dir(report), src.name, src.gguf)
     report(f"loading weights ({spec.dtype})", 0.4)
     model = _load_weights(src, TORCH_DTYPES[spec.dtype])
     if device.type != "cpu":
@@ -106,25 +132,73 @@ def load_model(
             raise ModelLoadError(f"{src.name} does not fit in the memory of {device}.") from None
     report("loading tokenizer", 0.8)
     tokenizer = _load_tokenizer(src)
-    params = sum(p.numel() for p in model.parameters())
-    if spec.quantization != "none":
-        report(f"quantizing weights ({spec.quantization})", 0.85)
-        model = _quantize(model.eval(), spec.quantization, tokenizer, src.name)
-    try:
-        loaded = LoadedModel.from_model(
+    if scheme != "none":
+        report(f"quantizing weights ({scheme})", 0.85)
+        model = _quantize(model.eval(), scheme, tokenizer, src.name)
+    loaded = _served(
+        lambda: LoadedModel.from_model(
             model.eval(),
             tokenizer,
             name=src.name,
             source=spec.source,
             load_seconds=time.perf_counter() - start,
-        )
-    except AttentionProbeError as exc:  # the real model's attention, seen from its calls
-        raise ModelLoadError(f"{src.name} cannot be served: {exc}.") from None
-    record = quantization_of(model)
-    if record is not None:  # packed weights live in buffers: count them, and the logical params
-        loaded.info = dataclasses.replace(loaded.info, weight_bytes=record.bytes_after, params=params)
+        ),
+        src.name,
+    )
     report("ready", 1.0)
     return loaded
+
+
+def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: float, available_bytes):
+    """The GGUF's own blocks, read straight from the file (engine/model/gguf_native.py)."""
+    from engine.kernels.policy import KernelPolicy
+    from engine.model.gguf_native import load_native
+
+    gguf = original.gguf
+    assert gguf is not None
+    # the packed weights take about their file's size; the dense tensors are small
+    check_fits(
+        config, "int8", torch.device("cpu"), original.name, available_bytes, nbytes=gguf.stat().st_size
+    )
+    try:
+        model, kept = load_native(gguf, TORCH_DTYPES[spec.dtype], KernelPolicy(), report)
+    except ModelLoadError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(f"Ran out of memory while loading {original.name}.") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed tensor: say so, not a traceback
+        raise ModelLoadError(
+            f"{gguf.name} could not be read at its own bits ({type(exc).__name__}: {first_line(exc)}). "
+            "It may be corrupt; or load it with --quantization none."
+        ) from None
+    report("loading tokenizer", 0.85)
+    tokenizer = load_default_tokenizer() if original.kind == "default" else _load_tokenizer(original)
+    loaded = _served(
+        lambda: LoadedModel.from_model(
+            model,
+            tokenizer,
+            name=original.name,
+            source=spec.source,
+            load_seconds=time.perf_counter() - start,
+            scheme=NATIVE,
+        ),
+        original.name,
+    )
+    shapes = loaded.info.shapes
+    before = shapes.params * 4 if shapes is not None else loaded.info.weight_bytes  # the float32 twin
+    loaded.info = dataclasses.replace(
+        loaded.info, weight_bytes_before=before, notes=(kept.summary(), *loaded.info.notes)
+    )
+    report("ready", 1.0)
+    return loaded
+
+
+def _served(make, name: str) -> LoadedModel:
+    """The LoadedModel `make` builds, or the one-line refusal of its attention probe."""
+    try:
+        return make()
+    except AttentionProbeError as exc:  # the real model's attention, seen from its calls
+        raise ModelLoadError(f"{name} cannot be served: {exc}.") from None
 
 
 def _quantize(model, scheme: str, tokenizer, name: str):

@@ -8,14 +8,15 @@ import torch
 
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenSnapshot
-from engine.sampling.stages import PENALTY_STAGES, TOP_P_TOLERANCE, enabled_warpers
+from engine.sampling.stages import PENALTY_STAGES, TOP_P_TOLERANCE, build_stages, enabled_warpers
 
 # what-if: the smallest tail mass it trusts; float64 rounding of 1 - (known mass) is ~1e-14.
 MIN_TAIL_MASS = 1e-13
 
 
 def what_if(snapshot: TokenSnapshot, params: SamplingParams) -> tuple[StageSnapshot, ...]:
-    """Recompute a recorded token's temperature/top-k/top-p/min-p stages under other `params`.
+    """Recompute a recorded token's warper stages (temperature, top-k, top-p, min-p, typical-p,
+    XTC) under other `params`; `what_if_notes` says what it could not recompute.
 
     Works from the snapshot alone (no model), so it is an approximation, labelled "what-if" in
     the app:
@@ -24,11 +25,13 @@ def what_if(snapshot: TokenSnapshot, params: SamplingParams) -> tuple[StageSnaps
       implied by `raw_logsumexp`; it is modelled as that many tokens sharing the tail mass
       equally, each below every known token. Where the tail mass is negligible the result equals
       the real pipeline's; otherwise a heavy tail is spread more evenly than it really is.
-    - Penalties cannot be recomputed (the token history is not in the snapshot): the recorded
+    - Penalties, DRY, logit bias and banned tokens cannot be recomputed (the token history is not
+      in the snapshot, and they act on the logits before the ones it keeps): the recorded
       "raw" and penalty stages are returned as they were, and the new warpers act on the
       recorded penalized logits of the known tokens; the tail is taken as untouched by the
       penalties (exact when every penalized token is among the known ones). A candidate
       outside the known top set gets one tail token's share.
+    - XTC is random: it is shown as if its coin came up (with probability xtc_probability).
     With greedy params (temperature 0) only the recorded raw and penalty stages remain.
     """
     recorded = tuple(s for s in snapshot.stages if s.name == "raw" or s.name in PENALTY_STAGES)
@@ -37,6 +40,23 @@ def what_if(snapshot: TokenSnapshot, params: SamplingParams) -> tuple[StageSnaps
         return recorded
     dist = _TruncatedDistribution(snapshot)
     return recorded + tuple(dist.apply(name, value) for name, value in warpers)
+
+
+def what_if_notes(snapshot: TokenSnapshot, params: SamplingParams) -> tuple[str, ...]:
+    """One line per way the what-if differs from what a real run under `params` would show."""
+    notes = []
+    recorded = [s.name for s in snapshot.stages if s.name in PENALTY_STAGES]
+    wanted = [s.name for s in build_stages(params) if s.name in PENALTY_STAGES]
+    if recorded != wanted:
+        notes.append(
+            "penalties, DRY, logit bias and banned tokens need the token history: shown as recorded "
+            f"({', '.join(recorded) or 'none'}), not as set ({', '.join(wanted) or 'none'})"
+        )
+    if params.xtc_probability > 0.0 and not params.greedy:
+        notes.append(
+            f"XTC shown as if its coin came up (it does with probability {params.xtc_probability:g})"
+        )
+    return tuple(notes)
 
 
 class _TruncatedDistribution:
@@ -82,6 +102,10 @@ class _TruncatedDistribution:
             self.counts = self._top_p_counts(before, value)
         elif name == "min_p":
             self.counts = torch.where(before >= value * before.max(), self.counts, 0.0)
+        elif name == "typical_p":
+            self.counts = self._typical_counts(before, value)
+        elif name == "xtc":
+            self.counts = self._xtc_counts(before, value)
         after = self.token_probs()
         alive_after = self.counts > 0
         probs, removed = [], []
@@ -114,6 +138,29 @@ class _TruncatedDistribution:
         kept[order] = torch.clamp(k - above, min=0).minimum(self.counts[order])
         singles = (self.counts == 1) & (self.logits >= threshold)
         return torch.where(singles, 1.0, kept)
+
+    def _typical_counts(self, probs: torch.Tensor, mass: float) -> torch.Tensor:
+        # TypicalLogitsWarper: rank tokens by |surprise - entropy|, keep the smallest such prefix
+        # reaching `mass` and every token tied with its last (so an entry is kept whole).
+        alive = self.counts > 0
+        log_p = torch.where(alive, probs.clamp(min=1e-300).log(), 0.0)
+        entropy = -(self.counts * probs * log_p).sum()
+        shifted = torch.where(alive, (-log_p - entropy).abs(), math.inf)
+        order = torch.argsort(shifted)
+        cumulative = torch.cumsum((probs * self.counts)[order], 0)
+        last = min(int((cumulative < mass).sum()), int(alive.sum()) - 1)
+        keep = shifted <= shifted[order[last]]
+        return torch.where(keep & alive, self.counts, 0.0)
+
+    def _xtc_counts(self, probs: torch.Tensor, threshold: float) -> torch.Tensor:
+        # XTC when it fires: of the tokens at or above the threshold, only the least likely stays.
+        above = (probs >= threshold) & (self.counts > 0)
+        if float(self.counts[above].sum()) < 2:
+            return self.counts
+        least = int(torch.where(above, probs, math.inf).argmin())
+        kept = torch.where(above, 0.0, self.counts)
+        kept[least] = 1.0
+        return kept
 
     def _top_p_counts(self, probs: torch.Tensor, top_p: float) -> torch.Tensor:
         # The rule of `TopP`: a token stays while the mass strictly above it is below top_p (the

@@ -18,7 +18,9 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished
-from engine.kv import paged_cache
+from engine.kv import attention
+from engine.kv.storage import PagedKVStorage
+from engine.model import llama_forward
 from engine.model.loaded import LoadedModel
 from engine.model.support import SUPPORTED, support_for
 from engine.request import Request
@@ -93,26 +95,44 @@ def test_greedy_tokens_equal_generate(family, setting):
 MUTANT_SETTING = EngineConfig(block_size=5, num_blocks=120, prefill_chunk_size=7)
 
 
-def _with_layers(loaded, **change):
-    layers = tuple(dataclasses.replace(layer, **change) for layer in loaded.attention)
-    return dataclasses.replace(loaded, attention=layers)
-
-
 def test_the_tokens_depend_on_what_paged_attention_must_get_right(family, monkeypatch):
-    """Break each thing the family's attention does; the tokens must change every time."""
+    """Break each thing the family's attention does; the tokens must change every time. The
+    breakage goes in where both forwards (transformers' code and kvscope's own) attend."""
     model_type, loaded, prompts, refs = family
-    monkeypatch.setattr(paged_cache, "check_call", lambda *args: None)  # let the mutants run
-    mutants = {}
-    with monkeypatch.context() as m:  # every query sees only the keys of its own step
-        m.setattr(paged_cache, "visible_keys", lambda past, q_len, window: past)
-        mutants["history"] = run(loaded, MUTANT_SETTING, prompts)
     layers = loaded.attention
+    mutants = {}
+    with monkeypatch.context() as m:  # no history: every K/V written as zeros
+        real_write, real_write_kv = PagedKVStorage.write, PagedKVStorage.write_kv
+        m.setattr(
+            PagedKVStorage,
+            "write",
+            lambda self, layer, slots, k, v: real_write(self, layer, slots, k * 0, v * 0),
+        )
+        m.setattr(
+            PagedKVStorage,
+            "write_kv",
+            lambda self, layer, slots, kv: real_write_kv(self, layer, slots, kv * 0),
+        )
+        mutants["history"] = run(loaded, MUTANT_SETTING, prompts)
     if any(layer.window for layer in layers):
         assert any(layer.window == WINDOW for layer in layers), layers
-        mutants["window"] = run(_with_layers(loaded, window=None), MUTANT_SETTING, prompts)
+        mutants["window"] = _run_with(monkeypatch, loaded, prompts, window=None)
     if any(layer.softcap for layer in layers):
-        mutants["softcap"] = run(_with_layers(loaded, softcap=None), MUTANT_SETTING, prompts)
+        mutants["softcap"] = _run_with(monkeypatch, loaded, prompts, softcap=None)
     if any(layer.sinks for layer in layers):
-        mutants["sinks"] = run(_with_layers(loaded, sinks=False), MUTANT_SETTING, prompts)
+        mutants["sinks"] = _run_with(monkeypatch, loaded, prompts, sinks=None)
     same = [name for name, outs in mutants.items() if outs == refs]
     assert not same, f"{model_type}: breaking {same} leaves the tokens unchanged"
+
+
+def _run_with(monkeypatch, loaded, prompts, **broken):
+    """Run with every layer's attention changed as `broken` says (window=None: full attention...)."""
+    real = attention.attend
+
+    def attend(storage, layer, q, batch, how):
+        return real(storage, layer, q, batch, dataclasses.replace(how, **broken))
+
+    with monkeypatch.context() as m:
+        m.setattr(attention, "attend", attend)
+        m.setattr(llama_forward, "attend", attend)
+        return run(loaded, MUTANT_SETTING, prompts)

@@ -13,7 +13,7 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, StepStats
-from engine.kv.paged_cache import PagedKVStorage
+from engine.kv.storage import PagedKVStorage
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from live.page_map import PageMap
@@ -40,14 +40,14 @@ def reference(model, prompt: list[int]) -> list[int]:
 
 def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees(mistral, monkeypatch):
     model, loaded = mistral
-    reads = []  # (start position read, context length) of every sliding-layer gather
-    real_gather = PagedKVStorage.gather
+    reads = []  # (first position read, context length) of every layer's K/V read
+    real_read = PagedKVStorage.read
 
-    def gather(self, layer_idx, blocks, context_len, dtype, start=0):
-        reads.append((start, context_len))
-        return real_gather(self, layer_idx, blocks, context_len, dtype, start=start)
+    def read(self, layer, blocks, start, stop, dtype):
+        reads.append((start, stop))
+        return real_read(self, layer, blocks, start, stop, dtype)
 
-    monkeypatch.setattr(PagedKVStorage, "gather", gather)
+    monkeypatch.setattr(PagedKVStorage, "read", read)
     events = []
     page_map = PageMap(num_blocks=64, block_size=BLOCK)
 

@@ -1,0 +1,244 @@
+"""Attention over the paged KV storage, for one packed forward of many sequences.
+
+A forward packs every scheduled token of every sequence into one row with explicit positions. The
+step's metadata (`PagedBatch`) is built once per step (the slot of every new token, each
+sequence's blocks as a view or an index, the causal masks of prefill chunks), not once per layer.
+
+Each sequence attends over exactly its own keys: a decoding sequence (one query) reads its
+context as a view of the pool when its blocks are consecutive, with its query heads folded onto
+their KV head (GQA without repeating K/V, and no mask: measured faster than SDPA's enable_gqa
+and than a padded, masked batch); a prefill chunk is causal after its cached tokens. A batched
+call over padded keys would copy every sequence's K/V (all of it, per layer) and, measured,
+change the rounding by 1e-7 with the padded length: enough to flip a greedy near-tie, so a
+request's tokens would depend on its neighbours. Per sequence, they never do.
+
+Per layer the attention honours what the family's own attention does: a sliding window (keys in
+(position - window, position]), logit soft-capping (Gemma 2), attention sinks (gpt-oss: one extra
+logit per head in the softmax), and the module's scaling. Soft-capping and sinks have no fused
+kernel and take an explicit matmul-softmax path.
+
+Two callers: kvscope's own forward (engine/model/forward) calls `attend`; transformers' modeling
+code reaches it through `paged_attention_forward`, registered with AttentionInterface, with the
+metadata passed down in the forward kwargs (`paged_batch=`) and K/V written by `PagedCache.update`.
+For transformers' code, what each layer does (window, soft cap, sinks) is what the load-time probe
+saw it called with (engine/model/layer_attention.py, in `storage.layers`): that covers families
+whose window lives in their mask alone (Phi-MoE, Qwen2-MoE) and is checked against every call.
+Families whose decoder layers drop the forward's kwargs (StableLM, Persimmon) reach the batch
+through `paged_attention(model, batch)`; a layer that writes K/V but attends by its own code would
+read only the new tokens, so a forward where the two differ is refused (AttentionMismatch).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from engine.kv.storage import Blocks, PagedKVStorage
+
+ATTN_IMPLEMENTATION = "kvscope_paged"
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's share of a packed forward."""
+
+    q_start: int  # first of its query tokens in the packed row
+    q_len: int  # query tokens this step
+    context_len: int  # tokens in the cache after this step (past + new)
+    blocks: Blocks  # the blocks covering context_len tokens (see storage.block_index)
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    storage: PagedKVStorage
+    slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
+    seqs: list[SeqSlice]
+    _causal: dict = field(default_factory=dict)  # (seq index, window) -> mask, once per step
+    # transformers' layers that wrote K/V and that attended through the pool, this forward
+    written: list[int] = field(default_factory=list)
+    attended: list[int] = field(default_factory=list)
+
+    def causal_mask(self, index: int, seq: SeqSlice, window: int | None) -> torch.Tensor | None:
+        """Mask [q_len, context] of a prefill chunk after `past` cached tokens (None: plain causal
+        from position 0, which SDPA does itself)."""
+        past = seq.context_len - seq.q_len
+        if past == 0 and window is None:
+            return None
+        key = (index, window)
+        mask = self._causal.get(key)
+        if mask is None:
+            device = self.slot_mapping.device
+            pos = torch.arange(seq.q_len, device=device)[:, None] + past
+            keys = torch.arange(seq.context_len, device=device)[None, :]
+            mask = keys <= pos
+            if window is not None:
+                mask &= keys > pos - window
+            self._causal[key] = mask
+        return mask
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer attends, as its family defines it."""
+
+    scaling: float | None = None
+    window: int | None = None  # sliding window in tokens, None for full attention
+    softcap: float | None = None  # logit soft-capping (Gemma 2)
+    sinks: torch.Tensor | None = None  # [heads] sink logits (gpt-oss)
+
+
+def attend(
+    storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
+) -> torch.Tensor:
+    """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
+    [T, heads, head_dim]."""
+    single = len(batch.seqs) == 1
+    out = None if single else torch.empty_like(q)
+    for index, seq in enumerate(batch.seqs):
+        start = 0 if how.window is None else max(0, seq.context_len - seq.q_len - how.window + 1)
+        k, v = storage.read(layer, seq.blocks, start, seq.context_len, q.dtype)  # [kv_heads, L, d]
+        rows = q[seq.q_start : seq.q_start + seq.q_len]
+        if seq.q_len == 1 and how.softcap is None and how.sinks is None:
+            # decode: the query heads of each KV head as that head's queries (GQA without a copy)
+            o = F.scaled_dot_product_attention(
+                rows.view(k.shape[0], -1, k.shape[-1]), k, v, scale=how.scaling
+            )
+            o = o.reshape(1, -1, k.shape[-1])  # [1, heads, d]
+        else:
+            mask = batch.causal_mask(index, seq, how.window) if seq.q_len > 1 else None
+            causal = seq.q_len > 1 and mask is None
+            if mask is not None and start:
+                mask = mask[:, start:]
+            o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=causal)[0].transpose(
+                0, 1
+            )
+        if single:
+            return o
+        out[seq.q_start : seq.q_start + seq.q_len] = o  # type: ignore[index]
+    assert out is not None
+    return out
+
+
+def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Tensor:
+    """[B, heads, n, d] x [B, kv_heads, L, d]: SDPA, or the explicit path for soft-capping/sinks."""
+    if how.softcap is None and how.sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=how.scaling, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = how.scaling if how.scaling is not None else q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if how.softcap is not None:
+        scores = torch.tanh(scores / how.softcap) * how.softcap
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if how.sinks is not None:  # the sink takes probability mass and gives no value
+        sink = how.sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined.float(), dim=-1).to(q.dtype)[..., :-1]
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs @ v
+
+
+# ---- transformers' modeling code --------------------------------------------------------------
+# The batch of the forward in progress, for layers that do not pass the forward's kwargs on.
+_ACTIVE_BATCH: ContextVar[PagedBatch | None] = ContextVar("kvscope_paged_batch", default=None)
+
+
+def batch_of(kwargs: dict | None) -> PagedBatch:
+    batch = (kwargs or {}).get("paged_batch") or _ACTIVE_BATCH.get()
+    if batch is None:
+        raise RuntimeError("paged attention ran outside a paged forward (no batch given)")
+    return batch
+
+
+class AttentionMismatch(RuntimeError):
+    """The model's attention is not what kvscope probed at load: stop rather than be wrong."""
+
+
+def layer_attention(batch: PagedBatch, layer_idx: int, scaling, kwargs: dict) -> LayerAttention:
+    """How layer `layer_idx` attends: as probed at load (storage.layers), checked against this
+    call (the soft cap, the sinks, and the window where the call names one: some families slide
+    through their mask alone); as the call says when the storage has no probe (hand-built)."""
+    sinks = kwargs.get("s_aux")
+    window, softcap = kwargs.get("sliding_window") or None, kwargs.get("softcap") or None
+    probed = batch.storage.layers[layer_idx] if batch.storage.layers is not None else None
+    if probed is not None:
+        if (window is not None and window != probed.window) or (softcap, sinks is not None) != (
+            probed.softcap,
+            probed.sinks,
+        ):
+            raise AttentionMismatch(
+                f"layer {layer_idx} attends with window {window}, soft cap {softcap}, sinks "
+                f"{sinks is not None}, but kvscope probed {probed} at load; it stops rather than give wrong tokens"
+            )
+        window = probed.window
+    return LayerAttention(scaling=scaling, window=window, softcap=softcap, sinks=sinks)
+
+
+class PagedCache(Cache):
+    """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
+        batch = batch_of(kwargs or extra)
+        batch.written.append(layer_idx)
+        # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
+        batch.storage.write(
+            layer_idx, batch.slot_mapping, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        )
+        return key_states, value_states  # unused: attention reads the pool
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return query_length, 0
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
+    batch = batch_of(kwargs)
+    batch.attended.append(module.layer_idx)
+    how = layer_attention(batch, module.layer_idx, scaling, kwargs)
+    out = attend(batch.storage, module.layer_idx, query[0].transpose(0, 1), batch, how)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@contextmanager
+def paged_attention(model, batch: PagedBatch | None = None):
+    """Route the model's attention through the paged kernel for one forward, then restore it
+    (so the same model object still serves transformers' own generate() as a reference).
+    `batch` reaches layers that drop the forward's kwargs."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    token = _ACTIVE_BATCH.set(batch)
+    try:
+        yield
+    finally:
+        _ACTIVE_BATCH.reset(token)
+        config._attn_implementation = previous
+    if batch is not None and sorted(batch.written) != sorted(batch.attended):
+        raise AttentionMismatch(
+            f"layers {sorted(set(batch.written) ^ set(batch.attended))} wrote K/V without attending through "
+            "the paged cache (or the reverse): this model's attention bypasses kvscope's, whose tokens would be wrong"
+        )
