@@ -27,13 +27,13 @@ import os
 import sys
 from pathlib import Path
 
-# Offline before anything imports transformers or huggingface_hub: kvscope never downloads.
-for _name, _value in (
-    ("HF_HUB_OFFLINE", "1"),
-    ("TRANSFORMERS_OFFLINE", "1"),
-    ("TOKENIZERS_PARALLELISM", "false"),
-):
-    os.environ.setdefault(_name, _value)
+# Offline before anything imports transformers or huggingface_hub: loading never downloads (the
+# model browser goes online for the search or download the user asks for, unless they set
+# HF_HUB_OFFLINE themselves).
+from engine.hub.online import offline_by_default  # noqa: E402
+
+offline_by_default()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # A first load converts the packaged GGUF and a slow disk can take minutes; beyond this a
 # scripted run reports failure instead of hanging a CI job.

@@ -314,6 +314,8 @@ class MainWindow(QMainWindow):
         self.chat.input.setPlaceholderText(
             f"Message {event.info.name}…  (Enter sends, Shift+Enter for a new line)"
         )
+        if event.info.chat_note:  # a system prompt merged, or plain text for a template-less model
+            self.status.showMessage(event.info.chat_note, 30_000)
         self.refresh_status()
 
     @Slot(str)

@@ -59,20 +59,29 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
 
 
 def cached_model_entries() -> list[tuple[str, str]]:
-    """(label, source) for each model in the local Hugging Face cache; [] when none or unreadable."""
-    from engine.model.sources import find_cached_hf_models
+    """(label, source) for each model already on this machine (the HF cache, LM Studio, GPT4All,
+    Ollama: engine.model.local_models), with its size on disk; [] when none or unreadable."""
+    from engine.model.local_models import find_local_models
 
-    entries = []
-    for item in find_cached_hf_models():
-        source = item if isinstance(item, str) else getattr(item, "repo_id", None) or str(item)
-        entries.append((f"HF cache: {source}", source))
-    return entries
+    return [(f"{m.where}: {m.name} · {human_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
+
+
+def fit_suffix(est: dict) -> str:
+    """' · fits' or why not, for a picker entry (weights + KV for its context vs free memory)."""
+    if est.get("fits_with_context"):
+        return " · fits"
+    return " · weights only fit" if est.get("weights_fit_in_budget") else " · too big here"
+
+
+# Context the picker's fit marks reserve KV for (the model's own when smaller).
+ENTRY_FIT_CONTEXT = 4096
 
 
 class _EstimateRelay(QObject):
     """Carries a worker thread's result to the GUI thread (queued: the receiver lives there)."""
 
     finished = Signal(int, object, str)  # ticket, estimate dict or None, error message
+    entry_fit = Signal(str, str)  # source, suffix for its entry (' · fits', ' · too big here')
 
 
 class ModelPicker(QWidget):
@@ -92,6 +101,9 @@ class ModelPicker(QWidget):
         self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
         self.gguf_button = QPushButton("GGUF…")
         self.gguf_button.setToolTip("A single .gguf model file")
+        self.hub_button = QPushButton("Hub…")
+        self.hub_button.setToolTip("Search the Hugging Face Hub and download a model into the local cache")
+        self._browser = None
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
         self.dtype.setToolTip("Weight and KV precision: float32 is exact; bfloat16 halves memory")
@@ -120,6 +132,7 @@ class ModelPicker(QWidget):
         browse_row = QHBoxLayout()
         browse_row.addWidget(self.folder_button)
         browse_row.addWidget(self.gguf_button)
+        browse_row.addWidget(self.hub_button)
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("dtype", self.dtype)
@@ -137,6 +150,7 @@ class ModelPicker(QWidget):
 
         self._relay = _EstimateRelay(self)
         self._relay.finished.connect(self._on_estimate)
+        self._relay.entry_fit.connect(self._on_entry_fit)
         self._ticket = 0
         self._worker: threading.Thread | None = None
         self._estimate: dict | None = None
@@ -148,6 +162,7 @@ class ModelPicker(QWidget):
         self.block_size.valueChanged.connect(self._on_pool_changed)
         self.folder_button.clicked.connect(self._on_pick_folder)
         self.gguf_button.clicked.connect(self._on_pick_gguf)
+        self.hub_button.clicked.connect(self.open_browser)
 
     # ---- values ----------------------------------------------------------------------------
     def set_choice(self, choice: ModelChoice) -> None:
@@ -171,15 +186,44 @@ class ModelPicker(QWidget):
         )
 
     def add_cached_models(self) -> None:
-        """List the models of the local HF cache (a directory scan; called once at startup)."""
+        """List the models already on this machine with their size (directory scans; called once
+        at startup), then mark each with whether it fits, read from its metadata on a thread."""
         try:
             entries = cached_model_entries()
         except Exception as exc:  # noqa: BLE001 - a broken cache must not break the picker
-            self.source.setToolTip(f"The local Hugging Face cache could not be read: {exc}")
+            self.source.setToolTip(f"The models on this machine could not be listed: {exc}")
             return
+        added = []
         for label, source in entries:
             if self.source.findData(source) < 0:
                 self.source.addItem(label, source)
+                added.append(source)
+        if added:
+            dtype = self.dtype.currentText()
+            self._fit_worker = threading.Thread(
+                target=self._mark_fits, args=(added, dtype), name="kvscope-fit", daemon=True
+            )
+            self._fit_worker.start()
+
+    def _mark_fits(self, sources: list[str], dtype: str) -> None:
+        from engine.model.inspect import inspect_model
+
+        for source in sources:
+            try:
+                est = inspect_model(source, dtype=dtype, context=ENTRY_FIT_CONTEXT)
+            except Exception:  # noqa: BLE001 - unreadable: the estimate line says why when chosen
+                self._relay.entry_fit.emit(source, " · unreadable")
+                continue
+            if not est.get("supported", True):
+                self._relay.entry_fit.emit(source, " · not served")
+            else:
+                self._relay.entry_fit.emit(source, fit_suffix(est))
+
+    @Slot(str, str)
+    def _on_entry_fit(self, source: str, suffix: str) -> None:
+        index = self.source.findData(source)
+        if index >= 0 and not self.source.itemText(index).endswith(suffix):
+            self.source.setItemText(index, self.source.itemText(index) + suffix)
 
     def _select_source(self, source: str) -> None:
         index = self.source.findData(source)
@@ -243,6 +287,11 @@ class ModelPicker(QWidget):
         """Join a running inspection (window close, tests) so no worker outlives the picker."""
         if self._worker is not None:
             self._worker.join(timeout)
+        fit_worker = getattr(self, "_fit_worker", None)
+        if fit_worker is not None:
+            fit_worker.join(timeout)
+        if self._browser is not None:
+            self._browser.worker.wait(timeout)
 
     # ---- slots -----------------------------------------------------------------------------
     @Slot()
@@ -256,6 +305,24 @@ class ModelPicker(QWidget):
         path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", "", "GGUF models (*.gguf)")
         if path:
             self._select_source(path)
+
+    @Slot()
+    def open_browser(self) -> None:
+        """The Hub browser (one per picker); a model it downloads becomes the chosen source."""
+        from app.models.browser import ModelBrowser
+
+        if self._browser is None:
+            self._browser = ModelBrowser(dtype=self.dtype.currentText(), parent=self.window())
+            self._browser.model_chosen.connect(self._on_model_downloaded)
+        self._browser.show()
+        self._browser.raise_()
+        self._browser.query.setFocus()
+
+    @Slot(str)
+    def _on_model_downloaded(self, source: str) -> None:
+        if self.source.findData(source) < 0:
+            self.source.addItem(f"HF cache: {source}", source)
+        self._select_source(source)
 
     @Slot()
     def _on_load_clicked(self) -> None:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
+from engine.model.chat_template import NOTE_PLAIN_TEXT
 
 EXIT_REQUEST_FAILED = 1
 
@@ -52,6 +53,9 @@ def load_engine(args, collector):
         print(f"[{fraction:4.0%}] {stage}", file=sys.stderr)
 
     loaded = load_model(config.model, progress=progress)
+    note = loaded.info.chat_note  # what kvscope does to this model's conversations
+    if note and (getattr(args, "system", None) or note == NOTE_PLAIN_TEXT):
+        print(f"note: {note}", file=sys.stderr)
     for note in loaded.info.notes:  # how it runs: the weights kept, the forward, the kernels
         print(f"       {note}", file=sys.stderr)
     return LLMEngine(loaded, config, collector)
@@ -77,6 +81,7 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
         "model": {
             "name": engine.loaded.info.name,
             "dtype": engine.loaded.info.dtype,
+            "chat_note": engine.loaded.info.chat_note,
             "quantization": engine.loaded.info.quantization,
             "weight_bytes": engine.loaded.info.weight_bytes,
             "notes": list(engine.loaded.info.notes),

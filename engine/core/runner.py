@@ -85,7 +85,7 @@ class ModelRunner:
         return ForwardResult(logits.float(), rows, record)
 
     def _transformers_forward(self, input_ids, position_ids, batch, keep_rows) -> torch.Tensor:
-        with paged_attention(self.model):
+        with paged_attention(self.model, batch):
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=position_ids[None],

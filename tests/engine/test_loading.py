@@ -135,7 +135,7 @@ def test_repo_id_not_in_cache(hf_cache):
     message = load_error("nobody-here/no-such-model")
     assert (
         "not in the local Hugging Face cache" in message
-        and "hf download nobody-here/no-such-model" in message
+        and "python -m engine models download nobody-here/no-such-model" in message
     )
 
 
