@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
-    from app.theme import apply_theme
     from app.window import MainWindow
     from engine.config import ConfigError
+    from widgets.theme import apply_theme
 
     configure_for_gui()
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setOrganizationName("kvscope")
     app.setDesktopFileName("kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
-    apply_theme(app)
+    apply_theme(app, asset_path("style.qss"))
 
     settings = AppSettings()
     try:

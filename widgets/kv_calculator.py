@@ -27,12 +27,12 @@ from PySide6.QtWidgets import (
 
 from engine.config import DTYPES
 from engine.model.shapes import DTYPE_BYTES
+from engine.units import byte_unit, format_bytes
 from live.state import LiveState
 from widgets import theme
 from widgets.background_job import BackgroundJob
 from widgets.kv_memory import KV_DTYPES, KVConfig, chart_batches
 from widgets.plot_style import legend_entry, styled_plot
-from widgets.units import byte_unit, format_bytes
 
 GIB = 1 << 30
 BATCH_COLOURS = ("#5b9bd5", "#5fd38d", "#f0b429", "#e8833a", "#9b7ede")
@@ -56,7 +56,7 @@ class KVCalculator(QWidget):
         self.job.failed.connect(self._on_inspect_failed)
         self.setObjectName("kvCalculator")
         self.setStyleSheet(
-            f"#kvCalculator QLabel {{ color: {theme.PANEL_TEXT}; }} #kvCalculator {{ background: {theme.BACKGROUND}; }}"
+            f"#kvCalculator QLabel {{ color: {theme.TEXT}; }} #kvCalculator {{ background: {theme.BACKGROUND}; }}"
         )
 
         self.layers = _int_field(1, 10_000, "Decoder layers: each stores its own K and V")
@@ -102,9 +102,9 @@ class KVCalculator(QWidget):
         self.budget_line = pg.InfiniteLine(
             angle=0,
             movable=False,
-            pen=pg.mkPen(theme.ACCENT, width=1, style=Qt.PenStyle.DashLine),
+            pen=pg.mkPen(theme.MARK, width=1, style=Qt.PenStyle.DashLine),
             label="budget beside the weights",
-            labelOpts={"position": 0.02, "color": theme.ACCENT, "anchors": [(0, 1), (0, 1)]},
+            labelOpts={"position": 0.02, "color": theme.MARK, "anchors": [(0, 1), (0, 1)]},
         )
         item.addItem(self.budget_line, ignoreBounds=True)
 
@@ -278,7 +278,7 @@ class KVCalculator(QWidget):
         self._draw(self.config)
 
     def _results_text(self, c: KVConfig) -> str:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         lines = []
         if self.follows_loaded and self.state.loaded is None:
             lines.append(

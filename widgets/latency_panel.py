@@ -57,7 +57,7 @@ class LatencyPanel(QWidget):
         self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("latencyPanel")
         self.setStyleSheet(
-            f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.readout = LiveLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
@@ -117,9 +117,9 @@ class LatencyPanel(QWidget):
         line = pg.InfiniteLine(
             angle=0,
             movable=False,
-            pen=pg.mkPen(theme.PANEL_TEXT, width=1, style=style),
+            pen=pg.mkPen(theme.TEXT, width=1, style=style),
             label=name,
-            labelOpts={"position": 0.98, "color": theme.MUTED_TEXT, "anchors": [(1, 1), (1, 1)]},
+            labelOpts={"position": 0.98, "color": theme.MUTED, "anchors": [(1, 1), (1, 1)]},
         )
         line.hide()
         return line
@@ -146,9 +146,7 @@ class LatencyPanel(QWidget):
     def _redraw(self) -> None:
         ring = self.state.latency
         if len(ring) == 0:
-            self.readout.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Latency: no tokens generated yet</span>"
-            )
+            self.readout.setText(f"<span style='color:{theme.MUTED}'>Latency: no tokens generated yet</span>")
             for curve in (self.itl_curve, self.ttft_points, self.rate_curve):
                 curve.setData([], [])
             self.p50_line.hide()
@@ -208,7 +206,7 @@ class LatencyPanel(QWidget):
         parts.append(
             legend_entry(theme.SERIES["tokens_per_s"], "tokens/s")
             + (f" <b>{rate:.1f}</b>" if math.isfinite(rate) else "")
-            + f" <span style='color:{theme.MUTED_TEXT}'>(right axis) · {len(ring)} tokens</span>"
+            + f" <span style='color:{theme.MUTED}'>(right axis) · {len(ring)} tokens</span>"
         )
         return " &nbsp; ".join(parts)
 

@@ -15,11 +15,11 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from engine.units import byte_unit, format_bytes
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, StableRange, legend_entry, nice_ceiling, styled_plot
-from widgets.units import byte_unit, format_bytes
 
 # (ring column, legend label); "{source}" is the engine's probe name for the process figures.
 SERIES = (
@@ -38,7 +38,7 @@ class MemoryPanel(QWidget):
         self.unit: tuple[str, int] = ("MiB", 1 << 20)
         self.setObjectName("memoryPanel")
         self.setStyleSheet(
-            f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
@@ -95,7 +95,7 @@ class MemoryPanel(QWidget):
         ring = self.state.memory
         if len(ring) == 0:
             self.legend.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Memory: waiting for the engine's first sample</span>"
+                f"<span style='color:{theme.MUTED}'>Memory: waiting for the engine's first sample</span>"
             )
             for curve in self.curves.values():
                 curve.setData([], [])
@@ -150,5 +150,5 @@ class MemoryPanel(QWidget):
                 )
         total = float(self.state.memory.column("device_total")[-1])
         if total > 0:
-            entries.append(f"<span style='color:{theme.MUTED_TEXT}'>of {format_bytes(total)} total</span>")
+            entries.append(f"<span style='color:{theme.MUTED}'>of {format_bytes(total)} total</span>")
         return " &nbsp; ".join(entries)

@@ -67,8 +67,8 @@ class ProbabilityPanel(QWidget):
 
         self.setObjectName("probabilityPanel")
         self.setStyleSheet(
-            f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
-            f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.PANEL_TEXT}; border: 1px solid {theme.GRID};"
+            f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
+            f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.TEXT}; border: 1px solid {theme.GRID};"
             " border-radius: 3px; padding: 1px 6px; }"
             f"#probabilityPanel QToolButton:checked {{ background: #2f4a6b; border-color: {theme.SERIES['stage']}; }}"
         )
@@ -87,7 +87,7 @@ class ProbabilityPanel(QWidget):
         self.stage_buttons.setExclusive(True)
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
         self.summary = LiveLabel()
-        self.summary.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.summary.setStyleSheet(f"color: {theme.MUTED};")
         self.reference_note = QLabel()
         self.reference_note.setTextFormat(Qt.TextFormat.RichText)
         self.reference_note.setWordWrap(True)
@@ -224,7 +224,7 @@ class ProbabilityPanel(QWidget):
         self.reference_note.hide()
         self.bars.set_message(message)
         self.summary.setText("")
-        self.header.setText(f"<span style='color:{theme.MUTED_TEXT}'>Token probabilities</span>")
+        self.header.setText(f"<span style='color:{theme.MUTED}'>Token probabilities</span>")
         self._sync_stage_buttons((), -1, 0)
         if self._what_if is None:
             self.banner.hide()
@@ -234,14 +234,14 @@ class ProbabilityPanel(QWidget):
         snap = token.snapshot
         text = (
             f"<b>reply #{token.request_id} · token {token.index}</b>"
-            f" <span style='color:{theme.MUTED_TEXT}'>({where})</span>"
-            f" drawn <span style='color:{theme.ACCENT}'><b>{_html(visible(token.text))}</b></span>"
+            f" <span style='color:{theme.MUTED}'>({where})</span>"
+            f" drawn <span style='color:{theme.MARK}'><b>{_html(visible(token.text))}</b></span>"
         )
         if snap is not None and stages:
             if self._what_if is None:
                 text += (
                     f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"
-                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                    f" <span style='color:{theme.MUTED}'>(raw {snap.raw_entropy:.2f})</span>"
                 )
             else:
                 drawn = (
@@ -250,7 +250,7 @@ class ProbabilityPanel(QWidget):
                 would_be = percent(stages[-1].probs[drawn]) if drawn is not None else "?"
                 text += (
                     f" would be p&nbsp;{would_be} · entropy {entropy_text(stages[-1])}"
-                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                    f" <span style='color:{theme.MUTED}'>(raw {snap.raw_entropy:.2f})</span>"
                 )
         self.header.setText(text)
 

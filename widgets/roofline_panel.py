@@ -48,7 +48,7 @@ PHASE_MEANING = {
     "decode": "steps that only decode (one new token per sequence)",
     "mixed": "steps with prefill chunks and decodes in one forward (continuous batching)",
 }
-ROOF_COLOUR = theme.PANEL_TEXT
+ROOF_COLOUR = theme.TEXT
 NO_PEN = pg.mkPen(None)
 # Made once: pyqtgraph caches a rendered symbol per brush object (see latency_panel).
 BRUSHES = {phase: pg.mkBrush(colour) for phase, colour in PHASE_COLOURS.items()}
@@ -81,7 +81,7 @@ class RooflinePanel(QWidget):
 
         self.setObjectName("rooflinePanel")
         self.setStyleSheet(
-            f"#rooflinePanel, #rooflinePanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#rooflinePanel, #rooflinePanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.device_label = QLabel()
         self.device_label.setWordWrap(True)
@@ -110,13 +110,13 @@ class RooflinePanel(QWidget):
         self.ridge_line = pg.InfiniteLine(
             angle=90,
             movable=False,
-            pen=pg.mkPen(theme.MUTED_TEXT, width=1, style=Qt.PenStyle.DashLine),
+            pen=pg.mkPen(theme.MUTED, width=1, style=Qt.PenStyle.DashLine),
             label="ridge",
-            labelOpts={"position": 0.08, "color": theme.MUTED_TEXT, "anchors": [(0, 1), (0, 1)]},
+            labelOpts={"position": 0.08, "color": theme.MUTED, "anchors": [(0, 1), (0, 1)]},
         )
         item.addItem(self.ridge_line, ignoreBounds=True)
-        self.memory_text = pg.TextItem("← memory-bound", color=theme.MUTED_TEXT, anchor=(1, 1))
-        self.compute_text = pg.TextItem("compute-bound →", color=theme.MUTED_TEXT, anchor=(0, 1))
+        self.memory_text = pg.TextItem("← memory-bound", color=theme.MUTED, anchor=(1, 1))
+        self.compute_text = pg.TextItem("compute-bound →", color=theme.MUTED, anchor=(0, 1))
         for text in (self.memory_text, self.compute_text):
             item.addItem(text, ignoreBounds=True)
         self.scatter: dict[str, pg.ScatterPlotItem] = {}
@@ -266,7 +266,7 @@ class RooflinePanel(QWidget):
         self._draw_utilisation()
 
     def _device_text(self) -> str:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         loaded = self.state.loaded
         if loaded is None:
             return f"{muted}Roofline: load a model; its steps are placed against this device's measured limits.</span>"
@@ -327,7 +327,7 @@ class RooflinePanel(QWidget):
         self.compute_text.setPos(math.log10(ridge) + 0.05, top)
 
     def _draw_utilisation(self) -> None:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         for phase, label in self.utilisation.items():
             head = f"<span style='color:{PHASE_COLOURS[phase]}'>●</span>&nbsp;{phase}"
             chosen = self.phase_points(phase)

@@ -152,7 +152,7 @@ class SpeculationPanel(QWidget):
         self.setObjectName("speculationPanel")
         self.setStyleSheet(
             f"#speculationPanel, #speculationPanel QLabel {{ background: {theme.BACKGROUND};"
-            f" color: {theme.PANEL_TEXT}; }}"
+            f" color: {theme.TEXT}; }}"
         )
         self.summary = QLabel("No speculative reply yet: turn speculation on in Controls and send a message.")
         self.summary.setTextFormat(Qt.TextFormat.RichText)

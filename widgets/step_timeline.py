@@ -80,7 +80,7 @@ class StepTimelinePanel(QWidget):
         self.setObjectName("stepTimelinePanel")
         self.setStyleSheet(
             f"#stepTimelinePanel, #stepTimelinePanel QLabel {{ background: {theme.BACKGROUND}; "
-            f"color: {theme.PANEL_TEXT}; }}"
+            f"color: {theme.TEXT}; }}"
         )
         self.readout = QLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
@@ -159,7 +159,7 @@ class StepTimelinePanel(QWidget):
     def _readout(self, steps: list[StepStats]) -> str:
         s = self.series
         if not len(s):
-            return f"<span style='color:{theme.MUTED_TEXT}'>Steps: none yet</span>"
+            return f"<span style='color:{theme.MUTED}'>Steps: none yet</span>"
         last = steps[-1]
         parts = [
             legend_entry(COLOURS["prefill"], "prefill", "■") + f" <b>{last.prefill_tokens}</b>",
@@ -167,7 +167,7 @@ class StepTimelinePanel(QWidget):
             legend_entry(COLOURS["running"], "running") + f" <b>{last.running}</b>",
             legend_entry(COLOURS["waiting"], "waiting", "┅") + f" <b>{last.waiting}</b>",
             legend_entry(COLOURS["preempted"], "preemptions", "▼") + f" <b>{last.preemptions}</b>",
-            f"<span style='color:{theme.MUTED_TEXT}'>{s.mixed_steps} of the last {len(s)} steps "
+            f"<span style='color:{theme.MUTED}'>{s.mixed_steps} of the last {len(s)} steps "
             "mixed prefill with decode</span>",
         ]
         return " &nbsp; ".join(parts)

@@ -95,7 +95,7 @@ class SweepPanel(QWidget):
         self.job.cancelled.connect(self._on_cancelled)
         self.setObjectName("sweepPanel")
         self.setStyleSheet(
-            f"#sweepPanel {{ background: {theme.BACKGROUND}; }} #sweepPanel QLabel {{ color: {theme.PANEL_TEXT}; }}"
+            f"#sweepPanel {{ background: {theme.BACKGROUND}; }} #sweepPanel QLabel {{ color: {theme.TEXT}; }}"
         )
 
         self.model_label = QLabel()
@@ -294,7 +294,7 @@ class SweepPanel(QWidget):
         self.cancel_button.setEnabled(running)
 
     def _set_status(self, text: str, error: bool = False) -> None:
-        colour = theme.WHAT_IF if error else theme.MUTED_TEXT
+        colour = theme.WHAT_IF if error else theme.MUTED
         self.status.setText(f"<span style='color:{colour}'>{text}</span>")
 
     # ---- results ---------------------------------------------------------------------------
@@ -307,13 +307,13 @@ class SweepPanel(QWidget):
         dtypes = list(dict.fromkeys(row["dtype"] for row in report["prompt_lengths"]))
         entries = []
         for dtype in dtypes:
-            colour = DTYPE_COLOURS.get(dtype, theme.PANEL_TEXT)
+            colour = DTYPE_COLOURS.get(dtype, theme.TEXT)
             self._curve("ttft", dtype, colour, report["prompt_lengths"], "prompt_tokens", "ttft_s")
             self._curve("itl", dtype, colour, report["context_lengths"], "context_tokens", "median_itl_s")
             entries.append(
                 legend_entry(colour, dtype + (" (baseline)" if dtype == report["baseline_dtype"] else ""))
             )
-        self.legend.setText(" &nbsp; ".join(entries) + f" &nbsp; <span style='color:{theme.MUTED_TEXT}'>"
+        self.legend.setText(" &nbsp; ".join(entries) + f" &nbsp; <span style='color:{theme.MUTED}'>"
                             f"{report['model']} on {report['device']}</span>")  # fmt: skip
         comparisons, scaling = explain_parts(report)
         self.explanation.setText("<br>".join([f"<b>{html.escape(c)}</b>" for c in comparisons] + [

@@ -2,7 +2,7 @@
 per generated token for inspecting.
 
 Qt's HTML is HTML 4 with a little CSS, so code blocks become a one-cell table (the only block
-that reliably takes a background colour and padding) and colours come from app.theme.
+that reliably takes a background colour and padding) and colours come from widgets.theme.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from markdown_it import MarkdownIt
 
-from app import theme
+from widgets import theme
 
 TOKEN_LINK_PREFIX = "tok:"
 # How a token whose text is only part of a multi-byte character (its delta is empty) appears in

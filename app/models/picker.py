@@ -24,18 +24,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.models.quant_picker import QuantizationChoice
-from app.settings import MIB, ModelChoice
+from app.settings import ModelChoice
 from engine.config import DEVICES, DTYPES
+from engine.units import MIB, format_bytes
 
 DEFAULT_LABEL = "Packaged default: SmolLM2-135M-Instruct"
-GIB = 1024**3
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
@@ -48,11 +41,11 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
         [
             f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
             f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {human_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
-            f"{human_bytes(est['budget_bytes'])} ({est['budget_source']})",
-            f"KV cache: {human_bytes(per_token)} per token; the full {est['context']:,}-token context "
-            f"needs {human_bytes(est['kv_bytes_for_context'])}",
-            f"KV budget {human_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+            f"Weights ≈ {format_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
+            f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
+            f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
+            f"needs {format_bytes(est['kv_bytes_for_context'])}",
+            f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
             f"= {pool_blocks * block_size:,} tokens",
         ]
     )
@@ -106,7 +99,7 @@ class ModelPicker(QWidget):
         self.kv_budget = QSpinBox()
         self.kv_budget.setRange(0, 1024 * 1024)
         self.kv_budget.setSuffix(" MiB")
-        self.kv_budget.setSpecialValueText(f"auto ({human_bytes(default_budget_bytes)})")
+        self.kv_budget.setSpecialValueText(f"auto ({format_bytes(default_budget_bytes)})")
         self.kv_budget.setToolTip("Memory for the paged KV cache; it sets how many pages the pool has")
         self.quantization = QuantizationChoice(self)
         self.estimate = QLabel("")

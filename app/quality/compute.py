@@ -177,7 +177,7 @@ def _check_memory(spec: ModelSpec, num_tokens: int) -> None:
     from engine.model.configs import read_config
     from engine.model.shapes import ModelShapes
     from engine.model.sources import resolve_source
-    from widgets.units import format_bytes
+    from engine.units import format_bytes
 
     shapes = ModelShapes.from_config(read_config(resolve_source(spec.source)))
     weights = shapes.weight_bytes(spec.dtype)

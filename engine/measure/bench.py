@@ -14,6 +14,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from engine.events import TokenGenerated
+from engine.units import milliseconds, si
 
 BENCH_PROMPT = (
     "Explain, in a few paragraphs, why the key-value cache makes autoregressive decoding of a "
@@ -177,6 +178,6 @@ def _print_table(r: dict) -> None:
     print(f"decode speed ratio engine/generate: {r['ratio']['decode_tokens_per_s']:.3f}")
     bw = r["bandwidth"]
     print(
-        f"bandwidth {bw['measured_bytes_per_s'] / 1e9:.1f} GB/s; floor ITL {bw['floor_itl_s'] * 1000:.2f} ms; "
+        f"bandwidth {si(bw['measured_bytes_per_s'], 'B/s')}; floor ITL {milliseconds(bw['floor_itl_s'])}; "
         f"engine MBU {bw['engine_mbu']:.1%}; outputs match: {r['outputs_match']}"
     )

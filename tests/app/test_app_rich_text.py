@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from app import theme
 from app.chat.rich_text import (
     PARTIAL_CHARACTER_MARK,
     ReplyToken,
@@ -13,6 +12,7 @@ from app.chat.rich_text import (
     token_html,
     token_index_from_link,
 )
+from widgets import theme
 
 
 def test_code_fence_becomes_a_shaded_block_with_escaped_code():
