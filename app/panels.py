@@ -84,12 +84,10 @@ class Panels:
             self._next_plot += 1
 
     def refresh_all(self, dirty: set[str]) -> None:
-        """Every panel at once, throttles ignored: the final frame of a scripted screenshot."""
+        """Every panel at once, plot turns ignored: the final frame of a scripted screenshot."""
         for name, panel in self.named():
             self._pending.setdefault(name, set()).update(dirty)
             self._refresh(name, panel)
-            if hasattr(panel, "flush"):
-                panel.flush()
 
     def _refresh(self, name: str, panel) -> None:
         keys = self._pending.get(name, set())

@@ -29,11 +29,12 @@ from app.chat.view import ChatPane
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
 from app.panels import Panels, build_panels
-from app.physics_views import PhysicsViews
+from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
+from app.what_if import WhatIfController
 from engine.config import ConfigError, EngineConfig
 from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
 
@@ -93,6 +94,7 @@ class MainWindow(QMainWindow):
             self.host, self.controller, self.panels, self.controls.model, parent=self
         )
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
+        self.what_if = WhatIfController(self.host, self.panels.probabilities, parent=self)
         self.load_tool = LoadToolPanel(self.host)
         self.speculation = SpeculationController(self, self.start_engine, parent=self)
         token_view, colour = settings.get("chat/view", [False, False])

@@ -41,9 +41,22 @@ from engine.events import (
 from live.groups import GroupView
 from live.page_map import PageMap
 from live.ring_buffer import RingBuffer
+from live.roofline import RooflinePoints
 
 DIRTY_KEYS = frozenset(
-    {"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors", "speculation", "groups"}
+    {
+        "model",
+        "requests",
+        "tokens",
+        "kv",
+        "memory",
+        "latency",
+        "steps",
+        "roofline",
+        "errors",
+        "speculation",
+        "groups",
+    }
 )
 
 # Ring capacities: 4 h of memory samples at the engine's 4 Hz; 100k tokens of latency history.
@@ -95,14 +108,21 @@ class LiveState:
         self.page_map = PageMap()
         self.kv_stats: KVStats | None = None
         self.steps: deque[StepStats] = deque(maxlen=RECENT_STEPS)
-        # Each recent step with the rows its LM head computed: the engine emits a step's tokens
-        # before its StepStats and computes logits only for the sequences it samples, so the
-        # tokens counted since the previous step are that number (the roofline's FLOP count).
-        self.step_logit_rows: deque[tuple[StepStats, int]] = deque(maxlen=RECENT_STEPS)
-        self._tokens_since_step = 0
+        # Every step placed by the FLOPs and bytes the engine counted for it (StepStats.cost).
+        self.roofline = RooflinePoints()
         self.memory = RingBuffer(
             memory_capacity,
-            ("t", "weights", "kv_pool", "kv_used", "process", "reserved", "device_total"),
+            (
+                "t",
+                "weights",
+                "kv_pool",
+                "kv_used",
+                "process",
+                "reserved",
+                "device_total",
+                "draft_weights",
+                "draft_cache",
+            ),
         )
         self.memory_source: str = ""
         # One row per generated token: x is its global number; latency_ms is the ITL for a
@@ -196,7 +216,8 @@ class LiveState:
         per_block = event.kv_pool_bytes // event.kv_num_blocks if event.kv_num_blocks else 0
         self.page_map = PageMap(event.kv_num_blocks, event.kv_block_size, per_block)
         self.kv_stats = None
-        return {"model", "kv"}
+        self.roofline.clear()  # another model (or its restart): its steps start afresh
+        return {"model", "kv", "roofline"}
 
     def _on_load_failed(self, event: ModelLoadFailed) -> set[str]:
         self.loading, self.load_error = None, event.message
@@ -268,7 +289,6 @@ class LiveState:
         last_t[event.branch] = event.t
         if event.branch == 0:
             view.tokens.append(event)
-        self._tokens_since_step += 1
         self.latest_request_id = event.request_id
 
         tokens_per_s = self._rolling_rate(event.t)
@@ -378,9 +398,9 @@ class LiveState:
 
     def _on_step(self, event: StepStats) -> set[str]:
         self.steps.append(event)
-        self.step_logit_rows.append((event, self._tokens_since_step))
-        self._tokens_since_step = 0
         self.kv_stats = event.kv
+        if self.roofline.add(event):
+            return {"steps", "kv", "roofline"}
         return {"steps", "kv"}
 
     def _on_memory(self, event: MemorySample) -> set[str]:
@@ -392,6 +412,8 @@ class LiveState:
             process=event.process_bytes,
             reserved=event.process_reserved_bytes,
             device_total=event.device_total_bytes,
+            draft_weights=event.draft_weights_bytes,
+            draft_cache=event.draft_cache_bytes,
         )
         self.memory_source = event.source
         return {"memory"}

@@ -22,13 +22,9 @@ from live.state import LiveState
 from widgets import theme
 from widgets.kv_page_canvas import COW_MARK, KVPageCanvas
 from widgets.live_label import LiveLabel
-from widgets.throttle import RedrawThrottle
 
 LEGEND_MAX_SEQS = 6  # more requests than this are summarised as "+n more"
 GROUP_LINES_MAX = 3  # saving lines for at most this many groups (running first, then the latest)
-# 20 redraws a second keep blocks visibly lighting up token by token, at two thirds of the GIL
-# time a redraw on every 30 Hz frame would take from the engine thread.
-REDRAW_INTERVAL_S = 0.05
 
 
 def _swatch(rgb: tuple[int, int, int], label: str, glyph: str = "■") -> str:
@@ -87,7 +83,6 @@ class KVPageMapPanel(QWidget):
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("kvPageMapPanel")
         self.setStyleSheet(
             f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
@@ -117,14 +112,7 @@ class KVPageMapPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         # Also redraw while a just-written block is still fading back to its plain colour.
         if dirty & {"kv", "model", "groups"} or time.perf_counter() < self.canvas.glow_until:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def _redraw(self) -> None:
         pm = self.state.page_map

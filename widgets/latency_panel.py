@@ -28,11 +28,7 @@ from widgets.plot_style import (
     nice_ceiling,
     styled_plot,
 )
-from widgets.throttle import RedrawThrottle
 
-# 10 redraws a second still reads as live; every frame would cost the engine ~5% of its time
-# once the series holds thousands of tokens.
-REDRAW_INTERVAL_S = 0.1
 # Beyond this many points per-token dots merge into a smear and cost more than the line.
 MAX_DOTS = 400
 # Symbol pens and brushes are made once: pyqtgraph caches a rendered symbol per pen/brush
@@ -54,7 +50,6 @@ class LatencyPanel(QWidget):
         super().__init__(parent)
         self.state = state
         self.p50 = self.p99 = math.nan
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("latencyPanel")
         self.setStyleSheet(
             f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
@@ -130,14 +125,7 @@ class LatencyPanel(QWidget):
 
     def refresh(self, dirty: set[str]) -> None:
         if "latency" in dirty:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def point_count(self) -> int:
         """Points drawn: finite ITL points plus TTFT markers (one per generated token)."""

@@ -1,8 +1,10 @@
-"""Memory graph: weights, KV pool, KV in use and the process total over time.
+"""Memory graph: weights, KV pool, KV in use, a speculative draft model's weights and cache, and
+the process total over time.
 
-Every series is named with where its number comes from (tensor sizes for weights and the KV
-pool, block count for KV in use, the engine's probe for the process: psutil RSS on CPU, torch
-CUDA counters or NVML on a GPU). The y axis uses one binary unit (MiB or GiB) chosen from the
+Every series is named with where its number comes from (tensor sizes for weights, the KV pool
+and the draft's, block count for KV in use, the engine's probe for the process: psutil RSS on
+CPU, torch CUDA counters or NVML on a GPU). The draft's series appear only while the engine runs
+one (a self-draft shares the target's weights: only its cache shows). The y axis uses one binary unit (MiB or GiB) chosen from the
 largest value, so tick labels stay round. With quantized weights (`set_weights_scheme`) the
 weights series names its scheme and a dashed line marks what the same weights take in full
 precision, so the saving reads straight off the graph.
@@ -26,9 +28,14 @@ SERIES = (
     ("weights", "weights (tensor sizes)"),
     ("kv_pool", "KV pool allocated"),
     ("kv_used", "KV in use (used blocks)"),
+    ("draft_weights", "draft model weights (tensor sizes)"),
+    ("draft_cache", "draft KV cache"),
     ("process", "process total ({source})"),
     ("reserved", "reserved ({source})"),
 )
+DASHED = ("reserved", "draft_cache")
+# Shown only when they hold something: most engines run no draft model.
+ONLY_WHEN_USED = ("draft_weights", "draft_cache")
 
 
 class MemoryPanel(QWidget):
@@ -57,7 +64,7 @@ class MemoryPanel(QWidget):
         self.full_precision_line.hide()
         item.addItem(self.full_precision_line, ignoreBounds=True)
         for key, _ in SERIES:
-            dashed = key == "reserved"
+            dashed = key in DASHED
             pen = pg.mkPen(
                 theme.SERIES[key], width=2, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine
             )
@@ -72,10 +79,6 @@ class MemoryPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         if "memory" in dirty:
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now (the same call as on the other panels, before a screenshot)."""
-        self._redraw()
 
     def set_weights_scheme(self, scheme: str | None, full_bytes: int | None = None, dtype: str = "") -> None:
         """The loaded model's weight quantization (None or 'none': full precision) and, when
@@ -112,7 +115,12 @@ class MemoryPanel(QWidget):
         if unit != self.unit:
             self.unit = unit
             self.plot.getPlotItem().setLabel("left", unit[0])
-        shown = tuple(key for key, _ in SERIES if key != "reserved" or show_reserved)
+        used = {key for key in ONLY_WHEN_USED if bool(np.nanmax(columns[key]) > 0)}
+        shown = tuple(
+            key
+            for key, _ in SERIES
+            if (key != "reserved" or show_reserved) and (key not in ONLY_WHEN_USED or key in used)
+        )
         for key, _ in SERIES:
             curve = self.curves[key]
             curve.setVisible(key in shown)

@@ -2,9 +2,12 @@
 
 Follows the latest generated token unless `show_token` pins one. A row of stage buttons picks
 which stage the bars show (the final one by default); the raw distribution stays visible as
-ghost outlines. With `set_what_if(params)` the stages are recomputed from the token's snapshot
-by `engine.sampling.what_if` and the panel says so in a banner. With `set_reference_source`,
-the full-precision reference of a quality run is drawn as a tick on each row where it exists.
+ghost outlines. With `set_what_if(params)` the panel asks (`what_if_requested`) for the token's
+stages under those settings, which the shell recomputes exactly on the engine thread
+(engine.sampling.what_if: one forward over the token's context, then the sampler's own stages
+over the full logits) and hands back with `show_what_if`; a banner says so. With
+`set_reference_source`, the full-precision reference of a quality run is drawn as a tick on
+each row where it exists.
 """
 
 from __future__ import annotations
@@ -12,25 +15,30 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
 from engine.config import SamplingParams
-from engine.events import StageSnapshot, TokenGenerated
+from engine.events import StageSnapshot, TokenGenerated, TokenSnapshot
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
 from widgets.reference import ReferenceDistribution
-from widgets.throttle import RedrawThrottle
 from widgets.token_text import visible
 
-# Following the latest token, 15 redraws a second is faster than anyone reads the bars and
-# halves the GUI's share of the GIL next to redrawing on every 30 Hz frame.
-FOLLOW_REDRAW_INTERVAL_S = 1 / 15
-
 WHAT_IF_LABEL = "what-if (settings changed since this token)"
+WHAT_IF_HOW = (
+    "recomputed on the engine: this token's full logits from one forward over its context, "
+    "then the sampler's own stages under these settings"
+)
+WHAT_IF_WAITING = "recomputing this token on the engine…"
+WHAT_IF_STREAMING = (
+    "select a token, or let the reply finish, to recompute it (each recomputation is a forward "
+    "over the whole context); the bars show the token as it was drawn"
+)
+WhatIfKey = tuple[int, int, SamplingParams]  # request id, token index, the what-if settings
 
 
 def describe_params(params: SamplingParams) -> str:
@@ -48,12 +56,18 @@ def describe_params(params: SamplingParams) -> str:
 
 
 class ProbabilityPanel(QWidget):
+    what_if_requested = Signal(int, int, object)  # request id, token index, SamplingParams
+
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
         self._request_id: int | None = None
         self._index: int | None = None
         self._what_if: SamplingParams | None = None
+        # The what-if last asked for (its key and token: ids restart with each engine), and the
+        # shell's answer to it: the recomputed snapshot, or why there is none.
+        self._what_if_asked: tuple[WhatIfKey, TokenGenerated] | None = None
+        self._what_if_answer: tuple[TokenGenerated, SamplingParams, TokenSnapshot | None, str] | None = None
         self._stage_choice: str | None = None  # None: the last (final) stage
         self._shown: TokenGenerated | None = None
         self._stale = True
@@ -63,7 +77,6 @@ class ProbabilityPanel(QWidget):
         # (request id, token index) -> the full-precision reference there, or None
         self._reference_source: Callable[[int, int], ReferenceDistribution | None] | None = None
         self.reference: ReferenceDistribution | None = None
-        self.throttle = RedrawThrottle(FOLLOW_REDRAW_INTERVAL_S)
 
         self.setObjectName("probabilityPanel")
         self.setStyleSheet(
@@ -121,6 +134,22 @@ class ProbabilityPanel(QWidget):
         self._what_if = params
         self._update()
 
+    def show_what_if(
+        self,
+        request_id: int,
+        index: int,
+        params: SamplingParams,
+        snapshot: TokenSnapshot | None,
+        error: str = "",
+    ) -> None:
+        """The shell's answer to `what_if_requested`: the token's snapshot under `params`, or
+        why it could not be recomputed."""
+        asked = self._what_if_asked
+        if asked is None or asked[0] != (request_id, index, params):
+            return  # an answer to a question no longer on screen
+        self._what_if_answer = (asked[1], params, snapshot, error)
+        self._update()
+
     def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:
         """Where the full-precision reference of a token comes from (a quality run's results)."""
         self._reference_source = source
@@ -129,11 +158,6 @@ class ProbabilityPanel(QWidget):
     def select_stage(self, name: str | None) -> None:
         """Show the bars after stage `name` (None: the final stage)."""
         self._stage_choice = name
-        self._update()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
         self._update()
 
     @property
@@ -145,9 +169,10 @@ class ProbabilityPanel(QWidget):
         return self.bars.rows
 
     def refresh(self, dirty: set[str]) -> None:
-        if "tokens" in dirty and (self.following or self._stale):
-            self.throttle.request()
-        if self.throttle.due():
+        followed = self.following or self._stale
+        # A what-if on the followed reply is recomputed once it ends ("requests").
+        ended = "requests" in dirty and self._what_if is not None and self.following
+        if ("tokens" in dirty and followed) or ended:
             self._update()
 
     # ---- building ----------------------------------------------------------------------------
@@ -175,19 +200,20 @@ class ProbabilityPanel(QWidget):
             )
             self._set_header(token, None)
             return
-        stages = self._stages_for(token)
-        if not stages:
+        shown = self._snapshot_for(token)
+        if shown is None:
             self._clear(f"what-if failed: {self.what_if_error}")
             return
+        stages = shown.stages
         self.stages = stages
         names = tuple(s.name for s in stages)
         index = names.index(self._stage_choice) if self._stage_choice in names else len(stages) - 1
         self.stage_name = names[index]
         self._sync_stage_buttons(stages, index, vocab=stages[0].kept_count)
         self.summary.setText(stage_summary(stages[index], stages[0].kept_count))
-        rows = bar_rows(token.snapshot, stages, index)
+        rows = bar_rows(shown, stages, index)
         self.bars.set_rows(self._with_reference(token, rows), names)
-        self._set_header(token, stages)
+        self._set_header(token, shown)
 
     def _with_reference(self, token: TokenGenerated, rows: list[BarRow]) -> list[BarRow]:
         """The rows with the reference's probability where a quality run has this token."""
@@ -203,20 +229,38 @@ class ProbabilityPanel(QWidget):
         self.reference_note.show()
         return [dataclasses.replace(row, reference_prob=ref.probs.get(row.token_id)) for row in rows]
 
-    def _stages_for(self, token: TokenGenerated) -> tuple[StageSnapshot, ...]:
+    def _snapshot_for(self, token: TokenGenerated) -> TokenSnapshot | None:
+        """The snapshot the bars show: as recorded, or the what-if's once the shell answered
+        (None: the what-if failed, `what_if_error` says why)."""
+        recorded = token.snapshot
+        assert recorded is not None
         self.what_if_error = None
-        if self._what_if is None:
+        params = self._what_if
+        if params is None:
             self.banner.hide()
-            return token.snapshot.stages
-        self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
+            return recorded
         self.banner.show()
-        from engine.sampling.what_if import what_if  # pure function of the snapshot; loads torch lazily
-
-        try:
-            return what_if(token.snapshot, self._what_if)
-        except Exception as exc:  # noqa: BLE001 - a what-if must never break the render timer
-            self.what_if_error = f"{type(exc).__name__}: {exc}"
-            return ()
+        label = f"{WHAT_IF_LABEL}: {describe_params(params)}"
+        view = self.state.requests.get(token.request_id)
+        if self.following and view is not None and not view.done:
+            self.banner.setText(f"{label}: {WHAT_IF_STREAMING}")
+            return recorded
+        answer = self._what_if_answer
+        if answer is not None and answer[0] is token and answer[1] == params:
+            _, _, snapshot, error = answer
+            if snapshot is None:
+                self.banner.setText(label)
+                self.what_if_error = error
+                return None
+            self.banner.setText(f"{label}: {WHAT_IF_HOW}")
+            return snapshot
+        self.banner.setText(f"{label}: {WHAT_IF_WAITING}")
+        key = (token.request_id, token.index, params)
+        asked = self._what_if_asked
+        if asked is None or asked[0] != key or asked[1] is not token:
+            self._what_if_asked = (key, token)
+            self.what_if_requested.emit(*key)
+        return recorded
 
     def _clear(self, message: str) -> None:
         self.stages, self.stage_name = (), None
@@ -229,7 +273,7 @@ class ProbabilityPanel(QWidget):
         if self._what_if is None:
             self.banner.hide()
 
-    def _set_header(self, token: TokenGenerated, stages: tuple[StageSnapshot, ...] | None) -> None:
+    def _set_header(self, token: TokenGenerated, shown: TokenSnapshot | None) -> None:
         where = "latest" if self.following else "selected"
         snap = token.snapshot
         text = (
@@ -237,16 +281,16 @@ class ProbabilityPanel(QWidget):
             f" <span style='color:{theme.MUTED}'>({where})</span>"
             f" drawn <span style='color:{theme.MARK}'><b>{_html(visible(token.text))}</b></span>"
         )
-        if snap is not None and stages:
-            if self._what_if is None:
+        if snap is not None and shown is not None:
+            stages = shown.stages
+            if shown is snap:
                 text += (
                     f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"
                     f" <span style='color:{theme.MUTED}'>(raw {snap.raw_entropy:.2f})</span>"
                 )
             else:
-                drawn = (
-                    snap.candidate_ids.index(snap.drawn_id) if snap.drawn_id in snap.candidate_ids else None
-                )
+                ids = shown.candidate_ids
+                drawn = ids.index(snap.drawn_id) if snap.drawn_id in ids else None
                 would_be = percent(stages[-1].probs[drawn]) if drawn is not None else "?"
                 text += (
                     f" would be p&nbsp;{would_be} · entropy {entropy_text(stages[-1])}"

@@ -20,12 +20,10 @@ from engine.events import StepStats
 from live.state import LiveState
 from widgets import theme
 from widgets.plot_style import legend_entry, styled_plot
-from widgets.throttle import RedrawThrottle
 
 # Steps drawn: enough to see a burst of requests being admitted, prefilled and decoded, few
 # enough that each bar stays wider than a pixel in a dock.
 SHOWN_STEPS = 160
-REDRAW_INTERVAL_S = 0.1
 COLOURS = {
     "prefill": "#e8833a",
     "decode": "#5b9bd5",
@@ -76,7 +74,6 @@ class StepTimelinePanel(QWidget):
         super().__init__(parent)
         self.state = state
         self.series = timeline_series([])
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("stepTimelinePanel")
         self.setStyleSheet(
             f"#stepTimelinePanel, #stepTimelinePanel QLabel {{ background: {theme.BACKGROUND}; "
@@ -128,14 +125,7 @@ class StepTimelinePanel(QWidget):
 
     def refresh(self, dirty: set[str]) -> None:
         if "steps" in dirty:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot or a check)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def _redraw(self) -> None:
         steps = list(self.state.steps)

@@ -48,7 +48,8 @@ SERIES = {
     "kv_used": "#5fd38d",
     "process": "#f0b429",
     "reserved": "#e8833a",
-    "draft": "#4fc4cf",  # a speculative draft model's weights and its cache
+    "draft_weights": "#4fc4cf",  # a speculative draft model's own weights
+    "draft_cache": "#4fc4cf",  # and its KV cache (dashed)
     "itl": "#5b9bd5",
     "ttft": MARK,
     "tokens_per_s": "#5fd38d",

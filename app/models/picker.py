@@ -2,15 +2,13 @@
 dtype, device, KV block size and budget, with the memory estimate shown before loading.
 
 The estimate (`engine.model.inspect.inspect_model`) reads only config/metadata, but a GGUF
-header can still take a moment, so it runs on a short-lived worker thread and reports back
-through a queued signal to a bound slot.
+header can still take a moment, so it runs on a worker (app.workers); a newer choice discards
+the estimate still being read for an older one.
 """
 
 from __future__ import annotations
 
-import threading
-
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -25,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.models.quant_picker import QuantizationChoice
 from app.settings import ModelChoice
+from app.workers import Worker, create_worker
 from engine.config import DEVICES, DTYPES
 from engine.units import MIB, format_bytes
 
@@ -60,12 +59,6 @@ def cached_model_entries() -> list[tuple[str, str]]:
         source = item if isinstance(item, str) else getattr(item, "repo_id", None) or str(item)
         entries.append((f"HF cache: {source}", source))
     return entries
-
-
-class _EstimateRelay(QObject):
-    """Carries a worker thread's result to the GUI thread (queued: the receiver lives there)."""
-
-    finished = Signal(int, object, str)  # ticket, estimate dict or None, error message
 
 
 class ModelPicker(QWidget):
@@ -128,10 +121,7 @@ class ModelPicker(QWidget):
         layout.addWidget(self.estimate)
         layout.addWidget(self.load_button)
 
-        self._relay = _EstimateRelay(self)
-        self._relay.finished.connect(self._on_estimate)
-        self._ticket = 0
-        self._worker: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._estimate: dict | None = None
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
@@ -185,39 +175,42 @@ class ModelPicker(QWidget):
     @Slot()
     def refresh_estimate(self) -> None:
         """Start inspecting the chosen source; a newer request supersedes an older one."""
-        self._ticket += 1
-        ticket, choice = self._ticket, self.choice()
+        choice = self.choice()
         self.source.setToolTip(self.source.currentText())
         self._estimate = None
         self.estimate.setText("Reading the model's metadata…")
-        self._worker = threading.Thread(
-            target=self._inspect, args=(ticket, choice), name="kvscope-inspect", daemon=True
-        )
-        self._worker.start()
+        if self._worker is not None:
+            self._worker.discard()  # the user has picked something else since
 
-    def _inspect(self, ticket: int, choice: ModelChoice) -> None:
-        try:
+        def inspect() -> dict:
             from engine.model.inspect import inspect_model
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).
-            est = inspect_model(choice.source, dtype=choice.dtype)
-            self._relay.finished.emit(ticket, est, "")
-        except Exception as exc:  # noqa: BLE001 - shown to the user as the reason
-            self._relay.finished.emit(ticket, None, str(exc) or type(exc).__name__)
+            return inspect_model(choice.source, dtype=choice.dtype)
 
-    @Slot(int, object, str)
-    def _on_estimate(self, ticket: int, est: dict | None, error: str) -> None:
-        if ticket != self._ticket:
-            return  # the user has picked something else since
-        if est is None:
-            self._estimate = None
-            self.estimate.setText(f"Cannot estimate this model: {error}")
-            self.estimate.setProperty("kind", "error")
-        else:
-            self._estimate = est
-            self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
-            self.estimate.setProperty("kind", "")
+        self._worker = create_worker(
+            inspect,
+            name="kvscope-inspect",
+            parent=self,
+            on_returned=self._on_estimate,
+            on_errored=self._on_estimate_failed,
+        )
+
+    @Slot(object)
+    def _on_estimate(self, est: dict) -> None:
+        self._estimate = est
+        self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
+        self._mark_estimate("")
+
+    @Slot(str)
+    def _on_estimate_failed(self, error: str) -> None:
+        self._estimate = None
+        self.estimate.setText(f"Cannot estimate this model: {error}")
+        self._mark_estimate("error")
+
+    def _mark_estimate(self, kind: str) -> None:
+        self.estimate.setProperty("kind", kind)
         self.estimate.style().unpolish(self.estimate)
         self.estimate.style().polish(self.estimate)
 
@@ -233,9 +226,11 @@ class ModelPicker(QWidget):
             )
 
     def wait_for_estimate(self, timeout: float = 5.0) -> None:
-        """Join a running inspection (window close, tests) so no worker outlives the picker."""
-        if self._worker is not None:
-            self._worker.join(timeout)
+        """Join the inspections still reading (window close, tests) and deliver the latest, so no
+        worker outlives the picker."""
+        for worker in self.findChildren(Worker):
+            worker.wait(timeout)
+            worker.drain()
 
     # ---- slots -----------------------------------------------------------------------------
     @Slot()

@@ -3,8 +3,8 @@ engine with and without speculation, one after the other, on the loaded model.
 
 Both runs ignore EOS and generate the same number of tokens, so their tokens/s compare like for
 like; a short warm-up first keeps one-off costs (first kernels, allocator growth) out of both.
-Runs on a worker thread (widgets.background_job) beside the idle chat engine; a chat reply sent
-meanwhile shares the CPU and lowers both figures alike.
+Runs on the engine thread (EngineHost.call), the only thread that may use the engine's model: a
+chat reply sent meanwhile waits until it is done, so nothing else shares the device.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+# An int8 KV cache stores one float16 scale per (layer, token, KV head) for K and one for V beside
+# the int8 codes (engine.kv.paged_cache.KV_INT8_SCALE_DTYPE).
+KV_INT8_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +58,17 @@ class ModelShapes:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + h + head
 
-    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element: GQA/MQA shrink kv_heads."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+    def kv_bytes_per_token(self, dtype: str = "float32", kv_dtype: str = "auto") -> int:
+        """2 (K and V) x layers x kv_heads x (head_dim x bytes per element): GQA/MQA shrink
+        kv_heads. `kv_dtype` "auto" stores the K/V in the model's `dtype`; "int8" stores int8 codes
+        plus one float16 scale per head (the pool's own count, scales included)."""
+        if kv_dtype == "int8":
+            per_head = self.head_dim + KV_INT8_SCALE_BYTES
+        elif kv_dtype == "auto":
+            per_head = self.head_dim * DTYPE_BYTES[dtype]
+        else:
+            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def weight_bytes(self, dtype: str = "float32") -> int:
         return self.params * DTYPE_BYTES[dtype]

@@ -84,8 +84,7 @@ def test_measure_speedup_reports_tokens_per_second_with_and_without(make_window,
     apply_ngram(window, qtbot)
     use_params(window, max_new_tokens=8)
     send_and_wait(qtbot, window, "Repeat repeat repeat")
-    job = window.speculation.job
-    with qtbot.waitSignal(job.succeeded, timeout=JOB_TIMEOUT_MS) as done:
+    with qtbot.waitSignal(window.speculation.measured, timeout=JOB_TIMEOUT_MS) as done:
         panel.measure_button.click()
     result = done.args[0]
     assert result.plain.tokens == result.speculative.tokens > 0

@@ -95,7 +95,6 @@ def test_the_page_map_panel_names_the_samples_and_shows_the_saving(qtbot, state)
     panel.resize(420, 300)
     panel.show()
     panel.refresh(state.apply(fork_events()))
-    panel.flush()
     legend = panel.legend.text().replace("&nbsp;", " ")
     assert "request #1 · 3 samples" in legend and "copy-on-write copy" in legend
     assert legend.count("■") == 2 + 2  # free, cached; then the two sequences owning blocks

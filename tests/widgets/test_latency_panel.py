@@ -15,7 +15,6 @@ from widgets.latency_panel import LatencyPanel
 def panel(qtbot):
     panel = LatencyPanel(LiveState())
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0  # these tests check what is drawn, not how often
     panel.resize(400, 300)
     return panel
 

@@ -38,8 +38,6 @@ def panels(qtbot):
         qtbot.addWidget(panel)
         panel.resize(400, 300)
         panel.show()
-        if hasattr(panel, "throttle"):
-            panel.throttle.interval_s = 0.0
     qtbot.waitExposed(made[0])
     return made
 
