@@ -22,8 +22,19 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol
 
 from live.state import LiveState
+
+if TYPE_CHECKING:
+    from widgets.kv_page_map import KVPageMapPanel
+    from widgets.latency_panel import LatencyPanel
+    from widgets.memory_panel import MemoryPanel
+    from widgets.probability_panel import ProbabilityPanel
+    from widgets.quality_panel import QualityPanel
+    from widgets.roofline_panel import RooflinePanel
+    from widgets.speculation_panel import SpeculationPanel
+    from widgets.step_timeline import StepTimelinePanel
 
 # The pyqtgraph panels: the expensive ones to repaint.
 PLOTS = ("memory", "latency", "roofline", "step_timeline")
@@ -35,16 +46,24 @@ HIDDEN_EVERY_FRAMES = 15
 PLOT_INTERVAL_S = 1.0
 
 
+class LivePanel(Protocol):
+    """What the render frame asks of a panel."""
+
+    def refresh(self, dirty: set[str]) -> None: ...
+
+    def isVisible(self) -> bool: ...  # noqa: N802 - Qt's name
+
+
 @dataclass(slots=True)
 class Panels:
-    probabilities: object  # widgets ProbabilityPanel
-    page_map: object  # widgets KVPageMapPanel
-    memory: object  # widgets MemoryPanel
-    latency: object  # widgets LatencyPanel
-    quality: object  # widgets QualityPanel
-    roofline: object  # widgets RooflinePanel
-    step_timeline: object  # widgets StepTimelinePanel
-    speculation: object  # widgets SpeculationPanel
+    probabilities: ProbabilityPanel
+    page_map: KVPageMapPanel
+    memory: MemoryPanel
+    latency: LatencyPanel
+    quality: QualityPanel
+    roofline: RooflinePanel
+    step_timeline: StepTimelinePanel
+    speculation: SpeculationPanel
 
     _pending: dict[str, set[str]] = field(default_factory=dict)  # dirty keys a panel has not seen
     _frame: int = 0
@@ -54,10 +73,10 @@ class Panels:
     # plot paints in a pass of its own, after the frame's other widgets.
     _defer: Callable[[Callable[[], None]], None] = lambda refresh: refresh()
 
-    def named(self) -> list[tuple[str, object]]:
+    def named(self) -> list[tuple[str, LivePanel]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")]
 
-    def all(self) -> tuple:
+    def all(self) -> tuple[LivePanel, ...]:
         return tuple(panel for _, panel in self.named())
 
     def refresh(self, dirty: set[str], now: float | None = None) -> None:
@@ -89,7 +108,7 @@ class Panels:
             self._pending.setdefault(name, set()).update(dirty)
             self._refresh(name, panel)
 
-    def _refresh(self, name: str, panel) -> None:
+    def _refresh(self, name: str, panel: LivePanel) -> None:
         keys = self._pending.get(name, set())
         self._pending[name] = set()
         panel.refresh(keys)

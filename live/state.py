@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.events import (
     BeamStep,
     BlockEvent,
     EngineError,
+    Event,
     KVStats,
     MemorySample,
     ModelLoaded,
@@ -144,7 +147,8 @@ class LiveState:
         # Per request, the time of each sample's latest token: a sample's inter-token latency
         # is measured within its own stream, not from a sibling's token of the same step.
         self._branch_last_t: dict[int, dict[int, float]] = {}
-        self._handlers = {
+        # Each handler takes its own event type; the dict is keyed by that type.
+        self._handlers: dict[type[Any], Callable[[Any], set[str]]] = {
             ModelLoading: self._on_loading,
             ModelLoaded: self._on_loaded,
             ModelLoadFailed: self._on_load_failed,
@@ -162,14 +166,14 @@ class LiveState:
             EngineError: self._on_engine_error,
         }
 
-    def apply(self, events) -> set[str]:
+    def apply(self, events: Iterable[Event]) -> set[str]:
         """Fold events in order; returns the dirty keys (a subset of DIRTY_KEYS)."""
         dirty: set[str] = set()
         for event in events:
             handler = self._handlers.get(type(event))
             if handler is None:
                 continue  # an event type newer than this GUI: nothing here knows how to show it
-            if self.origin_t is None and getattr(event, "t", 0.0):
+            if self.origin_t is None and event.t:
                 self.origin_t = event.t
             dirty |= handler(event)
         return dirty
@@ -313,11 +317,12 @@ class LiveState:
         edge = max(t - TPS_WINDOW_S, busy)
         while window and window[0] <= edge:
             window.popleft()  # window: the tokens in (edge, t]
-        kth_back = recent[0] if len(recent) == recent.maxlen else -math.inf
+        full = len(recent) == TPS_MIN_TOKENS + 1  # the deque's maxlen
+        kth_back = recent[0] if full else -math.inf
         start = max(busy, min(t - TPS_WINDOW_S, kth_back))
         if math.isinf(start) or t <= start:
             return math.nan
-        if len(recent) < recent.maxlen or recent[0] <= start:
+        if not full or recent[0] <= start:
             count = sum(1 for x in recent if x > start)  # at most TPS_MIN_TOKENS + 1 to look at
         else:
             count = len(window)  # more tokens since `start` than `recent` holds: start == edge

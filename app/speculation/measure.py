@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFinished
+from engine.events import RequestFinished, RequestStats
 from engine.request import Request
 
 # Enough tokens for a stable rate on CPU, few enough that the measurement takes seconds.
@@ -25,7 +25,7 @@ MEASURE_TOKENS = 64
 class SpeedRun:
     tokens: int
     seconds: float
-    stats: object  # engine.events.RequestStats of the run
+    stats: RequestStats  # of the run
 
     @property
     def tokens_per_s(self) -> float:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from widget_events import model_loaded
+from hand_events import model_loaded
 
 from engine.events import BlockEvent
 from live.state import LiveState

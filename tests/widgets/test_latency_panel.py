@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from widget_events import token
+from hand_events import token
 
 from engine.events import RequestStarted
 from live.state import LiveState

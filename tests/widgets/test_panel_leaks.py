@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import PySide6
 import pytest
-from widget_events import model_loaded, snapshot, token
+from hand_events import model_loaded, snapshot, token
 
 from engine.events import BlockEvent, MemorySample, RequestStarted
 from live.state import LiveState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from widget_events import finished, snapshot, token
+from hand_events import finished, snapshot, token
 
 from engine.config import SamplingParams
 from engine.events import RequestStarted

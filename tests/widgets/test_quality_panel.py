@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from widget_events import finished, model_loaded, snapshot, token
+from hand_events import finished, model_loaded, snapshot, token
 
 from app.quality.compute import QualityResult, SpeedFigures
 from app.quality.jobs import CONVERSATION, QUALITY_SOURCES, QualityJob

@@ -5,7 +5,7 @@ tooltip; a step without a cost is not placed; the panel asks for a measurement a
 from __future__ import annotations
 
 import pytest
-from widget_events import model_info
+from hand_events import model_info
 
 from engine.events import KVStats, ModelLoaded, StepStats
 from engine.measure.device_limits import DeviceLimits
