@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
+from PySide6.QtCore import QObject, QTimer, Slot
+
 from live.state import LiveState
 
 if TYPE_CHECKING:
@@ -44,6 +46,9 @@ HIDDEN_EVERY_FRAMES = 15
 # The shortest time between two redraws of one visible plot (once a second: a history graph
 # read by eye; the text and the bars stream at the render rate).
 PLOT_INTERVAL_S = 1.0
+# How long after a render frame a due plot redraws: long enough for Qt to paint the frame's
+# other widgets first, short enough to read as the same moment.
+PLOT_DEFER_MS = 5
 
 
 class LivePanel(Protocol):
@@ -112,6 +117,28 @@ class Panels:
         keys = self._pending.get(name, set())
         self._pending[name] = set()
         panel.refresh(keys)
+
+
+class PlotPass(QObject):
+    """Runs a due plot's refresh PLOT_DEFER_MS after the frame, in a paint pass of its own."""
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._refresh: Callable[[], None] | None = None
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(PLOT_DEFER_MS)
+        self._timer.timeout.connect(self._run)
+
+    def defer(self, refresh: Callable[[], None]) -> None:
+        self._refresh = refresh
+        self._timer.start()
+
+    @Slot()
+    def _run(self) -> None:
+        refresh, self._refresh = self._refresh, None
+        if refresh is not None:
+            refresh()
 
 
 def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | None = None) -> Panels:

@@ -6,7 +6,6 @@ saved on close and restored on the next launch (View > Reset layout brings the d
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Slot
@@ -28,7 +27,7 @@ from app.chat.tabs import ChatTabs
 from app.chat.view import ChatPane
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
-from app.panels import Panels, build_panels
+from app.panels import Panels, PlotPass, build_panels
 from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
 from app.settings import AppSettings, ModelChoice
@@ -41,9 +40,6 @@ from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
 DEFAULT_SIZE = (1560, 960)
-# How long after a render frame a due plot redraws: long enough for Qt to paint the frame's
-# other widgets first, short enough to read as the same moment.
-PLOT_DEFER_MS = 5
 WELCOME = (
     "Chat with the model here, and watch it think in the panels around:\n"
     "the probability of every candidate token, the KV-cache pages filling up, memory and latency."
@@ -74,12 +70,8 @@ class MainWindow(QMainWindow):
         self.sidebar = ConversationList()
         self.controls = ControlsPanel(settings.sampling(), settings.model_choice(), DEFAULT_KV_BUDGET_BYTES)
         # A due plot redraws a few ms after the frame's other panels, in a paint pass of its own.
-        self._deferred_plot: Callable[[], None] | None = None
-        self._plot_timer = QTimer(self)
-        self._plot_timer.setSingleShot(True)
-        self._plot_timer.setInterval(PLOT_DEFER_MS)
-        self._plot_timer.timeout.connect(self._run_deferred_plot)
-        self.panels: Panels = build_panels(self.host.live, defer=self._defer_plot)
+        self.plot_pass = PlotPass(self)
+        self.panels: Panels = build_panels(self.host.live, defer=self.plot_pass.defer)
         self.status = StatusBar()
         self.setStatusBar(self.status)
         self.controller = ChatController(
@@ -271,17 +263,6 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_frame(self, dirty: set[str]) -> None:
         self.panels.refresh(dirty)
-
-    @Slot(object)
-    def _defer_plot(self, refresh: Callable[[], None]) -> None:
-        self._deferred_plot = refresh
-        self._plot_timer.start()
-
-    @Slot()
-    def _run_deferred_plot(self) -> None:
-        refresh, self._deferred_plot = self._deferred_plot, None
-        if refresh is not None:
-            refresh()
 
     def _on_model_loading(self, _event) -> None:
         self.refresh_status()
