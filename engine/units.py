@@ -75,28 +75,30 @@ class Utilisation:
 
 def mfu(flops: float, seconds: float, peak_flops: float) -> Utilisation:
     """Model FLOPs utilisation: the step's counted FLOPs per second over the measured matmul peak."""
-    _check_positive(seconds, "the step time")
-    _check_positive(peak_flops, "the peak FLOP/s")
-    achieved = flops / seconds
-    value = achieved / peak_flops
-    how = (
-        f"MFU = FLOPs / time / peak = {si(flops, 'FLOP')} / {duration(seconds)} / "
-        f"{si(peak_flops, 'FLOP/s')} (measured matmul peak) = {si(achieved, 'FLOP/s')} / "
-        f"{si(peak_flops, 'FLOP/s')} = {value:.1%}"
+    return _utilisation(
+        "MFU = FLOPs / time / peak", flops, "FLOP", seconds, peak_flops, "measured matmul peak"
     )
-    return Utilisation(value, achieved, how)
 
 
 def mbu(nbytes: float, seconds: float, bandwidth: float) -> Utilisation:
     """Memory bandwidth utilisation: the step's bytes moved per second over the measured bandwidth."""
+    return _utilisation(
+        "MBU = bytes / time / bandwidth", nbytes, "B", seconds, bandwidth, "measured copy bandwidth"
+    )
+
+
+def _utilisation(
+    formula: str, amount: float, unit: str, seconds: float, limit: float, source: str
+) -> Utilisation:
+    """amount / seconds / limit, with the formula written out in this measurement's numbers."""
     _check_positive(seconds, "the step time")
-    _check_positive(bandwidth, "the memory bandwidth")
-    achieved = nbytes / seconds
-    value = achieved / bandwidth
+    _check_positive(limit, "the peak FLOP/s" if unit == "FLOP" else "the memory bandwidth")
+    achieved = amount / seconds
+    value = achieved / limit
+    rate = f"{unit}/s"
     how = (
-        f"MBU = bytes / time / bandwidth = {si(nbytes, 'B')} / {duration(seconds)} / "
-        f"{si(bandwidth, 'B/s')} (measured copy bandwidth) = {si(achieved, 'B/s')} / "
-        f"{si(bandwidth, 'B/s')} = {value:.1%}"
+        f"{formula} = {si(amount, unit)} / {duration(seconds)} / {si(limit, rate)} ({source}) = "
+        f"{si(achieved, rate)} / {si(limit, rate)} = {value:.1%}"
     )
     return Utilisation(value, achieved, how)
 

@@ -25,6 +25,8 @@ from engine.events import (
     TokenGenerated,
     TokenSnapshot,
 )
+from live.page_map import PageMap
+from live.state import LiveState
 
 
 def model_info(**overrides) -> ModelInfo:
@@ -192,3 +194,16 @@ def beam_events():
         beam_step(5, 1, (0, 0), ("\n", " c"), (-0.3, -0.9), (5, 10)),
         beam_step(5, 2, (0, 1), (" d", " e"), (-0.5, -1e9), (5, 10), finished=[(1, 2, -0.45)], done=True),
     ]
+
+
+def loaded_state(num_blocks: int = 8, block_size: int = BLOCK) -> LiveState:
+    """A live state that has seen a model load (a pool of `num_blocks` blocks)."""
+    state = LiveState()
+    state.apply([model_loaded(num_blocks=num_blocks, block_size=block_size)])
+    return state
+
+
+def block_counts(pool: PageMap | KVStats) -> tuple[int, int, int, int]:
+    """Used, cached-free and free blocks and written slots: what the page map folded from the
+    block events must equal in the engine's own KVStats."""
+    return pool.used_blocks, pool.cached_free_blocks, pool.free_blocks, pool.used_slots

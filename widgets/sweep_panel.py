@@ -67,11 +67,11 @@ def progress_steps(dtypes: int, prompts: int, contexts: int, repeats: int) -> in
 class SweepSettings:
     """What the user asked to measure (checked: at least one dtype and length of each)."""
 
-    dtypes: tuple[str, ...]
+    dtypes: tuple[str, ...]  # the first is the baseline
+    decode_tokens: int  # timed per context length
+    repeats: int  # per length and dtype (the median is shown)
     prompt_lengths: tuple[int, ...]
     context_lengths: tuple[int, ...]
-    decode_tokens: int
-    repeats: int
 
     @property
     def progress_steps(self) -> int:
@@ -225,10 +225,10 @@ class SweepPanel(QWidget):
             raise ValueError("choose at least one dtype")
         return SweepSettings(
             tuple(dtypes),
-            tuple(parse_lengths(self.prompt_lengths.text(), "prompt lengths")),
-            tuple(parse_lengths(self.context_lengths.text(), "context lengths")),
             self.decode_tokens.value(),
             self.repeats.value(),
+            tuple(parse_lengths(self.prompt_lengths.text(), "prompt lengths")),
+            tuple(parse_lengths(self.context_lengths.text(), "context lengths")),
         )
 
     @Slot()

@@ -39,10 +39,10 @@ def sweep_device(device: str) -> str:
 class SweepController(QObject):
     def __init__(self, panel: SweepPanel, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.panel = panel
-        self.worker: Worker | None = None
         panel.run_requested.connect(self.run)
         panel.cancel_requested.connect(self.cancel)
+        self.panel = panel
+        self.worker: Worker | None = None  # the latest sweep
 
     @Slot(object)
     def run(self, settings: SweepSettings) -> None:

@@ -18,16 +18,10 @@ from engine.sampling import what_if as what_if_module
 from engine.sampling.what_if import WhatIf
 
 MESSAGES = (ChatMessage("system", "You are terse."), ChatMessage("user", "Name three colours."))
-RECORDED = SamplingParams(
-    temperature=0.8,
-    top_k=50,
-    repetition_penalty=1.3,
-    seed=7,
-    max_new_tokens=5,
-    ignore_eos=True,
-    snapshot_top_n=8,
-)
 TOKENS = 5
+# The tokens' own settings: a penalty, a temperature and a truncation, and a snapshot each.
+OWN = dict(temperature=0.8, top_k=50, repetition_penalty=1.3, seed=7, snapshot_top_n=8)
+RECORDED = SamplingParams(max_new_tokens=TOKENS, ignore_eos=True, **OWN)
 
 
 def generate(loaded, config: EngineConfig, request: Request) -> tuple[LLMEngine, list[TokenGenerated]]:

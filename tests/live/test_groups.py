@@ -5,18 +5,15 @@ samples' names, and each beam step as a latency point."""
 from __future__ import annotations
 
 import pytest
-from hand_events import BLOCK, FORK_A, FORK_B, beam_events, beam_step, fork_events, model_loaded
+from hand_events import FORK_A, FORK_B, beam_events, beam_step, fork_events, loaded_state
 
 from engine.events import RequestStarted
 from live.groups import group_blocks
-from live.state import LiveState
 
 
 @pytest.fixture
 def state():
-    state = LiveState()
-    state.apply([model_loaded(num_blocks=8, block_size=BLOCK)])
-    return state
+    return loaded_state()
 
 
 def test_forks_share_blocks_and_a_copy_on_write_copy_takes_the_source_place(state):

@@ -4,7 +4,7 @@ the samples, the beam tree and the samples' columns (the fold itself: tests/live
 from __future__ import annotations
 
 import pytest
-from hand_events import BLOCK, FORK_A, FORK_B, beam_events, fork_events, model_loaded
+from hand_events import FORK_A, FORK_B, beam_events, fork_events, loaded_state
 
 from app.chat.group_reply import Alternative, GroupReply
 from app.chat.group_reply_view import GroupReplyCard
@@ -16,16 +16,13 @@ from engine.events import (
     SequenceFinished,
     SequenceResult,
 )
-from live.state import LiveState
 from widgets.beam_tree import BeamTreeView, beam_nodes, format_score
 from widgets.kv_page_map import KVPageMapPanel, group_lines
 
 
 @pytest.fixture
 def state():
-    state = LiveState()
-    state.apply([model_loaded(num_blocks=8, block_size=BLOCK)])
-    return state
+    return loaded_state()
 
 
 def test_ended_forks_free_their_blocks_and_the_line_reports_the_engine_figures(state):

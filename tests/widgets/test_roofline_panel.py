@@ -31,16 +31,10 @@ SHAPES = ModelShapes(
 BLOCK_SIZE = 16
 KV_ELEMS_PER_TOKEN = 2 * 30 * 3 * 64
 # Given limits: 73 GFLOP/s and 17 GB/s, a ridge at 4.3 FLOP/B (this machine's CPU in float32).
+# (device, its name, dtype, peak FLOP/s, the matmul size that reached it, bandwidth B/s, threads,
+# when and how long it was measured)
 LIMITS = DeviceLimits(
-    device="cpu",
-    device_name="Test CPU (2 threads)",
-    dtype="float32",
-    peak_flops=73e9,
-    matmul_size=2048,
-    bandwidth=17e9,
-    threads=2,
-    measured_at="2026-01-01T00:00:00+00:00",
-    measure_seconds=10.0,
+    "cpu", "Test CPU (2 threads)", "float32", 73e9, 2048, 17e9, 2, "2026-01-01T00:00:00Z", 10.0
 )
 
 

@@ -122,7 +122,7 @@ def test_the_panel_asks_then_draws_the_report_it_is_handed(panel, qtbot):
     with qtbot.waitSignal(panel.run_requested) as asked:
         panel.run_button.click()
     settings = asked.args[0]
-    assert settings == SweepSettings(("float32", "bfloat16"), (32, 128, 512), (128, 1024), 8, 2)
+    assert settings == SweepSettings(("float32", "bfloat16"), 8, 2, (32, 128, 512), (128, 1024))
     assert panel.running and panel.cancel_button.isEnabled() and not panel.run_button.isEnabled()
     assert panel.progress.maximum() == settings.progress_steps == progress_steps(2, 3, 2, 2)
     panel.show_progress("loading float32")
