@@ -147,7 +147,9 @@ class MemoryPanel(QWidget):
         for key in shown:
             value = float(columns[key][-1])
             entries.append(
-                legend_entry(theme.SERIES[key], labels[key].format(source=source))
+                legend_entry(
+                    theme.SERIES[key], labels[key].format(source=source), "┅" if key in DASHED else "━"
+                )
                 + f" <b>{format_bytes(value)}</b>"
             )
             if key == "weights" and self.full_precision is not None:
