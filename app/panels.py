@@ -161,5 +161,5 @@ def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | 
         RooflinePanel(live),
         StepTimelinePanel(live),
         SpeculationPanel(live),
-        **({} if defer is None else {"_defer": defer}),
+        _defer=defer if defer is not None else (lambda refresh: refresh()),
     )

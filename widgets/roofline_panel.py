@@ -53,17 +53,34 @@ HOW_COUNTED = (
 
 
 class MeasuredLimits(Protocol):
-    """The device limits the panel draws (engine.measure.device_limits.DeviceLimits)."""
+    """The device limits the panel draws (engine.measure.device_limits.DeviceLimits), read only."""
 
-    device: str
-    device_name: str
-    dtype: str
-    peak_flops: float
-    matmul_size: int
-    bandwidth: float
-    threads: int
-    measured_at: str
-    measure_seconds: float
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def device_name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def peak_flops(self) -> float: ...
+
+    @property
+    def matmul_size(self) -> int: ...
+
+    @property
+    def bandwidth(self) -> float: ...
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def measured_at(self) -> str: ...
+
+    @property
+    def measure_seconds(self) -> float: ...
 
     @property
     def ridge(self) -> float: ...

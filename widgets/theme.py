@@ -61,7 +61,7 @@ SERIES = {
 BLOCK_FREE = (38, 42, 49)
 BLOCK_CACHED_FREE = (92, 74, 140)  # prefix-cached but unreferenced: reusable, not in use
 BLOCK_OUTLINE_SHARED = (245, 245, 245)
-BLOCK_GAP = tuple(QColor(BACKGROUND).getRgb()[:3])
+BLOCK_GAP = (int(BACKGROUND[1:3], 16), int(BACKGROUND[3:5], 16), int(BACKGROUND[5:7], 16))
 
 # Token colouring by probability of the drawn token: (lower bound, background). A confident
 # token stays unmarked so only the surprising ones catch the eye.
