@@ -9,6 +9,12 @@ kvscope --prompt TEXT --screenshot out.png --quit-after-reply
                                           whole reply, save a screenshot of the window, exit 0
 kvscope --prompt TEXT --n 3 / --num-beams 3
                                           the reply as 3 samples, or by beam search with 3 beams
+kvscope --attach http://127.0.0.1:8000 [--api-key KEY]
+                                          chat with a remote OpenAI-compatible server (vLLM, SGLang,
+                                          llama.cpp, kvscope serve) instead of loading a model
+kvscope serve --model ... [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                                          no window: the engine behind an OpenAI-compatible HTTP API
+                                          (the same as `python -m engine serve`)
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "this also sets temperature 0 and clears stop strings (kept like an edit in the Sampling controls)",
     )
     parser.add_argument(
+        "--attach",
+        metavar="URL",
+        help="attach to a remote OpenAI-compatible server instead of loading a model (Remote menu)",
+    )
+    parser.add_argument("--api-key", metavar="KEY", help="the API key of the --attach server")
+    parser.add_argument(
         "--timeout",
         type=float,
         default=SCRIPTED_TIMEOUT_S,
@@ -90,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--prompt must not be empty")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.api_key and not args.attach:
+        parser.error("--api-key needs --attach")
     return args
 
 
@@ -137,6 +151,11 @@ def group_sampling(args: argparse.Namespace, params):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # `kvscope serve ...`: the headless server, no Qt at all
+        from engine.cli.main import main as engine_main
+
+        return engine_main(argv)
     args = parse_args(argv)
 
     from PySide6.QtGui import QIcon
@@ -167,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvscope: {exc}", file=sys.stderr)
         return 2
 
+    target = None
+    if args.attach:
+        from app.remote.target import RemoteTarget, TargetError
+
+        try:
+            target = RemoteTarget.parse(args.attach, args.api_key)
+        except TargetError as exc:
+            print(f"kvscope: --attach: {exc}", file=sys.stderr)
+            return 2
     scripted = args.prompt is not None
     window = MainWindow(settings, conversations, interactive=not scripted)
     try:
@@ -186,11 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     ):
         window.controls.model.set_choice(choice)
     window.show()
-    window.start_engine(choice.engine_config())
     run = None
     if scripted:
         run = ScriptedRun(window, args.prompt, args.screenshot, args.quit_after_reply, args.timeout)
         run.done.connect(app.exit)
+    if target is not None:
+        if run is not None:  # a server other than kvscope sends no ModelLoaded: ready when it answers
+            window.host.source_changed.connect(
+                lambda s: s is not None and not s.events and run._on_loaded(None)
+            )
+        window.remote_views.attach(target)
+    else:
+        window.start_engine(choice.engine_config())
     code = app.exec()
     conversations.close()
     return run.exit_code if run is not None and run.finished else code

@@ -37,7 +37,7 @@ class ModelChoice:
     device: str = "auto"
     block_size: int = 16
     kv_budget_mib: int = 0  # 0 = let the engine size the pool
-    quantization: str = "none"  # weight scheme (engine.quant.schemes), applied at load time
+    quantization: str = "auto"  # weight scheme (engine.quant.schemes), applied at load time
     kv_dtype: str = "auto"  # KV cache storage: "auto" (the model's dtype) or "int8"
 
     def engine_config(self) -> EngineConfig:

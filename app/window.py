@@ -30,6 +30,8 @@ from app.engine_host import EngineHost
 from app.panels import Panels, PlotPass, build_panels
 from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
+from app.remote.host import AttachableHost
+from app.remote.views import RemoteViews
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
@@ -60,7 +62,8 @@ class MainWindow(QMainWindow):
         self.setObjectName("mainWindow")
         self.settings = settings
         self.conversations = conversations
-        self.host = host or EngineHost(parent=self)
+        # Local by default; Remote > Attach puts a remote server where the engine was.
+        self.host = host or AttachableHost(parent=self)
         # Scripted runs must never block on a dialog; they report errors on stderr instead.
         self.interactive = interactive
         self.load_failures: list[str] = []
@@ -98,6 +101,7 @@ class MainWindow(QMainWindow):
         self.resize(*DEFAULT_SIZE)
         self._build_docks()
         self._build_menus()
+        self.remote_views = RemoteViews(self)
         self._connect()
         self._default_state = self.saveState()
         self._restore_layout()

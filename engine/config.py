@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The model spec's default weight scheme: a GGUF file keeps its own blocks ("native"), any other
+# source loads in full precision ("none"). engine.model.loading resolves it.
+AUTO = "auto"
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "int8")
 
@@ -116,7 +119,7 @@ class ModelSpec:
     source: str = "default"
     dtype: str = "float32"
     device: str = "auto"
-    quantization: str = "none"  # a scheme name from engine.quant.schemes (validated there)
+    quantization: str = AUTO  # a scheme name from engine.quant.schemes (validated there), or auto
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "model source must not be empty")

@@ -43,6 +43,9 @@ class ModelInfo:
     weight_bytes_before: int | None = None
     # The shapes every cost formula reads (KV bytes per token, FLOPs and bytes per step).
     shapes: ModelShapes | None = None
+    # Lines the app shows about how the model runs: what native loading kept, the forward used,
+    # which kernel runs which rows (measured), the engine's thread count.
+    notes: tuple[str, ...] = ()
     # Bytes per weight element as stored (fractional for packed formats: 4-bit codes with their
     # group scales are ~0.56); what a step that reads the weights in their own format moves.
     weight_bytes_per_param: float = 0.0
@@ -379,8 +382,8 @@ class StepStats:
     # round; one per beam), as the runner ran them: never inferred from the tokens emitted.
     logit_rows: int = 0
     # Phase times: drafting (speculative proposers, before the target forward), the target
-    # forward, then postprocess (sampling, verification, events) in `sample_s`. `forward_s`
-    # never includes drafting. duration_s = schedule + draft_s + forward_s + sample_s.
+    # forward, then postprocess (commit, sampling, verification, events) in `sample_s`.
+    # `forward_s` never includes drafting; duration_s also holds the (small) scheduling time.
     draft_s: float = 0.0
     # The matmul kernel the step's linears ran ("fp32", "int4-packed/bf16", ...), as chosen by
     # rows; and the step's FLOPs and bytes computed by the engine from what it ran.

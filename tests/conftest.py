@@ -37,4 +37,4 @@ def default_loaded():
     from engine.config import ModelSpec
     from engine.model.loading import load_model
 
-    return load_model(ModelSpec("default", dtype="float32", device="cpu"))
+    return load_model(ModelSpec("default", dtype="float32", device="cpu", quantization="none"))

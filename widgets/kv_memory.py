@@ -4,8 +4,9 @@ Per token, every layer stores a key and a value vector for each KV head:
     2 x layers x kv_heads x head_dim x bytes per element
 (an int8 cache adds one float16 scale per head to each vector). Grouped-query attention
 (kv_heads < query heads) and multi-query attention (kv_heads = 1) shrink it by the group size;
-context and batch multiply it. The bytes are ModelShapes' (`kv_bytes_per_token`, the formula the
-engine sizes its pool with), over the few shapes typed here, so any config can be explored.
+context and batch multiply it. The bytes are engine.model.shapes' `kv_bytes_per_token`, the one
+formula the engine sizes its pool with, over the few shapes typed here, so any config can be
+explored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import DTYPES
-from engine.model.shapes import DTYPE_BYTES, KV_INT8_SCALE_BYTES, ModelShapes
+from engine.model.shapes import DTYPE_BYTES, KV_INT8_SCALE_BYTES, kv_bytes_per_token
 
 # What the engine's KV pool can store: the model's own dtype (kv_dtype "auto") or int8 codes
 # with float16 scales (kv_dtype "int8").
@@ -49,23 +50,6 @@ class KVConfig:
             raise ValueError("weights and budget cannot be negative")
 
     @property
-    def shapes(self) -> ModelShapes:
-        """The typed shapes as ModelShapes (the fields the KV formula does not read are left 0)."""
-        heads = self.num_heads or self.num_kv_heads
-        return ModelShapes(
-            architecture="typed in the calculator",
-            num_layers=self.num_layers,
-            hidden_size=heads * self.head_dim,
-            intermediate_size=0,
-            num_heads=heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            vocab_size=0,
-            max_position_embeddings=self.context,
-            tie_word_embeddings=True,
-        )
-
-    @property
     def quantized(self) -> bool:
         return self.dtype == INT8
 
@@ -80,9 +64,8 @@ class KVConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        if self.quantized:
-            return self.shapes.kv_bytes_per_token(kv_dtype="int8")
-        return self.shapes.kv_bytes_per_token(self.dtype)
+        kv_dtype = "int8" if self.quantized else "auto"
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype)
 
     @property
     def bytes_per_sequence(self) -> int:

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QV
 
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated, TokenSnapshot
+from live.remote import is_remote_snapshot
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
@@ -240,6 +241,9 @@ class ProbabilityPanel(QWidget):
             self.banner.hide()
             return recorded
         self.banner.show()
+        if is_remote_snapshot(recorded):
+            self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
+            return recorded
         label = f"{WHAT_IF_LABEL}: {describe_params(params)}"
         view = self.state.requests.get(token.request_id)
         if self.following and view is not None and not view.done:
@@ -281,7 +285,12 @@ class ProbabilityPanel(QWidget):
             f" <span style='color:{theme.MUTED}'>({where})</span>"
             f" drawn <span style='color:{theme.MARK}'><b>{_html(visible(token.text))}</b></span>"
         )
-        if snap is not None and shown is not None:
+        if is_remote_snapshot(snap):
+            text += (
+                f" p&nbsp;{percent(snap.drawn_prob)}"
+                f" <span style='color:{theme.MUTED}'>(as the server reports it)</span>"
+            )
+        elif snap is not None and shown is not None:
             stages = shown.stages
             if shown is snap:
                 text += (

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from engine.events import StageSnapshot, TokenSnapshot
+from live.remote import REMOTE_TOP_K, REMOTE_TOP_K_LABEL, REMOTE_TOP_K_MEANING
 from widgets.token_text import visible
 
 STAGE_LABELS = {
@@ -23,6 +24,7 @@ STAGE_LABELS = {
     "top_k": "top-k",
     "top_p": "top-p",
     "min_p": "min-p",
+    REMOTE_TOP_K: REMOTE_TOP_K_LABEL,
 }
 
 
@@ -84,6 +86,8 @@ def cut_lines(rows: list[BarRow]) -> list[tuple[int, str]]:
 def stage_summary(stage: StageSnapshot, vocab: int) -> str:
     """One line on what a stage did to the whole vocabulary."""
     label = stage_label(stage.name)
+    if stage.name == REMOTE_TOP_K:
+        return f"{REMOTE_TOP_K_MEANING} · {len(stage.probs)} candidates, {stage.kept_mass * 100:.1f}% of the mass"
     if stage.name == "raw":
         return f"raw softmax over {vocab:,} tokens"
     if stage.kept_mass >= 1.0 - 1e-9 and stage.kept_count == vocab:

@@ -85,6 +85,8 @@ class QualityController(QObject):
     @Slot(object)
     def _on_model_loaded(self, event) -> None:
         config = self.host.config
+        if config is None:  # a remote engine (kvscope serve): its load settings are not known here
+            return
         weights = weights_figures(config.model, event.info)
         self.panels.memory.set_weights_scheme(weights.scheme, weights.bytes_full, weights.load_dtype)
         self.picker.quantization.show_loaded(weights, event, config.kv_dtype)

@@ -36,9 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-draft", action="store_true", help="adapt the round size to recent acceptance")
     p.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         metavar="NAME",
-        help="weight quantization scheme (see `quant-report --list`); 'none' keeps the load dtype",
+        help="weight scheme (see `quant-report --list`): auto = a GGUF's own blocks ('native'), else "
+        "'none' (the load dtype); 'none' on a GGUF is its dequantized twin",
     )
     p.add_argument(
         "--kv-dtype",

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli import quant as cli_quant
 
     cli_quant.add_commands(sub)
+    from engine.cli import serve as cli_serve
+
+    cli_serve.add_command(sub)
     return parser
 
 
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.measure.bench import run_bench
 
             return run_bench(args)
+        if args.command == "serve":
+            from engine.cli import serve as cli_serve
+
+            return cli_serve.run(args)
         if args.command == "quant-report":
             from engine.cli import quant as cli_quant
 

@@ -42,18 +42,22 @@ def run(args) -> int:
         return _print_list(statuses, args.json)
     if args.new_tokens < 2 or args.rounds < 1:
         raise ConfigError("--new-tokens must be >= 2 and --rounds >= 1")
-    names = _chosen(args.schemes, statuses)
+    from engine.model.sources import resolve_source
+
+    names = _chosen(args.schemes, statuses, resolve_source(args.model).gguf is not None)
     report = build_report(args, names, statuses)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 
 
-def _chosen(schemes: str | None, statuses) -> list[str]:
-    """Requested names, checked: an unknown or unavailable scheme is an error, not skipped."""
+def _chosen(schemes: str | None, statuses, is_gguf: bool) -> list[str]:
+    """Requested names, checked: an unknown or unavailable scheme is an error, not skipped. By
+    default every scheme that applies ('native' only to a GGUF source)."""
+    from engine.model.gguf_native import NATIVE
     from engine.quant.schemes import NONE, QuantizationError, get_scheme
 
     if schemes is None:
-        names = [s.name for s in statuses]
+        names = [s.name for s in statuses if s.name != "auto" and (s.name != NATIVE or is_gguf)]
     else:
         names = [n.strip() for n in schemes.split(",") if n.strip()]
         by_name = {s.name: s for s in statuses}
@@ -182,12 +186,13 @@ def _reply_top1_agreement(runs, reference_reply: list[int], kv_dtype: str) -> No
 
 
 def _fill_load_and_quality(row: dict, loaded, reference, quality) -> None:
+    from engine.quant.base import quantized_layer_count
     from engine.quant.schemes import quantization_of
 
     record = quantization_of(loaded.model)
     row["weight_bytes"] = loaded.info.weight_bytes
     row["weight_bytes_vs_none"] = loaded.info.weight_bytes / reference.info.weight_bytes
-    row["quantized_layers"] = record.quantized_layers if record else 0
+    row["quantized_layers"] = record.quantized_layers if record else quantized_layer_count(loaded.model)
     row["load_s"] = loaded.info.load_seconds  # weights read + quantization
     row["quantize_s"] = record.seconds if record else 0.0
     row["mean_kl"] = quality.mean_kl

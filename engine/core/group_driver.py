@@ -10,23 +10,29 @@ RequestFinished with every sequence ranked and the group's memory figures.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from engine.config import SamplingParams
 from engine.core.beam_search import BeamSearch, Hypothesis
-from engine.core.detokenize import IncrementalDetokenizer
+from engine.core.scheduler import Scheduler
 from engine.core.seq_group import SequenceGroup
 from engine.core.sequence import Sequence
+from engine.core.stats import request_stats
+from engine.core.text import TokenText
 from engine.events import (
     BeamStep,
+    Event,
     FinishedBeam,
     RequestFailed,
     RequestFinished,
-    RequestStats,
     SequenceFinished,
     SequenceForked,
     SequenceResult,
 )
+from engine.kv.manager import KVCacheManager
 from engine.sampling.sampler import Sampler
 
 # Forked sequences get ids from here up, so they never equal a request id (the service counts
@@ -38,34 +44,57 @@ class GroupError(ValueError):
     """A group request this engine cannot run; the message is for the user."""
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLimits:
+    """What a group request must fit in (from the engine's config)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    speculative: bool
+
+
 class GroupDriver:
-    def __init__(self, engine):
-        self.engine = engine
+    """Works through narrow collaborators: the event sink, the KV manager (forks share blocks),
+    the scheduler (a group's members take each other's places), the table of live sequences,
+    the tokenizer's text, and the limits."""
+
+    def __init__(
+        self,
+        emit: Callable[[Event], None],
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        seqs: dict[int, Sequence],
+        text: TokenText,
+        limits: GroupLimits,
+    ):
+        self.emit, self.kv, self.scheduler, self.seqs = emit, kv, scheduler, seqs
+        self.text, self.limits = text, limits
         self.active: dict[int, SequenceGroup] = {}
         self._next_seq_id = FORK_SEQ_ID_BASE
 
     # ---- start -----------------------------------------------------------------------------
-    def check(self, params) -> None:
-        config = self.engine.config
+    def check(self, params: SamplingParams) -> None:
+        limits = self.limits
         what = f"beam search with {params.num_beams} beams" if params.beam_search else f"n={params.n} samples"
-        if config.speculative is not None:
+        if limits.speculative:
             raise GroupError(f"{what} cannot run with speculative decoding: turn one of them off.")
-        if params.group_size > config.max_num_seqs:
+        if params.group_size > limits.max_num_seqs:
             raise GroupError(
                 f"{what} run {params.group_size} sequences at once, but the engine runs at most "
-                f"{config.max_num_seqs} (max_num_seqs): ask for fewer or raise it."
+                f"{limits.max_num_seqs} (max_num_seqs): ask for fewer or raise it."
             )
-        if params.beam_search and params.num_beams > config.max_num_batched_tokens:
+        if params.beam_search and params.num_beams > limits.max_num_batched_tokens:
             raise GroupError(
                 f"{what} need {params.num_beams} tokens per step, more than the step budget "
-                f"({config.max_num_batched_tokens}, max_num_batched_tokens)."
+                f"({limits.max_num_batched_tokens}, max_num_batched_tokens)."
             )
 
     def start(self, seq: Sequence) -> SequenceGroup:
         params = seq.params
         beam = None
         if params.beam_search:
-            eos = set() if params.ignore_eos else self.engine.eos_ids
+            eos = set() if params.ignore_eos else self.text.eos_ids
             beam = BeamSearch(
                 params.num_beams, eos, params.max_new_tokens, params.length_penalty, params.early_stopping
             )
@@ -75,29 +104,27 @@ class GroupDriver:
 
     # ---- forks -----------------------------------------------------------------------------
     def _fork(self, group: SequenceGroup, parent: Sequence, branch: int) -> Sequence:
-        engine = self.engine
         seq_id, self._next_seq_id = self._next_seq_id, self._next_seq_id + 1
-        engine.emit(
+        self.emit(
             SequenceForked(
                 group.request_id, parent.seq_id, seq_id, branch, parent.num_tokens, time.perf_counter()
             )
         )
-        child = group.fork(parent, seq_id, branch, engine.kv)  # emits the "share"
-        engine.seqs[seq_id] = child
+        child = group.fork(parent, seq_id, branch, self.kv)  # emits the "share"
+        self.seqs[seq_id] = child
         return child
 
     def fork_samples(self, group: SequenceGroup) -> list[Sequence]:
         """The prompt is in the cache: n - 1 more samples share its blocks. Returns all n."""
-        engine = self.engine
         parent = group.members[0]
         prompt = parent.token_ids[: parent.num_prompt_tokens]
         for branch in range(1, group.size):
             child = self._fork(group, parent, branch)
-            child.sampler = Sampler(group.sample_params(branch), decode_token=engine._token_text)
-            child.detokenizer = IncrementalDetokenizer(engine.tokenizer, prompt, group.params.stop)
+            child.sampler = Sampler(group.sample_params(branch), decode_token=self.text.text)
+            child.detokenizer = self.text.detokenizer(prompt, group.params.stop)
             group.members.append(child)
         group.forked = True
-        engine.scheduler.replace_members([parent], group.members)
+        self.scheduler.replace_members([parent], group.members)
         group.measure_blocks()
         return list(group.members)
 
@@ -112,16 +139,16 @@ class GroupDriver:
             self._finish(group, None, self._sample_results(group))
 
     def _drop(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
-        engine = self.engine
-        engine.emit(SequenceFinished(group.request_id, seq.seq_id, seq.branch, reason, time.perf_counter()))
-        engine.scheduler.remove(seq)  # emits the "free"
-        engine.seqs.pop(seq.seq_id, None)
+        self.emit(SequenceFinished(group.request_id, seq.seq_id, seq.branch, reason, time.perf_counter()))
+        self.scheduler.remove(seq)  # emits the "free"
+        self.seqs.pop(seq.seq_id, None)
         group.members.remove(seq)
 
     # ---- beams -----------------------------------------------------------------------------
-    def beam_step(self, group: SequenceGroup, rows: dict[int, int], logits: torch.Tensor) -> None:
-        """All running beams got logits (`rows`: seq_id -> row): rank, re-fork, prune."""
-        engine, members, k = self.engine, list(group.members), group.size
+    def beam_step(self, group: SequenceGroup, rows: dict[int, int], logits: torch.Tensor, step: int) -> None:
+        """All running beams got logits (`rows`: seq_id -> row) in engine step `step`: rank,
+        re-fork, prune."""
+        members, k = list(group.members), group.size
         prompt = members[0].token_ids[: members[0].num_prompt_tokens]
         log_probs = torch.cat(
             [
@@ -133,11 +160,11 @@ class GroupDriver:
         )
         if len(members) == 1:
             log_probs = log_probs.expand(k, -1)  # step 0: every beam is the prompt
-        capped = members[0].num_tokens + 1 >= engine.max_model_len
+        capped = members[0].num_tokens + 1 >= self.limits.max_model_len
         result = group.beam.step(log_probs, length_capped=capped)
         slots = members if len(members) == k else members * k
         now = time.perf_counter()
-        group.mark_token_step(engine.step_count, now)
+        group.mark_token_step(step, now)
         if result.done:
             # No beam runs again: nothing to fork or extend (the kept hypotheses hold the
             # tokens); each slot is shown on the sequence that holds its parent's blocks.
@@ -167,19 +194,18 @@ class GroupDriver:
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
         group.members = new_members
-        engine.scheduler.replace_members(members, new_members)
+        self.scheduler.replace_members(members, new_members)
         group.measure_blocks()
         self._emit_beam_step(group, result, tuple(seq.seq_id for seq in new_members), now)
 
     def _emit_beam_step(self, group: SequenceGroup, result, seq_ids: tuple[int, ...], now: float) -> None:
-        engine = self.engine
-        engine.emit(
+        self.emit(
             BeamStep(
                 request_id=group.request_id,
                 step=group.beam.generated - 1,
                 parents=result.parents,
                 token_ids=result.tokens,
-                token_texts=tuple(engine._token_text(t) for t in result.tokens),
+                token_texts=tuple(self.text.text(t) for t in result.tokens),
                 scores=result.scores,
                 seq_ids=seq_ids,
                 finished=tuple(FinishedBeam(p, t, s) for p, t, s in result.finished),
@@ -189,7 +215,7 @@ class GroupDriver:
         )
 
     def _beam_results(self, group: SequenceGroup, hyps: list[Hypothesis], reason: str | None):
-        eos = set() if group.params.ignore_eos else self.engine.eos_ids
+        eos = set() if group.params.ignore_eos else self.text.eos_ids
         results = []
         for rank, hyp in enumerate(hyps):
             ended_on_eos = bool(hyp.token_ids) and hyp.token_ids[-1] in eos
@@ -200,7 +226,7 @@ class GroupDriver:
 
     def _text(self, group: SequenceGroup, token_ids) -> str:
         first = group.every_seq[0]
-        detok = IncrementalDetokenizer(self.engine.tokenizer, first.token_ids[: first.num_prompt_tokens])
+        detok = self.text.detokenizer(first.token_ids[: first.num_prompt_tokens])
         for token in token_ids:
             detok.push(token)
         detok.flush()
@@ -232,33 +258,28 @@ class GroupDriver:
 
     def fail(self, group: SequenceGroup, message: str) -> None:
         self._release(group)
-        self.engine.emit(RequestFailed(group.request_id, message, time.perf_counter()))
+        self.emit(RequestFailed(group.request_id, message, time.perf_counter()))
 
     def _release(self, group: SequenceGroup) -> None:
         for seq in list(group.members):
-            self.engine.scheduler.remove(seq)
-            self.engine.seqs.pop(seq.seq_id, None)
+            self.scheduler.remove(seq)
+            self.seqs.pop(seq.seq_id, None)
         self.active.pop(group.request_id, None)
 
     def _finish(self, group: SequenceGroup, reason: str | None, results: list[SequenceResult]) -> None:
         self._release(group)
         best = results[0] if results else None
-        times = group.token_times
         first = group.every_seq[0]
-        generated = sum(len(r.token_ids) for r in results)
-        decode_time = times[-1] - times[0] if len(times) > 1 else 0.0
-        stats = RequestStats(
-            prompt_tokens=first.num_prompt_tokens,
-            generated_tokens=generated,
-            cached_prompt_tokens=first.num_cached_tokens,
-            ttft_s=times[0] - first.arrival_time if times else 0.0,
-            itl_s=tuple(b - a for a, b in zip(times, times[1:])),
-            tokens_per_s=(len(times) - 1) * group.size / decode_time if decode_time > 0 else 0.0,
+        stats = request_stats(
+            first,
+            group.token_times,
+            sum(len(r.token_ids) for r in results),
+            streams=group.size,
             preemptions=group.preemptions,
             peak_blocks=group.peak_shared,
             target_forwards=max(seq.target_forwards for seq in group.every_seq),
         )
-        self.engine.emit(
+        self.emit(
             RequestFinished(
                 group.request_id,
                 reason or (best.finish_reason if best else "cancelled"),

@@ -1,8 +1,14 @@
 """The synchronous engine: requests in, one `step()` at a time, events out.
 
 `engine.core.service.Engine` runs this on a thread; the CLI, the benchmark and the tests drive it
-directly. A step is: schedule -> one packed forward over the paged cache -> commit the new K/V
--> sample the sequences whose prompt is fully in the cache -> emit events.
+directly. A step has three parts, as in nano-vllm and vLLM:
+  schedule     drafts proposed (speculative decoding), then which sequences run how many tokens;
+  forward      one packed forward over the paged cache (engine/core/runner.py), logits only for
+               the rows that sample or verify;
+  postprocess  the new K/V committed, then each sequence's rows handed to its handler
+               (engine/core/postprocess.py: plain tokens, speculative rounds, samples, beams),
+               tokens streamed, requests finished; then the step's stats, with the facts the
+               runner knows (rows computed, kernels, bytes, FLOPs) and its phase times.
 """
 
 from __future__ import annotations
@@ -10,14 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from engine.config import ConfigError, EngineConfig
-from engine.core.detokenize import IncrementalDetokenizer
-from engine.core.group_driver import GroupDriver, GroupError
-from engine.core.runner import ModelRunner
-from engine.core.scheduler import Scheduler
+from engine.core.group_driver import GroupDriver, GroupError, GroupLimits
+from engine.core.postprocess import Postprocessor
+from engine.core.runner import ForwardResult, ModelRunner
+from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
+from engine.core.stats import request_stats
+from engine.core.text import TokenText, eos_ids_of
 from engine.events import (
     Event,
     KVStats,
@@ -25,19 +31,18 @@ from engine.events import (
     RequestFailed,
     RequestFinished,
     RequestStarted,
-    RequestStats,
-    SpecRound,
     StepStats,
-    TokenGenerated,
 )
+from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.kv.paged_cache import PagedKVStorage
+from engine.kv.storage import PagedKVStorage
 from engine.measure.memory import probe_memory
+from engine.measure.roofline import step_cost
+from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import make_proposer
-from engine.speculative.verify import Verdict, verify
 
 # Without an explicit size the KV pool gets this much memory: room for several thousand tokens
 # of a small model, and few enough blocks that every one is visible in the page map.
@@ -51,14 +56,15 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, loaded, config: EngineConfig, emit: Callable[[Event], None] | None = None):
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, emit: Callable[[Event], None] | None = None
+    ):
         self.loaded = loaded
         self.config = config
-        self.emit = emit or (lambda event: None)
+        self.emit: Callable[[Event], None] = emit or (lambda event: None)
         info = loaded.info
         self.tokenizer = loaded.tokenizer
         bs = config.block_size
-        # the storage's own formula: int8 KV counts its scales
         block_bytes = PagedKVStorage.block_bytes(
             info.num_layers, bs, info.num_kv_heads, info.head_dim, loaded.dtype, config.kv_dtype
         )
@@ -73,7 +79,6 @@ class LLMEngine:
                     f"({block_bytes} bytes each); raise the budget or lower the block size."
                 )
         pool = BlockPool(num_blocks, bs, self.emit)
-        self.kv = KVCacheManager(pool, config.enable_prefix_caching)
         self.storage = PagedKVStorage(
             info.num_layers,
             num_blocks,
@@ -84,19 +89,28 @@ class LLMEngine:
             loaded.device,
             kv_dtype=config.kv_dtype,
         )
-        self.kv.copy_block = self.storage.copy_block  # copy-on-write of shared blocks
+        self.kv = KVCacheManager(pool, config.enable_prefix_caching, copy_block=self.storage.copy_block)
         self.max_model_len = min(
             config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
             info.max_position_embeddings,
         )
-        self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device)
+        policy = loaded.policy if loaded.policy is not None else KernelPolicy()
+        self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
         self.proposer = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
         )
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
-        self.groups = GroupDriver(self)  # n-sample and beam-search requests
-        self.eos_ids = _eos_ids(loaded.model, self.tokenizer)
+        self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
+        self.eos_ids = self.text.eos_ids
+        limits = GroupLimits(
+            self.max_model_len,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.speculative is not None,
+        )
+        self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, limits)
+        self.post = Postprocessor(self)
         self.step_count = 0
         self.peak_blocks_used = 0
         self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
@@ -109,7 +123,9 @@ class LLMEngine:
             seq = self._make_sequence(request, request_id)
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
             message = (
-                str(exc) if isinstance(exc, (RequestError, GroupError)) else f"{type(exc).__name__}: {exc}"
+                str(exc)
+                if isinstance(exc, (RequestError, GroupError, ConfigError))
+                else f"{type(exc).__name__}: {exc}"
             )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
             return request_id
@@ -148,12 +164,9 @@ class LLMEngine:
         if params.group_size > 1:
             self.groups.check(params)
         seq = Sequence(request_id, ids, len(ids), params)
-        seq.sampler = Sampler(params, decode_token=self._token_text)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        seq.sampler = Sampler(params, decode_token=self.text.text)
+        seq.detokenizer = self.text.detokenizer(ids, params.stop)
         return seq
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def abort(self, request_id: int) -> None:
         if request_id in self.groups.active:
@@ -161,7 +174,7 @@ class LLMEngine:
             return
         seq = self.seqs.get(request_id)
         if seq is not None:
-            self._finish(seq, "cancelled")
+            self.finish(seq, "cancelled")
 
     def abort_all(self) -> None:
         for request_id in list(self.groups.active):
@@ -174,16 +187,27 @@ class LLMEngine:
         for group in list(self.groups.active.values()):
             self.groups.fail(group, message)
         for seq in list(self.seqs.values()):
-            self._release(seq)
+            self.release(seq)
             self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Out of the queues, blocks freed, draft state dropped."""
         seq.drop_drafts(0)
         self.scheduler.remove(seq)
         self.seqs.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.release(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.release(seq)
+        seq.finish_reason = reason
+        seq.detokenizer.flush()
+        stats = request_stats(seq, seq.token_times, seq.num_output_tokens)
+        self.emit(
+            RequestFinished(
+                seq.seq_id, reason, seq.detokenizer.text, tuple(seq.output_ids), stats, time.perf_counter()
+            )
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -199,45 +223,51 @@ class LLMEngine:
         if not batch.seqs:
             self._fail_unschedulable()
             return
-        for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
-            group.measure_blocks()
-        # Logit rows: the last packed position of each sequence whose tokens are all in the
-        # cache after this step, or every verified position of a speculative round.
-        rows, sampling, offset = [], [], 0
+        # (query tokens, context tokens after the step) per sequence, before the commit moves them
         shapes = tuple((n, seq.num_computed_tokens + n) for seq, n in zip(batch.seqs, batch.num_tokens))
+        t_forward = time.perf_counter()
+        result = self._forward(batch)
+        t_post = time.perf_counter()
+        self.post.run(batch, result)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
+        t_end = time.perf_counter()
+        self.step_count += 1
+        phases = (t_drafted - t0, t_post - t_forward, t_end - t_post)
+        self._emit_step(batch, result, shapes, t0, phases, t_end)
+
+    def _forward(self, batch: ScheduledBatch) -> ForwardResult:
+        """Logit rows: the last packed position of each sequence whose tokens are all in the cache
+        after this step, or every verified position of a speculative round."""
+        counts = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            offset += n
             seq.target_forwards += 1
             if seq.num_computed_tokens + n == seq.num_tokens:
-                count = 1 + seq.num_draft_tokens
-                sampling.append((seq, len(rows), count))
-                rows.extend(range(offset - count, offset))
-        t_forward = time.perf_counter()
-        logits = self.runner.forward(batch.seqs, batch.num_tokens, rows)
-        t1 = time.perf_counter()
-        verdicts = {seq.seq_id: self._verify(seq, logits[r : r + c]) for seq, r, c in sampling if c > 1}
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            verdict = verdicts.get(seq.seq_id)
-            self.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
-        self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
-        beam_rows: dict[int, dict[int, int]] = {}
-        for seq, r, c in sampling:
-            verdict = verdicts.get(seq.seq_id)
-            if verdict is not None:
-                self._emit_round(seq, verdict, logits[r : r + c])
-            elif seq.group is None:
-                self._sample_token(seq, logits[r])
-            elif seq.group.kind == "beams":
-                beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = r
-            elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
-                for member in self.groups.fork_samples(seq.group):
-                    self._sample_token(member, logits[r])
-            else:
-                self._sample_token(seq, logits[r])
-        for request_id, seq_rows in beam_rows.items():
-            self.groups.beam_step(self.groups.active[request_id], seq_rows, logits)
-        t2 = time.perf_counter()
-        self.step_count += 1
+                counts[seq.seq_id] = 1 + seq.num_draft_tokens
+        for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
+            group.measure_blocks()
+        return self.runner.forward(batch.seqs, batch.num_tokens, counts)
+
+    def _emit_step(
+        self,
+        batch: ScheduledBatch,
+        result: ForwardResult,
+        shapes: tuple[tuple[int, int], ...],
+        t0: float,
+        phases: tuple[float, float, float],
+        t_end: float,
+    ) -> None:
+        draft_s, forward_s, post_s = phases
+        info = self.loaded.info
+        cost = None
+        if info.shapes is not None:
+            cost = step_cost(
+                info.shapes,
+                shapes,
+                info.weight_bytes_per_param,
+                self.storage.bytes_per_block / (self.storage.block_size * info.shapes.kv_elements_per_token),
+                logit_rows=result.logits.shape[0],
+                linear_weight_bytes=result.record.weight_bytes,
+            )
         self.emit(
             StepStats(
                 step=self.step_count,
@@ -246,26 +276,29 @@ class LLMEngine:
                 num_seqs=len(batch.seqs),
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
-                duration_s=t2 - t0,
-                forward_s=t1 - t_forward,
-                sample_s=t2 - t1,
+                duration_s=t_end - t0,
+                forward_s=forward_s,
+                sample_s=post_s,
                 kv=self.kv_stats(),
                 prefix_queries=self.kv.queries,
                 prefix_query_tokens=self.kv.query_tokens,
                 prefix_hit_tokens=self.kv.hit_tokens,
                 preemptions=self.scheduler.preemptions,
                 seq_shapes=shapes,
-                t=t2,
-                logit_rows=len(rows),
-                draft_s=t_drafted - t0,
+                t=t_end,
+                logit_rows=result.logits.shape[0],
+                draft_s=draft_s,
+                kernel=result.record.summary(),
+                cost=cost,
             )
         )
 
-    # ---- speculative decoding --------------------------------------------------------------
+    # ---- speculative decoding: drafts before the schedule ----------------------------------
     def _propose_drafts(self) -> None:
         """Give each decoding sequence a round of draft tokens, appended (unverified) to its
         tokens so the scheduler and runner treat them as ordinary tokens to compute."""
         spec = self.config.speculative
+        assert spec is not None and self.proposer is not None
         for seq in self.scheduler.running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
                 continue  # still prefilling
@@ -281,7 +314,7 @@ class LLMEngine:
             seq.draft_q = list(qs)
             seq.num_draft_tokens = len(drafts)
 
-    def _trim_drafts(self, batch) -> None:
+    def _trim_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts of sequences the scheduler did not run (preempted) or ran only in part (the
         token budget) are dropped before anything sees them."""
         if self.proposer is None:
@@ -293,55 +326,6 @@ class LLMEngine:
                 if keep < seq.num_draft_tokens:
                     seq.drop_drafts(keep)
                     self.proposer.on_verified(seq, seq.num_tokens)
-
-    def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
-        d = seq.num_draft_tokens
-        drafts = seq.token_ids[-d:]
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        history = seq.output_ids[:-d]
-        p = torch.stack(
-            [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
-        )
-        return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
-
-    def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
-        drafts = seq.token_ids[-seq.num_draft_tokens :]
-        seq.drop_drafts(0)
-        emitted = drafts[: verdict.accepted] + [verdict.token]
-        self.proposer.on_verified(seq, seq.num_tokens + verdict.accepted)
-        seq.spec_rounds += 1
-        seq.spec_drafted += len(drafts)
-        seq.spec_accepted += verdict.accepted
-        for counts, n in (
-            (seq.spec_drafted_by_position, len(drafts)),
-            (seq.spec_accepted_by_position, verdict.accepted),
-        ):
-            counts.extend([0] * (len(drafts) - len(counts)))
-            for j in range(n):
-                counts[j] += 1
-        if self.config.speculative.adaptive:
-            seq.draft_k = min(self.config.speculative.num_draft, verdict.accepted + 1)
-        self.emit(
-            SpecRound(
-                seq.seq_id,
-                seq.spec_rounds,
-                self.proposer.name,
-                tuple(drafts),
-                verdict.q_of_draft,
-                verdict.p_of_draft,
-                verdict.accept_probs,
-                verdict.accepted,
-                tuple(emitted),
-                verdict.bonus,
-                time.perf_counter(),
-            )
-        )
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        for i, token in enumerate(emitted):
-            kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
-            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
-            if self._emit_token(seq, result, kind, seq.spec_rounds):
-                return  # finished: the rest of the round is dropped
 
     def _fail_unschedulable(self) -> None:
         """Nothing could run. With nothing running, the head of the queue cannot fit even in an
@@ -358,83 +342,8 @@ class LLMEngine:
         if seq.group is not None:
             self.groups.fail(seq.group, message)
             return
-        self._release(seq)
+        self.release(seq)
         self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
-
-    def _sample_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
-        self._emit_token(seq, result)
-
-    def _emit_token(self, seq: Sequence, result, spec: str = "", spec_round: int = -1) -> bool:
-        """Append a chosen token, stream it, and finish the request if it ends here."""
-        now = time.perf_counter()
-        token = result.token_id
-        seq.token_ids.append(token)
-        seq.token_times.append(now)
-        seq.cumulative_logprob += result.logprob
-        if seq.group is not None:
-            seq.group.mark_token_step(self.step_count, now)
-        is_eos = token in self.eos_ids and not seq.params.ignore_eos
-        delta = "" if is_eos else seq.detokenizer.push(token)
-        if is_eos or seq.detokenizer.stopped:
-            reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        else:
-            reason = None
-        if reason is not None:
-            delta += seq.detokenizer.flush()  # text held back for a possible stop string
-        self.emit(
-            TokenGenerated(
-                seq.group.request_id if seq.group is not None else seq.seq_id,
-                seq.num_output_tokens - 1,
-                token,
-                self._token_text(token),
-                delta,
-                result.logprob,
-                result.snapshot,
-                spec,
-                spec_round,
-                now,
-                seq.branch,
-            )
-        )
-        if reason is not None:
-            if seq.group is not None:
-                self.groups.end_sample(seq, reason)
-            else:
-                self._finish(seq, reason)
-        return reason is not None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self._release(seq)
-        seq.finish_reason = reason
-        seq.detokenizer.flush()
-        times = seq.token_times
-        ttft = times[0] - seq.arrival_time if times else 0.0
-        itl = tuple(b - a for a, b in zip(times, times[1:]))
-        decode_time = times[-1] - times[0] if len(times) > 1 else 0.0
-        stats = RequestStats(
-            prompt_tokens=seq.num_prompt_tokens,
-            generated_tokens=seq.num_output_tokens,
-            cached_prompt_tokens=seq.num_cached_tokens,
-            ttft_s=ttft,
-            itl_s=itl,
-            tokens_per_s=(len(times) - 1) / decode_time if decode_time > 0 else 0.0,
-            preemptions=seq.preemptions,
-            peak_blocks=seq.peak_blocks,
-            target_forwards=seq.target_forwards,
-            spec_rounds=seq.spec_rounds,
-            spec_drafted=seq.spec_drafted,
-            spec_accepted=seq.spec_accepted,
-            spec_accepted_by_position=tuple(seq.spec_accepted_by_position),
-            spec_drafted_by_position=tuple(seq.spec_drafted_by_position),
-        )
-        self.emit(
-            RequestFinished(
-                seq.seq_id, reason, seq.detokenizer.text, tuple(seq.output_ids), stats, time.perf_counter()
-            )
-        )
 
     # ---- telemetry -------------------------------------------------------------------------
     def kv_stats(self) -> KVStats:
@@ -453,6 +362,7 @@ class LLMEngine:
 
     def sample_memory(self) -> MemorySample:
         process, reserved, total, source = probe_memory(self.loaded.device)
+        draft_weights, draft_cache = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
         sample = MemorySample(
             weights_bytes=self.loaded.info.weight_bytes,
             kv_pool_bytes=self.storage.total_bytes,
@@ -462,17 +372,8 @@ class LLMEngine:
             device_total_bytes=total,
             source=source,
             t=time.perf_counter(),
+            draft_weights_bytes=draft_weights,
+            draft_cache_bytes=draft_cache,
         )
         self.emit(sample)
         return sample
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

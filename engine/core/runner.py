@@ -1,35 +1,65 @@
-"""One packed forward of the model over a scheduled batch, reading and writing the paged cache."""
+"""The forward of one step: the batch's metadata built once, one packed forward over the paged
+cache, logits for the rows that need them, and what ran (kernels, weight bytes).
+
+The packed rows are ordered decode first (one row per decoding sequence), then prefill chunks, so
+each kind of row reaches its kernel in one segment (engine.kernels.policy: every sequence's rows
+take the kernel for its own row count). Two executors: kvscope's own Llama-family forward
+(engine/model/llama_forward.py) where it applies, transformers' modeling code otherwise; both
+read and write the same pool through the same attention.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.core.sequence import Sequence
+from engine.kernels.policy import KernelPolicy, StepRecord
+from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
 from engine.kv.manager import KVCacheManager
-from engine.kv.paged_cache import (
-    PagedBatch,
-    PagedCache,
-    PagedKVStorage,
-    SeqSlice,
-    block_index,
-    paged_attention,
-)
+from engine.kv.storage import PagedKVStorage, block_index
+from engine.model.llama_forward import LlamaForward, unsupported_reason
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    logits: torch.Tensor  # float32 [rows, vocab]
+    rows: dict[int, tuple[int, int]]  # seq_id -> (first row, count) in `logits`
+    record: StepRecord  # kernels run and weight bytes read
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, storage: PagedKVStorage, kv: KVCacheManager, device: torch.device
+        self,
+        model: torch.nn.Module,
+        storage: PagedKVStorage,
+        kv: KVCacheManager,
+        device: torch.device,
+        policy: KernelPolicy,
     ):
         self.model = model
         self.storage = storage
         self.kv = kv
         self.device = device
+        self.policy = policy
         self._cache = PagedCache()
+        reason = unsupported_reason(model)
+        self.own_forward = LlamaForward(model) if reason is None else None
+        # which forward runs, and why the fast one does not, for the load message
+        self.executor = "kvscope Llama-family forward" if reason is None else f"transformers ({reason})"
 
-    def build_batch(self, seqs: list[Sequence], num_tokens: list[int]):
-        """Packed token ids, positions and the paged-attention description of the batch."""
-        ids, positions, slots, slices = [], [], [], []
-        block_size = self.storage.block_size
+    def forward(
+        self, seqs: list[Sequence], num_tokens: list[int], logit_counts: dict[int, int]
+    ) -> ForwardResult:
+        """Run the batch. `logit_counts[seq_id]` = how many of that sequence's last rows need
+        logits (1 to sample, 1 + drafts to verify a speculative round; absent: none)."""
+        order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)  # decode rows first
+        seqs = [seqs[i] for i in order]
+        num_tokens = [num_tokens[i] for i in order]
+        ids, positions, slots, slices, keep = [], [], [], [], []
+        rows: dict[int, tuple[int, int]] = {}
+        bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             q_start = len(ids)
@@ -37,25 +67,31 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(self.kv.slot_ids(seq, start, n))
             context = start + n
-            table = [b.block_id for b in seq.block_table[: -(-context // block_size)]]
-            slices.append(SeqSlice(q_start, n, context, block_index(table, self.device)))
+            table = [b.block_id for b in seq.block_table[: -(-context // bs)]]
+            slices.append(SeqSlice(q_start, n, context, block_index(table, self.device), tuple(table)))
+            count = logit_counts.get(seq.seq_id, 0)
+            if count:
+                rows[seq.seq_id] = (len(keep), count)
+                keep.extend(range(q_start + n - count, q_start + n))
         to = dict(dtype=torch.long, device=self.device)
         batch = PagedBatch(self.storage, torch.tensor(slots, **to), slices)
-        return torch.tensor([ids], **to), torch.tensor([positions], **to), batch
+        input_ids, position_ids = torch.tensor(ids, **to), torch.tensor(positions, **to)
+        keep_rows = torch.tensor(keep, **to)
+        with torch.inference_mode(), self.policy.step(num_tokens) as record:
+            if self.own_forward is not None:
+                logits = self.own_forward(input_ids, position_ids, batch, keep_rows)
+            else:
+                logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
+        return ForwardResult(logits.float(), rows, record)
 
-    @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_tokens: list[int], logit_rows: list[int]) -> torch.Tensor:
-        """Run the batch; returns float32 logits [len(logit_rows), vocab] for the packed token
-        positions in `logit_rows` (the lm_head runs only on those)."""
-        input_ids, position_ids, batch = self.build_batch(seqs, num_tokens)
-        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+    def _transformers_forward(self, input_ids, position_ids, batch, keep_rows) -> torch.Tensor:
         with paged_attention(self.model):
             out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
+                input_ids=input_ids[None],
+                position_ids=position_ids[None],
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=keep,
+                logits_to_keep=keep_rows,
                 paged_batch=batch,
             )
-        return out.logits[0].float()
+        return out.logits[0]

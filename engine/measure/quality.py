@@ -86,7 +86,8 @@ def teacher_forced_logits(model, token_ids: list[int], kv_dtype: str = "auto") -
 
 
 def _paged_logits(model, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    from engine.kv.paged_cache import PagedBatch, PagedCache, PagedKVStorage, SeqSlice, paged_attention
+    from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
+    from engine.kv.storage import PagedKVStorage
     from engine.model.shapes import ModelShapes
 
     shapes = ModelShapes.from_config(model.config)
@@ -152,14 +153,14 @@ def layer_output_errors(reference_model, quantized_model, rows: int = 8, seed: i
     the model's own sensitivity), so a near-zero KL can be told apart from a layer that was never
     quantized: a scheme whose grid reproduces the loaded weights shows an error at float rounding
     level (~1e-7), an untouched layer exactly 0."""
-    from engine.quant.base import target_linears
+    from engine.quant.base import decoder_linears
 
     generator = torch.Generator().manual_seed(seed)
+    param = next(reference_model.parameters())
     errors = {}
-    for name, reference in target_linears(reference_model):
+    for name, reference in decoder_linears(reference_model):
         layer = quantized_model.get_submodule(name)
-        weight = reference.weight
-        x = torch.randn(rows, reference.in_features, generator=generator).to(weight.device, weight.dtype)
+        x = torch.randn(rows, reference.in_features, generator=generator).to(param.device, param.dtype)
         want = reference(x).float()
         errors[name] = ((layer(x).float() - want).norm() / want.norm()).item()
     return errors

@@ -25,13 +25,16 @@ def step_cost(
     weight_dtype_bytes: int | float,
     kv_dtype_bytes: int | float,
     logit_rows: int | None = None,
+    linear_weight_bytes: int | float | None = None,
 ) -> StepCost:
     """FLOPs and bytes of one forward over `seq_shapes`: per scheduled sequence (query tokens this
     step, context tokens after the step), as in `StepStats.seq_shapes`.
 
     `logit_rows` is how many rows the LM head computes (the engine runs it only for sequences
     that sample this step); None means one per sequence. `*_dtype_bytes` may be fractional for
-    packed quantized formats."""
+    packed quantized formats. `linear_weight_bytes`, when the engine knows it, is what the step's
+    linear kernels actually read (layers and LM head; a dense path over quantized weights reads
+    its temporary dense copy too): it replaces the estimate from the dtype."""
     seqs = [(int(q), int(c)) for q, c in seq_shapes]
     for q, c in seqs:
         if q < 1 or c < q:
@@ -67,10 +70,14 @@ def step_cost(
     ) * weight_dtype_bytes  # + final norm
     bytes_embedding_rows = tokens * h * weight_dtype_bytes
     bytes_lm_head = s.vocab_size * h * weight_dtype_bytes if rows > 0 else 0
+    if linear_weight_bytes is not None:
+        # measured by the kernels: matmul weights of layers and head; the norms stay estimated
+        bytes_layers = (layers * norm_params + h) * weight_dtype_bytes + linear_weight_bytes
+        bytes_lm_head = 0
 
-    # kv_bytes_per_token("int8") is the element count (1 byte each): the KV formula stays in
-    # ModelShapes, and any element size (fractional for quantized caches) can scale it.
-    kv_per_token = s.kv_bytes_per_token("int8") * kv_dtype_bytes
+    # The element count from ModelShapes (the KV formula's home), scaled by any element size
+    # (fractional for quantized caches with their scales).
+    kv_per_token = s.kv_elements_per_token * kv_dtype_bytes
     # Each sequence reads the K/V of its whole context (the new tokens' included: attention runs
     # after they are written) and writes the K/V of its new tokens.
     kv_read = sum(c for _, c in seqs) * kv_per_token

@@ -40,12 +40,18 @@ def check_dtype_on_device(dtype: str, device: torch.device) -> None:
 
 
 def check_fits(
-    config, dtype: str, device: torch.device, name: str, available_bytes: int | None = None
+    config,
+    dtype: str,
+    device: torch.device,
+    name: str,
+    available_bytes: int | None = None,
+    nbytes: int | None = None,
 ) -> int:
     """Refuse, before any weight is read, a model whose weights alone exceed the free memory.
-    Returns the estimated weight bytes."""
+    Returns the estimated weight bytes (`nbytes` when the caller knows them: a GGUF kept at its
+    own bits takes about its file's size)."""
     try:
-        needed = ModelShapes.from_config(config).weight_bytes(dtype)
+        needed = ModelShapes.from_config(config).weight_bytes(dtype) if nbytes is None else nbytes
     except AttributeError as exc:
         raise ModelLoadError(
             f"{name}'s configuration lacks a transformer shape kvscope needs ({exc}); it cannot be served."
@@ -55,7 +61,8 @@ def check_fits(
         where = "free GPU memory" if device.type == "cuda" else "available RAM"
         smaller = " bfloat16 halves it;" if dtype == "float32" else ""
         raise ModelLoadError(
-            f"{name} will not fit: its weights need about {format_bytes(needed)} in {dtype}, but only "
+            f"{name} will not fit: its weights need about {format_bytes(needed)}"
+            f"{'' if nbytes is not None else ' in ' + dtype}, but only "
             f"{format_bytes(available)} of {where} is left.{smaller} choose a smaller model or close other programs."
         )
     return needed

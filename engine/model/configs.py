@@ -92,7 +92,32 @@ _GGUF_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 def open_gguf(path: Path):
     """A gguf.GGUFReader over `path`, with header and tensor extents checked: a truncated or
-    garbage file becomes a ModelLoadError, not a numpy error half-way through loading."""
+    garbage file becomes a ModelLoadError, not a numpy error half-way through loading.
+
+    Parsing the header takes seconds (the tokenizer's vocabulary and merges are tens of thousands
+    of fields), and a load reads it for the config, the fit check and the tensors: the last reader
+    is kept for the same file (same size and mtime)."""
+    key = (str(Path(path).resolve()), *_stamp(path))
+    cached = _READER_CACHE.get("reader")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    reader = _open_gguf(path)
+    _READER_CACHE["reader"] = (key, reader)
+    return reader
+
+
+_READER_CACHE: dict[str, tuple] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return (-1, -1)
+    return st.st_size, st.st_mtime_ns
+
+
+def _open_gguf(path: Path):
     import gguf
 
     broken = (

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.events import ModelInfo
+from engine.kernels.linear import fuse_projections
+from engine.kernels.policy import KernelPolicy
 from engine.model.shapes import ModelShapes
-from engine.quant.base import model_weight_bytes
+from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
 
 
@@ -19,10 +21,21 @@ class LoadedModel:
     info: ModelInfo
     device: torch.device
     dtype: torch.dtype
+    # the kernel table shared by the model's linear layers (engine.kernels.policy)
+    policy: KernelPolicy | None = None
 
     @staticmethod
-    def from_model(model, tokenizer, *, name: str, source: str, load_seconds: float = 0.0) -> LoadedModel:
+    def from_model(
+        model, tokenizer, *, name: str, source: str, load_seconds: float = 0.0, scheme: str | None = None
+    ) -> LoadedModel:
+        """Wrap a loaded transformers model for serving: its linear layers become kernel-choosing
+        layers with q/k/v and gate/up fused (once; the model stays a working transformers model)."""
         model.eval()
+        policy = getattr(model, "kvscope_policy", None)
+        if policy is None:
+            policy = KernelPolicy()
+            fuse_projections(model, policy)
+            model.kvscope_policy = policy
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")
         shapes = ModelShapes.from_config(model.config)
@@ -42,13 +55,13 @@ class LoadedModel:
             hidden_size=shapes.hidden_size,
             vocab_size=shapes.vocab_size,
             max_position_embeddings=shapes.max_position_embeddings,
-            params=sum(p.numel() for p in model.parameters()),
+            params=model_param_count(model),
             weight_bytes=weight_bytes,
             kv_bytes_per_token=shapes.kv_bytes_per_token(dtype_name),
             load_seconds=load_seconds,
-            quantization=record.scheme if record else NONE,
+            quantization=scheme or (record.scheme if record else NONE),
             weight_bytes_before=record.bytes_before if record else weight_bytes,
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
         )
-        return LoadedModel(model, tokenizer, info, param.device, param.dtype)
+        return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy)

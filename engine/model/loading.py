@@ -9,14 +9,15 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import ModelSpec
+from engine.config import AUTO, ModelSpec
 from engine.model.checks import TORCH_DTYPES, check_dtype_on_device, check_fits, resolve_device
 from engine.model.configs import read_config
-from engine.model.default_model import default_model_dir
+from engine.model.default_model import default_model_dir, load_default_tokenizer
 from engine.model.errors import ModelLoadError, first_line
+from engine.model.gguf_native import NATIVE
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
-from engine.quant.schemes import QuantizationError, check_scheme, quantization_of, quantize_model
+from engine.quant.schemes import QuantizationError, check_scheme, get_scheme, quantize_model
 
 # ---- loading ---------------------------------------------------------------------------------
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -73,6 +74,22 @@ def _load_tokenizer(src: ModelSource):
         ) from None
 
 
+CPU = torch.device("cpu")
+
+
+def resolve_scheme(quantization: str, src: ModelSource, device: torch.device = CPU) -> str:
+    """'auto' is 'native' for a GGUF source (its own blocks kept) and 'none' otherwise (and on
+    a GPU, where native's CPU kernels do not run)."""
+    if quantization == AUTO:
+        return NATIVE if src.gguf is not None and device.type == "cpu" else "none"
+    if quantization == NATIVE and src.gguf is None:
+        raise ModelLoadError(
+            f"'native' keeps a GGUF file's own quantized blocks, but {src.name} is not a GGUF file. "
+            "Choose 'none' or another quantization scheme."
+        )
+    return quantization
+
+
 def load_model(
     spec: ModelSpec,
     progress: Callable[[str, float], None] | None = None,
@@ -87,11 +104,20 @@ def load_model(
     report("checking the model", 0.0)
     device = resolve_device(spec.device)
     check_dtype_on_device(spec.dtype, device)
-    check_scheme(spec.quantization, device)
+    if spec.quantization != AUTO:
+        get_scheme(spec.quantization)  # an unknown name is refused before anything is read
     src = resolve_source(spec.source)
-    check_fits(read_config(src), spec.dtype, device, src.name, available_bytes)
+    scheme = resolve_scheme(spec.quantization, src, device)
+    check_scheme(scheme, device)
+    if scheme == NATIVE:
+        from engine.model.configs import read_gguf_config
+
+        config = read_gguf_config(src.gguf)
+        return _load_native(spec, src, config, report, start, available_bytes)
+    config = read_config(src)
+    check_fits(config, spec.dtype, device, src.name, available_bytes)
     if src.kind == "default" and src.is_gguf:
-        src = ModelSource("default", default_model_dir(report), src.name)
+        src = ModelSource("default", default_model_dir(report), src.name, src.gguf)
     report(f"loading weights ({spec.dtype})", 0.4)
     model = _load_weights(src, TORCH_DTYPES[spec.dtype])
     if device.type != "cpu":
@@ -102,16 +128,51 @@ def load_model(
             raise ModelLoadError(f"{src.name} does not fit in the memory of {device}.") from None
     report("loading tokenizer", 0.8)
     tokenizer = _load_tokenizer(src)
-    params = sum(p.numel() for p in model.parameters())
-    if spec.quantization != "none":
-        report(f"quantizing weights ({spec.quantization})", 0.85)
-        model = _quantize(model.eval(), spec.quantization, tokenizer, src.name)
+    if scheme != "none":
+        report(f"quantizing weights ({scheme})", 0.85)
+        model = _quantize(model.eval(), scheme, tokenizer, src.name)
     loaded = LoadedModel.from_model(
         model.eval(), tokenizer, name=src.name, source=spec.source, load_seconds=time.perf_counter() - start
     )
-    record = quantization_of(model)
-    if record is not None:  # packed weights live in buffers: count them, and the logical params
-        loaded.info = dataclasses.replace(loaded.info, weight_bytes=record.bytes_after, params=params)
+    report("ready", 1.0)
+    return loaded
+
+
+def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: float, available_bytes):
+    """The GGUF's own blocks, read straight from the file (engine/model/gguf_native.py)."""
+    from engine.kernels.policy import KernelPolicy
+    from engine.model.gguf_native import load_native
+
+    gguf = original.gguf
+    assert gguf is not None
+    # the packed weights take about their file's size; the dense tensors are small
+    check_fits(
+        config, "int8", torch.device("cpu"), original.name, available_bytes, nbytes=gguf.stat().st_size
+    )
+    try:
+        model, kept = load_native(gguf, TORCH_DTYPES[spec.dtype], KernelPolicy(), report)
+    except ModelLoadError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError):
+        raise ModelLoadError(f"Ran out of memory while loading {original.name}.") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed tensor: say so, not a traceback
+        raise ModelLoadError(
+            f"{gguf.name} could not be read at its own bits ({type(exc).__name__}: {first_line(exc)}). "
+            "It may be corrupt; or load it with --quantization none."
+        ) from None
+    report("loading tokenizer", 0.85)
+    tokenizer = load_default_tokenizer() if original.kind == "default" else _load_tokenizer(original)
+    loaded = LoadedModel.from_model(
+        model,
+        tokenizer,
+        name=original.name,
+        source=spec.source,
+        load_seconds=time.perf_counter() - start,
+        scheme=NATIVE,
+    )
+    shapes = loaded.info.shapes
+    before = shapes.params * 4 if shapes is not None else loaded.info.weight_bytes  # the float32 twin
+    loaded.info = dataclasses.replace(loaded.info, weight_bytes_before=before, notes=(kept.summary(),))
     report("ready", 1.0)
     return loaded
 

@@ -6,9 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
-# An int8 KV cache stores one float16 scale per (layer, token, KV head) for K and one for V beside
-# the int8 codes (engine.kv.paged_cache.KV_INT8_SCALE_DTYPE).
+# int8 KV keeps one float16 scale per (token, head) beside the codes (engine/kv/storage.py).
 KV_INT8_SCALE_BYTES = 2
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, kv_dtype: str = "auto"
+) -> int:
+    """THE KV formula: 2 (K and V) x layers x kv_heads x (head_dim x element bytes), where int8 KV
+    stores 1-byte codes plus a float16 scale per head. GQA/MQA shrink kv_heads. The pool, the
+    inspect-model report and the KV calculator all use it."""
+    if kv_dtype == "int8":
+        per_head = head_dim + KV_INT8_SCALE_BYTES
+    else:
+        per_head = head_dim * DTYPE_BYTES[dtype]
+    return 2 * num_layers * num_kv_heads * per_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +71,13 @@ class ModelShapes:
         return self.num_layers * per_layer + embed + h + head
 
     def kv_bytes_per_token(self, dtype: str = "float32", kv_dtype: str = "auto") -> int:
-        """2 (K and V) x layers x kv_heads x (head_dim x bytes per element): GQA/MQA shrink
-        kv_heads. `kv_dtype` "auto" stores the K/V in the model's `dtype`; "int8" stores int8 codes
-        plus one float16 scale per head (the pool's own count, scales included)."""
-        if kv_dtype == "int8":
-            per_head = self.head_dim + KV_INT8_SCALE_BYTES
-        elif kv_dtype == "auto":
-            per_head = self.head_dim * DTYPE_BYTES[dtype]
-        else:
-            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        """KV bytes per token for weights in `dtype` and a pool of `kv_dtype` (see kv_bytes_per_token)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype, kv_dtype)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V values per token over all layers (times any element size gives bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     def weight_bytes(self, dtype: str = "float32") -> int:
         return self.params * DTYPE_BYTES[dtype]

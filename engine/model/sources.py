@@ -44,6 +44,9 @@ class ModelSource:
     kind: str  # "default" (packaged GGUF), "folder" (HF model folder), "gguf" (file), "repo" (HF cache)
     path: Path  # the folder, or the .gguf file
     name: str  # what the app shows
+    # The GGUF file behind the source (the packaged default's even once it has a converted
+    # folder): what 'native' reads. None for HF folders and repos.
+    gguf: Path | None = None
 
     @property
     def is_gguf(self) -> bool:
@@ -61,7 +64,7 @@ def resolve_source(source: str) -> ModelSource:
         gguf = default_gguf_path()
         folder = default_model_folder()
         path = folder if is_converted(folder, source_fingerprint(gguf)) else gguf
-        return ModelSource("default", path, DEFAULT_MODEL_NAME)
+        return ModelSource("default", path, DEFAULT_MODEL_NAME, gguf)
     path = Path(source).expanduser()
     if path.is_dir():
         return ModelSource("folder", path, path.resolve().name)
@@ -71,7 +74,7 @@ def resolve_source(source: str) -> ModelSource:
                 f"{path} is a single file but not a .gguf file. Choose a .gguf file, or the folder that "
                 "holds the model's config.json and weights."
             )
-        return ModelSource("gguf", path, path.stem)
+        return ModelSource("gguf", path, path.stem, path)
     if _REPO_ID.match(source) and not source.lower().endswith(".gguf"):
         return ModelSource("repo", _cached_repo_folder(source), source)
     raise ModelLoadError(

@@ -85,6 +85,39 @@ def target_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
 
 
+def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module acting as one of the decoder's linear layers, by the model's own names, in any
+    format: plain, kernel (engine.kernels), a slice of a fused projection, a scheme's own layer.
+    The LM head and the fused wholes are left out (their slices stand for them)."""
+    from engine.kernels.linear import FusedProjection, KernelLinear
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inside_fused = {id(m.linear) for m in model.modules() if isinstance(m, FusedProjection)}
+    out = []
+    for name, module in model.named_modules():
+        if module is head or isinstance(module, FusedProjection) or id(module) in inside_fused:
+            continue
+        if isinstance(module, (nn.Linear, KernelLinear)) or (
+            hasattr(module, "in_features") and hasattr(module, "out_features") and not list(module.children())
+        ):
+            out.append((name, module))
+    return out
+
+
+def quantized_layer_count(model: nn.Module) -> int:
+    """Decoder linears not held in a dense float format (a fused projection counts its parts)."""
+    count = 0
+    for _, module in decoder_linears(model):
+        fused = getattr(module, "fused", None)
+        storage = getattr(fused.linear if fused is not None else module, "storage", None)
+        kind = getattr(storage, "kind", None)
+        if kind is None:
+            count += type(module) is not nn.Linear
+        else:
+            count += not kind.startswith("dense")
+    return count
+
+
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
     """Swap each target linear for `make(name, linear)`, in place; the old weights are freed."""
     targets = target_linears(model)
@@ -98,13 +131,53 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
 
 
 def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes the weights occupy: parameters, buffers (where the packed schemes keep their codes
-    and scales) and bitsandbytes' quantization state, which hangs off its parameters."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    """Bytes the weights occupy: parameters, buffers, the storages of kernel layers (packed codes
+    and scales), bitsandbytes' quantization state, which hangs off its parameters. A tensor
+    reachable twice (a tied embedding and LM head) counts once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if t.device.type == "meta":
+            return
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for t in (*model.parameters(), *model.buffers()):
+        add(t)
+    for module in model.modules():
+        storage = getattr(module, "storage", None)
+        if storage is not None and hasattr(storage, "tensors"):
+            for t in storage.tensors():
+                add(t)
     for p in model.parameters():
         total += _bnb_state_bytes(p)
     return total
+
+
+def model_param_count(model: nn.Module) -> int:
+    """Logical parameters: every weight once, whether a Parameter or held by a kernel layer's
+    storage in a packed format (counted as out x in), tied tensors once."""
+    seen_tensors: set[int] = set()
+    seen_storages: set[int] = set()
+    count = 0
+    for p in model.parameters():
+        if p.untyped_storage().data_ptr() not in seen_tensors or p.device.type == "meta":
+            seen_tensors.add(p.untyped_storage().data_ptr())
+            count += p.numel()
+    for module in model.modules():
+        storage = getattr(module, "storage", None)
+        if storage is None or not hasattr(storage, "tensors") or id(storage) in seen_storages:
+            continue
+        seen_storages.add(id(storage))
+        tensors = storage.tensors()
+        if len(tensors) == 1 and tensors[0].untyped_storage().data_ptr() in seen_tensors:
+            continue  # a dense layer sharing a parameter (tied LM head)
+        count += storage.out_features * storage.in_features
+    return count
 
 
 def _bnb_state_bytes(param: torch.Tensor) -> int:

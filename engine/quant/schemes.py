@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.quant.base import QuantizationError, QuantScheme, model_weight_bytes, target_linears
+from engine.quant.base import (
+    QuantizationError,
+    QuantScheme,
+    missing_kernels,
+    model_weight_bytes,
+    target_linears,
+)
 from engine.quant.bnb import Bnb4bit, BnbInt8
 from engine.quant.fp8 import Fp8Weight
 from engine.quant.w8a8 import W8A8, W8A8SmoothQuant
@@ -53,8 +59,47 @@ class FullPrecision(QuantScheme):
         return model
 
 
+class NativeGguf(QuantScheme):
+    """Applied by the loader while it reads the file (engine/model/gguf_native.py), not to a
+    loaded model: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks kept as they are."""
+
+    name = "native"
+    description = (
+        "a GGUF file's own quantized blocks kept at their bits: Q4_0/Q4_1/Q4_K as int4 groups, Q8_0 as "
+        "Q8_0 blocks; packed kernels for decode rows, dense matmuls for prefill rows (GGUF sources only)"
+    )
+
+    def check(self, device: torch.device) -> tuple[bool, str]:
+        if device.type != "cpu":
+            return False, "its packed kernels here are torch's CPU ones; on a GPU load the GGUF with 'none'"
+        problem = missing_kernels(("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"), device)
+        if problem:
+            return False, problem
+        return True, "torch's packed int4/int8 CPU kernels for decode rows, dense matmuls for prefill"
+
+    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+        raise QuantizationError("'native' applies while a GGUF file is read; load the file with it instead.")
+
+
+class Automatic(QuantScheme):
+    """The default choice: resolved by the loader per source (engine.model.loading.resolve_scheme)."""
+
+    name = "auto"
+    description = "a GGUF file's own blocks ('native'); any other source in full precision ('none')"
+
+    def check(self, device: torch.device) -> tuple[bool, str]:
+        if device.type == "cpu":
+            return True, "native for GGUF sources, none otherwise"
+        return True, "none (a GGUF is dequantized on a GPU)"
+
+    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+        raise QuantizationError("'auto' is resolved when the model is loaded, from its source.")
+
+
 _SCHEMES: tuple[QuantScheme, ...] = (
+    Automatic(),
     FullPrecision(),
+    NativeGguf(),
     BnbInt8(),
     Bnb4bit("nf4"),
     Bnb4bit("fp4"),

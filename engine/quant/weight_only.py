@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.linear import KernelLinear
+from engine.kernels.policy import KernelPolicy
+from engine.kernels.weights import Int4GroupWeight, Int8RowWeight
 from engine.quant import packing
 from engine.quant.base import QuantizationError, QuantScheme, missing_kernels, replace_linears
 
@@ -127,7 +130,13 @@ class Int8WeightOnly(QuantScheme):
         return True, f"torch.ops.aten._weight_int8pack_mm on {device.type}"
 
     def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
-        return replace_linears(model, lambda name, linear: Int8WeightOnlyLinear(linear))
+        def make(name: str, linear: nn.Linear) -> nn.Module:
+            if linear.weight.device.type != "cpu":
+                return Int8WeightOnlyLinear(linear)
+            codes, scales = packing.quantize_int8_per_row(linear.weight.detach())
+            return KernelLinear(Int8RowWeight(codes, scales), linear.bias, KernelPolicy())
+
+        return replace_linears(model, make)
 
 
 class Int4WeightOnly(QuantScheme):
@@ -154,9 +163,18 @@ class Int4WeightOnly(QuantScheme):
         return True, f"torch.ops.aten._weight_int4pack_mm_for_cpu on {device.type}"
 
     def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
-        return replace_linears(
-            model, lambda name, linear: Int4WeightOnlyLinear(linear, self.group_size, name)
-        )
+        def make(name: str, linear: nn.Linear) -> nn.Module:
+            if linear.weight.device.type != "cpu" or self.group_size != DEFAULT_INT4_GROUP_SIZE:
+                return Int4WeightOnlyLinear(linear, self.group_size, name)
+            if linear.in_features % self.group_size:
+                raise QuantizationError(
+                    f"int4-weight-only cannot quantize {name or 'a layer'}: its input width "
+                    f"{linear.in_features} is not a multiple of the group size {self.group_size}."
+                )
+            codes, scales, zeros = packing.quantize_int4_groups(linear.weight.detach(), self.group_size)
+            return KernelLinear(Int4GroupWeight(codes, scales, zeros), linear.bias, KernelPolicy())
+
+        return replace_linears(model, make)
 
 
 def reference_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

@@ -38,16 +38,32 @@ class NgramProposer:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def memory_bytes(self) -> tuple[int, int]:
+        """(own weights, own caches): a lookup in the sequence's tokens holds neither."""
+        return 0, 0
+
 
 class DraftModelProposer:
     """A smaller causal LM sharing the target's tokenizer proposes k tokens autoregressively,
     sampled under the request's own sampling settings (its q). Each sequence keeps a draft-side
     DynamicCache, cropped back to the verified prefix after every round."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "draft"):
+    def __init__(self, model: torch.nn.Module, name: str = "draft", weights_bytes: int = 0):
         self.model = model
         self.name = name
+        # the draft's own weights (0 for a self-draft, which shares the target's)
+        self.weights_bytes = weights_bytes
         self._state: dict[int, tuple[DynamicCache, int, Sampler]] = {}
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(own weights, the K/V its per-sequence caches hold now)."""
+        cache_bytes = 0
+        for cache, _, _ in self._state.values():
+            for layer in getattr(cache, "layers", []):
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    if isinstance(t, torch.Tensor):
+                        cache_bytes += t.numel() * t.element_size()
+        return self.weights_bytes, cache_bytes
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -126,7 +142,9 @@ def make_proposer(config, loaded):
 
     draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
-    return DraftModelProposer(draft.model, name=f"draft ({draft.info.name})")
+    return DraftModelProposer(
+        draft.model, name=f"draft ({draft.info.name})", weights_bytes=draft.info.weight_bytes
+    )
 
 
 PROBE_TEXT = "Speculative decoding checks drafts: 42 tokens, naïve café, 你好, 🙂."

@@ -16,7 +16,7 @@ from app_windows import REPLY_TIMEOUT_MS
 from app.physics.sweep import sweep_device
 from engine.config import SamplingParams
 from engine.events import StepStats
-from engine.kv.paged_cache import PagedKVStorage
+from engine.kv.storage import PagedKVStorage
 from engine.measure import device_limits
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
 from engine.units import GIB

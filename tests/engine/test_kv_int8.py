@@ -9,7 +9,7 @@ from tiny_models import make_tiny_llama
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
-from engine.kv.paged_cache import PagedKVStorage
+from engine.kv.storage import PagedKVStorage
 from engine.measure.quality import greedy_agreement
 from engine.request import Request
 
@@ -42,10 +42,10 @@ def test_write_then_gather_is_within_half_a_step_per_token_and_head():
     value = torch.randn(6, 2, 8)
     value[2] = 0.0  # an all-zero token must come back as zeros, not NaN
     slots = torch.tensor([13, 14, 15, 4, 5, 6])  # block 3 then block 1, as a block table would place them
-    storage.write_int8(0, slots, key, value)
+    storage.write(0, slots, key, value)
     assert storage.k[0].dtype == torch.int8 and storage.k_scale[0].dtype == torch.float16
     # table [3, 1], 6 tokens: rows are slots 12..15 then 4..5; slot 12 was never written
-    k, v = storage.gather(0, torch.tensor([3, 1]), 6, torch.float32)
+    k, v = (t.transpose(0, 1) for t in storage.gather(0, torch.tensor([3, 1]), 6, torch.float32))
     assert k.shape == (6, 2, 8)
     step_k = key.abs().amax(-1, keepdim=True) / 127
     step_v = value.abs().amax(-1, keepdim=True) / 127
@@ -82,7 +82,7 @@ def test_copy_block_copies_codes_and_scales(model):
     paged_forward(model, storage, [(list(range(4)), 0, [2])])
     storage.copy_block(2, 0)
     for pools in (storage.k, storage.v, storage.k_scale, storage.v_scale):
-        assert pools[1][0].abs().sum() > 0 and torch.equal(pools[1][0], pools[1][2])
+        assert pools[1][:, 0].abs().sum() > 0 and torch.equal(pools[1][:, 0], pools[1][:, 2])
 
 
 def test_bytes_per_block_counts_the_scales():

@@ -5,14 +5,8 @@ import torch
 from tiny_models import make_tiny_llama
 from transformers import DynamicCache
 
-from engine.kv.paged_cache import (
-    PagedBatch,
-    PagedCache,
-    PagedKVStorage,
-    SeqSlice,
-    block_index,
-    paged_attention,
-)
+from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
+from engine.kv.storage import PagedKVStorage, block_index
 
 VOCAB = 500
 
@@ -33,7 +27,8 @@ def paged_forward(model, storage, pieces):
         pos += list(range(start, start + len(tokens)))
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
         ctx = start + len(tokens)
-        slices.append(SeqSlice(q_start, len(tokens), ctx, block_index(table[: -(-ctx // bs)], "cpu")))
+        blocks = table[: -(-ctx // bs)]
+        slices.append(SeqSlice(q_start, len(tokens), ctx, block_index(blocks, "cpu"), tuple(blocks)))
     batch = PagedBatch(storage, torch.tensor(slots), slices)
     with torch.inference_mode(), paged_attention(model):
         out = model(
@@ -124,8 +119,8 @@ def test_kv_is_stored_in_the_pool_blocks(model):
     """The pool tensors hold the K of exactly the slots the block table names, nothing else."""
     storage = make_storage(model, 6, 4)
     paged_forward(model, storage, [(list(range(10)), 0, [5, 2, 4])])
-    k = storage.k[0]
-    assert k[5].abs().sum() > 0 and k[2].abs().sum() > 0
-    assert k[4, :2].abs().sum() > 0 and k[4, 2:].abs().sum() == 0  # 10 tokens = 4 + 4 + 2
+    k = storage.k[0]  # [kv_heads, blocks, block_size, head_dim]
+    assert k[:, 5].abs().sum() > 0 and k[:, 2].abs().sum() > 0
+    assert k[:, 4, :2].abs().sum() > 0 and k[:, 4, 2:].abs().sum() == 0  # 10 tokens = 4 + 4 + 2
     for unused in (0, 1, 3):
-        assert k[unused].abs().sum() == 0
+        assert k[:, unused].abs().sum() == 0

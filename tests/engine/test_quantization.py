@@ -185,7 +185,7 @@ def test_calibration_records_every_linear_input(tiny_loaded):
     assert all((v > 0).all() for v in absmax.values())
 
 
-@pytest.mark.parametrize("scheme", [n for n in scheme_names() if n != "none"])
+@pytest.mark.parametrize("scheme", [n for n in scheme_names() if n not in ("auto", "none", "native")])
 def test_quantize_model_replaces_decoder_linears_only(tiny_loaded, scheme):
     model = make_tiny_llama(vocab_size=len(tiny_loaded.tokenizer))
     embed = model.get_input_embeddings().weight
@@ -277,7 +277,9 @@ def test_load_model_quantizes_and_reports_the_smaller_weights(tmp_path, default_
     full = load_model(ModelSpec(str(folder)))
     quant = load_model(ModelSpec(str(folder), quantization="int4-weight-only"))
     record = quantization_of(quant.model)
-    assert quant.info.weight_bytes == record.bytes_after < full.info.weight_bytes == record.bytes_before
+    # the bytes of the layers as served (fused q/k/v need no padding rows where each part did)
+    assert quant.info.weight_bytes == model_weight_bytes(quant.model) <= record.bytes_after
+    assert quant.info.weight_bytes < full.info.weight_bytes == record.bytes_before
     assert quant.info.params == full.info.params  # logical parameter count, not the packed buffers
     assert (quant.info.quantization, full.info.quantization) == ("int4-weight-only", "none")
     assert quant.info.weight_bytes_before == full.info.weight_bytes == full.info.weight_bytes_before

@@ -105,17 +105,16 @@ def test_after_forced_rejections_logits_equal_a_fresh_run(tiny, plain):
     def recorder(engine, name):
         forward = engine.runner.forward
 
-        def wrapped(seqs, num_tokens, rows):
-            logits = forward(seqs, num_tokens, rows)
-            positions = [
-                p
-                for seq, n in zip(seqs, num_tokens)
-                for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)
-            ]
-            owners = [seq.seq_id for seq, n in zip(seqs, num_tokens) for _ in range(n)]
-            for i, r in enumerate(rows):
-                recorded[name][(owners[r], positions[r])] = logits[i].clone()
-            return logits
+        def wrapped(seqs, num_tokens, counts):
+            result = forward(seqs, num_tokens, counts)
+            for seq, n in zip(seqs, num_tokens):
+                if seq.seq_id not in result.rows:
+                    continue
+                start, count = result.rows[seq.seq_id]
+                end = seq.num_computed_tokens + n  # the rows are the sequence's last `count` positions
+                for i in range(count):
+                    recorded[name][(seq.seq_id, end - count + i)] = result.logits[start + i].clone()
+            return result
 
         engine.runner.forward = wrapped
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.config import DTYPES
-from engine.kv.paged_cache import PagedKVStorage
+from engine.kv.storage import PagedKVStorage
 from engine.model.shapes import ModelShapes
 from engine.units import GIB
 from live.state import LiveState

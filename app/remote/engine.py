@@ -1,0 +1,433 @@
+"""A remote OpenAI-compatible server in the place of the in-process engine.
+
+`RemoteEngine` has the surface `app.engine_host.EngineHost` uses of `engine.core.service.Engine`
+(start, submit, cancel, shutdown, is_alive, call, tokenizer, core, config), and like it pushes
+events into a sink that never waits. All its I/O runs on one thread with an asyncio loop and
+httpx: each reply is a task (cancelling it closes the HTTP stream, which a server reads as a
+disconnect and cancels the request), /metrics is polled by another, and a kvscope server's
+/v1/kvscope/events stream by a third, so the GUI thread never blocks on the network.
+
+A generic server's replies become events here (app.remote.openai_stream: timed on this client).
+A kvscope server's replies are only *sent* here: their events, the same as a local engine's,
+come on its events stream (app.remote.kvscope_events), with blocks, steps and memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+
+from app.remote import vllm_kv
+from app.remote.http import RemoteError, error_message, request_body, sse_messages
+from app.remote.kvscope_events import EventTranslator
+from app.remote.openai_stream import ReplyAdapter
+from app.remote.prom import MetricsSample, family_of, parse, point_between
+from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable, RemotePrefixCache
+from app.remote.target import RemoteSource, RemoteTarget
+from engine.events import (
+    EngineError,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelLoading,
+    RequestFailed,
+    RequestFinished,
+    RequestStats,
+)
+from engine.request import Request
+from engine.serve import codec
+
+METRICS_POLL_S = 1.0
+CONNECT_TIMEOUT_S = 10.0
+# A reply may wait long for its first token on a busy server; a stream idle this long is dead.
+READ_TIMEOUT_S = 600.0
+RECONNECT_S = 1.0
+# A kvscope reply cancelled before the events stream named it waits this long for its end there.
+CANCEL_GRACE_S = 2.0
+
+
+class RemoteEngine:
+    tokenizer = None  # the server's tokenizer never runs here
+    core = None  # nor its engine
+    config = None  # no local EngineConfig: quality runs, speculation and sweeps need a local engine
+
+    def __init__(
+        self,
+        target: RemoteTarget,
+        sink: Callable[[object], None],
+        on_record: Callable[[object], None],
+        metrics_poll_s: float = METRICS_POLL_S,
+        use_events: bool = True,
+    ) -> None:
+        self.target = target
+        self._sink = sink
+        self._on_record = on_record
+        self._poll_s = metrics_poll_s
+        self._use_events = use_events  # False: treat even a kvscope server as a plain OpenAI one
+        self.info = None  # a kvscope server's ModelInfo, once its stream said it
+        self.source: RemoteSource | None = None
+        self.load_error: str | None = None
+        self._ids = itertools.count(1)
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._io_loop: asyncio.AbstractEventLoop | None = None  # the thread's loop while it runs
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while replies can be submitted
+        self._stop: asyncio.Event | None = None
+        self._stopping = threading.Event()
+        self._http: httpx.AsyncClient | None = None
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._tasks: dict[int, asyncio.Task] = {}  # loop thread: the replies that have begun
+        self._cancel_first: set[int] = set()  # loop thread: cancelled before they began
+        self._ended: set[int] = set()  # kvscope: own requests known to have ended
+        self._failed_here: set[int] = set()  # kvscope: own requests failed from the HTTP side
+        self._logprobs_refused = False
+        self._translator = EventTranslator(lambda: next(self._ids), self._display_name)
+
+    # ---- the Engine surface ----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("remote engine already started")
+        self._thread = threading.Thread(target=self._run, name="kvscope-remote", daemon=True)
+        self._thread.start()
+
+    def wait_until_loaded(self, timeout: float | None = None):
+        """The served model's info (kvscope) or the source (other servers); None if it failed."""
+        self._ready.wait(timeout)
+        return None if self.load_error else (self.info or self.source)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: Request) -> int:
+        if self._loop is None or self.source is None:
+            raise RuntimeError(f"not connected to {self.target.url}")
+        request_id = next(self._ids)
+        future = asyncio.run_coroutine_threadsafe(self._reply(request_id, request), self._loop)
+        self._replies[request_id] = future
+        future.add_done_callback(lambda _f, rid=request_id: self._replies.pop(rid, None))
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: so has the reply
+                loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
+
+    def _cancel_on_loop(self, request_id: int) -> None:
+        """Cancelling the task closes its HTTP stream, which the server takes as a disconnect and
+        cancels the request. A reply not yet begun ends before it sends anything."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+        elif request_id in self._replies:
+            self._cancel_first.add(request_id)
+
+    def call(self, fn) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(
+            RuntimeError(f"the engine runs on {self.target.label}: nothing can run on it from this app")
+        )
+        return future
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        loop, stop = self._io_loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._io_loop = loop
+        try:
+            loop.run_until_complete(self._main(loop))
+        finally:
+            loop.close()
+            self._ready.set()
+
+    async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._stop = asyncio.Event()
+        if self._stopping.is_set():  # shut down before the loop even ran
+            return
+        timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
+        async with httpx.AsyncClient(
+            base_url=self.target.url, headers=self.target.headers(), timeout=timeout
+        ) as http:
+            self._http = http
+            try:
+                self.source = await self._probe()
+            except RemoteError as exc:
+                self.load_error = str(exc)
+                self._sink(ModelLoadFailed(self.load_error, time.perf_counter()))
+                return
+            if self._stopping.is_set():
+                return
+            self._loop = loop
+            self._on_record(RemoteAttached(self.source))
+            tasks = [asyncio.create_task(self._poll_metrics())]
+            if self.source.events:
+                tasks.append(asyncio.create_task(self._follow_events()))
+            else:
+                self._ready.set()
+            if self.source.family == "vllm":
+                endpoint = vllm_kv.endpoint_for(self.target.url)
+                report = lambda state: self._on_record(RemotePrefixCache(state))  # noqa: E731
+                tasks.append(asyncio.create_task(vllm_kv.follow(endpoint, report)))
+            await self._stop.wait()
+            self._loop = None
+            for request_id in list(self._replies):
+                self._cancel_on_loop(request_id)
+            for task in tasks:
+                task.cancel()
+            # let cancelled replies send their last events and close their streams
+            await asyncio.gather(
+                *tasks, *asyncio.all_tasks() - {asyncio.current_task()}, return_exceptions=True
+            )
+
+    async def _probe(self) -> RemoteSource:
+        label = self.target.label
+        self._sink(ModelLoading(f"connecting to {label}", 0.2, time.perf_counter()))
+        try:
+            response = await self._http.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise RemoteError(f"cannot reach {self.target.url}: {exc or type(exc).__name__}") from exc
+        if response.status_code == 401:
+            what = "refused the API key" if self.target.api_key else "needs an API key"
+            raise RemoteError(f"{label} {what} (HTTP 401: {error_message(response, response.content)})")
+        if response.status_code != 200:
+            raise RemoteError(f"{label} is not an OpenAI-compatible server: GET /v1/models answered "
+                              f"{error_message(response, response.content)}")  # fmt: skip
+        try:
+            models = response.json()["data"]
+            model = models[0]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise RemoteError(f"{label} lists no model at /v1/models") from exc
+        family, metrics = "", False
+        try:
+            scraped = await self._http.get("/metrics")
+            if scraped.status_code == 200:
+                family, metrics = family_of(scraped.text), True
+        except httpx.HTTPError:
+            pass
+        kvscope = self._use_events and (model.get("owned_by") == "kvscope" or family == "kvscope")
+        self._sink(ModelLoading(f"attached to {label}", 1.0, time.perf_counter()))
+        return RemoteSource(self.target, str(model.get("id")), family or ("kvscope" if kvscope else ""),
+                            kvscope, metrics, time.perf_counter())  # fmt: skip
+
+    def _display_name(self, served: str) -> str:
+        return self.source.display_name if self.source is not None else served
+
+    # ---- metrics ---------------------------------------------------------------------------
+    async def _poll_metrics(self) -> None:
+        previous: MetricsSample | None = None
+        said: str | None = None
+        while True:
+            message = None
+            try:
+                response = await self._http.get("/metrics")
+                if response.status_code == 200:
+                    sample = parse(response.text, time.perf_counter(), self.source.family or None)
+                    if sample.values:
+                        self._on_record(
+                            RemoteMetrics(sample, point_between(previous, sample) if previous else None)
+                        )
+                        previous, said = sample, None
+                    else:
+                        message = (
+                            f"{self.target.label}/metrics holds none of the metrics kvscope reads "
+                            "(vllm:, sglang:, llamacpp:, kvscope:)"
+                        )
+                else:
+                    hint = (
+                        " (llama.cpp's server exports them with --metrics)"
+                        if response.status_code == 404
+                        else ""
+                    )
+                    message = f"{self.target.label} has no /metrics (HTTP {response.status_code}){hint}"
+            except httpx.HTTPError as exc:
+                message = f"reading {self.target.label}/metrics failed: {exc or type(exc).__name__}"
+            except ValueError as exc:
+                message = f"{self.target.label}/metrics is not Prometheus text: {exc}"
+            if message is not None and message != said:
+                self._on_record(RemoteMetricsUnavailable(message))
+                said = message
+            await asyncio.sleep(self._poll_s)
+
+    # ---- a kvscope server's events ---------------------------------------------------------
+    async def _follow_events(self) -> None:
+        while True:
+            try:
+                async with self._http.stream(
+                    "GET", "/v1/kvscope/events", timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=None)
+                ) as r:
+                    if r.status_code != 200:
+                        raise RemoteError(error_message(r, await r.aread()))
+                    async for event, data in sse_messages(r):
+                        if event == "hello":
+                            self._translator.hello(float(json.loads(data)["t"]), time.perf_counter())
+                        elif event == "events":
+                            self._forward(codec.decode(data))
+                        elif event == "overflow":
+                            raise RemoteError(json.loads(data).get("message", "the events stream overflowed"))
+                raise RemoteError("the server closed its events stream")
+            except (RemoteError, httpx.HTTPError, ValueError) as exc:
+                if not self._ready.is_set():
+                    self.load_error = f"{self.target.label}: no kvscope events stream ({exc})"
+                    self._sink(ModelLoadFailed(self.load_error, time.perf_counter()))
+                    self._ready.set()
+                    return
+                self._lost_stream(str(exc) or type(exc).__name__)
+            await asyncio.sleep(RECONNECT_S)
+
+    def _forward(self, events: list) -> None:
+        for event in events:
+            event = self._translator.translate(event)
+            if event is None:
+                continue
+            kind = type(event)
+            if kind is ModelLoaded:
+                self.info = event.info
+                self._ready.set()
+            elif kind in (RequestFinished, RequestFailed):
+                if event.request_id in self._failed_here:
+                    self._failed_here.discard(event.request_id)
+                    continue  # already failed with the HTTP side's message
+                self._ended.add(event.request_id)
+            self._sink(event)
+
+    def _lost_stream(self, why: str) -> None:
+        """The reconnected stream starts from a new snapshot without this app's tags: its replies
+        in flight are stopped (the server cancels them when their streams close)."""
+        self._sink(
+            EngineError(
+                f"lost {self.target.label}'s events stream ({why}); reconnecting", time.perf_counter()
+            )
+        )
+        for request_id in list(self._replies):
+            if request_id not in self._ended:
+                self._ended.add(request_id)
+                self._sink(
+                    RequestFailed(
+                        request_id, f"the events stream from {self.target.label} broke", time.perf_counter()
+                    )
+                )
+            self._cancel_on_loop(request_id)
+
+    # ---- replies ---------------------------------------------------------------------------
+    async def _reply(self, request_id: int, request: Request) -> None:
+        self._tasks[request_id] = asyncio.current_task()
+        try:
+            if request_id in self._cancel_first:
+                self._cancel_first.discard(request_id)
+                self._end_unseen(request_id)
+            elif self.source.events:
+                await self._kvscope_reply(request_id, request)
+            else:
+                await self._openai_reply(request_id, request)
+        finally:
+            self._tasks.pop(request_id, None)
+
+    def _end_unseen(self, request_id: int) -> None:
+        """A reply cancelled before the server said anything of it ends here."""
+        if request_id not in self._ended:
+            self._ended.add(request_id)
+            stats = RequestStats(0, 0, 0, 0.0, (), 0.0, 0, 0)
+            self._sink(RequestFinished(request_id, "cancelled", "", (), stats, time.perf_counter()))
+
+    async def _openai_reply(self, request_id: int, request: Request) -> None:
+        adapter = ReplyAdapter(
+            request_id, time.perf_counter(), request.sampling.n, request.sampling.snapshot_top_n > 0
+        )
+        self._sink(adapter.started())
+        try:
+            body = request_body(self.source, request, None, self._logprobs_refused)
+            await self._stream_reply(body, adapter)
+        except asyncio.CancelledError:
+            self._sink(adapter.finished(time.perf_counter(), "cancelled"))
+            raise
+        except RemoteError as exc:
+            self._sink(RequestFailed(request_id, str(exc), time.perf_counter()))
+        except httpx.HTTPError as exc:
+            self._sink(
+                RequestFailed(
+                    request_id,
+                    f"the connection to {self.target.label} failed: {exc or type(exc).__name__}",
+                    time.perf_counter(),
+                )
+            )
+        else:
+            self._sink(adapter.finished(time.perf_counter()))
+
+    async def _stream_reply(self, body: dict, adapter: ReplyAdapter) -> None:
+        async with self._http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                message = error_message(r, await r.aread())
+                if r.status_code == 400 and "logprobs" in body and "logprob" in message.lower():
+                    self._logprobs_refused = True  # a server without logprobs: ask without them
+                    body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+                    adapter.snapshots = False
+                    await self._stream_reply(body, adapter)
+                    return
+                raise RemoteError(message)
+            async for _event, data in sse_messages(r):
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise RemoteError(error_message(r, data.encode()))
+                for event in adapter.feed(chunk, time.perf_counter()):
+                    self._sink(event)
+
+    async def _kvscope_reply(self, request_id: int, request: Request) -> None:
+        """Sends the request; its events come on the events stream, mapped by its tag. The tag
+        stays pending until that stream names it (the two connections keep no order between
+        them), unless the server refused it or it was cancelled before being named."""
+        tag = uuid.uuid4().hex
+        pending = self._translator.pending
+        pending[tag] = request_id  # before sending: its RequestTagged may come first
+        try:
+            async with self._http.stream(
+                "POST", "/v1/chat/completions", json=request_body(self.source, request, tag, False)
+            ) as r:
+                if r.status_code != 200:
+                    pending.pop(tag, None)  # refused: the engine never started it
+                    self._fail_own(request_id, error_message(r, await r.aread()))
+                    return
+                async for _event, data in sse_messages(r):
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        self._fail_own(request_id, error_message(r, data.encode()))
+        except asyncio.CancelledError:
+            if pending.pop(tag, None) is not None:
+                # Not named yet: the server may never have started it. If its end has not come
+                # on the stream by then, it ends here.
+                asyncio.get_running_loop().call_later(CANCEL_GRACE_S, self._end_unseen, request_id)
+            raise
+        except RemoteError as exc:
+            pending.pop(tag, None)
+            self._fail_own(request_id, str(exc))
+        except httpx.HTTPError as exc:
+            pending.pop(tag, None)
+            self._fail_own(
+                request_id, f"the connection to {self.target.label} failed: {exc or type(exc).__name__}"
+            )
+
+    def _fail_own(self, request_id: int, message: str) -> None:
+        """A refusal before the engine started the request (or an error it did not report)."""
+        if request_id not in self._ended:
+            self._ended.add(request_id)
+            self._failed_here.add(request_id)
+            self._sink(RequestFailed(request_id, message, time.perf_counter()))

@@ -1,0 +1,163 @@
+"""The third part of a step: commit the new K/V, then give each sequence's logit rows to the
+handler of its kind, and stream what they choose.
+
+  plain        sample one token (engine.sampling) and stream it
+  speculative  verify the round's drafts against the target's rows (engine.speculative.verify),
+               keep the accepted prefix (its K/V; the rest is rolled back), stream the round
+  samples      the first time a group's prompt is in: fork n ways (shared blocks), each sample
+               draws from the same logits with its own generator; then each on its own, as plain
+  beams        all of a group's beams at once: rank, re-fork, prune (engine.core.group_driver)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.runner import ForwardResult
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence
+from engine.events import SpecRound, TokenGenerated
+from engine.sampling.sampler import SampleResult
+from engine.speculative.verify import Verdict, verify
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+
+
+class Postprocessor:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def run(self, batch: ScheduledBatch, result: ForwardResult) -> None:
+        engine, logits = self.engine, result.logits
+        rows = result.rows
+        verdicts: dict[int, Verdict] = {}
+        for seq in batch.seqs:
+            row = rows.get(seq.seq_id)
+            if row is not None and row[1] > 1:
+                verdicts[seq.seq_id] = self._verify(seq, logits[row[0] : row[0] + row[1]])
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            verdict = verdicts.get(seq.seq_id)
+            engine.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
+        beam_rows: dict[int, dict[int, int]] = {}
+        for seq in batch.seqs:
+            if seq.seq_id not in rows:
+                continue  # a prefill chunk short of the prompt's end: nothing to sample
+            start, count = rows[seq.seq_id]
+            verdict = verdicts.get(seq.seq_id)
+            if verdict is not None:
+                self._emit_round(seq, verdict, logits[start : start + count])
+            elif seq.group is None:
+                self.sample(seq, logits[start])
+            elif seq.group.kind == "beams":
+                beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
+            elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
+                for member in engine.groups.fork_samples(seq.group):
+                    self.sample(member, logits[start])
+            else:
+                self.sample(seq, logits[start])
+        for request_id, seq_rows in beam_rows.items():
+            engine.groups.beam_step(engine.groups.active[request_id], seq_rows, logits, engine.step_count)
+
+    # ---- plain ---------------------------------------------------------------------------
+    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
+        self.emit_token(seq, result)
+
+    def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
+        """Append a chosen token, stream it, and finish the request if it ends here."""
+        engine = self.engine
+        now = time.perf_counter()
+        token = result.token_id
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        seq.cumulative_logprob += result.logprob
+        if seq.group is not None:
+            seq.group.mark_token_step(engine.step_count, now)
+        is_eos = engine.text.stops(token, seq.params.ignore_eos)
+        delta = "" if is_eos else seq.detokenizer.push(token)
+        if is_eos or seq.detokenizer.stopped:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= engine.max_model_len:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            delta += seq.detokenizer.flush()  # text held back for a possible stop string
+        engine.emit(
+            TokenGenerated(
+                seq.group.request_id if seq.group is not None else seq.seq_id,
+                seq.num_output_tokens - 1,
+                token,
+                engine.text.text(token),
+                delta,
+                result.logprob,
+                result.snapshot,
+                spec,
+                spec_round,
+                now,
+                seq.branch,
+            )
+        )
+        if reason is not None:
+            if seq.group is not None:
+                engine.groups.end_sample(seq, reason)
+            else:
+                engine.finish(seq, reason)
+        return reason is not None
+
+    # ---- speculative ---------------------------------------------------------------------
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
+        d = seq.num_draft_tokens
+        drafts = seq.token_ids[-d:]
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        history = seq.output_ids[:-d]
+        p = torch.stack(
+            [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
+        )
+        return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
+
+    def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
+        engine = self.engine
+        proposer, spec = engine.proposer, engine.config.speculative
+        assert proposer is not None and spec is not None
+        drafts = seq.token_ids[-seq.num_draft_tokens :]
+        seq.drop_drafts(0)
+        emitted = drafts[: verdict.accepted] + [verdict.token]
+        proposer.on_verified(seq, seq.num_tokens + verdict.accepted)
+        seq.spec_rounds += 1
+        seq.spec_drafted += len(drafts)
+        seq.spec_accepted += verdict.accepted
+        for counts, n in (
+            (seq.spec_drafted_by_position, len(drafts)),
+            (seq.spec_accepted_by_position, verdict.accepted),
+        ):
+            counts.extend([0] * (len(drafts) - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+        if spec.adaptive:
+            seq.draft_k = min(spec.num_draft, verdict.accepted + 1)
+        engine.emit(
+            SpecRound(
+                seq.seq_id,
+                seq.spec_rounds,
+                proposer.name,
+                tuple(drafts),
+                verdict.q_of_draft,
+                verdict.p_of_draft,
+                verdict.accept_probs,
+                verdict.accepted,
+                tuple(emitted),
+                verdict.bonus,
+                time.perf_counter(),
+            )
+        )
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        for i, token in enumerate(emitted):
+            kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
+            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
+            if self.emit_token(seq, result, kind, seq.spec_rounds):
+                return  # finished: the rest of the round is dropped

@@ -1,0 +1,34 @@
+"""The tokenizer as the step loop uses it: a token's own text, stop tokens, streaming detokenizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core.detokenize import IncrementalDetokenizer
+
+
+class TokenText:
+    def __init__(self, tokenizer: Any, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+
+    def text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (the probability panel shows them)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+
+    def stops(self, token_id: int, ignore_eos: bool) -> bool:
+        return token_id in self.eos_ids and not ignore_eos
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

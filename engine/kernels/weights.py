@@ -1,0 +1,251 @@
+"""A linear layer's weights in their own format, and the kernels that can multiply by them.
+
+Each storage offers a few kernels, by name:
+  "dense-fp32"   dequantize (or upcast) the whole layer to float32, then F.linear
+  "dense-bf16"   dequantize to bfloat16, then F.linear in bfloat16
+  "packed"       torch's packed weight-only kernel on the codes themselves, with bfloat16
+                 activations (the only activations its vectorised CPU code takes)
+The kernel policy (engine.kernels.policy) measures them on this machine and picks one per row
+count: packed kernels win for decode-sized rows (they read 4-8x fewer bytes), dense matmuls for
+prefill-sized rows (a GEMV-shaped kernel does not reuse the weights across rows).
+
+Every kernel of a storage multiplies by the same numbers: the dense paths dequantize exactly what
+the packed kernel reads (its bfloat16 scales included), so switching kernels changes rounding in
+the accumulation only, never the weights. Dense float32 weights have one kernel: the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import int4_layout
+
+INT4_GROUP = 32
+INT4_MID = 8  # torch's int4 kernels compute (code - 8) * scale + zero
+PACKED_ACTIVATION_DTYPE = torch.bfloat16
+
+
+class WeightStorage:
+    """Weights [out_features, in_features] in some format."""
+
+    kind = ""  # names the format in step stats and the kernel table
+    out_features: int
+    in_features: int
+
+    def kernels(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] in x's dtype, through `kernel`."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights every kernel multiplies by, as a dense [out, in] tensor."""
+        raise NotImplementedError
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the storage holds (the model's weight-byte count walks them)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def bytes_read(self, kernel: str) -> int:
+        """Bytes of weights one call of `kernel` moves: the stored format, plus for a dense path
+        over a quantized format the temporary dense copy written and read again."""
+        if kernel in ("packed", self.native_kernel):
+            return self.nbytes
+        size = 4 if kernel == "dense-fp32" else 2
+        return self.nbytes + 2 * self.out_features * self.in_features * size
+
+    native_kernel = "packed"
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
+class DenseWeight(WeightStorage):
+    """Plain weights in float32, bfloat16 or float16."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach().contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.kind = f"dense-{_short(self.weight.dtype)}"
+        self.native_kernel = self.kind
+
+    def kernels(self) -> tuple[str, ...]:
+        if self.weight.dtype == torch.float32 or self.weight.device.type != "cpu":
+            return (self.kind,)  # the reference: never rounded to a narrower type
+        return (self.kind, "dense-fp32")
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == self.kind:
+            return _dense(x, self.weight)
+        return F.linear(x.float(), self.weight.float()).to(x.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.index_select(0, ids).to(dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+class Int8RowWeight(WeightStorage):
+    """int8 codes with one scale per output row: w = code * scale."""
+
+    kind = "int8-row"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes = codes.to(torch.int8).contiguous()
+        # the packed kernel takes the scales in the activations' dtype
+        self.scales = scales.to(PACKED_ACTIVATION_DTYPE).contiguous()
+        self.out_features, self.in_features = self.codes.shape
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("packed", "dense-bf16", "dense-fp32")
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "packed":
+            y = torch.ops.aten._weight_int8pack_mm(x.to(PACKED_ACTIVATION_DTYPE), self.codes, self.scales)
+            return y.to(x.dtype)
+        dtype = torch.float32 if kernel == "dense-fp32" else torch.bfloat16
+        return _dense(x, self.dequantize(dtype))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.codes.float() * self.scales.float()[:, None]).to(dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales)
+
+    @staticmethod
+    def cat(parts: list[Int8RowWeight]) -> Int8RowWeight:
+        return Int8RowWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+
+
+class Int4GroupWeight(WeightStorage):
+    """4-bit codes in groups of 32 input columns, a scale and a zero per group:
+    w = (code - 8) * scale + zero, in torch's packed CPU layout (tinygemm)."""
+
+    kind = "int4-g32"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+        """codes [N, K] in 0..15; scales, zeros [N, K / 32] (any float dtype, kept as bfloat16:
+        the packed kernel's own precision, which every kernel then shares)."""
+        n, k = codes.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"input width {k} is not a multiple of the int4 group size {INT4_GROUP}")
+        self.out_features, self.in_features = n, k
+        # The packed layout holds whole blocks of output rows: pad with zero-weight rows (code 8,
+        # scale 0, zero 0) and cut the padding off the output.
+        block = int4_layout.rows_multiple()
+        padded = -(-n // block) * block
+        if padded != n:
+            pad = padded - n
+            codes = torch.cat([codes, codes.new_full((pad, k), INT4_MID)])
+            scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
+            zeros = torch.cat([zeros, zeros.new_zeros((pad, zeros.shape[1]))])
+        self.padded_rows = padded
+        self.packed = int4_layout.pack_cpu(codes)
+        # [G, N, 2] (scale, zero) pairs, as the kernel takes them
+        self.scales_and_zeros = (
+            torch.stack([scales.t(), zeros.t()], dim=-1).to(PACKED_ACTIVATION_DTYPE).contiguous()
+        )
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("packed", "dense-bf16", "dense-fp32")
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "packed":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(PACKED_ACTIVATION_DTYPE), self.packed, INT4_GROUP, self.scales_and_zeros
+            )
+            if self.padded_rows != self.out_features:
+                y = y[:, : self.out_features]
+            return y.to(x.dtype)
+        dtype = torch.float32 if kernel == "dense-fp32" else torch.bfloat16
+        return _dense(x, self.dequantize(dtype))
+
+    def codes(self) -> torch.Tensor:
+        """uint8 codes [N, K] (unpadded)."""
+        codes = int4_layout.cpu_layout().unpack(self.packed, self.padded_rows, self.in_features)
+        return codes[: self.out_features]
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 scales and zeros [N, K / 32] (unpadded), as the kernel holds them."""
+        sz = self.scales_and_zeros[:, : self.out_features].float()
+        return sz[..., 0].t(), sz[..., 1].t()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        scales, zeros = self.group_scales()
+        groups = self.codes().float().reshape(n, k // INT4_GROUP, INT4_GROUP) - INT4_MID
+        return (groups * scales[..., None] + zeros[..., None]).reshape(n, k).to(dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scales_and_zeros)
+
+    @staticmethod
+    def cat(parts: list[Int4GroupWeight]) -> Int4GroupWeight:
+        scales, zeros = zip(*(p.group_scales() for p in parts))
+        return Int4GroupWeight(torch.cat([p.codes() for p in parts]), torch.cat(scales), torch.cat(zeros))
+
+
+class Q8BlockWeight(WeightStorage):
+    """GGUF Q8_0 kept as it is: int8 codes with one float16 scale per 32 input columns.
+
+    torch's int8 kernel holds one scale per output row, so the block scales are applied outside
+    it: one packed int8 matmul per block of 32 columns (unit scales), each block's partial result
+    scaled by its float16 scales in float32 and summed. The weights multiplied are exactly the
+    GGUF's; only the activations are rounded to bfloat16 inside the kernel."""
+
+    kind = "q8_0"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        """codes int8 [N, K]; scales [N, K / 32] float16."""
+        n, k = codes.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"input width {k} is not a multiple of the Q8_0 block size 32")
+        self.out_features, self.in_features = n, k
+        blocks = k // INT4_GROUP
+        # block-major [G, N, 32]: each block's codes contiguous for its own kernel call
+        self.block_codes = codes.to(torch.int8).reshape(n, blocks, INT4_GROUP).permute(1, 0, 2).contiguous()
+        self.block_scales = scales.to(torch.float16).t().contiguous()  # [G, N]
+        self._unit = torch.ones(n, dtype=PACKED_ACTIVATION_DTYPE)
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("packed", "dense-bf16", "dense-fp32")
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel != "packed":
+            dtype = torch.float32 if kernel == "dense-fp32" else torch.bfloat16
+            return _dense(x, self.dequantize(dtype))
+        blocks = self.block_codes.shape[0]
+        xb = x.to(PACKED_ACTIVATION_DTYPE).reshape(x.shape[0], blocks, INT4_GROUP)
+        out = None
+        for g in range(blocks):
+            part = torch.ops.aten._weight_int8pack_mm(xb[:, g], self.block_codes[g], self._unit).float()
+            part.mul_(self.block_scales[g].float())
+            out = part if out is None else out.add_(part)
+        return out.to(x.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact dequantized rows (an embedding lookup): [len(ids), K]."""
+        codes = self.block_codes[:, ids].float()  # [G, T, 32]
+        scaled = codes * self.block_scales[:, ids].float()[..., None]
+        return scaled.permute(1, 0, 2).reshape(ids.numel(), self.in_features).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features), dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.block_codes, self.block_scales)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

@@ -1,0 +1,265 @@
+"""Attention over the paged KV storage, for one packed forward of many sequences.
+
+A forward packs every scheduled token of every sequence into one row with explicit positions. The
+step's metadata (`PagedBatch`) is built once per step: the slot of every new token, each
+sequence's blocks, and for the decoding sequences (one new token each) a padded block table, so
+that every layer attends for all of them in ONE call, masked to each sequence's length. Prefill
+chunks attend per sequence (they are compute-bound; a Python loop over them costs nothing).
+
+Batch invariance: a decoding sequence attends over its keys padded to a multiple of KEY_ALIGN,
+masked, whether it decodes alone or beside others. SDPA's vectorised reductions group a row's
+elements by lane, so a different padded length would change the rounding (measured: 1e-7, enough
+to flip a near-tie in greedy decoding); a length that is a multiple of the vector width gives
+every real key the same lane, and the masked rest adds exact zeros.
+
+Per layer the attention honours what the family's own attention does: a sliding window (keys in
+(position - window, position]), logit soft-capping (Gemma 2), attention sinks (gpt-oss: one extra
+logit per head in the softmax), and the module's scaling. Soft-capping and sinks have no fused
+kernel and take an explicit matmul-softmax path.
+
+Two callers: kvscope's own forward (engine/model/forward) calls `attend`; transformers' modeling
+code reaches it through `paged_attention_forward`, registered with AttentionInterface, with the
+metadata passed down in the forward kwargs (`paged_batch=`) and K/V written by `PagedCache.update`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from engine.kv.storage import Blocks, PagedKVStorage
+
+ATTN_IMPLEMENTATION = "kvscope_paged"
+KEY_ALIGN = 64
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's share of a packed forward."""
+
+    q_start: int  # first of its query tokens in the packed row
+    q_len: int  # query tokens this step
+    context_len: int  # tokens in the cache after this step (past + new)
+    blocks: Blocks  # the blocks covering context_len tokens (see storage.block_index)
+    block_ids: tuple[int, ...] = ()  # the same blocks as ids (batched decode pads a table of them)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """The decoding sequences of a step (one query each), attended in one call over keys padded
+    to `key_len` (a multiple of KEY_ALIGN), masked to each sequence's own length."""
+
+    rows: torch.Tensor | slice  # their rows in the packed batch
+    seqs: list[SeqSlice]
+    table: torch.Tensor | None  # [B, blocks] block ids, padded with block 0 (None: a view)
+    view: slice | None  # a lone sequence's consecutive blocks, read in place
+    context_lens: torch.Tensor  # [B]
+    key_len: int
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, key_len]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        mask = self.masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.key_len, device=self.context_lens.device)[None, :]
+            lens = self.context_lens[:, None]
+            mask = keys < lens
+            if window is not None:
+                mask &= keys >= lens - window
+            mask = self.masks[window] = mask[:, None, None, :]
+        return mask
+
+    def keys(self, storage: PagedKVStorage, layer: int, dtype: torch.dtype):
+        """K and V [B, kv_heads, key_len, head_dim] (positions past a sequence's end masked)."""
+        if self.view is not None:
+            k, v = storage.read(layer, self.view, 0, self.key_len, dtype)
+            return k[None], v[None]
+        assert self.table is not None
+        k, v = storage.read_padded(layer, self.table, dtype)
+        return k[:, :, : self.key_len], v[:, :, : self.key_len]
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    storage: PagedKVStorage
+    slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
+    seqs: list[SeqSlice]
+    decode: DecodeGroup | None = None  # decoding sequences when there are several
+    prefill: list[SeqSlice] = field(default_factory=list)  # the others (attended one by one)
+    _causal: dict = field(default_factory=dict)  # (seq index, window) -> mask, once per step
+
+    def __post_init__(self) -> None:
+        decoding = [s for s in self.seqs if s.q_len == 1]
+        self.prefill = [s for s in self.seqs if s.q_len != 1]
+        if not decoding:
+            return
+        device = self.slot_mapping.device
+        rows_list = [s.q_start for s in decoding]
+        rows: torch.Tensor | slice = (
+            slice(rows_list[0], rows_list[0] + len(rows_list))
+            if rows_list == list(range(rows_list[0], rows_list[0] + len(rows_list)))
+            else torch.tensor(rows_list, dtype=torch.long, device=device)
+        )
+        bs = self.storage.block_size
+        key_len = _aligned(max(s.context_len for s in decoding))
+        width = -(-key_len // bs)
+        lens = torch.tensor([s.context_len for s in decoding], dtype=torch.long, device=device)
+        lone = decoding[0]
+        if (
+            len(decoding) == 1
+            and isinstance(lone.blocks, slice)
+            and lone.blocks.start + width <= self.storage.num_blocks
+        ):
+            view = slice(lone.blocks.start, lone.blocks.start + width)  # in place: the tail is masked
+            self.decode = DecodeGroup(rows, decoding, None, view, lens, key_len)
+            return
+        table = torch.zeros((len(decoding), width), dtype=torch.long)
+        for i, s in enumerate(decoding):
+            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        self.decode = DecodeGroup(rows, decoding, table.to(device), None, lens, key_len)
+
+    def causal_mask(self, index: int, seq: SeqSlice, window: int | None) -> torch.Tensor | None:
+        """Mask [q_len, context] of a prefill chunk after `past` cached tokens (None: plain causal
+        from position 0, which SDPA does itself)."""
+        past = seq.context_len - seq.q_len
+        if past == 0 and window is None:
+            return None
+        key = (index, window)
+        mask = self._causal.get(key)
+        if mask is None:
+            device = self.slot_mapping.device
+            pos = torch.arange(seq.q_len, device=device)[:, None] + past
+            keys = torch.arange(seq.context_len, device=device)[None, :]
+            mask = keys <= pos
+            if window is not None:
+                mask &= keys > pos - window
+            self._causal[key] = mask
+        return mask
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer attends, as its family defines it."""
+
+    scaling: float | None = None
+    window: int | None = None  # sliding window in tokens, None for full attention
+    softcap: float | None = None  # logit soft-capping (Gemma 2)
+    sinks: torch.Tensor | None = None  # [heads] sink logits (gpt-oss)
+
+
+def attend(
+    storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
+) -> torch.Tensor:
+    """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
+    [T, heads, head_dim]."""
+    out = torch.empty_like(q) if len(batch.seqs) > 1 else None
+    if batch.decode is not None:
+        group = batch.decode
+        qd = q[group.rows].unsqueeze(2)  # [B, heads, 1, head_dim]
+        k, v = group.keys(storage, layer, q.dtype)
+        o = _sdpa(qd, k, v, group.mask(how.window), how)[:, :, 0]  # [B, heads, d]
+        if out is None:
+            return o
+        out[group.rows] = o
+    for index, seq in enumerate(batch.prefill):
+        start = 0 if how.window is None else max(0, seq.context_len - seq.q_len - how.window + 1)
+        k, v = storage.read(layer, seq.blocks, start, seq.context_len, q.dtype)
+        qs = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)[None]  # [1, heads, n, d]
+        mask = batch.causal_mask(index, seq, how.window)
+        causal = mask is None
+        if mask is not None and start:
+            mask = mask[:, start:]
+        o = _sdpa(qs, k[None], v[None], mask, how, causal=causal)[0].transpose(0, 1)  # [n, heads, d]
+        if out is None:
+            return o
+        out[seq.q_start : seq.q_start + seq.q_len] = o
+    assert out is not None
+    return out
+
+
+def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Tensor:
+    """[B, heads, n, d] x [B, kv_heads, L, d]: SDPA, or the explicit path for soft-capping/sinks."""
+    if how.softcap is None and how.sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=how.scaling, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = how.scaling if how.scaling is not None else q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if how.softcap is not None:
+        scores = torch.tanh(scores / how.softcap) * how.softcap
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if how.sinks is not None:  # the sink takes probability mass and gives no value
+        sink = how.sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined.float(), dim=-1).to(q.dtype)[..., :-1]
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs @ v
+
+
+# ---- transformers' modeling code --------------------------------------------------------------
+class PagedCache(Cache):
+    """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
+        batch: PagedBatch = (kwargs or {}).get("paged_batch") or extra.get("paged_batch")
+        # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
+        batch.storage.write(
+            layer_idx, batch.slot_mapping, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        )
+        return key_states, value_states  # unused: attention reads the pool
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return query_length, 0
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
+    batch: PagedBatch = kwargs["paged_batch"]
+    sinks = kwargs.get("s_aux")
+    how = LayerAttention(
+        scaling=scaling,
+        window=kwargs.get("sliding_window") or None,
+        softcap=kwargs.get("softcap") or None,
+        sinks=sinks,
+    )
+    out = attend(batch.storage, module.layer_idx, query[0].transpose(0, 1), batch, how)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@contextmanager
+def paged_attention(model):
+    """Route the model's attention through the paged kernel for one forward, then restore it
+    (so the same model object still serves transformers' own generate() as a reference)."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

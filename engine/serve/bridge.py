@@ -1,0 +1,158 @@
+"""The one engine thread behind the HTTP server, and the routing of its events.
+
+Every HTTP request becomes engine requests on the same `engine.core.service.Engine`, so
+concurrent clients are batched into the same steps like the app's chat tabs. The engine's sink
+(`_on_event`, on the engine thread) does three cheap things per event: feed the Prometheus
+metrics, hand request events to the channel of the HTTP request that owns them, and hand every
+event to the `/v1/kvscope/events` subscribers. Requests are started and subscribers registered
+inside `Engine.call`, on the engine thread between two steps, so no event can slip between a
+registration and the state it starts from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig, SamplingParams
+from engine.core.service import Engine
+from engine.events import BlockEvent
+from engine.request import Request
+from engine.serve.channel import Channel
+from engine.serve.codec import RequestTagged
+from engine.serve.metrics import ServeMetrics
+from engine.serve.snapshot import BlockMirror, state_events
+
+# A subscriber more than this many events behind is cut off (it reconnects for a new snapshot):
+# minutes of a busy engine's events, and a bound on what a stalled client can cost the server.
+SUBSCRIBER_LIMIT = 200_000
+
+
+class ServeError(ValueError):
+    """A request the server refuses before the engine sees it; `code`/`param` as OpenAI names them."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    request_id: int
+    prompt_tokens: int
+
+
+class EngineBridge:
+    def __init__(self, config: EngineConfig, loaded=None, model_name: str | None = None) -> None:
+        self.config = config
+        self.engine = Engine(config, sink=self._on_event, loaded=loaded)
+        self._model_name = model_name
+        self.metrics: ServeMetrics | None = None
+        self.mirror = BlockMirror(config.block_size)
+        self._lock = threading.Lock()
+        self._channels: dict[int, Channel] = {}
+        self._subscribers: set[Channel] = set()
+        self._ids = itertools.count(1)
+        self.max_model_len = 0
+        self.token_bytes: list[bytes] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float | None = None) -> None:
+        """Load the model (on the engine thread) and wait for it; raises with the load error."""
+        from engine.serve.logprobs import token_bytes_table
+
+        self.engine.start()
+        info = self.engine.wait_until_loaded(timeout)
+        if info is None:
+            raise RuntimeError(self.engine.load_error or "the model did not load in time")
+        self.model_name = self._model_name or info.name
+        self.metrics = ServeMetrics(self.model_name)
+        self.max_model_len, self.token_bytes = self.engine.call(
+            lambda core: (core.max_model_len, token_bytes_table(core.tokenizer))
+        ).result()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    @property
+    def info(self):
+        return self.engine.info
+
+    # ---- the sink (engine thread) ----------------------------------------------------------
+    def _on_event(self, event) -> None:
+        kind = type(event)
+        if kind is BlockEvent:
+            self.mirror.apply(event)
+        if self.metrics is not None:
+            self.metrics.observe(event)
+        rid = getattr(event, "request_id", None)
+        with self._lock:
+            channel = self._channels.get(rid) if rid is not None else None
+            subscribers = tuple(self._subscribers)
+        if channel is not None:
+            channel.push(event)
+        for subscriber in subscribers:
+            subscriber.push(event)
+
+    # ---- requests --------------------------------------------------------------------------
+    async def start_request(
+        self,
+        prompt_ids: Callable[[object], list[int]],
+        sampling: SamplingParams,
+        channel: Channel,
+        check: Callable[[object, list[int]], None],
+        tag: str | None = None,
+    ) -> Started:
+        """Tokenize (`prompt_ids(core)`), check and start a request on the engine thread; its
+        events go to `channel`. `check(core, ids)` raises ServeError to refuse it first."""
+        request_id = next(self._ids)
+        arrival = time.perf_counter()
+
+        def begin(core) -> Started:
+            ids = prompt_ids(core)
+            check(core, ids)
+            with self._lock:
+                self._channels[request_id] = channel
+                subscribers = tuple(self._subscribers) if tag else ()
+            for subscriber in subscribers:
+                subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
+            self.metrics.arrived(request_id, arrival)
+            core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
+            return Started(request_id, len(ids))
+
+        return await asyncio.wrap_future(self.engine.call(begin))
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+
+    def release(self, request_id: int) -> None:
+        """The HTTP side is done with the request (its end was read, or it was cancelled)."""
+        with self._lock:
+            self._channels.pop(request_id, None)
+
+    async def run(self, fn):
+        """`fn(core)` on the engine thread, awaited."""
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    # ---- the events stream -----------------------------------------------------------------
+    async def subscribe(self, loop: asyncio.AbstractEventLoop) -> Channel:
+        """A channel that starts with the engine's current state, then every event. (A client
+        that reconnects gets a new snapshot; the tags of requests already running are not in it,
+        so an attached app stops its own replies when its stream breaks.)"""
+        channel = Channel(loop, SUBSCRIBER_LIMIT)
+
+        def attach(core) -> None:
+            channel.push_many(state_events(core, self.mirror))
+            with self._lock:
+                self._subscribers.add(channel)
+
+        await asyncio.wrap_future(self.engine.call(attach))
+        return channel
+
+    def unsubscribe(self, channel: Channel) -> None:
+        with self._lock:
+            self._subscribers.discard(channel)

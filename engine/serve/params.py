@@ -1,0 +1,212 @@
+"""OpenAI request fields -> the engine's `SamplingParams` and `Request`s (and back for errors).
+
+OpenAI's defaults where they differ from the engine's: temperature 1, and no length limit but
+the context (`max_tokens` absent: the reply may run to the end of the model's context, as in
+OpenAI's and vLLM's APIs). vLLM's `top_k: -1` means off, like the engine's 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ConfigError, SamplingParams
+from engine.request import ChatMessage, Request
+from engine.serve.bridge import ServeError
+from engine.serve.logprobs import MAX_TOP_LOGPROBS
+from engine.serve.protocol import ChatRequest, CompletionRequest, SamplingFields
+
+# SamplingParams' message prefixes -> the OpenAI parameter they are about.
+_PARAM_OF_MESSAGE = (
+    ("temperature", "temperature"),
+    ("top_k", "top_k"),
+    ("top_p", "top_p"),
+    ("min_p", "min_p"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("max_new_tokens", "max_tokens"),
+    ("snapshot_top_n", "kvscope.snapshot_top_n"),
+    ("stop strings", "stop"),
+    ("n ", "n"),
+    ("n=", "n"),
+    ("num_beams", "kvscope.num_beams"),
+    ("beam search", "kvscope.num_beams"),
+    ("choose either n", "n"),
+    ("early_stopping", "kvscope.early_stopping"),
+    ("length_penalty", "kvscope.length_penalty"),
+)
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One engine request's prompt, made into token ids on the engine thread (the chat template
+    and the tokenizer are the engine thread's work)."""
+
+    chat: Request | None = None  # rendered with the model's chat template
+    text: str | None = None  # a completion prompt, tokenized as the tokenizer does by default
+    ids: tuple[int, ...] = ()
+
+    def token_ids(self, core) -> list[int]:
+        if self.chat is not None:
+            return core.prompt_ids(self.chat)
+        if self.text is not None:
+            return list(core.tokenizer(self.text)["input_ids"])
+        return list(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one HTTP request asks of the engine: one prompt per engine request (a completions
+    request may carry several), the sampling they share, and how to answer."""
+
+    prompts: tuple[Prompt, ...]
+    sampling: SamplingParams
+    top_logprobs: int | None  # None: no logprobs; else top-k per token (0 = only the chosen token)
+    max_tokens_given: bool
+    include_usage: bool
+    tag: str | None
+    echo_prompts: tuple[str, ...] = ()
+
+
+def param_of(message: str) -> str | None:
+    for prefix, param in _PARAM_OF_MESSAGE:
+        if message.startswith(prefix):
+            return param
+    return None
+
+
+def _refuse(param: str, message: str) -> ServeError:
+    return ServeError(message, param=param, code="invalid_value")
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, default_max: int, top_n: int
+) -> SamplingParams:
+    if body.logit_bias:
+        raise _refuse("logit_bias", "logit_bias is not supported by this server")
+    if body.n < 1:
+        raise _refuse("n", f"n must be >= 1, got {body.n}")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > 4:
+        raise _refuse("stop", f"at most 4 stop sequences, got {len(stop)}")
+    top_k = body.top_k if body.top_k is not None else 0
+    ext = body.kvscope
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=0 if top_k == -1 else top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            seed=body.seed,
+            max_new_tokens=default_max if max_tokens is None else max_tokens,
+            stop=stop,
+            ignore_eos=body.ignore_eos,
+            snapshot_top_n=max(top_n, ext.snapshot_top_n if ext else 0),
+            n=body.n,
+            num_beams=ext.num_beams if ext else 1,
+            length_penalty=ext.length_penalty if ext else 1.0,
+            early_stopping=ext.early_stopping if ext else False,
+        )
+    except ConfigError as exc:
+        message = str(exc).replace("max_new_tokens", "max_tokens")
+        raise ServeError(message, param=param_of(str(exc)), code="invalid_value") from exc
+
+
+def chat_plan(body: ChatRequest, default_max: int) -> Plan:
+    for field in ("tools", "tool_choice"):
+        if getattr(body, field):
+            raise _refuse(field, f"{field} is not supported by this server (no function calling)")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
+        raise _refuse("top_logprobs", "top_logprobs needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    top_logprobs = (top or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens, default_max, _snapshot_size(top_logprobs))
+    messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
+    prefix = tuple(body.kvscope.reply_prefix_ids) if body.kvscope else ()
+    try:
+        request = Request(messages=messages, sampling=params, reply_prefix_ids=prefix)
+    except ConfigError as exc:
+        raise _refuse("messages", str(exc)) from exc
+    return Plan(
+        (Prompt(chat=request),), params, top_logprobs, max_tokens is not None, _usage(body), _tag(body)
+    )
+
+
+def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
+    if body.suffix:
+        raise _refuse("suffix", "suffix is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise _refuse("best_of", "best_of other than n is not supported by this server")
+    top = body.logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _refuse("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if body.echo and top is not None:
+        raise _refuse("echo", "echo with logprobs (prompt logprobs) is not supported by this server")
+    params = sampling_params(body, body.max_tokens, default_max, _snapshot_size(top))
+    if body.kvscope and body.kvscope.reply_prefix_ids:
+        raise _refuse(
+            "kvscope.reply_prefix_ids", "reply_prefix_ids continues a chat reply: use chat completions"
+        )
+    prompts = []
+    for prompt in _prompts(body.prompt):
+        if isinstance(prompt, str):
+            prompts.append(Prompt(text=prompt))
+        elif not prompt or not all(isinstance(i, int) for i in prompt):
+            raise _refuse("prompt", "a token prompt must be a non-empty list of token ids")
+        else:
+            prompts.append(Prompt(ids=tuple(prompt)))
+    echo = tuple(p.text or "" for p in prompts) if body.echo else ()
+    return Plan(tuple(prompts), params, top, body.max_tokens is not None, _usage(body), _tag(body), echo)
+
+
+def _prompts(prompt) -> list:
+    """str, [str, ...], [int, ...] or [[int, ...], ...] -> one entry per engine request."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise _refuse("prompt", "the prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _message(index: int, message) -> ChatMessage:
+    role = ROLE_ALIASES.get(message.role, message.role)
+    if role not in ("system", "user", "assistant"):
+        raise _refuse(
+            f"messages.{index}.role", f"role {message.role!r} is not supported (system, user, assistant)"
+        )
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise _refuse(
+                    f"messages.{index}.content",
+                    f"content part of type {part.type!r} is not supported (text only)",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    return ChatMessage(role, content or "")
+
+
+def _snapshot_size(top_logprobs: int | None) -> int:
+    # A snapshot always carries the top 256 raw logits; one candidate is enough for them.
+    return 0 if top_logprobs is None else max(1, top_logprobs)
+
+
+def _usage(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _tag(body: SamplingFields) -> str | None:
+    return body.kvscope.tag if body.kvscope else None

@@ -1,0 +1,270 @@
+"""Engine events of one HTTP request -> OpenAI chunks (streaming) or one response body.
+
+A `Reply` follows the engine requests of one HTTP request (one per completions prompt) and turns
+each batch of their events into chunks: one per choice that changed, carrying every token the
+batch brought for it (a client reads the same text and logprobs as with a chunk per token, at a
+fraction of the serialisation). Choice `i * n + branch` is sample `branch` of prompt `i`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.events import (
+    RequestFailed,
+    RequestFinished,
+    RequestStarted,
+    RequestStats,
+    SequenceFinished,
+    TokenGenerated,
+)
+from engine.serve.bridge import ServeError, Started
+from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
+from engine.serve.params import Plan, param_of
+
+
+@dataclass(slots=True)
+class Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # chat: content entries; completions: per-token tuples
+    text_offset: int = 0  # completions: characters before the next token
+
+
+def usage(stats: list[RequestStats]) -> dict:
+    prompt = sum(s.prompt_tokens for s in stats)
+    completion = sum(s.generated_tokens for s in stats)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # From the prefix cache: prompt tokens whose K/V blocks were reused, not recomputed.
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in stats)},
+    }
+
+
+def timings(stats: list[RequestStats]) -> dict:
+    """llama.cpp server's `timings`, from the engine's own clocks. prompt_*: the prompt tokens
+    computed (cached ones are `cache_n`) over the time to the first token (queueing, prefill and
+    the first sample); predicted_*: every generated token, the time from the first to the last
+    (so per-token figures are the mean inter-token latency). Several prompts ran concurrently:
+    counts add up, times are the longest."""
+    cached = sum(s.cached_prompt_tokens for s in stats)
+    prompt_n = sum(s.prompt_tokens for s in stats) - cached
+    prompt_ms = max((s.ttft_s for s in stats), default=0.0) * 1000.0
+    predicted_n = sum(s.generated_tokens for s in stats)
+    predicted_ms = max((sum(s.itl_s) for s in stats), default=0.0) * 1000.0
+    steps = sum(len(s.itl_s) for s in stats)
+    return {
+        "cache_n": cached,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n / (prompt_ms / 1000.0) if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": max((s.tokens_per_s for s in stats), default=0.0),
+    }
+
+
+class Reply:
+    def __init__(self, kind: str, plan: Plan, started: list[Started], strings: TokenStrings, model: str):
+        self.kind = kind  # "chat" or "completion"
+        self.plan = plan
+        self.strings = strings
+        self.model = model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = plan.sampling.n
+        self.index_of = {s.request_id: i for i, s in enumerate(started)}
+        self.choices = [Choice() for _ in range(len(started) * self.n)]
+        self.stats: dict[int, RequestStats] = {}
+        self.started: set[int] = set()
+        self.error: ServeError | None = None
+        for i, prompt_text in enumerate(plan.echo_prompts):
+            for branch in range(self.n):
+                self.choices[i * self.n + branch].text = prompt_text
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.stats) == len(self.index_of)
+
+    # ---- folding events --------------------------------------------------------------------
+    def fold(self, events: list) -> list[dict]:
+        """Fold a batch; returns the streaming chunks it makes (without the usage chunk)."""
+        changed: dict[int, dict] = {}  # choice -> delta of this batch
+        for event in events:
+            kind = type(event)
+            request_index = self.index_of.get(getattr(event, "request_id", None))
+            if request_index is None:
+                continue
+            if kind is TokenGenerated:
+                self._token(request_index * self.n + event.branch, event, changed)
+            elif kind is SequenceFinished and event.finish_reason in ("stop", "length"):
+                self._finish(request_index * self.n + event.branch, event.finish_reason, changed)
+            elif kind is RequestFinished:
+                self._request_finished(request_index, event, changed)
+            elif kind is RequestStarted:
+                self.started.add(event.request_id)
+            elif kind is RequestFailed:
+                if event.request_id in self.started:  # it ran and broke
+                    self.error = ServeError(event.message, code="request_failed", status=500)
+                else:  # the engine refused it (n over the batch, a group with speculation, ...)
+                    self.error = ServeError(event.message, param_of(event.message), "invalid_request")
+        return [self._chunk(index, delta) for index, delta in sorted(changed.items())]
+
+    def _delta(self, changed: dict[int, dict], index: int) -> dict:
+        return changed.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None})
+
+    def _token(self, index: int, token: TokenGenerated, changed: dict[int, dict]) -> None:
+        choice, delta = self.choices[index], self._delta(changed, index)
+        choice.text += token.text_delta
+        delta["text"] += token.text_delta
+        if self.plan.top_logprobs is None or token.snapshot is None:
+            return
+        if self.kind == "chat":
+            entry = self.strings.chat_entry(
+                token.token_id, token.text, token.snapshot, self.plan.top_logprobs
+            )
+        else:
+            top = {
+                self.strings.text_of(i, token.snapshot): lp
+                for i, lp in top_raw(token.snapshot, self.plan.top_logprobs)
+            }
+            entry = (token.text, raw_logprob(token.snapshot, token.token_id), top, choice.text_offset)
+            choice.text_offset += len(token.text)
+        choice.logprobs.append(entry)
+        delta["logprobs"].append(entry)
+
+    def _finish(self, index: int, reason: str, changed: dict[int, dict]) -> None:
+        choice = self.choices[index]
+        if choice.finish_reason is None:
+            choice.finish_reason = reason
+            self._delta(changed, index)["finish_reason"] = reason
+
+    def _request_finished(self, request_index: int, event: RequestFinished, changed: dict[int, dict]) -> None:
+        if event.finish_reason == "cancelled":
+            self.error = ServeError("The request was cancelled: the server is shutting down.", status=503)
+            return
+        self.stats[event.request_id] = event.stats
+        base = request_index * self.n
+        if self.plan.sampling.beam_search and event.sequences:
+            # Beams stream nothing while they search: the best one is the reply, all at once.
+            best = event.sequences[0]
+            self.choices[base].text += best.text
+            self._delta(changed, base)["text"] += best.text
+            self._finish(base, best.finish_reason, changed)
+            return
+        if event.sequences:
+            for seq in event.sequences:
+                self._finish(base + seq.branch, seq.finish_reason, changed)
+        else:
+            self._finish(base, event.finish_reason, changed)
+
+    # ---- chunks and bodies -----------------------------------------------------------------
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def role_chunk(self) -> dict:
+        """Chat streams open with the assistant role for every choice."""
+        chunk = self._head("chat.completion.chunk")
+        chunk["choices"] = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(self.choices))
+        ]
+        return self._with_usage_slot(chunk)
+
+    def echo_chunk(self) -> dict | None:
+        if not self.plan.echo_prompts:
+            return None
+        chunk = self._head("text_completion")
+        chunk["choices"] = [
+            {"index": i, "text": c.text, "logprobs": None, "finish_reason": None}
+            for i, c in enumerate(self.choices)
+        ]
+        return self._with_usage_slot(chunk)
+
+    def _chunk(self, index: int, delta: dict) -> dict:
+        logprobs = None
+        if self.plan.top_logprobs is not None and delta["logprobs"]:
+            logprobs = self._logprobs_object(delta["logprobs"])
+        if self.kind == "chat":
+            body = {"content": delta["text"]} if delta["text"] or logprobs else {}
+            choice = {
+                "index": index,
+                "delta": body,
+                "logprobs": logprobs,
+                "finish_reason": delta["finish_reason"],
+            }
+            chunk = self._head("chat.completion.chunk")
+        else:
+            choice = {
+                "index": index,
+                "text": delta["text"],
+                "logprobs": logprobs,
+                "finish_reason": delta["finish_reason"],
+            }
+            chunk = self._head("text_completion")
+        chunk["choices"] = [choice]
+        if self.done and all(c.finish_reason for c in self.choices):
+            chunk["timings"] = timings(list(self.stats.values()))
+        return self._with_usage_slot(chunk)
+
+    def _with_usage_slot(self, chunk: dict) -> dict:
+        if self.plan.include_usage:
+            chunk["usage"] = None  # as OpenAI streams it: null until the final usage chunk
+        return chunk
+
+    def usage_chunk(self) -> dict:
+        chunk = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        chunk["choices"] = []
+        chunk["usage"] = usage(list(self.stats.values()))
+        chunk["timings"] = timings(list(self.stats.values()))
+        return chunk
+
+    def _logprobs_object(self, entries: list):
+        if self.kind == "chat":
+            return {"content": list(entries)}
+        return {
+            "tokens": [e[0] for e in entries],
+            "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries],
+            "text_offset": [e[3] for e in entries],
+        }
+
+    def body(self) -> dict:
+        """The whole non-streaming response."""
+        if self.kind == "chat":
+            body = self._head("chat.completion")
+            body["choices"] = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if self.plan.top_logprobs is None else {"content": c.logprobs},
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(self.choices)
+            ]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [
+                {
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": None if self.plan.top_logprobs is None else self._logprobs_object(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(self.choices)
+            ]
+        stats = list(self.stats.values())
+        body["usage"] = usage(stats)
+        body["timings"] = timings(stats)
+        return body

@@ -1,0 +1,137 @@
+"""Weights as a kernel choice: every kernel of a storage multiplies by the same weights, the packed
+int4 layout reads back, fused projections equal the separate layers, and each sequence's rows take
+the kernel of their own row count (so a request's tokens do not depend on its neighbours)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import make_tiny_llama
+
+from engine.kernels import int4_layout
+from engine.kernels import policy as policy_module
+from engine.kernels.linear import KernelLinear, fuse_projections
+from engine.kernels.policy import ROW_BUCKETS, KernelPolicy, table_key
+from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight
+from engine.quant.packing import quantize_int4_groups, quantize_int8_per_row
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def storages(n: int = 192, k: int = 96, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    scales = (w.reshape(n, k // 32, 32).abs().amax(-1) / 127).half()
+    q8 = torch.round(w.reshape(n, k // 32, 32) / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return {
+        "int8-row": Int8RowWeight(*quantize_int8_per_row(w)),
+        "int4-g32": Int4GroupWeight(*quantize_int4_groups(w, 32)),
+        "q8_0": Q8BlockWeight(q8.reshape(n, k), scales),
+        "dense-bf16": DenseWeight(w.to(torch.bfloat16)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["int8-row", "int4-g32", "q8_0", "dense-bf16"])
+def test_every_kernel_multiplies_by_the_storages_dequantized_weights(kind):
+    storage = storages()[kind]
+    x = torch.randn(5, storage.in_features, generator=torch.Generator().manual_seed(1))
+    want = x @ storage.dequantize(torch.float32).t()
+    for kernel in storage.kernels():
+        got = storage.matmul(kernel, x)
+        assert got.shape == want.shape and got.dtype == x.dtype
+        # float32 paths are exact up to summation order; the others round activations to bf16
+        limit = 1e-5 if kernel == "dense-fp32" else 1.5e-2
+        assert relative_error(got, want) < limit, (kind, kernel)
+
+
+@pytest.mark.parametrize("rows", [64, 80, 192])  # whole blocks, a padded tail, several blocks
+def test_int4_codes_read_back_from_the_packed_layout(rows):
+    w = torch.randn(rows, 64)
+    codes, scales, zeros = quantize_int4_groups(w, 32)
+    storage = Int4GroupWeight(codes, scales, zeros)
+    assert storage.out_features == rows and storage.padded_rows % int4_layout.rows_multiple() == 0
+    assert torch.equal(storage.codes().to(torch.int32), codes)
+    got_scales, got_zeros = storage.group_scales()
+    assert torch.equal(got_scales, scales.to(torch.bfloat16).float())
+    assert torch.equal(got_zeros, zeros.to(torch.bfloat16).float())
+    assert storage.matmul("packed", torch.randn(3, 64)).shape == (3, rows)
+
+
+def test_q8_rows_are_exactly_the_blocks_values():
+    storage = storages()["q8_0"]
+    ids = torch.tensor([5, 0, 191, 5])
+    codes = storage.block_codes[:, ids].float()  # [G, T, 32]
+    want = (codes * storage.block_scales[:, ids].float()[..., None]).permute(1, 0, 2).reshape(4, -1)
+    assert torch.equal(storage.rows(ids), want)
+
+
+def test_fused_projections_equal_the_separate_layers_and_keep_nothing_alive():
+    model = make_tiny_llama(vocab_size=300, seed=4)
+    fused = copy.deepcopy(model)
+    groups = fuse_projections(fused, KernelPolicy())
+    assert groups == 4  # 2 layers x (q/k/v, gate/up)
+    ids = torch.tensor([list(range(10, 40))])
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    attn = fused.model.layers[0].self_attn
+    assert attn.qkv_proj._parts == () and attn.qkv_proj._input is None  # dropped after the slices
+    assert all(isinstance(m, KernelLinear) for m in (attn.o_proj, fused.lm_head))
+    assert fused.lm_head.storage.weight.data_ptr() == fused.model.embed_tokens.weight.data_ptr()  # tied
+
+
+def forced_policy(storage, by_rows: dict[int, str]) -> KernelPolicy:
+    """A policy whose table is given (no measuring): `by_rows` maps a bucket to its kernel."""
+    table = {b: by_rows.get(b, by_rows[max(k for k in by_rows if k <= b)]) for b in ROW_BUCKETS}
+    return KernelPolicy({table_key(storage): table})
+
+
+def test_each_sequence_takes_the_kernel_of_its_own_row_count():
+    storage = storages()["int4-g32"]
+    policy = forced_policy(storage, {1: "packed", 2: "dense-bf16"})
+    layer = KernelLinear(storage, None, policy)
+    g = torch.Generator().manual_seed(2)
+    decode_a, decode_b = torch.randn(1, 96, generator=g), torch.randn(1, 96, generator=g)
+    prefill = torch.randn(5, 96, generator=g)
+    with policy.step([1, 1, 5]) as record:
+        together = layer(torch.cat([decode_a, decode_b, prefill]))
+    assert policy.plan(storage, 7) == [(0, 7, "dense-bf16")]  # outside a step: by total rows
+    assert record.uses == {"int4-g32/packed": 1, "int4-g32/dense-bf16": 1}
+    with policy.step([1]):
+        alone_a = layer(decode_a)
+    with policy.step([5]):
+        alone_prefill = layer(prefill)
+    # bit for bit: a row's result does not depend on what else shared the step
+    assert torch.equal(together[0], alone_a[0])
+    assert torch.equal(together[2:], alone_prefill)
+
+
+def test_the_table_is_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(policy_module, "_MEASURED", {})
+    monkeypatch.setattr(policy_module, "ROW_BUCKETS", (1, 8))
+    monkeypatch.setattr(policy_module, "PROBE_BYTES", 1)
+    timed = []
+    original = policy_module._time_kernels
+    monkeypatch.setattr(policy_module, "_time_kernels", lambda s: timed.append(s) or original(s))
+    storage = storages(64, 64)["int8-row"]
+    first = policy_module.measure(storage)
+    assert set(first) == {1, 8} and set(first.values()) <= set(storage.kernels())
+    monkeypatch.setattr(policy_module, "_MEASURED", {})  # a new process: the file answers
+    assert policy_module.measure(storage) == first and len(timed) == 1
+    assert list((tmp_path / "kernels").glob("*.json"))
+
+
+def test_the_table_switches_once_from_the_packed_kernel_to_the_fastest_dense_one():
+    times = {
+        1: {"packed": 1.0, "dense-bf16": 2.0, "dense-fp32": 3.0},
+        8: {"packed": 2.0, "dense-bf16": 1.95, "dense-fp32": 3.0},  # within the margin: noise
+        64: {"packed": 8.0, "dense-bf16": 4.0, "dense-fp32": 5.0},
+        128: {"packed": 10.0, "dense-bf16": 11.0, "dense-fp32": 9.5},  # a noisy bucket past the switch
+        512: {"packed": 40.0, "dense-bf16": 12.0, "dense-fp32": 20.0},
+    }
+    table = policy_module.choose_by_rows(times, "packed")
+    assert table == {1: "packed", 8: "packed", 64: "dense-bf16", 128: "dense-fp32", 512: "dense-bf16"}
