@@ -102,7 +102,6 @@ class EngineHost(QObject):
         self.engine = Engine(config, sink=self.store.push, loaded=loaded)
         self._loading, self._ready = True, False
         self.model_name = ""
-        self._requests.clear()
         self.engine.start()
         if not self._timer.isActive():
             self._timer.start()
@@ -120,6 +119,7 @@ class EngineHost(QObject):
         self._drain_calls()  # calls the stopped engine failed or finished
         self.engine, self.store = None, None
         self._in_flight.clear()
+        self._requests.clear()  # the next engine numbers its requests from 1 again
         self._loading = self._ready = False
         stopped = not engine.is_alive()
         if not stopped:

@@ -10,15 +10,17 @@ from app.engine_host import EngineHost
 from app.workers import Worker, create_worker
 from engine.config import DTYPES
 from engine.events import ModelInfo, ModelLoaded
+from engine.model.shapes import kv_bytes_per_token
 from widgets.kv_calculator import KVCalculator
 from widgets.kv_memory import KVConfig, kv_storage
 
 THREAD_NAME = "kvscope-kv-calculator"
 
 
-def loaded_config(info: ModelInfo, kv_dtype: str, batch: int, available_bytes: int) -> KVConfig:
+def loaded_config(info: ModelInfo, kv_dtype: str, batch: int, available_bytes: int | None) -> KVConfig:
     """The loaded model in the calculator: its shapes and KV storage at its full context, its
-    weights, and as the budget its weights plus the memory still available beside them."""
+    weights, and as the budget its weights plus the memory still available beside them (no
+    budget when that is not known: a remote engine's device)."""
     return KVConfig(
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
@@ -28,8 +30,16 @@ def loaded_config(info: ModelInfo, kv_dtype: str, batch: int, available_bytes: i
         batch=batch,
         num_heads=info.num_heads,
         weight_bytes=info.weight_bytes,
-        budget_bytes=info.weight_bytes + available_bytes,
+        budget_bytes=0 if available_bytes is None else info.weight_bytes + available_bytes,
     )
+
+
+def pool_kv_dtype(loaded: ModelLoaded) -> str:
+    """What a pool stores, read from its own size (a remote engine's config is not known here):
+    "int8" when its bytes per token are the int8 formula's, else "auto"."""
+    info, tokens = loaded.info, loaded.kv_num_blocks * loaded.kv_block_size
+    int8 = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, "int8")
+    return "int8" if tokens and loaded.kv_pool_bytes == tokens * int8 else "auto"
 
 
 def inspected_config(est: dict, kv_choice: str, batch: int) -> KVConfig:
@@ -65,10 +75,11 @@ class CalculatorController(QObject):
     @Slot()
     def fill_loaded(self) -> None:
         loaded, config = self.host.live.loaded, self.host.config
-        if loaded is None or config is None:
+        if loaded is None:
             self.calculator.show_error("No model is loaded yet.")
             return
-        info, kv_dtype = loaded.info, config.kv_dtype
+        info = loaded.info
+        kv_dtype = config.kv_dtype if config is not None else pool_kv_dtype(loaded)
         batch = self.calculator.batch.value()
 
         def available(core) -> int:
@@ -80,7 +91,14 @@ class CalculatorController(QObject):
         call.returned.connect(
             lambda free: self.calculator.show_loaded(loaded_config(info, kv_dtype, batch, free))
         )
-        call.errored.connect(lambda message: self.calculator.show_error(f"Cannot read the memory: {message}"))
+        call.errored.connect(
+            lambda message: self._without_memory(loaded_config(info, kv_dtype, batch, None), message)
+        )
+
+    def _without_memory(self, config: KVConfig, message: str) -> None:
+        """The shapes are known, the memory beside them is not: no budget, and why."""
+        self.calculator.show_loaded(config)
+        self.calculator.show_error(f"The memory available for this model is not known here: {message}")
 
     @Slot(str, str)
     def inspect(self, source: str, kv_choice: str) -> None:

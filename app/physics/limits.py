@@ -52,6 +52,8 @@ class LimitsController(QObject):
             return
         self.limits = None
         self.panel.set_limits(None)
+        if getattr(self.host, "attached", False):
+            return  # a remote engine's device: this machine's cached limits are not its
         cached = device_limits.cache_path(limits_device(info), info.dtype).exists()
         if cached and not self.measuring:
             self._start(refresh=False)  # a read of the cache (re-measured if stale)

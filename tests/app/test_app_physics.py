@@ -194,3 +194,18 @@ def test_closing_leaves_no_physics_worker(make_window, qtbot):
     physics = ("kvscope-engine", "kvscope-kv-calculator", "kvscope-sweep")  # (the picker: conftest)
     left = [t.name for t in threading.enumerate() if t.name in physics and t.is_alive()]
     assert not left
+
+
+def test_a_pools_kv_dtype_is_read_from_its_size():
+    """Attached to a remote engine there is no local config: the pool's own bytes per token tell
+    whether it stores int8 (with its scales) or the model's dtype."""
+    from hand_events import model_info
+
+    from app.physics.calculator import pool_kv_dtype
+    from engine.events import ModelLoaded
+    from engine.model.shapes import kv_bytes_per_token
+
+    info = model_info(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    for kv_dtype in ("auto", "int8"):
+        per_token = kv_bytes_per_token(2, 2, 16, "float32", kv_dtype)
+        assert pool_kv_dtype(ModelLoaded(info, 10, 16, 10 * 16 * per_token)) == kv_dtype
