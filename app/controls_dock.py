@@ -7,6 +7,7 @@ from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, 
 
 from app.models.picker import ModelPicker
 from app.sampling_controls import SamplingControls
+from app.sampling_presets import PresetBar, PresetStore
 from app.settings import DEFAULT_SAMPLING, ModelChoice
 from app.speculation.controls import SpeculationControls
 from engine.config import SamplingParams
@@ -19,6 +20,8 @@ class ControlsPanel(QScrollArea):
         choice: ModelChoice,
         default_budget_bytes: int,
         parent: QWidget | None = None,
+        presets: PresetStore | None = None,
+        token_texts: dict | None = None,
     ):
         super().__init__(parent)
         self.setObjectName("controls")
@@ -26,6 +29,9 @@ class ControlsPanel(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.model = ModelPicker(choice, default_budget_bytes)
         self.sampling = SamplingControls(params)
+        if token_texts:
+            self.sampling.set_params(params, token_texts)
+        self.presets = PresetBar(presets, self.sampling) if presets is not None else None
         self.speculation = SpeculationControls()
         reset = QPushButton("Reset to defaults")
         reset.setToolTip("Back to kvscope's starting sampling settings")
@@ -35,6 +41,8 @@ class ControlsPanel(QScrollArea):
         QVBoxLayout(model_box).addWidget(self.model)
         sampling_box = QGroupBox("Sampling")
         sampling_layout = QVBoxLayout(sampling_box)
+        if self.presets is not None:
+            sampling_layout.addWidget(self.presets)
         sampling_layout.addWidget(self.sampling)
         sampling_layout.addWidget(reset)
 
@@ -53,7 +61,7 @@ class ControlsPanel(QScrollArea):
     @Slot()
     def _on_reset(self) -> None:
         defaults = DEFAULT_SAMPLING
-        self.sampling.set_params(defaults)
+        self.sampling.set_params(defaults, {"logit_bias": "", "banned": ""})
         self.sampling.changed.emit(defaults)
         if self.sampling.what_if.isChecked():
             self.sampling.what_if_changed.emit(defaults)

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
-    from app.chat.conversations import ConversationStore, StorageError
+    from app.chat.conversations import StorageError
+    from app.chat.db_recovery import open_conversations
     from app.paths import asset_path, conversations_db_path
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
@@ -179,11 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     apply_theme(app, asset_path("style.qss"))
 
     settings = AppSettings()
+    scripted = args.prompt is not None
     try:
         choice = model_choice(args, settings.model_choice())
-        conversations = ConversationStore(conversations_db_path())
+        # Interactive: a database that cannot be opened gets a dialog (set it aside, or quit).
+        conversations = open_conversations(conversations_db_path(), interactive=not scripted)
     except (ConfigError, StorageError) as exc:
         print(f"kvscope: {exc}", file=sys.stderr)
+        return 2
+    if conversations is None:
+        print(
+            f"kvscope: the conversation database at {conversations_db_path()} was left as it is",
+            file=sys.stderr,
+        )
         return 2
 
     target = None
@@ -195,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         except TargetError as exc:
             print(f"kvscope: --attach: {exc}", file=sys.stderr)
             return 2
-    scripted = args.prompt is not None
     window = MainWindow(settings, conversations, interactive=not scripted)
     try:
         window.controls.sampling.set_params(group_sampling(args, window.controls.sampling.params()))

@@ -156,11 +156,18 @@ def app_run(window, prompt: str, params) -> AppRun:
     probe = _Probe(lambda: window.host.pacer.interval_ms)
     gui_cpu_start = time.thread_time()
     probe.start()
-    window.controller.send(prompt)
-    active = window.controller.active
+    controller = window.controller
+    # The chat measures the prompt against the context on the engine thread before it starts.
+    if controller.send(prompt):
+        _run_until(
+            (controller.reply_started, controller.reply_refused),
+            lambda: controller.preparing is None,
+            RUN_TIMEOUT_S,
+        )
+    active = controller.active
     if active is None:
         probe.stop()
-        raise MeasureError("the app did not accept the prompt (no model ready?)")
+        raise MeasureError("the app did not accept the prompt (no model ready, or over the context?)")
     record = active.record
     host = window.host
     finished = _run_until(

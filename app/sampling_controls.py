@@ -1,5 +1,7 @@
 """Editors for every SamplingParams field, each with a one-line explanation, plus the what-if
-toggle that lets the probability panel re-view past tokens under the edited settings."""
+toggle that lets the probability panel re-view past tokens under the edited settings. Logit
+bias and banned tokens are typed as text and shown as the model's tokens (app.sampling_tokens);
+named presets sit above (app.sampling_presets)."""
 
 from __future__ import annotations
 
@@ -19,86 +21,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.config import ConfigError, SamplingParams
-
-# field -> (label, one-line explanation). Every SamplingParams field must appear here: a test
-# compares this table with the dataclass, so a new engine setting cannot go missing in the GUI.
-EXPLANATIONS: dict[str, tuple[str, str]] = {
-    "temperature": (
-        "Temperature",
-        "Divides the logits: < 1 sharpens, > 1 flattens; 0 always takes the top token.",
-    ),
-    "top_k": ("Top-k", "Keep only the k likeliest tokens (0 = off)."),
-    "top_p": ("Top-p", "Keep the smallest set of tokens whose probability adds up to p (1 = off)."),
-    "min_p": ("Min-p", "Drop tokens below min-p × the top token's probability (0 = off)."),
-    "repetition_penalty": (
-        "Repetition penalty",
-        "Divides logits of tokens already in the text (> 1 avoids repeats).",
-    ),
-    "presence_penalty": ("Presence penalty", "Subtracted once from every token that has appeared."),
-    "frequency_penalty": ("Frequency penalty", "Subtracted for each time a token has appeared."),
-    "seed": ("Seed", "Fix it to make a reply reproducible; unchecked draws a new seed each time."),
-    "max_new_tokens": ("Max new tokens", "The reply stops after this many tokens."),
-    "stop": ("Stop strings", "The reply ends before the first of these; separate with |, \\n is a newline."),
-    "ignore_eos": ("Ignore EOS", "Keep generating past the model's end-of-reply token."),
-    "snapshot_top_n": (
-        "Recorded candidates",
-        "Candidates kept per token for the Probabilities panel (0 = none).",
-    ),
-    "n": (
-        "Samples (n)",
-        "Draw n replies to one prompt side by side; they share the prompt's KV pages (temperature > 0).",
-    ),
-    "num_beams": (
-        "Beams",
-        "Beam search: keep the k best-scoring continuations each step, return them ranked "
-        "(1 = off; temperature 0).",
-    ),
-    "length_penalty": (
-        "Length penalty",
-        "Beams: a finished beam scores sum(log p) / length^penalty; above 0 favours longer replies.",
-    ),
-    "early_stopping": (
-        "Early stopping",
-        "Beams: stop once k beams finished (yes), when none running can still win (heuristic), "
-        "or only when exactly none can (never).",
-    ),
-}
-
-# The early-stopping choices in the order the combo box lists them, with transformers' values.
-EARLY_STOPPING_CHOICES: tuple[tuple[str, bool | str], ...] = (
-    ("heuristic (False)", False),
-    ("yes (True)", True),
-    ("never", "never"),
+from app.sampling_fields import (  # noqa: F401 - the controls' vocabulary, importable from here
+    EARLY_STOPPING_CHOICES,
+    EXPLANATIONS,
+    format_stop_strings,
+    parse_stop_strings,
 )
-
-_ESCAPES = {"n": "\n", "t": "\t", "|": "|", "\\": "\\"}
-
-
-def parse_stop_strings(text: str) -> tuple[str, ...]:
-    """'###|\\n\\n|User:' -> ('###', '\\n\\n', 'User:'). Backslash escapes \\n \\t \\| \\\\."""
-    parts, current, i = [], [], 0
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\" and i + 1 < len(text) and text[i + 1] in _ESCAPES:
-            current.append(_ESCAPES[text[i + 1]])
-            i += 2
-            continue
-        if ch == "|":
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-        i += 1
-    parts.append("".join(current))
-    return tuple(p for p in (s.strip(" ") for s in parts) if p)
-
-
-def format_stop_strings(stops: tuple[str, ...]) -> str:
-    def escape(s: str) -> str:
-        return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n").replace("\t", "\\t")
-
-    return " | ".join(escape(s) for s in stops)
+from app.sampling_tokens import TokenTextEditors
+from engine.config import ConfigError, SamplingParams
 
 
 def _double(minimum: float, maximum: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
@@ -144,6 +74,15 @@ class SamplingControls(QWidget):
         self.early_stopping = QComboBox()
         for label, _value in EARLY_STOPPING_CHOICES:
             self.early_stopping.addItem(label)
+        self.typical_p = _double(0.01, 1.0, 0.01)
+        self.dry_multiplier = _double(0.0, 5.0, 0.05)
+        self.dry_base = _double(1.0, 5.0, 0.05)
+        self.dry_allowed_length = _int(1, 50)
+        self.dry_penalty_last_n = _int(0, 1_000_000)
+        self.dry_sequence_breakers = QLineEdit()
+        self.xtc_threshold = _double(0.01, 0.5, 0.01)
+        self.xtc_probability = _double(0.0, 1.0, 0.05)
+        self.tokens = TokenTextEditors(self)
         self.what_if = QCheckBox("What-if view")
         what_if_text = (
             "The Probabilities panel recomputes the selected token exactly under the settings above: "
@@ -181,7 +120,19 @@ class SamplingControls(QWidget):
             "num_beams": self.num_beams,
             "length_penalty": self.length_penalty,
             "early_stopping": self.early_stopping,
+            "typical_p": self.typical_p,
+            "dry_multiplier": self.dry_multiplier,
+            "dry_base": self.dry_base,
+            "dry_allowed_length": self.dry_allowed_length,
+            "dry_penalty_last_n": self.dry_penalty_last_n,
+            "dry_sequence_breakers": self.dry_sequence_breakers,
+            "xtc_threshold": self.xtc_threshold,
+            "xtc_probability": self.xtc_probability,
+            "logit_bias": self.tokens.bias,
+            "banned_token_ids": self.tokens.banned,
         }
+        # Under their field: what the typed entries became as the model's tokens.
+        shown_under = {"logit_bias": self.tokens.bias_tokens, "banned_token_ids": self.tokens.banned_tokens}
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.setVerticalSpacing(2)
@@ -194,6 +145,8 @@ class SamplingControls(QWidget):
             hint.setObjectName("hint")
             hint.setWordWrap(True)
             form.addRow(caption, editor)
+            if name in shown_under:
+                form.addRow(shown_under[name])
             form.addRow(hint)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -212,18 +165,36 @@ class SamplingControls(QWidget):
             self.presence_penalty,
             self.frequency_penalty,
             self.length_penalty,
+            self.typical_p,
+            self.dry_multiplier,
+            self.dry_base,
+            self.xtc_threshold,
+            self.xtc_probability,
         ):
             box.valueChanged.connect(self._on_edited)
-        for box in (self.top_k, self.seed, self.max_new_tokens, self.snapshot_top_n, self.n, self.num_beams):
+        for box in (
+            self.top_k,
+            self.seed,
+            self.max_new_tokens,
+            self.snapshot_top_n,
+            self.n,
+            self.num_beams,
+            self.dry_allowed_length,
+            self.dry_penalty_last_n,
+        ):
             box.valueChanged.connect(self._on_edited)
         self.early_stopping.currentIndexChanged.connect(self._on_edited)
         self.stop.textChanged.connect(self._on_edited)
+        self.dry_sequence_breakers.textChanged.connect(self._on_edited)
+        self.tokens.changed.connect(self._on_edited)
         for check in (self.seed_fixed, self.ignore_eos):
             check.toggled.connect(self._on_edited)
         self.what_if.toggled.connect(self._on_what_if_toggled)
 
     # ---- values ----------------------------------------------------------------------------
-    def set_params(self, p: SamplingParams) -> None:
+    def set_params(self, p: SamplingParams, token_texts: dict | None = None) -> None:
+        """Show `p`; its logit bias and bans as `token_texts` when given (what the user typed),
+        else as #id entries."""
         self._quiet = True  # the editors' own signals fire below; they are not user edits
         self.temperature.setValue(p.temperature)
         self.top_k.setValue(p.top_k)
@@ -242,6 +213,15 @@ class SamplingControls(QWidget):
         self.n.setValue(p.n)
         self.num_beams.setValue(p.num_beams)
         self.length_penalty.setValue(p.length_penalty)
+        self.typical_p.setValue(p.typical_p)
+        self.dry_multiplier.setValue(p.dry_multiplier)
+        self.dry_base.setValue(p.dry_base)
+        self.dry_allowed_length.setValue(p.dry_allowed_length)
+        self.dry_penalty_last_n.setValue(p.dry_penalty_last_n)
+        self.dry_sequence_breakers.setText(format_stop_strings(p.dry_sequence_breakers))
+        self.xtc_threshold.setValue(p.xtc_threshold)
+        self.xtc_probability.setValue(p.xtc_probability)
+        self.tokens.set_texts(token_texts, p.logit_bias, p.banned_token_ids)
         self.early_stopping.setCurrentIndex(
             next(
                 i
@@ -276,13 +256,42 @@ class SamplingControls(QWidget):
             num_beams=self.num_beams.value(),
             length_penalty=self.length_penalty.value(),
             early_stopping=EARLY_STOPPING_CHOICES[self.early_stopping.currentIndex()][1],
+            typical_p=self.typical_p.value(),
+            dry_multiplier=self.dry_multiplier.value(),
+            dry_base=self.dry_base.value(),
+            dry_allowed_length=self.dry_allowed_length.value(),
+            dry_penalty_last_n=self.dry_penalty_last_n.value(),
+            dry_sequence_breakers=parse_stop_strings(self.dry_sequence_breakers.text()),
+            xtc_threshold=self.xtc_threshold.value(),
+            xtc_probability=self.xtc_probability.value(),
+            logit_bias=self.tokens.logit_bias,
+            banned_token_ids=self.tokens.banned_token_ids,
         )
 
     def _sync_beam_only(self) -> None:
-        # Length penalty and early stopping only shape a beam search: idle without one.
+        # Length penalty and early stopping only shape a beam search: idle without one; DRY's
+        # and XTC's other settings only matter once they are on.
         beams = self.num_beams.value() > 1
         self.length_penalty.setEnabled(beams)
         self.early_stopping.setEnabled(beams)
+        dry = self.dry_multiplier.value() > 0
+        for box in (
+            self.dry_base,
+            self.dry_allowed_length,
+            self.dry_penalty_last_n,
+            self.dry_sequence_breakers,
+        ):
+            box.setEnabled(dry)
+        self.xtc_threshold.setEnabled(self.xtc_probability.value() > 0)
+
+    def token_texts(self) -> dict[str, str]:
+        """The logit bias and bans as typed (kept in settings and presets beside the ids)."""
+        return self.tokens.texts()
+
+    def set_token_resolver(self, resolver) -> None:
+        """How typed entries become tokens (the running engine's tokenizer); resolves them now."""
+        self.tokens.resolver = resolver
+        self.tokens.resolve_now()
 
     # ---- slots -----------------------------------------------------------------------------
     @Slot()

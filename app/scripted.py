@@ -54,6 +54,7 @@ class ScriptedRun(QObject):
         self.quit_after_reply = quit_after_reply
         self.exit_code = 0
         self.request_id: int | None = None
+        self._sent = False
         self.reply: str | None = None
         self.finished = False
         host = window.host
@@ -70,15 +71,27 @@ class ScriptedRun(QObject):
     # ---- steps -----------------------------------------------------------------------------
     @Slot(object)
     def _on_loaded(self, _event) -> None:
-        if self.request_id is not None:
+        if self.request_id is not None or self._sent:
             return
+        self._sent = True
         controller = self.window.controller
         controller.new_conversation()
-        controller.send(self.prompt)
-        if controller.active is None:
+        # The chat measures the prompt against the context on the engine thread first: the
+        # request id arrives with reply_started (or the reason with reply_refused).
+        controller.reply_started.connect(self._on_reply_started)
+        controller.reply_refused.connect(self._on_reply_refused)
+        if not controller.send(self.prompt):
             self._fail("the prompt could not be sent to the engine")
-            return
-        self.request_id = controller.active.record.request_id
+
+    @Slot(int)
+    def _on_reply_started(self, request_id: int) -> None:
+        if self.request_id is None:
+            self.request_id = request_id
+
+    @Slot(str)
+    def _on_reply_refused(self, message: str) -> None:
+        if self.request_id is None:
+            self._fail(f"the prompt was not sent: {message}")
 
     @Slot(object)
     def _on_request_finished(self, event) -> None:

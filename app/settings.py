@@ -90,15 +90,22 @@ class AppSettings:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         values = dataclasses.asdict(DEFAULT_SAMPLING)
         values.update({k: v for k, v in saved.items() if k in names})
-        if isinstance(values.get("stop"), list):
-            values["stop"] = tuple(values["stop"])
         try:
             return SamplingParams(**values)
         except (ConfigError, TypeError):
             return DEFAULT_SAMPLING
 
-    def set_sampling(self, params: SamplingParams) -> None:
+    def set_sampling(self, params: SamplingParams, token_texts: dict | None = None) -> None:
         self.set("sampling/params", dataclasses.asdict(params))
+        if token_texts is not None:
+            self.set("sampling/token_texts", token_texts)
+
+    def token_texts(self) -> dict | None:
+        """The logit bias and banned tokens as the user typed them (the params hold their ids)."""
+        saved = self.get("sampling/token_texts")
+        if not isinstance(saved, dict):
+            return None
+        return {k: str(saved.get(k, "")) for k in ("logit_bias", "banned")}
 
     def model_choice(self) -> ModelChoice:
         saved = self.get("model/choice", {})
@@ -112,3 +119,14 @@ class AppSettings:
 
     def set_model_choice(self, choice: ModelChoice) -> None:
         self.set("model/choice", dataclasses.asdict(choice))
+
+    # ---- the chat --------------------------------------------------------------------------
+    def context_policy(self) -> str:
+        """What a send does at the context limit: "drop" the oldest turns, or "refuse"."""
+        from app.chat.context_fit import DEFAULT_POLICY, POLICIES
+
+        value = self.get("chat/context_policy", DEFAULT_POLICY)
+        return value if value in POLICIES else DEFAULT_POLICY
+
+    def set_context_policy(self, policy: str) -> None:
+        self.set("chat/context_policy", policy)

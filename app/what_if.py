@@ -14,7 +14,7 @@ from PySide6.QtCore import QObject, Slot
 from app.engine_host import EngineHost
 from app.workers import EngineCall
 from engine.config import SamplingParams
-from engine.sampling.what_if import WhatIf
+from engine.sampling.what_if import WhatIf, what_if_notes
 from widgets.probability_panel import ProbabilityPanel
 
 Question = tuple[int, int, SamplingParams]  # request id, token index, settings
@@ -52,6 +52,7 @@ class WhatIfController(QObject):
         self.call = self.host.call(
             lambda core: what_if.recompute(core, request, output_ids, recorded, params), name="what-if"
         )
-        self.call.returned.connect(lambda snapshot: self.panel.show_what_if(*question, snapshot))
+        notes = what_if_notes(params)
+        self.call.returned.connect(lambda snapshot: self.panel.show_what_if(*question, snapshot, "", notes))
         self.call.errored.connect(lambda message: self.panel.show_what_if(*question, None, message))
         self.call.finished.connect(self._next)

@@ -6,14 +6,10 @@ saved on close and restored on the next launch (View > Reset layout brings the d
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from PySide6.QtCore import Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
-    QFileDialog,
-    QInputDialog,
     QMainWindow,
     QMessageBox,
     QWidget,
@@ -22,9 +18,10 @@ from PySide6.QtWidgets import (
 from app.batching.load_tool import LoadToolPanel
 from app.chat.controller import ChatController
 from app.chat.conversation_list import ConversationList
-from app.chat.conversations import ConversationStore, StorageError
+from app.chat.conversations import ConversationStore
 from app.chat.tabs import ChatTabs
 from app.chat.view import ChatPane
+from app.chat.window_actions import ChatWindowActions, mark_interrupted
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
 from app.panels import Panels, PlotPass, build_panels
@@ -32,6 +29,7 @@ from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
 from app.remote.host import AttachableHost
 from app.remote.views import RemoteViews
+from app.sampling_presets import PresetStore
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
@@ -71,14 +69,28 @@ class MainWindow(QMainWindow):
         self.chat = ChatPane()
         self.chat.transcript.set_placeholder(WELCOME)
         self.sidebar = ConversationList()
-        self.controls = ControlsPanel(settings.sampling(), settings.model_choice(), DEFAULT_KV_BUDGET_BYTES)
+        self.controls = ControlsPanel(
+            settings.sampling(),
+            settings.model_choice(),
+            DEFAULT_KV_BUDGET_BYTES,
+            presets=PresetStore(settings),
+            token_texts=settings.token_texts(),
+        )
         # A due plot redraws a few ms after the frame's other panels, in a paint pass of its own.
         self.plot_pass = PlotPass(self)
         self.panels: Panels = build_panels(self.host.live, defer=self.plot_pass.defer)
         self.status = StatusBar()
         self.setStatusBar(self.status)
+        # Replies a crash or a kill cut off mid-stream: marked before anything shows them as finished.
+        self.interrupted_replies = mark_interrupted(conversations)
         self.controller = ChatController(
-            self.chat, self.sidebar, conversations, self.host, self.controls.sampling.params, parent=self
+            self.chat,
+            self.sidebar,
+            conversations,
+            self.host,
+            self.controls.sampling.params,
+            parent=self,
+            context_policy=settings.context_policy,
         )
         # The chat is the first of the chat tabs; more tabs generate at the same time.
         self.chat_tabs = ChatTabs(
@@ -96,6 +108,8 @@ class MainWindow(QMainWindow):
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
 
+        self.chat_actions = ChatWindowActions(self)  # export, import, rename, delete, branch, limit
+        self.controls.sampling.set_token_resolver(self.chat_actions.resolve_tokens)
         self.docks: dict[str, QDockWidget] = {}
         # Sized first: resizeDocks() below shares out this width and height among the docks.
         self.resize(*DEFAULT_SIZE)
@@ -112,6 +126,13 @@ class MainWindow(QMainWindow):
         self._slow.start()
         self._closed = False
         self.controller.open_latest()
+        if self.interrupted_replies:
+            n = self.interrupted_replies
+            self.status.showMessage(
+                f"{n} repl{'ies were' if n > 1 else 'y was'} cut off when kvscope last stopped: marked "
+                "interrupted, with Continue on the reply",
+                15000,
+            )
         self.controls.model.add_cached_models()
         self.controls.model.refresh_estimate()
         self.refresh_status()
@@ -183,14 +204,14 @@ class MainWindow(QMainWindow):
             file_menu, "&New conversation", self.controller.new_conversation, QKeySequence.StandardKey.New
         )
         file_menu.addSeparator()
-        self._action(file_menu, "Export as &Markdown…", self._export_markdown)
-        self._action(file_menu, "Export as &JSON…", self._export_json)
+        self.chat_actions.fill_file_menu(file_menu)
         file_menu.addSeparator()
         self._action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
         chat_menu = self.menuBar().addMenu("&Chat")
         self._action(chat_menu, "&Stop reply", self.controller.stop, "Ctrl+.")
         self._action(chat_menu, "&Regenerate reply", self.controller.regenerate, "Ctrl+R")
         self._action(chat_menu, "&Edit last message", self.controller.edit_last, "Ctrl+E")
+        self.chat_actions.fill_chat_menu(chat_menu)
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -223,9 +244,6 @@ class MainWindow(QMainWindow):
         self.controls.sampling.what_if_changed.connect(self._on_what_if_changed)
         self.controls.model.load_requested.connect(self.load_model)
         self.chat.view_changed.connect(self._on_view_changed)
-        self.sidebar.rename_requested.connect(self._on_rename_requested)
-        self.sidebar.export_requested.connect(self._on_export_requested)
-        self.sidebar.delete_requested.connect(self._on_delete_requested)
 
     # ---- layout ----------------------------------------------------------------------------
     def _restore_layout(self) -> None:
@@ -274,6 +292,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_model_loaded(self, event) -> None:
         self.controller.forget_token_data()
+        self.controls.sampling.tokens.resolve_now()  # the bias and bans as this model's tokens
         self.chat.input.setPlaceholderText(
             f"Message {event.info.name}…  (Enter sends, Shift+Enter for a new line)"
         )
@@ -315,61 +334,13 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_sampling_changed(self, params) -> None:
-        self.settings.set_sampling(params)
+        self.settings.set_sampling(params, self.controls.sampling.token_texts())
+        for controller in self.chat_tabs.controllers:
+            controller.schedule_measure()  # the reply's room follows max_new_tokens
 
     @Slot(bool, bool)
     def _on_view_changed(self, token_view: bool, colour: bool) -> None:
         self.settings.set("chat/view", [token_view, colour])
-
-    # ---- conversations ---------------------------------------------------------------------
-    def _current_id(self) -> int | None:
-        return self.controller.conversation.id if self.controller.conversation else None
-
-    @Slot()
-    def _export_markdown(self) -> None:
-        if self._current_id() is not None:
-            self._on_export_requested(self._current_id(), "markdown")
-
-    @Slot()
-    def _export_json(self) -> None:
-        if self._current_id() is not None:
-            self._on_export_requested(self._current_id(), "json")
-
-    @Slot(int, str)
-    def _on_export_requested(self, conversation_id: int, fmt: str) -> None:
-        suffix, kind = (".md", "Markdown (*.md)") if fmt == "markdown" else (".json", "JSON (*.json)")
-        conv = self.conversations.load(conversation_id)
-        if conv is None:
-            return
-        stem = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "conversation"
-        path, _ = QFileDialog.getSaveFileName(
-            self, "Export conversation", str(Path.home() / (stem + suffix)), kind
-        )
-        if not path:
-            return
-        try:
-            self.controller.export_to(conversation_id, fmt, Path(path))
-        except (OSError, StorageError) as exc:
-            self.status.show_error(f"Export failed: {exc}")
-            return
-        self.status.showMessage(f"Exported to {path}", 5000)
-
-    @Slot(int)
-    def _on_rename_requested(self, conversation_id: int) -> None:
-        conv = self.conversations.load(conversation_id)
-        if conv is None:
-            return
-        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=conv.title)
-        if ok:
-            self.controller.rename(conversation_id, title)
-
-    @Slot(int)
-    def _on_delete_requested(self, conversation_id: int) -> None:
-        answer = QMessageBox.question(
-            self, "Delete conversation", "Delete this conversation and all its messages?"
-        )
-        if answer == QMessageBox.StandardButton.Yes:
-            self.controller.delete(conversation_id)
 
     @Slot()
     def _about(self) -> None:
@@ -386,7 +357,7 @@ class MainWindow(QMainWindow):
         if not self._closed:
             self._closed = True
             self.save_layout()
-            self.settings.set_sampling(self.controls.sampling.params())
+            self.settings.set_sampling(self.controls.sampling.params(), self.controls.sampling.token_texts())
             # cancel -> stop -> join; the cancelled reply's final text is folded and saved here.
             self.host.shutdown()
             self.quality.shutdown()  # a quality run finishes its current step, then stops

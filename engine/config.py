@@ -22,6 +22,22 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# text-generation-webui's and llama.cpp's default DRY sequence breakers.
+DRY_DEFAULT_BREAKERS = ("\n", ":", '"', "*")
+# base^(L - allowed) with L capped at DRY_MAX_MATCH (engine.sampling.stages) stays finite in float32.
+DRY_MAX_BASE = 5.0
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: +-100 already bans or forces a token
+
+
+def _bias_pairs(pairs) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs from a tuple, a list of 2-lists (JSON) or a {id: bias} dict."""
+    items = pairs.items() if isinstance(pairs, dict) else pairs
+    try:
+        return tuple((int(token), float(bias)) for token, bias in items)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"logit bias must be (token id, bias) pairs, got {pairs!r}") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen. Defaults are greedy-free sampling at temperature 1."""
@@ -39,6 +55,26 @@ class SamplingParams:
     ignore_eos: bool = False
     # Record a per-token snapshot with this many candidates (0 = none).
     snapshot_top_n: int = 0
+    # Typical sampling (Meister et al. 2022, transformers' TypicalLogitsWarper): keep the tokens
+    # whose surprise is closest to the distribution's entropy, up to this mass (1 disables).
+    typical_p: float = 1.0
+    # DRY, "don't repeat yourself" (text-generation-webui, llama.cpp): a token that would extend
+    # a sequence already in the text by its (L+1)-th token loses multiplier * base^(L - allowed)
+    # from its logit, for L >= allowed_length. 0 disables. Breakers end a matched sequence: a
+    # token whose text contains one never matches. penalty_last_n: 0 = the whole text.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 0
+    dry_sequence_breakers: tuple[str, ...] = DRY_DEFAULT_BREAKERS
+    # XTC, "exclude top choices": with probability xtc_probability, every token at or above
+    # xtc_threshold except the least likely of them is removed (0 disables).
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
+    # Added to the logits of these token ids (OpenAI's logit_bias: -100..100), and tokens that
+    # can never be drawn. The app types them as text and shows them as tokens.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
     # Parallel samples of one prompt: the prompt is prefilled once and its KV blocks are shared
     # by the n sequences (copy-on-write where they diverge). Sample i draws with seed + i.
     n: int = 1
@@ -52,6 +88,11 @@ class SamplingParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
+        # Sequences arrive as lists from JSON (settings, presets, stored replies): store tuples so
+        # params stay hashable and compare equal however they were made.
+        for name in ("stop", "dry_sequence_breakers", "banned_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -71,6 +112,47 @@ class SamplingParams:
         _check(self.snapshot_top_n >= 0, f"snapshot_top_n must be >= 0, got {self.snapshot_top_n}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         self._check_group()
+        self._check_more_samplers()
+
+    def _check_more_samplers(self) -> None:
+        _check(0.0 < self.typical_p <= 1.0, f"typical_p must be in (0, 1], got {self.typical_p}")
+        _check(
+            math.isfinite(self.dry_multiplier) and self.dry_multiplier >= 0.0,
+            f"dry_multiplier must be >= 0 (0 disables), got {self.dry_multiplier}",
+        )
+        _check(
+            1.0 <= self.dry_base <= DRY_MAX_BASE,
+            f"dry_base must be in [1, {DRY_MAX_BASE:g}], got {self.dry_base}",
+        )
+        _check(
+            self.dry_allowed_length >= 1, f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}"
+        )
+        _check(
+            self.dry_penalty_last_n >= 0,
+            f"dry_penalty_last_n must be >= 0 (0 = the whole text), got {self.dry_penalty_last_n}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.dry_sequence_breakers),
+            "DRY sequence breakers must be non-empty strings",
+        )
+        _check(
+            0.0 < self.xtc_threshold <= 0.5,
+            f"xtc_threshold must be in (0, 0.5] (two tokens cannot both exceed 0.5), got {self.xtc_threshold}",
+        )
+        _check(
+            0.0 <= self.xtc_probability <= 1.0,
+            f"xtc_probability must be in [0, 1], got {self.xtc_probability}",
+        )
+        for token_id, bias in self.logit_bias:
+            _check(token_id >= 0, f"logit bias token ids must be >= 0, got {token_id}")
+            _check(
+                math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT,
+                f"a logit bias must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias} for token {token_id}",
+            )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.banned_token_ids),
+            "banned token ids must be integers >= 0",
+        )
 
     def _check_group(self) -> None:
         _check(self.n >= 1, f"n (parallel samples) must be >= 1, got {self.n}")
@@ -153,8 +235,8 @@ class EngineConfig:
 
     model: ModelSpec = field(default_factory=ModelSpec)
     block_size: int = 16
-    # KV pool size: explicit block count wins; else a memory budget in bytes; else sized to
-    # hold `max_model_len` tokens for `max_num_seqs` sequences.
+    # KV pool size: an explicit block count wins; else a memory budget in bytes (the engine's
+    # DEFAULT_KV_BUDGET_BYTES when neither is given).
     num_blocks: int | None = None
     kv_budget_bytes: int | None = None
     max_model_len: int | None = None  # defaults to the model's context length (capped at 8192)
@@ -162,7 +244,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
-    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8" stores K/V quantized per block
+    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8": codes with a scale per token and head
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ QPainter rather than a plot: text-heavy rows read better than axis ticks at smal
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
+from PySide6.QtCore import QEvent, QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QBrush, QColor, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
@@ -31,8 +31,12 @@ def percent(p: float) -> str:
 
 
 class ProbabilityBars(QWidget):
+    row_clicked = Signal(int)  # a candidate chosen (to continue the reply from)
+    row_double_clicked = Signal(int)
+
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.chosen_row: int | None = None  # outlined: the candidate "continue from here" would use
         # paintEvent fills the whole rect first: nothing beneath needs repainting.
         self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)
         self.rows: list[BarRow] = []
@@ -47,6 +51,11 @@ class ProbabilityBars(QWidget):
     def set_rows(self, rows: list[BarRow], stage_names: tuple[str, ...]) -> None:
         self.rows, self.stage_names, self.message = rows, stage_names, ""
         self.update()
+
+    def choose_row(self, index: int | None) -> None:
+        if index != self.chosen_row:
+            self.chosen_row = index
+            self.update()
 
     def set_message(self, message: str) -> None:
         self.rows, self.message = [], message
@@ -98,6 +107,10 @@ class ProbabilityBars(QWidget):
             mid = y + self._row_px / 2
             if row.drawn:
                 painter.fillRect(QRectF(0, y, width, self._row_px), QColor(240, 180, 41, 38))
+            if i == self.chosen_row:
+                painter.setPen(QPen(QColor(theme.SERIES["stage"]), 1.5))
+                painter.setBrush(Qt.BrushStyle.NoBrush)
+                painter.drawRect(QRectF(1, y + 0.5, width - 2, self._row_px - 1))
             # token text, right-aligned against the bars
             removed = row.removed_by is not None
             color = QColor(theme.MUTED) if removed else QColor(theme.TEXT)
@@ -181,7 +194,19 @@ class ProbabilityBars(QWidget):
             lines.append(f"removed by {stage_label(row.removed_by)}")
         if row.reference_prob is not None:
             lines.append(f"full-precision reference (raw): {percent(row.reference_prob)}")
+        lines.append("<i>click to choose it, double-click to continue the reply from it</i>")
         return "<br>".join(lines)
+
+    def mousePressEvent(self, event) -> None:  # noqa: N802 - Qt override
+        index = self.row_at(event.position().y())
+        if index is not None and event.button() == Qt.MouseButton.LeftButton:
+            self.row_clicked.emit(index)
+        super().mousePressEvent(event)
+
+    def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802 - Qt override
+        index = self.row_at(event.position().y())
+        if index is not None and event.button() == Qt.MouseButton.LeftButton:
+            self.row_double_clicked.emit(index)
 
     def event(self, event) -> bool:
         if event.type() == QEvent.Type.ToolTip:

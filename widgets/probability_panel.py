@@ -16,7 +16,15 @@ import dataclasses
 from collections.abc import Callable
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.config import SamplingParams
 from engine.events import StageSnapshot, TokenGenerated, TokenSnapshot
@@ -40,6 +48,8 @@ WHAT_IF_STREAMING = (
     "over the whole context); the bars show the token as it was drawn"
 )
 WhatIfKey = tuple[int, int, SamplingParams]  # request id, token index, the what-if settings
+# The shell's answer for a token: its settings, the snapshot (None: failed), why not, notes.
+WhatIfAnswer = tuple[TokenGenerated, SamplingParams, TokenSnapshot | None, str, tuple[str, ...]]
 
 
 def describe_params(params: SamplingParams) -> str:
@@ -53,11 +63,21 @@ def describe_params(params: SamplingParams) -> str:
         parts.append(f"top-p {params.top_p:g}")
     if params.min_p > 0.0:
         parts.append(f"min-p {params.min_p:g}")
+    if params.typical_p < 1.0:
+        parts.append(f"typical-p {params.typical_p:g}")
+    if params.xtc_probability > 0.0:
+        parts.append(f"XTC {params.xtc_threshold:g} at p {params.xtc_probability:g}")
     return " · ".join(parts)
+
+
+CONTINUE_HINT = "Click a candidate, then continue the reply from it as a new branch"
 
 
 class ProbabilityPanel(QWidget):
     what_if_requested = Signal(int, int, object)  # request id, token index, SamplingParams
+    # (request id, token index, candidate token id): cut the reply there, put that token there
+    # and generate on (the chat makes it a branch of the reply).
+    continue_requested = Signal(int, int, int)
 
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -68,7 +88,7 @@ class ProbabilityPanel(QWidget):
         # The what-if last asked for (its key and token: ids restart with each engine), and the
         # shell's answer to it: the recomputed snapshot, or why there is none.
         self._what_if_asked: tuple[WhatIfKey, TokenGenerated] | None = None
-        self._what_if_answer: tuple[TokenGenerated, SamplingParams, TokenSnapshot | None, str] | None = None
+        self._what_if_answer: WhatIfAnswer | None = None
         self._stage_choice: str | None = None  # None: the last (final) stage
         self._shown: TokenGenerated | None = None
         self._stale = True
@@ -107,6 +127,18 @@ class ProbabilityPanel(QWidget):
         self.reference_note.setWordWrap(True)
         self.reference_note.hide()
         self.bars = ProbabilityBars()
+        self.bars.row_clicked.connect(self._on_row_clicked)
+        self.bars.row_double_clicked.connect(self._on_row_double_clicked)
+        self.continue_button = QPushButton("↳ Continue from here")
+        self.continue_button.setToolTip(
+            "Cut the reply at this token, put the chosen candidate there and generate the rest with the "
+            "current settings, as a new branch (the prefix's KV blocks come from the prefix cache)"
+        )
+        self.continue_button.clicked.connect(self._on_continue_clicked)
+        self.continue_hint = QLabel(CONTINUE_HINT)
+        self.continue_hint.setStyleSheet(f"color: {theme.MUTED};")
+        self.continue_hint.setWordWrap(True)
+        self._chosen_for: tuple[int, int] | None = None  # the token the chosen row belongs to
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
@@ -120,6 +152,10 @@ class ProbabilityPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.reference_note)
         layout.addWidget(self.bars, 1)
+        continue_row = QHBoxLayout()
+        continue_row.addWidget(self.continue_hint, 1)
+        continue_row.addWidget(self.continue_button)
+        layout.addLayout(continue_row)
         self._update()
 
     # ---- public API --------------------------------------------------------------------------
@@ -142,13 +178,14 @@ class ProbabilityPanel(QWidget):
         params: SamplingParams,
         snapshot: TokenSnapshot | None,
         error: str = "",
+        notes: tuple[str, ...] = (),
     ) -> None:
-        """The shell's answer to `what_if_requested`: the token's snapshot under `params`, or
-        why it could not be recomputed."""
+        """The shell's answer to `what_if_requested`: the token's snapshot under `params` (and
+        how it differs from one real draw, if it does), or why it could not be recomputed."""
         asked = self._what_if_asked
         if asked is None or asked[0] != (request_id, index, params):
             return  # an answer to a question no longer on screen
-        self._what_if_answer = (asked[1], params, snapshot, error)
+        self._what_if_answer = (asked[1], params, snapshot, error, notes)
         self._update()
 
     def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:
@@ -160,6 +197,44 @@ class ProbabilityPanel(QWidget):
         """Show the bars after stage `name` (None: the final stage)."""
         self._stage_choice = name
         self._update()
+
+    def choose_candidate(self, row: int | None) -> None:
+        """Choose a candidate row of the shown token (None: none) for "continue from here"."""
+        shown = self._shown
+        valid = row is not None and shown is not None and 0 <= row < len(self.rows)
+        self._chosen_for = (shown.request_id, shown.index) if valid else None
+        self.bars.choose_row(row if valid else None)
+        self._sync_continue()
+
+    def chosen_candidate(self) -> tuple[int, int, int] | None:
+        """(request id, token index, token id) that "continue from here" would use."""
+        row = self.bars.chosen_row
+        if self._chosen_for is None or row is None or row >= len(self.rows):
+            return None
+        return (*self._chosen_for, self.rows[row].token_id)
+
+    def _on_row_clicked(self, row: int) -> None:
+        self.choose_candidate(row)
+
+    def _on_row_double_clicked(self, row: int) -> None:
+        self.choose_candidate(row)
+        self._on_continue_clicked()
+
+    def _on_continue_clicked(self) -> None:
+        chosen = self.chosen_candidate()
+        if chosen is not None:
+            self.continue_requested.emit(*chosen)
+
+    def _sync_continue(self) -> None:
+        chosen = self.chosen_candidate()
+        self.continue_button.setEnabled(chosen is not None)
+        if chosen is None:
+            self.continue_button.setText("↳ Continue from here")
+            self.continue_hint.setText(CONTINUE_HINT if self._shown is not None else "")
+        else:
+            text = self.rows[self.bars.chosen_row].text
+            self.continue_button.setText(f"↳ Continue with “{text}”")
+            self.continue_hint.setText(f"reply #{chosen[0]}, token {chosen[1]}: a new branch from here")
 
     @property
     def following(self) -> bool:
@@ -187,6 +262,12 @@ class ProbabilityPanel(QWidget):
         # A pinned token not yet generated (or dropped) stays stale and is looked up again.
         self._stale = token is None
         self._shown = token
+        if self._chosen_for is not None and (
+            token is None or (token.request_id, token.index) != self._chosen_for
+        ):
+            self._chosen_for = None  # another token: its candidates are other rows
+            self.bars.choose_row(None)
+        self._sync_continue()
         if token is None:
             self._clear(
                 "No tokens yet: send a message to see how each token was chosen."
@@ -251,12 +332,12 @@ class ProbabilityPanel(QWidget):
             return recorded
         answer = self._what_if_answer
         if answer is not None and answer[0] is token and answer[1] == params:
-            _, _, snapshot, error = answer
+            _, _, snapshot, error, notes = answer
             if snapshot is None:
                 self.banner.setText(label)
                 self.what_if_error = error
                 return None
-            self.banner.setText(f"{label}: {WHAT_IF_HOW}")
+            self.banner.setText(f"{label}: {WHAT_IF_HOW}" + "".join(f"\n· {note}" for note in notes))
             return snapshot
         self.banner.setText(f"{label}: {WHAT_IF_WAITING}")
         key = (token.request_id, token.index, params)

@@ -24,6 +24,11 @@ STAGE_LABELS = {
     "top_k": "top-k",
     "top_p": "top-p",
     "min_p": "min-p",
+    "dry": "DRY",
+    "logit_bias": "logit bias",
+    "banned_tokens": "banned",
+    "typical_p": "typical-p",
+    "xtc": "XTC",
     REMOTE_TOP_K: REMOTE_TOP_K_LABEL,
 }
 

@@ -4,6 +4,10 @@ One connection, used from the GUI thread only. Each write is its own transaction
 so an app crash loses at most what the caller had not yet handed over: the chat pane writes a
 streaming reply through `ReplyCheckpoint`, at most once a second and always on finish/stop.
 WAL journaling keeps those frequent small commits cheap and readers never blocked.
+
+Conversations are trees (app.chat.tree); the schema and the migration of older databases are
+app.chat.schema, exports and imports app.chat.exchange. A reply a crash cut off (its row still
+streaming, finish reason NULL) is marked "interrupted" by `mark_interrupted` on the next start.
 """
 
 from __future__ import annotations
@@ -11,66 +15,37 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from app.chat.schema import SchemaError, prepare, probe
+from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
+from app.chat.tree import Conversation, StoredMessage, default_leaf
+
+# Re-exported: callers import the data types with the store.
+__all__ = [
+    "DEFAULT_TITLE",
+    "Conversation",
+    "ConversationStore",
+    "ConversationSummary",
+    "ReplyCheckpoint",
+    "SearchHit",
+    "StorageError",
+    "StoredMessage",
+    "title_from",
+]
 
 DEFAULT_TITLE = "New conversation"
 TITLE_CHARS = 60  # a sidebar row shows about this much of the first user message
-
-# `meta`: JSON about a message beyond its text (a reply's alternatives: app.chat.group_reply); NULL
-# for most. Added after the first release: older databases get the column by ALTER TABLE (see
-# `_migrate`), which keeps every row.
-# AUTOINCREMENT: a deleted message's id (regenerate, edit-and-resend) is never handed out
-# again, so an id names one message for good (in exports, and in the app's in-memory maps).
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    title TEXT NOT NULL,
-    system_prompt TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
-    content TEXT NOT NULL,
-    finish_reason TEXT,
-    model TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    meta TEXT
-);
-CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
-"""
+INTERRUPTED = "interrupted"  # finish reason of a reply that was streaming when the app died
+SEARCH_LIMIT = 50
+_AT_LEAF = object()  # add_message's default parent: the end of the visible path
+_COLUMNS = "id, role, content, finish_reason, model, created_at, meta, parent_id, token_ids, updated_at"
 
 
 class StorageError(Exception):
     """The conversation database could not be opened or written; str() is for the user."""
-
-
-@dataclass(slots=True)
-class StoredMessage:
-    id: int
-    role: str  # "user" | "assistant"
-    content: str
-    finish_reason: str | None = (
-        None  # assistant only: stop / length / cancelled / failed / None while streaming
-    )
-    model: str | None = None
-    created_at: float = 0.0
-    meta: dict | None = None  # e.g. the alternatives of an n-sample / beam-search reply
-
-
-@dataclass(slots=True)
-class Conversation:
-    id: int
-    title: str
-    system_prompt: str
-    created_at: float
-    updated_at: float
-    messages: list[StoredMessage] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +71,24 @@ class ConversationStore:
         self._clock = clock
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            probe(self.path)
             self._db = sqlite3.connect(str(self.path), isolation_level=None)
+        except (OSError, sqlite3.Error, SchemaError) as exc:
+            raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
+        try:
             self._db.execute("PRAGMA journal_mode=WAL")
             # In WAL mode NORMAL still survives an application crash (every commit is in the
             # log before execute() returns); it only skips the fsync per commit, which on a
             # busy disk can stall the GUI thread for a visible fraction of a second.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-            self._migrate()
-        except (OSError, sqlite3.Error) as exc:
+            self.full_text_search = prepare(self._db)
+        except (sqlite3.Error, SchemaError) as exc:
+            self._db.close()
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
-
-    def _migrate(self) -> None:
-        """Bring a database made by an older kvscope up to the current schema, keeping its rows."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
-        if "meta" not in columns:
-            self._db.execute("ALTER TABLE messages ADD COLUMN meta TEXT")
 
     # ---- conversations ---------------------------------------------------------------------
     def create(self, system_prompt: str = "", title: str = DEFAULT_TITLE) -> Conversation:
@@ -127,7 +100,7 @@ class ConversationStore:
         return Conversation(cur.lastrowid, title, system_prompt, now, now)
 
     def summaries(self) -> list[ConversationSummary]:
-        """Newest first, as the sidebar lists them."""
+        """Newest first, as the sidebar lists them; counts are of every message, all branches."""
         rows = self._db.execute(
             "SELECT c.id, c.title, c.updated_at, COUNT(m.id) FROM conversations c "
             "LEFT JOIN messages m ON m.conversation_id = c.id GROUP BY c.id "
@@ -136,21 +109,20 @@ class ConversationStore:
         return [ConversationSummary(*row) for row in rows]
 
     def load(self, conversation_id: int) -> Conversation | None:
+        """The conversation with its whole tree, showing the path to its current leaf."""
         row = self._db.execute(
-            "SELECT id, title, system_prompt, created_at, updated_at FROM conversations WHERE id = ?",
+            "SELECT id, title, system_prompt, created_at, updated_at, current_leaf_id FROM conversations "
+            "WHERE id = ?",
             (conversation_id,),
         ).fetchone()
         if row is None:
             return None
-        conv = Conversation(*row)
-        conv.messages = [
-            StoredMessage(*m[:-1], meta=_meta_from_json(m[-1]))
-            for m in self._db.execute(
-                "SELECT id, role, content, finish_reason, model, created_at, meta FROM messages "
-                "WHERE conversation_id = ? ORDER BY id",
-                (conversation_id,),
-            )
-        ]
+        conv = Conversation(*row[:5])
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        )
+        conv.nodes = {m.id: m for m in map(_message, rows)}
+        conv.show(default_leaf(conv, row[5]))
         return conv
 
     def rename(self, conversation_id: int, title: str) -> None:
@@ -158,6 +130,10 @@ class ConversationStore:
 
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conversation_id))
+
+    def set_current_leaf(self, conversation_id: int, leaf_id: int | None) -> None:
+        """Which path the conversation shows when it is opened again."""
+        self._write("UPDATE conversations SET current_leaf_id = ? WHERE id = ?", (leaf_id, conversation_id))
 
     def delete(self, conversation_id: int) -> None:
         self._write("DELETE FROM conversations WHERE id = ?", (conversation_id,))
@@ -171,37 +147,160 @@ class ConversationStore:
         finish_reason: str | None = None,
         model: str | None = None,
         meta: dict | None = None,
+        parent_id=_AT_LEAF,
+        token_ids: Sequence[int] = (),
     ) -> StoredMessage:
+        """A message under `parent_id` (by default the end of the visible path, None for a first
+        message); the visible path then ends at it."""
         now = self._clock()
+        if parent_id is _AT_LEAF:
+            row = self._db.execute(
+                "SELECT current_leaf_id FROM conversations WHERE id = ?", (conversation_id,)
+            ).fetchone()
+            parent_id = row[0] if row else None
         cur = self._write(
             "INSERT INTO messages (conversation_id, role, content, finish_reason, model, created_at, updated_at, "
-            "meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (conversation_id, role, content, finish_reason, model, now, now, _meta_to_json(meta)),
+            "meta, parent_id, token_ids) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                conversation_id,
+                role,
+                content,
+                finish_reason,
+                model,
+                now,
+                now,
+                _to_json(meta),
+                parent_id,
+                _ids_to_json(token_ids),
+            ),
         )
-        self._touch(conversation_id, now)
-        return StoredMessage(cur.lastrowid, role, content, finish_reason, model, now, meta)
+        self._write(
+            "UPDATE conversations SET updated_at = ?, current_leaf_id = ? WHERE id = ?",
+            (now, cur.lastrowid, conversation_id),
+        )
+        return StoredMessage(
+            cur.lastrowid, role, content, finish_reason, model, now, meta, parent_id, tuple(token_ids), now
+        )
 
     def update_message(
-        self, message_id: int, content: str, finish_reason: str | None = None, meta: dict | None = None
+        self,
+        message_id: int,
+        content: str,
+        finish_reason: str | None = None,
+        meta: dict | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
-        """Rewrite a message's text, finish reason and metadata (all three: pass what it has)."""
+        """Rewrite a message's text, finish reason and metadata (all three: pass what it has),
+        and its token ids when given."""
         now = self._clock()
         self._write(
-            "UPDATE messages SET content = ?, finish_reason = ?, meta = ?, updated_at = ? WHERE id = ?",
-            (content, finish_reason, _meta_to_json(meta), now, message_id),
+            "UPDATE messages SET content = ?, finish_reason = ?, meta = ?, updated_at = ?, "
+            "token_ids = COALESCE(?, token_ids) WHERE id = ?",
+            (content, finish_reason, _to_json(meta), now, _ids_to_json(token_ids), message_id),
         )
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
-        """Drop a message and everything after it (edit-and-resend, regenerate)."""
+        """Drop a message and everything under it (its branch); the conversation then shows
+        the newest remaining continuation of its parent."""
+        row = self._db.execute("SELECT parent_id FROM messages WHERE id = ?", (message_id,)).fetchone()
         self._write(
-            "DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id)
+            "DELETE FROM messages WHERE conversation_id = ? AND id = ?", (conversation_id, message_id)
         )
-        self._touch(conversation_id, self._clock())
+        conv = self.load(conversation_id)
+        if conv is not None:
+            parent = row[0] if row else None
+            leaf = conv.newest_leaf(parent) if parent in conv.nodes else default_leaf(conv, None)
+            self._write(
+                "UPDATE conversations SET updated_at = ?, current_leaf_id = ? WHERE id = ?",
+                (self._clock(), leaf, conversation_id),
+            )
+
+    def mark_interrupted(self) -> int:
+        """Replies still streaming in the database belong to a session that died (a crash, a
+        kill): mark them interrupted so they do not look finished. Returns how many."""
+        cur = self._write(
+            "UPDATE messages SET finish_reason = ? WHERE role = 'assistant' AND finish_reason IS NULL",
+            (INTERRUPTED,),
+        )
+        return cur.rowcount
+
+    # ---- search ----------------------------------------------------------------------------
+    def search(self, text: str, limit: int = SEARCH_LIMIT) -> list[SearchHit]:
+        """Messages of every conversation and branch holding all the words of `text` (the last
+        one as a prefix, for search as you type), best match first."""
+        if self.full_text_search:
+            query = match_query(text)
+            if not query:
+                return []
+            rows = self._db.execute(
+                "SELECT m.conversation_id, c.title, m.id, m.role, "
+                "snippet(messages_fts, 0, char(2), char(3), '…', 12) FROM messages_fts "
+                "JOIN messages m ON m.id = messages_fts.rowid JOIN conversations c ON c.id = m.conversation_id "
+                "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
+                (query, limit),
+            ).fetchall()
+        else:
+            words = text.split()
+            if not words:
+                return []
+            where = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in words)
+            rows = self._db.execute(
+                f"SELECT m.conversation_id, c.title, m.id, m.role, m.content FROM messages m "
+                f"JOIN conversations c ON c.id = m.conversation_id WHERE {where} ORDER BY m.id DESC LIMIT ?",
+                (*map(like_pattern, words), limit),
+            ).fetchall()
+        return [SearchHit(cid, title, mid, role, snippet_html(snip)) for cid, title, mid, role, snip in rows]
+
+    # ---- import ----------------------------------------------------------------------------
+    def insert_tree(
+        self,
+        title: str,
+        system_prompt: str,
+        created_at: float,
+        updated_at: float,
+        messages: Sequence[StoredMessage],
+        current: int | None,
+    ) -> int:
+        """A whole conversation in one transaction (an import). `messages` are in creation
+        order, each parent before its children; their ids and `current` are the caller's own
+        numbering, mapped to new rows. Returns the new conversation's id."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            cur = self._db.execute(
+                "INSERT INTO conversations (title, system_prompt, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                (title, system_prompt, created_at, updated_at),
+            )
+            conversation_id = cur.lastrowid
+            new_ids: dict[int, int] = {}
+            for m in messages:
+                cur = self._db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, finish_reason, model, created_at, "
+                    "updated_at, meta, parent_id, token_ids) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        conversation_id,
+                        m.role,
+                        m.content,
+                        m.finish_reason,
+                        m.model,
+                        m.created_at,
+                        m.updated_at,
+                        _to_json(m.meta),
+                        new_ids[m.parent_id] if m.parent_id is not None else None,
+                        _ids_to_json(m.token_ids),
+                    ),
+                )
+                new_ids[m.id] = cur.lastrowid
+            self._db.execute(
+                "UPDATE conversations SET current_leaf_id = ? WHERE id = ?",
+                (new_ids.get(current) if current is not None else None, conversation_id),
+            )
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._db.execute("ROLLBACK")
+            raise StorageError(f"Could not save the imported conversation ({self.path}): {exc}") from exc
+        return conversation_id
 
     # ---- internals -------------------------------------------------------------------------
-    def _touch(self, conversation_id: int, now: float) -> None:
-        self._write("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-
     def _write(self, sql: str, params: tuple) -> sqlite3.Cursor:
         try:
             return self._db.execute(sql, params)
@@ -209,11 +308,27 @@ class ConversationStore:
             raise StorageError(f"Could not save to the conversation database ({self.path}): {exc}") from exc
 
 
-def _meta_to_json(meta: dict | None) -> str | None:
+def _message(row: tuple) -> StoredMessage:
+    mid, role, content, finish, model, created, meta, parent, token_ids, updated = row
+    return StoredMessage(
+        mid,
+        role,
+        content,
+        finish,
+        model,
+        created,
+        _from_json(meta),
+        parent,
+        _ids_from_json(token_ids),
+        updated,
+    )
+
+
+def _to_json(meta: dict | None) -> str | None:
     return None if meta is None else json.dumps(meta, ensure_ascii=False)
 
 
-def _meta_from_json(raw: str | None) -> dict | None:
+def _from_json(raw: str | None) -> dict | None:
     """A row's metadata; unreadable JSON (a damaged row) reads as none rather than failing the load."""
     if raw is None:
         return None
@@ -222,6 +337,20 @@ def _meta_from_json(raw: str | None) -> dict | None:
     except ValueError:
         return None
     return meta if isinstance(meta, dict) else None
+
+
+def _ids_to_json(ids: Sequence[int] | None) -> str | None:
+    return None if ids is None else json.dumps(list(ids))
+
+
+def _ids_from_json(raw: str | None) -> tuple[int, ...]:
+    if not raw:
+        return ()
+    try:
+        ids = json.loads(raw)
+    except ValueError:
+        return ()
+    return tuple(i for i in ids if isinstance(i, int)) if isinstance(ids, list) else ()
 
 
 class ReplyCheckpoint:
@@ -240,47 +369,26 @@ class ReplyCheckpoint:
         self._interval = interval_s
         self._clock = clock
         self._last_write = clock()
-        self._written: tuple[str, dict | None] = ("", None)
+        self._written: tuple[str, dict | None, int] = ("", None, 0)
         self.writes = 0
 
-    def update(self, text: str, meta: dict | None = None) -> bool:
-        """Offer the reply so far (and its metadata); returns True when it was written."""
+    def update(self, text: str, meta: dict | None = None, token_ids: Sequence[int] | None = None) -> bool:
+        """Offer the reply so far (its metadata and tokens); returns True when it was written."""
         now = self._clock()
-        if (text, meta) == self._written or now - self._last_write < self._interval:
+        count = len(token_ids) if token_ids is not None else self._written[2]
+        if (text, meta, count) == self._written or now - self._last_write < self._interval:
             return False
-        self._write(text, None, meta, now)
+        self._write(text, None, meta, token_ids, now)
         return True
 
-    def finish(self, text: str, finish_reason: str, meta: dict | None = None) -> None:
-        self._write(text, finish_reason, meta, self._clock())
+    def finish(
+        self, text: str, finish_reason: str, meta: dict | None = None, token_ids: Sequence[int] | None = None
+    ) -> None:
+        self._write(text, finish_reason, meta, token_ids, self._clock())
 
-    def _write(self, text: str, finish_reason: str | None, meta: dict | None, now: float) -> None:
-        self._store.update_message(self.message_id, text, finish_reason, meta)
-        self._written = (text, meta)
+    def _write(self, text, finish_reason, meta, token_ids, now: float) -> None:
+        self._store.update_message(self.message_id, text, finish_reason, meta, token_ids)
+        count = len(token_ids) if token_ids is not None else self._written[2]
+        self._written = (text, meta, count)
         self._last_write = now
         self.writes += 1
-
-
-# ---- export --------------------------------------------------------------------------------
-def export_markdown(conv: Conversation) -> str:
-    parts = [f"# {conv.title}", ""]
-    if conv.system_prompt:
-        parts += ["**System**", "", conv.system_prompt, ""]
-    for msg in conv.messages:
-        label = "User" if msg.role == "user" else "Assistant"
-        if msg.role == "assistant" and msg.finish_reason not in (None, "stop"):
-            label += f" ({msg.finish_reason})"
-        parts += [f"**{label}**", "", msg.content, ""]
-    return "\n".join(parts).rstrip() + "\n"
-
-
-def export_json(conv: Conversation) -> str:
-    data = {
-        "id": conv.id,
-        "title": conv.title,
-        "system_prompt": conv.system_prompt,
-        "created_at": conv.created_at,
-        "updated_at": conv.updated_at,
-        "messages": [asdict(m) for m in conv.messages],
-    }
-    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Sequence
 
-from app.chat.rich_text import PARTIAL_CHARACTER_MARK, TOKEN_LINK_PREFIX, ReplyToken
+from app.chat.rich_text import PARTIAL_CHARACTER_MARK, TOKEN_LINK_PREFIX, ReplyToken, lead_html
 from widgets import theme
 
 SPEC_MARK_COLOURS = {"accepted": theme.OK, "resampled": theme.ERROR, "bonus": theme.ACCENT}
@@ -30,24 +30,26 @@ def spec_token_html(
     mark_of: Callable[[int], str],
     selected: int | None = None,
     colour_by_probability: bool = False,
+    lead: str = "",
 ) -> str:
-    """The reply as one link per token (`tok:<index>`), each coloured by its speculative mark."""
-    parts = ['<p style="white-space: pre-wrap;">']
-    for tok in tokens:
-        mark = mark_of(tok.index)
+    """The reply as one link per token (`tok:<position>`), each coloured by its speculative mark
+    (`mark_of(position)`)."""
+    parts = ['<p style="white-space: pre-wrap;">', lead_html(lead)]
+    for position, tok in enumerate(tokens):
+        mark = mark_of(position)
         text = tok.text_delta or PARTIAL_CHARACTER_MARK
         colour = SPEC_MARK_COLOURS.get(mark, theme.TEXT if tok.text_delta else theme.MUTED)
         style = [f"color: {colour}", "text-decoration: none"]
         if mark == "resampled":
             style.append("font-weight: bold")  # rejections are rarer and matter most: easy to find
-        background = theme.SELECTED_TOKEN_BG if tok.index == selected else None
+        background = theme.SELECTED_TOKEN_BG if position == selected else None
         if background is None and colour_by_probability:
             background = theme.probability_background(tok.probability)
         if background:
             style.append(f"background-color: {background}")
         title = f"token {tok.index} · p = {tok.probability:.3f} · {mark or 'plain step'}"
         parts.append(
-            f'<a href="{TOKEN_LINK_PREFIX}{tok.index}" title="{title}" style="{"; ".join(style)}">'
+            f'<a href="{TOKEN_LINK_PREFIX}{position}" title="{title}" style="{"; ".join(style)}">'
             f"{html.escape(text)}</a>"
         )
     parts.append("</p>")

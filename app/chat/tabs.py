@@ -44,9 +44,11 @@ class ChatTabs(QTabWidget):
         host: EngineHost,
         sampling: Callable[[], SamplingParams],
         parent: QWidget | None = None,
+        context_policy: Callable[[], str] | None = None,
     ) -> None:
         super().__init__(parent)
         self.store, self.host, self.sampling = store, host, sampling
+        self.context_policy = context_policy or main_controller.context_policy
         self.controllers: list[ChatController] = [main_controller]
         self.addTab(main_pane, "Chat 1")
         self.setTabToolTip(0, "The chat the sidebar, menus and exports act on")
@@ -71,7 +73,9 @@ class ChatTabs(QTabWidget):
         # The sidebar belongs to the first tab; an extra tab starts a new conversation and keeps
         # its own (never shown) list, so a click in the window's sidebar moves only the first tab.
         sidebar = ConversationList()
-        controller = ChatController(pane, sidebar, self.store, self.host, self.sampling, self)
+        controller = ChatController(
+            pane, sidebar, self.store, self.host, self.sampling, self, context_policy=self.context_policy
+        )
         controller.token_inspected.connect(self.token_inspected)
         controller.status_message.connect(self.status_message)
         main = self.controllers[0].pane
@@ -96,6 +100,16 @@ class ChatTabs(QTabWidget):
         controller.sidebar.deleteLater()
         controller.deleteLater()
         pane.deleteLater()
+
+    def controller_for_request(self, request_id: int) -> ChatController | None:
+        """The tab whose replies include the tokens of `request_id` (a branch point)."""
+        for controller in self.controllers:
+            if any(
+                r.generation == self.host.generation and any(t.request_id == request_id for t in r.tokens)
+                for r in controller._records.values()
+            ):
+                return controller
+        return None
 
     def active_request_ids(self) -> list[int | None]:
         """Each tab's generating request id (None when idle), in tab order."""

@@ -1,16 +1,13 @@
-"""The chat pane's widgets: message bubbles in a scrolling transcript, the input box, the system
-prompt and the action buttons. Pure view: the ChatController decides what they show."""
+"""The chat pane's widgets: message bubbles (app.chat.bubble) in a scrolling transcript, the
+input box, the system prompt, the context meter and the action buttons. Pure view: the
+ChatController decides what they show."""
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QCheckBox,
-    QFrame,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
@@ -21,15 +18,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat.rich_text import (
-    ReplyToken,
-    markdown_html,
-    plain_html,
-    probability_legend_html,
-    token_html,
-    token_index_from_link,
-)
-from app.chat.spec_marks import spec_legend_html, spec_token_html
+from app.chat.bubble import MessageBubble, SpecMarkSource
+from app.chat.context_meter import ContextMeter
+from app.chat.rich_text import probability_legend_html
+from app.chat.spec_marks import spec_legend_html
 
 # Within this many pixels of the bottom, the transcript counts as "following" the stream and
 # keeps scrolling with it; further up, the reader is looking back and is left alone.
@@ -37,135 +29,6 @@ FOLLOW_SLACK_PX = 48
 # Replies get the width; the user's own messages are indented from the left.
 USER_INDENT_PX = 72
 REPLY_INDENT_PX = 24
-# A streaming reply is re-rendered at most once per this many times its last render's cost:
-# at most ~1/8 of the GUI thread however long the reply grows (short replies: every frame).
-STREAM_RENDER_BUDGET = 8.0
-_clock = time.perf_counter  # module-level so tests can drive it
-
-
-# A token's speculative mark by (request id, token index): "accepted", "resampled", "bonus" or "".
-SpecMarkSource = Callable[[int, int], str]
-
-
-class MessageBubble(QFrame):
-    """One message: a header (who, and facts about the reply) over its rendered text."""
-
-    token_hovered = Signal(object)  # token index, or None when the pointer left the tokens
-    token_clicked = Signal(int)
-
-    def __init__(self, role: str, author: str, request_id: int | None = None, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.role = role
-        self.request_id = request_id
-        self.text = ""
-        self.tokens: list[ReplyToken] = []
-        self._token_view = False
-        self._colour = False
-        self._selected: int | None = None
-        self._rendered_at = 0.0  # perf_counter() after the last render
-        self._render_cost = 0.0  # seconds the last render took
-        self._spec_marks: SpecMarkSource | None = None
-        self.setObjectName("userBubble" if role == "user" else "assistantBubble")
-        self._author = QLabel(author)
-        self._author.setObjectName("bubbleAuthor")
-        self._meta = QLabel("")
-        self._meta.setObjectName("bubbleMeta")
-        self._body = QLabel()
-        self._body.setObjectName("bubbleBody")
-        self._body.setTextFormat(Qt.TextFormat.RichText)
-        self._body.setWordWrap(True)
-        self._body.setOpenExternalLinks(False)
-        self._body.setTextInteractionFlags(
-            Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.LinksAccessibleByMouse
-        )
-        self._body.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
-        self._body.linkHovered.connect(self._on_link_hovered)
-        self._body.linkActivated.connect(self._on_link_activated)
-        header = QHBoxLayout()
-        header.setContentsMargins(0, 0, 0, 0)
-        header.addWidget(self._author)
-        header.addStretch(1)
-        header.addWidget(self._meta)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(12, 8, 12, 10)
-        layout.setSpacing(4)
-        layout.addLayout(header)
-        layout.addWidget(self._body)
-
-    # ---- content ---------------------------------------------------------------------------
-    def set_text(self, text: str) -> None:
-        self.text = text
-        self._render()
-
-    def add_tokens(self, tokens: list[ReplyToken], text: str) -> None:
-        """Streaming: the reply grew. Re-rendered now, or on a later frame when the last render
-        was costly (a long reply re-lays out all its text each time, so a render every frame
-        would grow to dominate the GUI thread and, through the GIL, slow the engine)."""
-        self.tokens.extend(tokens)
-        self.text = text
-        if _clock() - self._rendered_at >= self._render_cost * STREAM_RENDER_BUDGET:
-            self._render()
-
-    def set_meta(self, text: str, kind: str = "") -> None:
-        self._meta.setText(text)
-        if self._meta.property("kind") != kind:  # re-polishing restyles: only when it changes
-            self._meta.setProperty("kind", kind)
-            self._meta.style().unpolish(self._meta)
-            self._meta.style().polish(self._meta)
-
-    def set_view(self, token_view: bool, colour_by_probability: bool) -> None:
-        if (token_view, colour_by_probability) != (self._token_view, self._colour):
-            self._token_view, self._colour = token_view, colour_by_probability
-            self._render()
-
-    def set_spec_marks(self, source: SpecMarkSource | None) -> None:
-        """Colour tokens by their speculative mark (None: no marks)."""
-        if source is not self._spec_marks:
-            self._spec_marks = source
-            if self.shows_tokens:
-                self._render()
-
-    def set_selected_token(self, index: int | None) -> None:
-        if index != self._selected:
-            self._selected = index
-            if self.shows_tokens:
-                self._render()
-
-    @property
-    def shows_tokens(self) -> bool:
-        return self._token_view and bool(self.tokens)
-
-    def body_html(self) -> str:
-        return self._body.text()
-
-    def _render(self) -> None:
-        start = _clock()
-        self._draw()
-        self._rendered_at = _clock()
-        self._render_cost = self._rendered_at - start
-
-    def _draw(self) -> None:
-        if self.role == "user":
-            html = plain_html(self.text)
-        elif self.shows_tokens and self._spec_marks is not None and self.request_id is not None:
-            source, request_id = self._spec_marks, self.request_id
-            html = spec_token_html(self.tokens, lambda i: source(request_id, i), self._selected, self._colour)
-        elif self.shows_tokens:
-            html = token_html(self.tokens, self._selected, self._colour)
-        else:
-            html = markdown_html(self.text) if self.text else ""
-        self._body.setText(html)
-
-    # ---- token selection -------------------------------------------------------------------
-    @Slot(str)
-    def _on_link_hovered(self, link: str) -> None:
-        self.token_hovered.emit(token_index_from_link(link))
-
-    @Slot(str)
-    def _on_link_activated(self, link: str) -> None:
-        index = token_index_from_link(link)
-        if index is not None:
-            self.token_clicked.emit(index)
 
 
 class ChatTranscript(QScrollArea):
@@ -178,6 +41,10 @@ class ChatTranscript(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self._inner = QWidget()
         self._inner.setObjectName("transcriptInner")
+        # The scroll area sizes its widget to at least its minimum size hint, which word-wrapped
+        # bubbles compute at their narrowest (far taller than at the real width): a blank gap
+        # below the last message. Ignored vertically, the height comes from heightForWidth.
+        self._inner.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Ignored)
         self._layout = QVBoxLayout(self._inner)
         self._layout.setContentsMargins(16, 12, 16, 12)
         self._layout.setSpacing(10)
@@ -291,10 +158,14 @@ class ChatPane(QWidget):
         self.stop_button.setToolTip("Stop the reply here; what was generated so far is kept")
         self.stop_button.clicked.connect(self.stop_requested)
         self.regenerate_button = QPushButton("Regenerate")
-        self.regenerate_button.setToolTip("Replace the last reply with a new one (current sampling settings)")
+        self.regenerate_button.setToolTip(
+            "A new version of the last reply with the current sampling settings; the old one stays as a branch (◀ ▶)"
+        )
         self.regenerate_button.clicked.connect(self.regenerate_requested)
         self.edit_button = QPushButton("Edit last")
-        self.edit_button.setToolTip("Edit your last message and send it again (its reply is replaced)")
+        self.edit_button.setToolTip(
+            "Edit your last message and send it again as a new branch; the old one and its reply stay (◀ ▶)"
+        )
         self.edit_button.clicked.connect(self.edit_requested)
 
         self.token_view = QCheckBox("Tokens")
@@ -338,6 +209,8 @@ class ChatPane(QWidget):
         layout.addWidget(self.transcript, 1)
         layout.addLayout(view_row)
         layout.addWidget(self.input)
+        self.meter = ContextMeter()
+        layout.addWidget(self.meter)
         layout.addLayout(actions)
         self._editing = False
         self._on_view_toggled()

@@ -90,6 +90,8 @@ def _engine_reply(host, controller) -> ReplyTokens | None:
     view = host.live.requests.get(request_id) if request_id is not None else None
     if view is None or view.finished is None or not view.finished.token_ids:
         return None
+    if len(conv.messages[-1].token_ids) > len(view.finished.token_ids):
+        return None  # a branch or a continuation: its prompt held a prefix the tokens do not show
     by_index = {t.index: t for t in view.tokens}
     candidates = tuple(
         by_index[i].snapshot.candidate_ids if i in by_index and by_index[i].snapshot else ()

@@ -61,10 +61,71 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--typical-p",
+        type=float,
+        default=1.0,
+        help="typical sampling: keep this mass of typical tokens (1 = off)",
+    )
+    p.add_argument(
+        "--dry-multiplier",
+        type=float,
+        default=0.0,
+        help="DRY: penalty on continuing a repeated sequence (0 = off)",
+    )
+    p.add_argument(
+        "--dry-base", type=float, default=1.75, help="DRY: penalty growth per extra repeated token"
+    )
+    p.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long are free")
+    p.add_argument(
+        "--dry-penalty-last-n",
+        type=int,
+        default=0,
+        help="DRY: look this many tokens back (0 = the whole text)",
+    )
+    p.add_argument(
+        "--dry-sequence-breaker",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help='DRY: a string that ends a repeated sequence (repeatable; default \\n : " *)',
+    )
+    p.add_argument(
+        "--xtc-threshold", type=float, default=0.1, help="XTC: tokens this likely or more are top choices"
+    )
+    p.add_argument(
+        "--xtc-probability", type=float, default=0.0, help="XTC: chance per token of excluding them (0 = off)"
+    )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
+    p.add_argument(
+        "--ban-token", action="append", type=int, default=[], metavar="ID", help="never draw token ID"
+    )
+
+
+def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
+    """['42=5', '7=-100'] -> ((42, 5.0), (7, -100.0)); a malformed item is a ConfigError."""
+    from engine.config import ConfigError
+
+    pairs = []
+    for item in items:
+        token, sep, bias = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ConfigError(f"--logit-bias takes ID=BIAS, e.g. 42=5 or 42=-100, got {item!r}") from None
+    return tuple(pairs)
 
 
 def sampling_from(args, snapshot_top_n: int = 0):
-    from engine.config import SamplingParams
+    from engine.config import DRY_DEFAULT_BREAKERS, SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,
@@ -79,6 +140,18 @@ def sampling_from(args, snapshot_top_n: int = 0):
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         snapshot_top_n=snapshot_top_n,
+        typical_p=args.typical_p,
+        dry_multiplier=args.dry_multiplier,
+        dry_base=args.dry_base,
+        dry_allowed_length=args.dry_allowed_length,
+        dry_penalty_last_n=args.dry_penalty_last_n,
+        dry_sequence_breakers=(
+            DRY_DEFAULT_BREAKERS if args.dry_sequence_breaker is None else tuple(args.dry_sequence_breaker)
+        ),
+        xtc_threshold=args.xtc_threshold,
+        xtc_probability=args.xtc_probability,
+        logit_bias=parse_logit_bias(args.logit_bias),
+        banned_token_ids=tuple(args.ban_token),
         # generate only: parallel samples / beam search (chat replies one sequence at a time)
         n=getattr(args, "n", 1),
         num_beams=getattr(args, "num_beams", 1),

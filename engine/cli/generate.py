@@ -53,6 +53,8 @@ def load_engine(args, collector):
         print(f"[{fraction:4.0%}] {stage}", file=sys.stderr)
 
     loaded = load_model(config.model, progress=progress)
+    for note in loaded.info.notes:  # how it runs: the weights kept, the forward, the kernels
+        print(f"       {note}", file=sys.stderr)
     return LLMEngine(loaded, config, collector)
 
 
@@ -73,7 +75,13 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
             "blocks_used_end": engine.kv.pool.num_used,
             "bytes_per_block": engine.storage.bytes_per_block,
         },
-        "model": {"name": engine.loaded.info.name, "dtype": engine.loaded.info.dtype},
+        "model": {
+            "name": engine.loaded.info.name,
+            "dtype": engine.loaded.info.dtype,
+            "quantization": engine.loaded.info.quantization,
+            "weight_bytes": engine.loaded.info.weight_bytes,
+            "notes": list(engine.loaded.info.notes),
+        },
     }
     if engine.config.speculative is not None:
         result["speculative"] = {

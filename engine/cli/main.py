@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--budget-gib", type=float, default=None)
     i.add_argument("--json", action="store_true")
 
-    b = sub.add_parser("bench", help="engine vs transformers generate(), interleaved in one run")
+    b = sub.add_parser(
+        "bench", help="native / fp32 / int8 / int4, generate() and llama.cpp, interleaved in one run"
+    )
+    b.add_argument("--paths", default=None, metavar="LIST", help="e.g. native,fp32,generate (default: all)")
+    b.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
     add_model_args(b)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--rounds", type=int, default=3)

@@ -69,6 +69,12 @@ def add_commands(subparsers) -> None:
     s.add_argument("--context-lengths", type=_int_list, default=[128, 512, 1024], metavar="LIST")
     s.add_argument("--decode-tokens", type=int, default=8, help="decode steps timed per context length")
     s.add_argument("--repeats", type=int, default=2, help="runs per length and dtype (median reported)")
+    s.add_argument(
+        "--attention-kernels",
+        action="store_true",
+        help="instead: SDPA's math kernel against its flash kernel on prefills of growing length "
+        "(time, peak memory, the score matrix only math allocates); --prompt-lengths sets the lengths",
+    )
     s.add_argument("--json", action="store_true")
 
 
@@ -123,6 +129,8 @@ def run_sweep(args) -> int:
 
     if args.repeats < 1 or args.decode_tokens < 1:
         raise ConfigError("--repeats and --decode-tokens must be at least 1")
+    if args.attention_kernels:
+        return run_attention_kernels(args)
     report = compare_dtypes(
         args.model,
         args.dtypes,
@@ -137,6 +145,33 @@ def run_sweep(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_sweep(report)
+    return 0
+
+
+def run_attention_kernels(args) -> int:
+    from engine.config import ModelSpec
+    from engine.measure.attention_kernels import compare_attention_kernels
+    from engine.model.loading import load_model
+
+    loaded = load_model(ModelSpec(args.model, dtype=args.dtypes[0], device=args.device))
+    lengths = args.prompt_lengths if args.prompt_lengths != [32, 128, 512] else [256, 512, 1024, 2048]
+    report = compare_attention_kernels(loaded, lengths, args.repeats, progress=_progress)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from engine.measure.roofline import si
+
+    print(
+        f"{report['model']}: {report['heads']} heads x {report['layers']} layers; peak memory: {report['peak_memory_source']}"
+    )
+    print(f"{'prompt':>8}{'kernel':>8}{'prefill ms':>12}{'peak':>12}{'scores':>12}{'math/flash':>12}")
+    for row in report["rows"]:
+        peak = si(row["peak_bytes"], "B") if row["peak_bytes"] is not None else "n/a"
+        ratio = f"{row['time_vs_flash']:.2f}" if "time_vs_flash" in row else ""
+        print(
+            f"{row['prompt_tokens']:>8}{row['kernel']:>8}{row['prefill_s'] * 1000:>12.1f}{peak:>12}"
+            f"{si(row['score_matrix_bytes'], 'B'):>12}{ratio:>12}"
+        )
     return 0
 
 

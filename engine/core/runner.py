@@ -46,7 +46,7 @@ class ModelRunner:
         self._cache = PagedCache()
         reason = unsupported_reason(model)
         self.own_forward = LlamaForward(model) if reason is None else None
-        # which forward runs, and why the fast one does not, for the load message
+        # which forward runs, and why the fast one does not (ModelInfo.notes says the same)
         self.executor = "kvscope Llama-family forward" if reason is None else f"transformers ({reason})"
 
     def forward(
@@ -68,7 +68,7 @@ class ModelRunner:
             slots.extend(self.kv.slot_ids(seq, start, n))
             context = start + n
             table = [b.block_id for b in seq.block_table[: -(-context // bs)]]
-            slices.append(SeqSlice(q_start, n, context, block_index(table, self.device), tuple(table)))
+            slices.append(SeqSlice(q_start, n, context, block_index(table, self.device)))
             count = logit_counts.get(seq.seq_id, 0)
             if count:
                 rows[seq.seq_id] = (len(keep), count)

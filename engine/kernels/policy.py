@@ -28,9 +28,10 @@ from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Timing: the best of a few calls per kernel and row count. The probe layer is replicated so its
 # weights exceed the last-level cache, as a real model's layers do when they are streamed.
-TIMING_REPEATS = 5
+TIMING_REPEATS = 3
 PROBE_BYTES = 48 * 2**20
-TABLE_VERSION = 2
+PROBE_SHAPE = (1024, 1024)
+TABLE_VERSION = 4
 # A dense kernel must beat the native one by this much to take over (timing noise is ~5%).
 SWITCH_MARGIN = 0.10
 
@@ -78,6 +79,13 @@ class KernelPolicy:
         if by_bucket is None:
             by_bucket = self.table[table_key(storage)] = measure(storage)
         return by_bucket[bucket(rows)]
+
+    def prepare(self, storages: list[WeightStorage]) -> None:
+        """Measure (or read from the cache) the table of every format and shape in a model now,
+        at load, so the first forward is not slowed by it and the load can say what runs."""
+        for storage in storages:
+            if len(storage.kernels()) > 1 and table_key(storage) not in self.table:
+                self.table[table_key(storage)] = measure(storage)
 
     def describe(self) -> list[str]:
         """One line per measured format: which kernel runs which row counts."""
@@ -128,7 +136,9 @@ class KernelPolicy:
 
 # ---- measuring -------------------------------------------------------------------------------
 def table_key(storage: WeightStorage) -> str:
-    return f"{storage.kind} {storage.out_features}x{storage.in_features}"
+    """One table per weight format: the packed and the dense costs both grow with the layer's
+    size, so where one overtakes the other is a row count of the format, not of the shape."""
+    return storage.kind
 
 
 _MEASURED: dict[str, dict[int, str]] = {}  # per process: one measurement per format and shape
@@ -148,52 +158,64 @@ def measure(storage: WeightStorage) -> dict[int, str]:
 
 
 def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
-    """Random weights of the same format and shape, enough of them to spill the caches."""
-    n, k = storage.out_features, storage.in_features
-    copies = max(1, min(16, PROBE_BYTES // max(1, storage.nbytes)))
-    g = torch.Generator().manual_seed(0)
-    out: list[WeightStorage] = []
-    for _ in range(copies):
-        w = torch.randn(n, k, generator=g) * 0.02
-        if isinstance(storage, Int4GroupWeight):
-            from engine.quant.packing import quantize_int4_groups
+    """A probe layer of PROBE_SHAPE in the storage's format, and enough copies of it (separate
+    memory, same values) that streaming through them spills the caches as a model's layers do."""
+    import copy
 
-            codes, scales, zeros = quantize_int4_groups(w, 32)
-            out.append(Int4GroupWeight(codes, scales, zeros))
-        elif isinstance(storage, Int8RowWeight):
-            from engine.quant.packing import quantize_int8_per_row
+    n, k = PROBE_SHAPE
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    probe: WeightStorage
+    if isinstance(storage, Int4GroupWeight):
+        from engine.quant.packing import quantize_int4_groups
 
-            out.append(Int8RowWeight(*quantize_int8_per_row(w)))
-        elif isinstance(storage, Q8BlockWeight):
-            scales = (w.reshape(n, k // 32, 32).abs().amax(-1) / 127).clamp(min=1e-8)
-            codes = torch.round(w.reshape(n, k // 32, 32) / scales[..., None]).clamp(-127, 127)
-            out.append(Q8BlockWeight(codes.reshape(n, k).to(torch.int8), scales.half()))
-        else:
-            assert isinstance(storage, DenseWeight)
-            out.append(DenseWeight(w.to(storage.weight.dtype)))
-    return out
+        probe = Int4GroupWeight(*quantize_int4_groups(w, 32))
+    elif isinstance(storage, Int8RowWeight):
+        from engine.quant.packing import quantize_int8_per_row
+
+        probe = Int8RowWeight(*quantize_int8_per_row(w))
+    elif isinstance(storage, Q8BlockWeight):
+        scales = (w.reshape(n, k // 32, 32).abs().amax(-1) / 127).clamp(min=1e-8)
+        codes = torch.round(w.reshape(n, k // 32, 32) / scales[..., None]).clamp(-127, 127)
+        probe = Q8BlockWeight(codes.reshape(n, k).to(torch.int8), scales.half())
+    else:
+        assert isinstance(storage, DenseWeight)
+        probe = DenseWeight(w.to(storage.weight.dtype))
+    count = max(1, min(64, PROBE_BYTES // max(1, probe.nbytes)))
+    return [probe] + [copy.deepcopy(probe) for _ in range(count - 1)]
 
 
 def _time_kernels(storage: WeightStorage) -> dict[int, str]:
     """Best-of-N times per kernel and row count, the kernels interleaved round by round so a
-    burst of load elsewhere on the machine slows all of them, not one."""
+    burst of load elsewhere on the machine slows all of them, not one. Row counts go up until a
+    dense kernel has won twice in a row (the crossover found and confirmed); the larger ones
+    take the winner without being timed, which keeps a first load to a second or two."""
     probes = _probe_copies(storage)
     kernels = storage.kernels()
+    native = storage.native_kernel
     times: dict[int, dict[str, float]] = {}
+    wins = 0
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
-            x = torch.randn(rows, storage.in_features)
+            if wins >= 2:
+                times[rows] = times[max(times)]  # past the confirmed crossover: the same winner
+                continue
+            x = torch.randn(rows, probes[0].in_features)
             for kernel in kernels:
                 probes[0].matmul(kernel, x)  # warm up
             best = dict.fromkeys(kernels, float("inf"))
             for _ in range(TIMING_REPEATS):
                 for kernel in kernels:
+                    # the packed kernel streams its weights (the copies keep them out of cache);
+                    # a dense path's cost is dequantizing and multiplying: one copy tells it
+                    copies = probes if kernel == native else probes[:1]
                     start = time.perf_counter()
-                    for probe in probes:
+                    for probe in copies:
                         probe.matmul(kernel, x)
-                    best[kernel] = min(best[kernel], time.perf_counter() - start)
+                    best[kernel] = min(best[kernel], (time.perf_counter() - start) / len(copies))
             times[rows] = best
-    return choose_by_rows(times, storage.native_kernel)
+            dense = min((t for k, t in best.items() if k != native), default=float("inf"))
+            wins = wins + 1 if native in best and dense * (1 + SWITCH_MARGIN) < best[native] else 0
+    return choose_by_rows(times, native)
 
 
 def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int, str]:

@@ -236,8 +236,8 @@ class Q8BlockWeight(WeightStorage):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact dequantized rows (an embedding lookup): [len(ids), K]."""
-        codes = self.block_codes[:, ids].float()  # [G, T, 32]
-        scaled = codes * self.block_scales[:, ids].float()[..., None]
+        codes = self.block_codes.index_select(1, ids).float()  # [G, T, 32]
+        scaled = codes * self.block_scales.index_select(1, ids).float()[..., None]
         return scaled.permute(1, 0, 2).reshape(ids.numel(), self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -45,10 +45,12 @@ class PagedKVStorage:
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
         self.quantized = kv_dtype == "int8"
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        # K and V of a layer in one tensor, so one index_copy writes both (k and v are its views)
+        self.kv = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.k = [pair[0] for pair in self.kv]
+        self.v = [pair[1] for pair in self.kv]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
@@ -82,6 +84,15 @@ class PagedKVStorage:
     def copy_block(self, src: int, dst: int) -> None:
         for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
             pool[:, dst].copy_(pool[:, src])
+
+    def write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """K and V together, kv [T, 2, kv_heads, head_dim] (as a fused projection lays them out):
+        one index_copy into the layer's pool (or, int8, the per-token quantizing write)."""
+        if self.quantized:
+            self._write_int8(layer, slots, kv[:, 0], kv[:, 1])
+            return
+        flat = self.kv[layer].view(2, self.num_kv_heads, -1, self.head_dim)
+        flat.index_copy_(2, slots, kv.permute(1, 2, 0, 3).to(self.dtype))
 
     # ---- writing ---------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -122,24 +133,6 @@ class PagedKVStorage:
     def gather(self, layer: int, blocks: Blocks, context_len: int, dtype: torch.dtype):
         """The first `context_len` K and V of a sequence: [kv_heads, context_len, head_dim] each."""
         return self.read(layer, blocks, 0, context_len, dtype)
-
-    def read_padded(self, layer: int, table: torch.Tensor, dtype: torch.dtype):
-        """Batched decode: K and V of every block of `table` [B, max_blocks], as
-        [B, kv_heads, max_blocks * block_size, head_dim] (padding blocks included: mask them)."""
-        b, width = table.shape
-        out = []
-        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            pool = pools[layer]
-            heads, _, bs, dim = pool.shape
-            codes = pool.index_select(1, table.reshape(-1)).view(heads, b, width * bs, dim).transpose(0, 1)
-            if not self.quantized:
-                out.append(codes if codes.dtype == dtype else codes.to(dtype))
-                continue
-            scale = (
-                scales[layer].index_select(1, table.reshape(-1)).view(heads, b, width * bs).transpose(0, 1)
-            )
-            out.append(codes.to(dtype) * scale[..., None].to(dtype))
-        return out[0], out[1]
 
 
 def _tokens(pool: torch.Tensor, blocks: Blocks) -> torch.Tensor:

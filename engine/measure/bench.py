@@ -1,6 +1,8 @@
-"""`python -m engine bench`: the engine against transformers' generate() on the same model,
-prompt and dtype, interleaved round by round in one process, reported as ratios; plus the
-decode bandwidth floor (bytes read per token / measured memory bandwidth) and the engine's MBU.
+"""`python -m engine bench`: the engine's weight paths (the GGUF's own bits, fp32, int8 and int4
+weight-only), transformers' generate() and llama.cpp's llama-bench on the same model, prompt,
+new tokens and threads, interleaved round by round in one process and reported as ratios; the
+split of a decode token (matmuls, attention, the rest, sampling, events); and each path's
+bandwidth floor (bytes read per token / measured memory bandwidth) and MBU.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from engine.events import TokenGenerated
-from engine.units import milliseconds, si
 
 BENCH_PROMPT = (
     "Explain, in a few paragraphs, why the key-value cache makes autoregressive decoding of a "
@@ -80,104 +81,184 @@ def _summary(ttfts: list[float], itls: list[float]) -> dict:
     }
 
 
+PATHS = ("native", "fp32", "int8", "int4", "generate", "llama.cpp")
+# path -> the model spec's weight scheme (generate() runs transformers' own loop on the fp32 model)
+SCHEMES = {"native": "native", "fp32": "none", "int8": "int8-weight-only", "int4": "int4-weight-only"}
+
+
 def run_bench(args) -> int:
-    from engine.config import EngineConfig, ModelSpec
-    from engine.core.llm_engine import LLMEngine
-    from engine.measure.memory import device_name, measure_memory_bandwidth
+    from engine.config import ModelSpec
     from engine.model.loading import load_model
 
-    spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
-    loaded = load_model(spec, progress=lambda stage, f: print(f"[{f:4.0%}] {stage}", file=sys.stderr))
-    if args.speculation:
-        from engine.measure.bench_speculative import run_speculative_bench
+    def progress(stage: str, f: float) -> None:
+        print(f"[{f:4.0%}] {stage}", file=sys.stderr)
 
-        return run_speculative_bench(args, loaded)
-    if args.concurrency:
+    if args.speculation or args.concurrency:
+        spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(spec, progress=progress)
+        if args.speculation:
+            from engine.measure.bench_speculative import run_speculative_bench
+
+            return run_speculative_bench(args, loaded)
         from engine.measure.bench_concurrency import run_concurrency_bench
 
         return run_concurrency_bench(args, loaded)
-    events: list = []
-    # Prefix caching off: every round prefills the whole prompt, as generate() does.
-    engine = LLMEngine(
-        loaded,
-        EngineConfig(model=spec, block_size=args.block_size, enable_prefix_caching=False),
-        events.append,
-    )
+    report = bench_paths(args, progress)
+    print(json.dumps(report, indent=2) if args.json else _table(report))
+    return 0
+
+
+def bench_paths(args, progress) -> dict:
+    """Every path on the same prompt, new tokens and threads, interleaved round by round."""
+    from engine.config import EngineConfig, ModelSpec
+    from engine.core.llm_engine import LLMEngine
+    from engine.measure.decode_split import decode_split
+    from engine.measure.llama_bench import BUILD_HINT, find_llama_bench, run_llama_bench
+    from engine.measure.memory import device_name, measure_memory_bandwidth
+    from engine.model.loading import load_model
+    from engine.model.sources import resolve_source
+
+    wanted = [p.strip() for p in (args.paths or ",".join(PATHS)).split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in PATHS]
+    if unknown:
+        from engine.config import ConfigError
+
+        raise ConfigError(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    gguf = resolve_source(args.model).gguf
+    notes: dict[str, str] = {}
+    if gguf is None:
+        for path in ("native", "llama.cpp"):
+            if path in wanted:
+                wanted.remove(path)
+                notes[path] = "skipped: the model is not a GGUF file"
+    llama_bench = find_llama_bench(getattr(args, "llama_bench", None)) if "llama.cpp" in wanted else None
+    if "llama.cpp" in wanted and llama_bench is None:
+        wanted.remove("llama.cpp")
+        notes["llama.cpp"] = BUILD_HINT
+
+    engines, loaded_by, sinks = {}, {}, {}
+    for path in [p for p in wanted if p in SCHEMES] + (["fp32"] if "generate" in wanted else []):
+        if path in loaded_by:
+            continue
+        spec = ModelSpec(args.model, dtype="float32", device=args.device, quantization=SCHEMES[path])
+        progress(f"loading {path}", 0.0)
+        loaded_by[path] = load_model(spec, progress=progress)
+        # prefix caching off: every round prefills the whole prompt, as generate() and llama.cpp do
+        config = EngineConfig(model=spec, block_size=args.block_size, enable_prefix_caching=False)
+        sinks[path] = []
+        engines[path] = LLMEngine(loaded_by[path], config, sinks[path].append)
+    reference = loaded_by.get("fp32") or next(iter(loaded_by.values()))
     messages = [{"role": "user", "content": BENCH_PROMPT}]
-    text = loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = list(reference.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    print("warming up", file=sys.stderr)
-    run_hf(loaded.model, prompt_ids, 4)
-    run_engine(engine, prompt_ids, 4, events)
+    def run(path: str):
+        if path == "generate":
+            return run_hf(loaded_by["fp32"].model, prompt_ids, args.new_tokens)
+        if path == "llama.cpp":
+            result = run_llama_bench(
+                llama_bench, gguf, len(prompt_ids), args.new_tokens, torch.get_num_threads()
+            )
+            return len(prompt_ids) / result.prefill_tokens_per_s, [result.itl_s] * (args.new_tokens - 1), None
+        return run_engine(engines[path], prompt_ids, args.new_tokens, sinks[path])
 
-    results = {"hf": ([], []), "engine": ([], [])}
-    outputs = {}
+    progress("warming up", 0.0)
+    for path in wanted:
+        if path == "generate":
+            run_hf(loaded_by["fp32"].model, prompt_ids, 4)
+        elif path != "llama.cpp":
+            run_engine(engines[path], prompt_ids, 4, sinks[path])
+    samples: dict[str, tuple[list, list]] = {p: ([], []) for p in wanted}
+    outputs: dict[str, list] = {}
     for r in range(args.rounds):
-        order = ("hf", "engine") if r % 2 == 0 else ("engine", "hf")  # cancel drift
-        for name in order:
-            print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr)
-            if name == "hf":
-                ttft, itl, ids = run_hf(loaded.model, prompt_ids, args.new_tokens)
-            else:
-                ttft, itl, ids = run_engine(engine, prompt_ids, args.new_tokens, events)
-            results[name][0].append(ttft)
-            results[name][1].extend(itl)
-            outputs[name] = ids
-
-    hf, eng = _summary(*results["hf"]), _summary(*results["engine"])
-    print("measuring memory bandwidth", file=sys.stderr)
-    bandwidth = measure_memory_bandwidth(loaded.device)
-    info = loaded.info
+        order = wanted[r % len(wanted) :] + wanted[: r % len(wanted)]  # each path leads a round in turn
+        for path in order:
+            progress(f"round {r + 1}/{args.rounds}: {path}", (r + 1) / args.rounds)
+            ttft, itl, ids = run(path)
+            samples[path][0].append(ttft)
+            samples[path][1].extend(itl)
+            if ids is not None:
+                outputs[path] = ids
+    results = {p: _summary(*samples[p]) for p in wanted}
+    for p in results:
+        results[p]["prefill_tokens_per_s"] = len(prompt_ids) / results[p]["ttft_s"]
+    split = {}
+    if engines:
+        which = "native" if "native" in engines else next(iter(engines))
+        progress(f"decode split ({which}, an instrumented run of its own)", 1.0)
+        split = {"path": which, **decode_split(engines[which], prompt_ids, args.new_tokens)}
+    bandwidth = measure_memory_bandwidth(reference.device)
     mean_context = len(prompt_ids) + args.new_tokens / 2
-    bytes_per_token = info.weight_bytes + mean_context * info.kv_bytes_per_token
-    floor_s = bytes_per_token / bandwidth
-    report = {
-        "model": info.name,
-        "dtype": info.dtype,
-        "device": device_name(loaded.device),
+    mbu = {}
+    for path, loaded in loaded_by.items():
+        if path in results:
+            floor = (loaded.info.weight_bytes + mean_context * loaded.info.kv_bytes_per_token) / bandwidth
+            mbu[path] = {"floor_itl_s": floor, "mbu": floor / results[path]["median_itl_s"]}
+    return {
+        "model": reference.info.name,
+        "device": device_name(reference.device),
         "threads": torch.get_num_threads(),
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
-        "transformers_generate": hf,
-        "engine": eng,
-        "ratio": {
-            "decode_tokens_per_s": eng["tokens_per_s"] / hf["tokens_per_s"],
-            "ttft": hf["ttft_s"] / eng["ttft_s"],
+        "paths": results,
+        "ratios": _ratios(results),
+        "decode_split_ms": split,
+        "bandwidth_bytes_per_s": bandwidth,
+        "mbu": mbu,
+        "outputs_equal_fp32": {
+            p: ids == outputs.get("fp32") for p, ids in outputs.items() if "fp32" in outputs
         },
-        "outputs_match": outputs["hf"] == outputs["engine"],
-        "bandwidth": {
-            "measured_bytes_per_s": bandwidth,
-            "bytes_read_per_decode_token": bytes_per_token,
-            "floor_itl_s": floor_s,
-            "engine_mbu": floor_s / eng["median_itl_s"],
-            "generate_mbu": floor_s / hf["median_itl_s"],
-        },
+        "weights_bytes": {p: m.info.weight_bytes for p, m in loaded_by.items()},
+        "kernels": {p: list(m.info.notes) for p, m in loaded_by.items()},
+        "notes": notes,
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
-    return 0
 
 
-def _print_table(r: dict) -> None:
-    hf, eng = r["transformers_generate"], r["engine"]
-    print(
-        f"{r['model']} {r['dtype']} on {r['device']}, torch threads {r['threads']}, prompt {r['prompt_tokens']} tok"
+def _ratios(r: dict) -> dict:
+    """The issue's figures, each a ratio of two paths measured in this run (None when one is absent)."""
+
+    def ratio(a: str, b: str, key: str, invert: bool = False):
+        if a not in r or b not in r:
+            return None
+        x, y = r[a][key], r[b][key]
+        return y / x if invert else x / y
+
+    return {
+        "native_itl_vs_llamacpp": ratio("native", "llama.cpp", "median_itl_s"),
+        "native_decode_vs_generate": ratio("native", "generate", "tokens_per_s"),
+        "fp32_decode_vs_generate": ratio("fp32", "generate", "tokens_per_s"),
+        "int8_decode_vs_fp32": ratio("int8", "fp32", "tokens_per_s"),
+        "int8_prefill_vs_fp32": ratio("int8", "fp32", "prefill_tokens_per_s"),
+        "int4_decode_vs_fp32": ratio("int4", "fp32", "tokens_per_s"),
+        "native_decode_vs_fp32": ratio("native", "fp32", "tokens_per_s"),
+    }
+
+
+def _table(r: dict) -> str:
+    lines = [
+        f"{r['model']} on {r['device']}, {r['threads']} threads, prompt {r['prompt_tokens']} tokens, "
+        f"{r['new_tokens']} new, {r['rounds']} rounds interleaved",
+        f"{'path':12}{'TTFT ms':>10}{'prefill tok/s':>15}{'median ITL ms':>15}{'p99 ITL ms':>12}{'decode tok/s':>14}",
+    ]
+    for path, s in r["paths"].items():
+        lines.append(
+            f"{path:12}{s['ttft_s'] * 1e3:>10.1f}{s['prefill_tokens_per_s']:>15.1f}"
+            f"{s['median_itl_s'] * 1e3:>15.2f}{s['p99_itl_s'] * 1e3:>12.2f}{s['tokens_per_s']:>14.1f}"
+        )
+    lines.append(
+        "ratios (this run): " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items() if v is not None)
     )
-    print(f"{'':24}{'generate()':>14}{'engine':>14}")
-    for key, label, scale in [
-        ("ttft_s", "TTFT ms", 1000),
-        ("median_itl_s", "median ITL ms", 1000),
-        ("p99_itl_s", "p99 ITL ms", 1000),
-        ("tokens_per_s", "decode tok/s", 1),
-    ]:
-        print(f"{label:24}{hf[key] * scale:>14.2f}{eng[key] * scale:>14.2f}")
-    print(f"decode speed ratio engine/generate: {r['ratio']['decode_tokens_per_s']:.3f}")
-    bw = r["bandwidth"]
-    print(
-        f"bandwidth {si(bw['measured_bytes_per_s'], 'B/s')}; floor ITL {milliseconds(bw['floor_itl_s'])}; "
-        f"engine MBU {bw['engine_mbu']:.1%}; outputs match: {r['outputs_match']}"
-    )
+    split = r["decode_split_ms"]
+    if split:
+        parts = ("matmuls", "attention", "rest_of_forward", "sampling", "events")
+        lines.append(
+            f"a decode token of {split['path']} ({split['step_ms']:.2f} ms): "
+            + ", ".join(f"{p} {split[p + '_ms']:.2f}" for p in parts)
+            + f"; outside matmuls {split['outside_matmuls_ms']:.2f} ms"
+        )
+    for path, m in r["mbu"].items():
+        lines.append(f"{path}: bandwidth floor {m['floor_itl_s'] * 1e3:.2f} ms/token, MBU {m['mbu']:.0%}")
+    for path, note in r["notes"].items():
+        lines.append(f"{path}: {note}")
+    return "\n".join(lines)

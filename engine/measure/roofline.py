@@ -13,9 +13,9 @@ share of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from engine.events import StepCost, StepStats, TokenGenerated
+from engine.events import StepCost
 from engine.model.shapes import ModelShapes
 
 
@@ -106,23 +106,6 @@ def step_cost(
     )
 
 
-def steps_with_logit_rows(events: Sequence[object]) -> list[tuple[StepStats, int]]:
-    """Each StepStats in `events` with the number of rows its LM head computed.
-
-    The engine emits a step's TokenGenerated events before its StepStats, one per sequence it
-    sampled, and computes logits only for those: counting them gives the exact logit rows
-    (a prefill chunk that does not finish its prompt samples nothing)."""
-    out, sampled = [], 0
-    for event in events:
-        if isinstance(event, TokenGenerated):
-            sampled += 1
-        elif isinstance(event, StepStats):
-            out.append((event, sampled))
-            sampled = 0
-    return out
-
-
-# ---- the roof --------------------------------------------------------------------------------
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
     """The roofline: at `intensity` FLOP/byte a step can reach at most min(peak, intensity x bandwidth)."""
     return min(peak_flops, intensity * bandwidth)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFailed, RequestFinished
+from engine.events import RequestFailed, RequestFinished, StepStats
 from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import bound, step_cost, steps_with_logit_rows
+from engine.measure.roofline import bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
 from engine.units import mbu, mfu
@@ -222,7 +222,8 @@ def compare_dtypes(
     benches = {}
     for dtype in dtypes:
         report(f"loading {source} in {dtype}")
-        loaded = load_model(ModelSpec(source, dtype=dtype, device=device))
+        # dense weights in each dtype: what the sweep compares (a GGUF's own bits would not change)
+        loaded = load_model(ModelSpec(source, dtype=dtype, device=device, quantization="none"))
         longest = max(max(prompt_lengths) + 1, max(context_lengths) + decode_tokens + 1)
         benches[dtype] = _Bench(loaded, longest)
         benches[dtype].warm_up()
@@ -274,7 +275,8 @@ def measure_roofline_points(
                 f"then {decode_steps} decode steps"
             )
             bench.run(prompt, decode_steps + 1, copies=batch)
-            for phase, group in _phases(steps_with_logit_rows(bench.events), batch).items():
+            steps = [(e, e.logit_rows) for e in bench.events if isinstance(e, StepStats)]
+            for phase, group in _phases(steps, batch).items():
                 if group and (phase not in fastest or _forward_s(group) < _forward_s(fastest[phase])):
                     fastest[phase] = group
         points += [_point(bench, limits, phase, batch, group, rounds) for phase, group in fastest.items()]

@@ -124,16 +124,20 @@ class LlamaForward:
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
         slots = batch.slot_mapping
+        tokens = x.shape[0]
         for index, layer in enumerate(self.layers):
             h = _rms_norm(layer.input_norm, x)
-            q, k, v = layer.qkv.linear(h).split(layer.qkv.sizes, dim=-1)
-            q, k, v = q.view(q.shape[0], -1, d), k.view(k.shape[0], -1, d), v.view(v.shape[0], -1, d)
+            qkv = layer.qkv.linear(h)  # [T, q | k | v], a tensor of our own: RoPE applies in place
+            q_width, k_width, _ = layer.qkv.sizes
+            qk = qkv[:, : q_width + k_width].view(tokens, -1, d)  # q's heads, then k's
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            storage.write(index, slots, k, v)
-            o = attend(storage, index, q, batch, layer.how)
+                heads = q_width // d
+                qk[:, :heads] = layer.q_norm(qk[:, :heads])
+                qk[:, heads:] = layer.k_norm(qk[:, heads:])
+            rotated = _rotate_half(qk)
+            qk.mul_(cos).addcmul_(rotated, sin)
+            storage.write_kv(index, slots, qkv[:, q_width:].view(tokens, 2, -1, d))
+            o = attend(storage, index, qkv[:, :q_width].view(tokens, -1, d), batch, layer.how)
             x = x + layer.o_proj(o.reshape(o.shape[0], -1))
             h = _rms_norm(layer.post_norm, x)
             gate, up = layer.gate_up.linear(h).split(layer.gate_up.sizes, dim=-1)

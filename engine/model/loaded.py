@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.events import ModelInfo
-from engine.kernels.linear import fuse_projections
+from engine.kernels.linear import KernelLinear, fuse_projections
 from engine.kernels.policy import KernelPolicy
 from engine.model.shapes import ModelShapes
 from engine.quant.base import model_param_count, model_weight_bytes
@@ -35,6 +35,7 @@ class LoadedModel:
         if policy is None:
             policy = KernelPolicy()
             fuse_projections(model, policy)
+            policy.prepare([m.storage for m in model.modules() if isinstance(m, KernelLinear)])
             model.kvscope_policy = policy
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")
@@ -63,5 +64,18 @@ class LoadedModel:
             weight_bytes_before=record.bytes_before if record else weight_bytes,
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
+            notes=_notes(model, policy),
         )
         return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy)
+
+
+def _notes(model, policy: KernelPolicy) -> tuple[str, ...]:
+    """How the model runs, in the words the app and the CLI show."""
+    from engine.model.llama_forward import unsupported_reason
+
+    reason = unsupported_reason(model)
+    forward = (
+        "forward: kvscope's Llama-family forward" if reason is None else f"forward: transformers' ({reason})"
+    )
+    threads = f"{torch.get_num_threads()} engine threads (torch intra-op)"
+    return (forward, threads, *[f"kernels {line}" for line in policy.describe()])

@@ -40,19 +40,22 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, decode_token: Callable[[int], str] | None = None):
         self.params = params
-        self.stages = build_stages(params)
         self._decode_token = decode_token or (lambda token_id: f"#{token_id}")
-        self._generator: torch.Generator | None = None
+        # One generator per device, made lazily (the logits' device is only known at the first
+        # call): draws on the GPU and uniforms on the CPU (XTC's coin, speculative acceptance)
+        # each keep their own stream instead of reseeding one another.
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self.stages = build_stages(params, decode_token=self._decode_token, uniform=self.uniform)
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
-        # Made lazily: the logits' device is only known at the first call.
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
             if self.params.seed is None:
-                self._generator.seed()
+                generator.seed()
             else:
-                self._generator.manual_seed(self.params.seed)
-        return self._generator
+                generator.manual_seed(self.params.seed)
+        return generator
 
     def sample(
         self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]

@@ -7,6 +7,8 @@ back through the paged path, as the engine reads it), then the request's own sta
 runs over the whole vocabulary under the new settings. Nothing is approximated from the top
 candidates a snapshot recorded: with the token's own settings the result is its recorded
 snapshot, up to the float rounding of one forward against the engine's paged, chunked ones.
+One stage is random: XTC fires on a coin; the what-if shows it as if its coin came up, and
+`what_if_notes` says so.
 
 `WhatIf.recompute` runs on the engine thread (Engine.call): it uses the engine's model and
 tokenizer. It keeps the last token's logits, so moving a slider re-runs only the stages.
@@ -25,6 +27,7 @@ from engine.config import SamplingParams
 from engine.events import TokenSnapshot
 from engine.request import Request
 from engine.sampling.sampler import Sampler
+from engine.sampling.stages import ExcludeTopChoices
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -46,6 +49,13 @@ def context_logits(model: torch.nn.Module, token_ids: Sequence[int], kv_dtype: s
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
     return model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+
+
+def what_if_notes(params: SamplingParams) -> tuple[str, ...]:
+    """One line per way a what-if under `params` differs from what one real draw would show."""
+    if 0.0 < params.xtc_probability < 1.0 and not params.greedy:
+        return (f"XTC shown as if its coin came up (it does with probability {params.xtc_probability:g})",)
+    return ()
 
 
 def recorded_top_n(snapshot: TokenSnapshot) -> int:
@@ -81,6 +91,15 @@ class WhatIf:
         logits = self._logits_for(core, [*prompt, *output_ids])
         shown = replace(params, snapshot_top_n=recorded_top_n(recorded))
         sampler = Sampler(shown, decode_token=lambda i: core.tokenizer.decode([i], skip_special_tokens=False))
+        # XTC as if its coin came up: a what-if shows what the setting does, not one coin's luck.
+        sampler.stages = [
+            replace(
+                stage, processor=ExcludeTopChoices(params.xtc_threshold, params.xtc_probability, lambda: 0.0)
+            )
+            if stage.name == "xtc"
+            else stage
+            for stage in sampler.stages
+        ]
         snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id).snapshot
         assert snapshot is not None  # snapshot_top_n > 0 always records one
         return snapshot

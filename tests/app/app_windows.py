@@ -52,3 +52,9 @@ def stop_on_first_tokens(window) -> list[int]:
 
     window.host.tokens_generated.connect(stop)
     return stopped
+
+
+def wait_started(qtbot, *controllers) -> None:
+    """Until each chat controller's reply has started: a send is measured against the context
+    on the engine thread first, so `active` is set a frame later."""
+    qtbot.waitUntil(lambda: all(c.active is not None for c in controllers), timeout=REPLY_TIMEOUT_MS)

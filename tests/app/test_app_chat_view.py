@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-import app.chat.view as chat_view
+import app.chat.bubble as chat_view
+from app.chat.bubble import STREAM_RENDER_BUDGET, MessageBubble
 from app.chat.rich_text import ReplyToken
-from app.chat.view import STREAM_RENDER_BUDGET, ChatPane, MessageBubble
+from app.chat.view import ChatPane
 
 
 class SteppingClock:

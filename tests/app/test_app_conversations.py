@@ -12,10 +12,9 @@ from app.chat.conversations import (
     ConversationStore,
     ReplyCheckpoint,
     StorageError,
-    export_json,
-    export_markdown,
     title_from,
 )
+from app.chat.exchange import export_json, export_markdown
 
 
 class FakeClock:

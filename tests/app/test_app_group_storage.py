@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from app.chat.conversations import ConversationStore, ReplyCheckpoint, export_json
+from app.chat.conversations import ConversationStore, ReplyCheckpoint
+from app.chat.exchange import export_json
 from app.chat.group_reply import Alternative, GroupReply
 
 # The messages table as kvscope created it before replies carried metadata.

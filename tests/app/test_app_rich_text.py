@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import math
 
+from pygments.token import Keyword
+
 from app.chat.rich_text import (
+    CODE_STYLE,
     PARTIAL_CHARACTER_MARK,
     ReplyToken,
+    copy_index_from_link,
     markdown_html,
     plain_html,
+    render_markdown,
     token_html,
     token_index_from_link,
 )
@@ -16,15 +21,43 @@ from widgets import theme
 
 
 def test_code_fence_becomes_a_shaded_block_with_escaped_code():
-    html = markdown_html("Try:\n\n```python\nif a < b:\n    print('<b>')\n```\n")
+    html = markdown_html("Try:\n\n```\nif a < b:\n    print('<b>')\n```\n")
     assert f'bgcolor="{theme.CODE_BG}"' in html
-    assert "if a &lt; b:\n    print(&#x27;&lt;b&gt;&#x27;)" in html
+    assert "if a &lt; b:\n    print(&#x27;&lt;b&gt;&#x27;)" in html  # no language: plain, escaped
+
+
+def test_a_known_language_is_highlighted_by_pygments_with_inline_colours_and_a_copy_link():
+    from pygments.styles import get_style_by_name
+
+    text = "Try:\n\n```python\nif a < b:\n    print('<b>')  # done\n```\n\n```nosuchlang\nx\n```"
+    html, blocks = render_markdown(text)
     assert ">python<" in html  # the language label
+    keyword = get_style_by_name(CODE_STYLE).style_for_token(Keyword)["color"]
+    assert f'<span style="color: #{keyword}">if</span>' in html  # Qt reads inline colours only
+    assert "&lt;b&gt;" in html and "<b>" not in html.split("<pre")[1]  # code is never markup
+    assert blocks == ["if a < b:\n    print('<b>')  # done", "x"]  # the Copy links' text, as written
+    assert 'href="copy:0"' in html and 'href="copy:1"' in html
+    assert copy_index_from_link("copy:1") == 1 and copy_index_from_link("tok:1") is None
+
+
+def test_copy_link_puts_the_code_on_the_clipboard(qtbot):
+    from PySide6.QtGui import QGuiApplication
+
+    from app.chat.bubble import MessageBubble
+
+    bubble = MessageBubble("assistant", "model")
+    qtbot.addWidget(bubble)
+    bubble.set_text("Run:\n\n```bash\necho 'hi' && ls\n```")
+    with qtbot.waitSignal(bubble.code_copied) as copied:
+        bubble._body.linkActivated.emit("copy:0")
+    assert copied.args == [0]
+    assert QGuiApplication.clipboard().text() == "echo 'hi' && ls"
 
 
 def test_unfinished_fence_mid_stream_still_renders_as_code():
-    html = markdown_html("```js\nconst x = 1")
-    assert f'bgcolor="{theme.CODE_BG}"' in html and "const x = 1" in html
+    html, blocks = render_markdown("```js\nconst x = 1")
+    assert f'bgcolor="{theme.CODE_BG}"' in html and blocks == ["const x = 1"]
+    assert ">const<" in html  # highlighted as far as it goes
 
 
 def test_markdown_emphasis_lists_and_tables():

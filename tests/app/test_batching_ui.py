@@ -136,7 +136,7 @@ def test_follow_up_turn_shows_its_cached_ttft_beside_the_uncached_one(make_windo
 
 
 def test_two_chat_tabs_generate_at_once_each_in_its_own_colour(make_window, qtbot):
-    from app_windows import StepGate
+    from app_windows import StepGate, wait_started
 
     from engine.config import SamplingParams
     from widgets import theme
@@ -151,6 +151,7 @@ def test_two_chat_tabs_generate_at_once_each_in_its_own_colour(make_window, qtbo
     window.host.request_finished.connect(finished.append)
     window.controller.send("Tell me about rivers.")
     second.send("Tell me about mountains.")
+    wait_started(qtbot, window.controller, second)
     first_id, second_id = tabs.active_request_ids()
     assert first_id is not None and second_id is not None and first_id != second_id
     qtbot.waitUntil(gate.reached.is_set, timeout=REPLY_TIMEOUT_MS)

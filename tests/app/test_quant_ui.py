@@ -29,8 +29,12 @@ INT8 = "int8-weight-only"
 def tiny_folder(tmp_path_factory, tiny_loaded):
     """The tiny random Llama saved as an HF folder: loaded through the real loader, so a scheme
     is applied exactly as for any model the user picks."""
+    from tiny_models import make_tiny_llama
+
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_loaded.model.save_pretrained(folder)
+    # the same weights as tiny_loaded's (same seed), saved before any serving-time fusion: a
+    # served model's fused projections are not its checkpoint's parameters
+    make_tiny_llama(vocab_size=len(tiny_loaded.tokenizer)).save_pretrained(folder)
     tiny_loaded.tokenizer.save_pretrained(folder)
     return folder
 

@@ -34,7 +34,9 @@ def test_native_is_the_default_for_the_packaged_gguf_and_keeps_its_blocks(native
     # Measured on the 403 predictions: 99.26% and 98.76% (5 near-ties flip).
     [("dense-bf16", 0.99), ("packed", 0.985)],
 )
-def test_native_q4_1_against_its_float32_twin_on_the_eval_text(native, default_loaded, monkeypatch, kernel, top1):
+def test_native_q4_1_against_its_float32_twin_on_the_eval_text(
+    native, default_loaded, monkeypatch, kernel, top1
+):
     ids = eval_token_ids(native.tokenizer)
     reference = teacher_forced_logits(default_loaded.model, ids)
     monkeypatch.setattr(native.policy, "choose", lambda storage, rows: kernel)

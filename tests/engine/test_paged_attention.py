@@ -28,7 +28,7 @@ def paged_forward(model, storage, pieces):
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
         ctx = start + len(tokens)
         blocks = table[: -(-ctx // bs)]
-        slices.append(SeqSlice(q_start, len(tokens), ctx, block_index(blocks, "cpu"), tuple(blocks)))
+        slices.append(SeqSlice(q_start, len(tokens), ctx, block_index(blocks, "cpu")))
     batch = PagedBatch(storage, torch.tensor(slots), slices)
     with torch.inference_mode(), paged_attention(model):
         out = model(

@@ -7,7 +7,7 @@ import pytest
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import StepStats
-from engine.measure.roofline import attainable_flops, bound, step_cost, steps_with_logit_rows
+from engine.measure.roofline import attainable_flops, bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
 from engine.units import mbu, mfu
@@ -144,7 +144,7 @@ def test_roofline_and_ridge():
 
 def test_logit_rows_per_step_from_a_real_engine(tiny_loaded):
     """A 40-token prompt in chunks of 16: two chunks sample nothing, the last samples once,
-    then each decode step samples once."""
+    then each decode step samples once: the rows the runner computed, in StepStats."""
     events: list = []
     config = EngineConfig(num_blocks=16, prefill_chunk_size=16, enable_prefix_caching=False)
     engine = LLMEngine(tiny_loaded, config, events.append)
@@ -152,8 +152,7 @@ def test_logit_rows_per_step_from_a_real_engine(tiny_loaded):
     engine.add_request(Request(prompt_token_ids=tuple(range(100, 140)), sampling=params))
     while engine.has_work():
         engine.step()
-    steps = steps_with_logit_rows(events)
-    assert all(isinstance(s, StepStats) for s, _ in steps)
+    steps = [(e, e.logit_rows) for e in events if isinstance(e, StepStats)]
     assert [(s.seq_shapes, rows) for s, rows in steps] == [
         (((16, 16),), 0),
         (((16, 32),), 0),

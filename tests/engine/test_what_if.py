@@ -15,7 +15,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.events import TokenGenerated
 from engine.request import ChatMessage, Request
 from engine.sampling import what_if as what_if_module
-from engine.sampling.what_if import WhatIf
+from engine.sampling.what_if import WhatIf, what_if_notes
 
 MESSAGES = (ChatMessage("system", "You are terse."), ChatMessage("user", "Name three colours."))
 TOKENS = 5
@@ -71,6 +71,11 @@ OTHER = [
     dict(temperature=1.5, top_p=0.9),
     dict(temperature=0.5, top_k=5, min_p=0.05),
     dict(temperature=1.0, repetition_penalty=1.0),
+    # the newer stages: typical-p, DRY (it reads the history, prompt and reply alike) and an XTC
+    # whose coin always comes up
+    dict(temperature=1.3, typical_p=0.9),
+    dict(dry_multiplier=0.8, dry_allowed_length=1),
+    dict(temperature=1.0, xtc_probability=1.0, xtc_threshold=1e-5),
 ]
 
 
@@ -112,3 +117,18 @@ def test_moving_a_setting_reruns_only_the_stages(tiny_loaded, monkeypatch):
     assert len(forwards) == 1
     what_if.recompute(engine, request, outputs + [token.token_id], tokens[3].snapshot, RECORDED)
     assert len(forwards) == 2  # another token: another context
+
+
+def test_xtc_is_shown_as_if_its_coin_came_up_and_says_so(tiny_loaded):
+    request = Request(messages=MESSAGES, sampling=RECORDED)
+    engine, tokens = generate(tiny_loaded, CONFIGS[0], request)
+    sometimes = replace(RECORDED, xtc_probability=0.3, xtc_threshold=1e-5)
+    always = replace(sometimes, xtc_probability=1.0)
+    outputs = [t.token_id for t in tokens[:2]]
+    what_if = WhatIf()
+    got = what_if.recompute(engine, request, outputs, tokens[2].snapshot, sometimes)
+    fired = what_if.recompute(engine, request, outputs, tokens[2].snapshot, always)
+    assert [s.name for s in got.stages][-1] == "xtc" and got.stages == fired.stages
+    assert got.stages[-1].kept_count < got.stages[-2].kept_count  # it cut
+    assert what_if_notes(sometimes) == ("XTC shown as if its coin came up (it does with probability 0.3)",)
+    assert what_if_notes(always) == () and what_if_notes(RECORDED) == ()
