@@ -3,8 +3,8 @@ token (drawn or not), the button names it and asks for a branch there; another t
 
 from __future__ import annotations
 
+from hand_events import snapshot, token
 from PySide6.QtCore import QPointF, Qt
-from widget_events import snapshot, token
 
 from engine.events import RequestStarted
 from live.state import LiveState
