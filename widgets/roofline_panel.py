@@ -9,13 +9,13 @@ longer prefill chunks move points to the right.
 
 The panel only draws. Its points are the live state's (live.roofline: each step's FLOPs and
 bytes as the engine counted them, over its target forward time); the limits are measured by the
-shell on request (`measure_requested`) and handed over with `set_limits`.
+shell on request (`measure_requested`) and handed over with `set_limits` as a `Roof`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
@@ -52,38 +52,21 @@ HOW_COUNTED = (
 )
 
 
-class MeasuredLimits(Protocol):
-    """The device limits the panel draws (engine.measure.device_limits.DeviceLimits), read only."""
+@dataclass(frozen=True, slots=True)
+class Roof:
+    """The measured limits the panel draws: the matmul peak and the memory bandwidth of a device
+    in a dtype, with what they were measured on (`device`, e.g. "AMD EPYC (2 threads) float32")
+    and how (`how`, the measurement in words, for the tooltip). The shell writes both."""
+
+    peak_flops: float
+    bandwidth: float
+    device: str
+    how: str
 
     @property
-    def device(self) -> str: ...
-
-    @property
-    def device_name(self) -> str: ...
-
-    @property
-    def dtype(self) -> str: ...
-
-    @property
-    def peak_flops(self) -> float: ...
-
-    @property
-    def matmul_size(self) -> int: ...
-
-    @property
-    def bandwidth(self) -> float: ...
-
-    @property
-    def threads(self) -> int: ...
-
-    @property
-    def measured_at(self) -> str: ...
-
-    @property
-    def measure_seconds(self) -> float: ...
-
-    @property
-    def ridge(self) -> float: ...
+    def ridge(self) -> float:
+        """FLOP per byte at which the compute roof meets the bandwidth slope."""
+        return self.peak_flops / self.bandwidth
 
 
 class RooflinePanel(QWidget):
@@ -92,7 +75,7 @@ class RooflinePanel(QWidget):
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
-        self.limits: MeasuredLimits | None = None
+        self.limits: Roof | None = None
         self.measuring = False
         self.limits_error = ""
         self._drawn = -1  # the live points' count when last drawn
@@ -161,7 +144,7 @@ class RooflinePanel(QWidget):
         self._redraw()
 
     # ---- inputs ----------------------------------------------------------------------------
-    def set_limits(self, limits: MeasuredLimits | None) -> None:
+    def set_limits(self, limits: Roof | None) -> None:
         """The measured limits of the loaded model's device and dtype (None: not measured)."""
         self.limits, self.limits_error = limits, ""
         self._redraw()
@@ -221,7 +204,7 @@ class RooflinePanel(QWidget):
         limits = self.limits
         if limits is not None:
             lines.append(
-                f"<b>{limits.device_name}</b> {limits.dtype}: peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> · "
+                f"<b>{limits.device}</b>: peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> · "
                 f"bandwidth <b>{si(limits.bandwidth, 'B/s')}</b> · ridge <b>{limits.ridge:.2f} FLOP/B</b>"
             )
         elif self.measuring:
@@ -247,10 +230,7 @@ class RooflinePanel(QWidget):
         if limits is None:
             return ""
         return (
-            f"Measured {limits.measured_at} in {limits.measure_seconds:.1f} s with {limits.threads} threads:\n"
-            f"matmul peak {si(limits.peak_flops, 'FLOP/s')}: the fastest {limits.dtype} matmul "
-            f"({limits.matmul_size} x {limits.matmul_size}, x @ W.T like every linear layer)\n"
-            f"bandwidth {si(limits.bandwidth, 'B/s')}: a large copy on {limits.device} (bytes read + written)\n"
+            f"{limits.how}\n"
             f"ridge = peak / bandwidth = {limits.ridge:.2f} FLOP per byte: a step that does fewer FLOPs "
             "per byte it moves waits on memory (memory-bound); one that does more waits on arithmetic "
             "(compute-bound)."

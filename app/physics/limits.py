@@ -15,11 +15,23 @@ from app.workers import EngineCall
 from engine.events import ModelInfo, ModelLoaded
 from engine.measure import device_limits
 from engine.measure.device_limits import DeviceLimits
-from widgets.roofline_panel import RooflinePanel
+from engine.units import si
+from widgets.roofline_panel import Roof, RooflinePanel
 
 
 def limits_device(info: ModelInfo) -> torch.device:
     return torch.device(info.device)
+
+
+def roof_of(limits: DeviceLimits) -> Roof:
+    """The limits as the panel draws them, with what and how they were measured in words."""
+    how = (
+        f"Measured {limits.measured_at} in {limits.measure_seconds:.1f} s with {limits.threads} threads:\n"
+        f"matmul peak {si(limits.peak_flops, 'FLOP/s')}: the fastest {limits.dtype} matmul "
+        f"({limits.matmul_size} x {limits.matmul_size}, x @ W.T like every linear layer)\n"
+        f"bandwidth {si(limits.bandwidth, 'B/s')}: a large copy on {limits.device} (bytes read + written)"
+    )
+    return Roof(limits.peak_flops, limits.bandwidth, f"{limits.device_name} {limits.dtype}", how)
 
 
 def limits_match(limits: DeviceLimits | None, info: ModelInfo) -> bool:
@@ -79,7 +91,7 @@ class LimitsController(QObject):
         # that belong to the model on screen.
         if loaded is not None and limits_match(limits, loaded.info):
             self.limits = limits
-            self.panel.set_limits(limits)
+            self.panel.set_limits(roof_of(limits))
 
     def shutdown(self, timeout: float) -> bool:
         return self.call is None or self.call.wait(timeout)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from app_windows import REPLY_TIMEOUT_MS
 
+from app.physics.limits import roof_of
 from app.physics.sweep import sweep_device
 from engine.config import SamplingParams
 from engine.events import StepStats
@@ -108,9 +109,12 @@ def test_limits_are_measured_on_the_engine_thread_and_read_back_from_the_cache(
     assert not panel.measure_button.isEnabled()  # measuring
     qtbot.waitUntil(lambda: panel.limits is not None, timeout=JOB_TIMEOUT_MS)
     assert measured_on == ["kvscope-engine"]
-    measured = panel.limits
+    measured = limits.limits
     assert measured.device == "cpu" and measured.dtype == "float32"
-    assert measured.device_name in panel.device_label.text() and panel.measure_button.isEnabled()
+    assert panel.limits == roof_of(measured)  # what the panel draws is the measurement's
+    assert (panel.limits.peak_flops, panel.limits.bandwidth) == (measured.peak_flops, measured.bandwidth)
+    assert f"{measured.device_name} float32" in panel.device_label.text() and panel.measure_button.isEnabled()
+    assert f"with {measured.threads} threads" in panel.device_label.toolTip()
     assert device_limits.cache_path(device_limits.resolve_device("cpu"), "float32").exists()
 
     # Forgotten (as by a model on another device), they come back from the cache at the next load.
@@ -119,7 +123,7 @@ def test_limits_are_measured_on_the_engine_thread_and_read_back_from_the_cache(
     with qtbot.waitSignal(window.host.model_loaded, timeout=JOB_TIMEOUT_MS):
         window.start_engine(window.host.config, loaded=tiny_loaded)
     qtbot.waitUntil(lambda: panel.limits is not None, timeout=JOB_TIMEOUT_MS)
-    assert panel.limits == measured and len(measured_on) == 2
+    assert limits.limits == measured and panel.limits == roof_of(measured) and len(measured_on) == 2
 
 
 def test_a_failed_measurement_says_why(make_window, qtbot, monkeypatch):

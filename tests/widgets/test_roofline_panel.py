@@ -8,34 +8,19 @@ import pytest
 from hand_events import model_info
 
 from engine.events import KVStats, ModelLoaded, StepStats
-from engine.measure.device_limits import DeviceLimits
 from engine.measure.roofline import step_cost
 from engine.model.shapes import ModelShapes
 from engine.units import mbu, mfu
 from live.state import LiveState
-from widgets.roofline_panel import RooflinePanel
+from widgets.roofline_panel import Roof, RooflinePanel
 
-# A SmolLM2-135M-shaped config (30 layers, 9 query heads over 3 KV heads of 64, tied embedding).
-SHAPES = ModelShapes(
-    architecture="LlamaForCausalLM",
-    num_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+# A SmolLM2-135M-shaped config: 30 layers of hidden 576 and MLP 1536, 9 query heads over 3 KV
+# heads of 64, a 49,152-token vocabulary, 8k context, the embedding tied to the LM head.
+SHAPES = ModelShapes("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 49152, 8192, True)
 BLOCK_SIZE = 16
 KV_ELEMS_PER_TOKEN = 2 * 30 * 3 * 64
 # Given limits: 73 GFLOP/s and 17 GB/s, a ridge at 4.3 FLOP/B (this machine's CPU in float32).
-# (device, its name, dtype, peak FLOP/s, the matmul size that reached it, bandwidth B/s, threads,
-# when and how long it was measured)
-LIMITS = DeviceLimits(
-    "cpu", "Test CPU (2 threads)", "float32", 73e9, 2048, 17e9, 2, "2026-01-01T00:00:00Z", 10.0
-)
+LIMITS = Roof(73e9, 17e9, "Test CPU (2 threads) float32", "measured by hand for the test")
 
 
 def loaded_event(shapes: ModelShapes = SHAPES, dtype: str = "float32") -> ModelLoaded:
