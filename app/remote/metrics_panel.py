@@ -115,9 +115,7 @@ class RemoteMetricsPanel(QWidget):
                 text += f" <span style='color:{theme.MUTED}'>({', '.join(missing)}: not exported)</span>"
             self.readout.setText(text)
         else:
-            self.readout.setText(
-                f"<span style='color:{theme.MUTED}'>waiting for the second poll…</span>"
-            )
+            self.readout.setText(f"<span style='color:{theme.MUTED}'>waiting for the second poll…</span>")
         if not points:
             return
         now = points[-1].t
