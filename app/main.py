@@ -15,6 +15,9 @@ kvscope --attach http://127.0.0.1:8000 [--api-key KEY]
 kvscope serve --model ... [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                                           no window: the engine behind an OpenAI-compatible HTTP API
                                           (the same as `python -m engine serve`)
+kvscope generate --prompt TEXT --json     the headless engine CLI (generate, chat, inspect-model,
+                                          bench, ...; the same as `python -m engine`): the frozen
+                                          app has no Python to run `-m engine` with
 """
 
 from __future__ import annotations
@@ -36,12 +39,18 @@ for _name, _value in (
 # scripted run reports failure instead of hanging a CI job.
 SCRIPTED_TIMEOUT_S = 900.0
 
+# Exit status when kvscope cannot start here at all (no usable Qt platform, unwritable folders).
+EXIT_CANNOT_START = 2
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine.config import DEVICES, DTYPES, KV_DTYPES
 
     parser = argparse.ArgumentParser(
-        prog="kvscope", description="Chat with a local LLM while watching its inference live."
+        prog="kvscope",
+        description="Chat with a local LLM while watching its inference live.",
+        epilog="kvscope COMMAND ... runs the headless engine instead of the window, COMMAND one of "
+        f"{', '.join(engine_commands())} (kvscope generate --help).",
     )
     parser.add_argument(
         "--model",
@@ -150,20 +159,47 @@ def group_sampling(args: argparse.Namespace, params):
     return SamplingParams(**values)
 
 
+def engine_commands() -> tuple[str, ...]:
+    from engine.cli.main import command_names
+
+    return command_names()
+
+
+def show_startup_error(message: str) -> None:
+    """A dialog for a person who started kvscope from a menu, where stderr goes unseen."""
+    from PySide6.QtWidgets import QMessageBox
+
+    QMessageBox.critical(None, "kvscope cannot start", message)
+
+
+def startup_failed(message: str, interactive: bool) -> int:
+    print(f"kvscope: {message}", file=sys.stderr)
+    if interactive:
+        show_startup_error(message)
+    return EXIT_CANNOT_START
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # `kvscope serve ...`: the headless server, no Qt at all
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in engine_commands():
         from engine.cli.main import main as engine_main
 
-        return engine_main(argv)
+        return engine_main(argv, prog="kvscope")
     args = parse_args(argv)
+
+    from app.startup import platform_problem
+
+    # Before the QApplication: without a platform Qt aborts with no library named.
+    problem = platform_problem()
+    if problem is not None:
+        return startup_failed(problem, interactive=False)
 
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
     from app.chat.conversations import StorageError
     from app.chat.db_recovery import open_conversations
-    from app.paths import asset_path, conversations_db_path
+    from app.paths import DirectoryError, asset_path, conversations_db_path
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
@@ -175,24 +211,29 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("kvscope")
     app.setOrganizationName("kvscope")
-    app.setDesktopFileName("kvscope")
+    # Wayland matches the window to its desktop entry (and icon) by this name.
+    app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
     apply_theme(app, asset_path("style.qss"))
 
-    settings = AppSettings()
     scripted = args.prompt is not None
     try:
-        choice = model_choice(args, settings.model_choice())
+        settings = AppSettings()
         # Interactive: a database that cannot be opened gets a dialog (set it aside, or quit).
         conversations = open_conversations(conversations_db_path(), interactive=not scripted)
-    except (ConfigError, StorageError) as exc:
-        print(f"kvscope: {exc}", file=sys.stderr)
-        return 2
+    except (DirectoryError, StorageError) as exc:
+        return startup_failed(str(exc), interactive=not scripted)
     if conversations is None:
         print(
             f"kvscope: the conversation database at {conversations_db_path()} was left as it is",
             file=sys.stderr,
         )
+        return 2
+    try:
+        choice = model_choice(args, settings.model_choice())
+    except ConfigError as exc:
+        print(f"kvscope: {exc}", file=sys.stderr)
+        conversations.close()
         return 2
 
     target = None

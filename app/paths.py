@@ -1,31 +1,55 @@
-"""Where kvscope keeps the user's data and settings.
+"""Where kvscope keeps the user's data and settings, and where the app's shipped assets are.
 
-Both honour an environment override so tests (and portable installs) never touch the real
-user directories: KVSCOPE_DATA_DIR for conversations, KVSCOPE_CONFIG_DIR for settings.
+Both folders honour an environment override so tests (and portable installs) never touch the
+real user directories: KVSCOPE_DATA_DIR for conversations, KVSCOPE_CONFIG_DIR for settings.
+A folder that cannot be created or written raises DirectoryError with a message for the user
+(a read-only home, a path through a file): the app reports it at startup instead of failing at
+the first save. Assets go through engine.resources, the one lookup that also works frozen.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from platformdirs import user_config_dir, user_data_dir
 
+from engine.resources import resource
+
 APP_NAME = "kvscope"
+
+
+class DirectoryError(Exception):
+    """A folder kvscope needs cannot be created or written; str() is for the user."""
+
+
+def writable_dir(path: Path, what: str, override: str) -> Path:
+    """`path`, created if needed and proven writable (a file made and removed in it)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # mkdir(exist_ok=True) succeeds on a folder we cannot write into; find out now.
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise DirectoryError(
+            f"cannot write the {what} folder {path} ({reason}). Make it writable, or set {override} "
+            "to a folder you can write."
+        ) from exc
+    return path
 
 
 def data_dir() -> Path:
     override = os.environ.get("KVSCOPE_DATA_DIR")
     path = Path(override).expanduser() if override else Path(user_data_dir(APP_NAME))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return writable_dir(path, "data", "KVSCOPE_DATA_DIR")
 
 
 def config_dir() -> Path:
     override = os.environ.get("KVSCOPE_CONFIG_DIR")
     path = Path(override).expanduser() if override else Path(user_config_dir(APP_NAME))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return writable_dir(path, "settings", "KVSCOPE_CONFIG_DIR")
 
 
 def conversations_db_path() -> Path:
@@ -37,5 +61,5 @@ def settings_path() -> Path:
 
 
 def asset_path(name: str) -> Path:
-    """A file from the repository's assets/ folder (shipped beside the app package)."""
-    return Path(__file__).resolve().parent.parent / "assets" / name
+    """A file of the repository's assets/ folder (in the frozen bundle: its assets/ folder)."""
+    return resource(f"assets/{name}")

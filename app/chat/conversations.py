@@ -4,6 +4,8 @@ One connection, used from the GUI thread only. Each write is its own transaction
 so an app crash loses at most what the caller had not yet handed over: the chat pane writes a
 streaming reply through `ReplyCheckpoint`, at most once a second and always on finish/stop.
 WAL journaling keeps those frequent small commits cheap and readers never blocked.
+A second kvscope running on the same database shares it safely: WAL lets each read while the
+other writes, and writers wait their turn (BUSY_TIMEOUT_S); tests/app/test_two_instances.py.
 
 Conversations are trees (app.chat.tree); the schema and the migration of older databases are
 app.chat.schema, exports and imports app.chat.exchange. A reply a crash cut off (its row still
@@ -38,6 +40,7 @@ __all__ = [
 
 DEFAULT_TITLE = "New conversation"
 TITLE_CHARS = 60  # a sidebar row shows about this much of the first user message
+BUSY_TIMEOUT_S = 10.0
 INTERRUPTED = "interrupted"  # finish reason of a reply that was streaming when the app died
 SEARCH_LIMIT = 50
 _AT_LEAF = object()  # add_message's default parent: the end of the visible path
@@ -72,7 +75,10 @@ class ConversationStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             probe(self.path)
-            self._db = sqlite3.connect(str(self.path), isolation_level=None)
+            # timeout: a second kvscope on the same database (WAL: readers never wait, writers
+            # take turns) waits this long for the other's write to end instead of failing at once
+            # with "database is locked". Each write is one small autocommit, held for milliseconds.
+            self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=BUSY_TIMEOUT_S)
         except (OSError, sqlite3.Error, SchemaError) as exc:
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
         try:

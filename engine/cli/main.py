@@ -26,8 +26,9 @@ EXIT_BAD_INPUT = 2
 EXIT_REQUEST_FAILED = 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
+    # prog: the frozen app runs these commands as `kvscope generate ...` (app/main.py).
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     from engine.cli import physics as cli_physics
 
@@ -86,8 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def command_names() -> tuple[str, ...]:
+    """The subcommands (generate, chat, ...): the app hands a command line starting with one here."""
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return tuple(subcommands.choices)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
+    args = build_parser(prog).parse_args(argv)
     from engine.config import ConfigError
     from engine.model.errors import ModelLoadError
 

