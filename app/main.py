@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
-    from app.theme import apply_theme
     from app.window import MainWindow
     from engine.config import ConfigError
+    from widgets.theme import apply_theme
 
     configure_for_gui()
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     # Wayland matches the window to its desktop entry (and icon) by this name.
     app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
-    apply_theme(app)
+    apply_theme(app, asset_path("style.qss"))
 
     scripted = args.prompt is not None
     try:

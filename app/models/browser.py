@@ -27,8 +27,8 @@ from PySide6.QtWidgets import (
 from app.models.browser_cache import CacheTab
 from app.models.browser_table import item, table
 from app.models.browser_worker import HubWorker
-from app.models.picker import human_bytes
 from engine.config import DTYPES
+from engine.units import format_bytes
 
 RESULT_COLUMNS = ("Model", "Downloads", "Likes", "Params", "Size", "Licence", "Gated", "kvscope")
 FILE_COLUMNS = ("Weights", "On disk", "Weights + KV", "Fits here?", "Note")
@@ -45,15 +45,15 @@ def fit_text(choice) -> tuple[str, str]:
     if est is None:
         return "–", choice.estimate_error or "unknown"
     need = est["weight_bytes"] + est["kv_bytes_for_context"]
-    total = f"{human_bytes(need)} ({human_bytes(est['weight_bytes'])} + {human_bytes(est['kv_bytes_for_context'])})"
+    total = f"{format_bytes(need)} ({format_bytes(est['weight_bytes'])} + {format_bytes(est['kv_bytes_for_context'])})"
     if est["fits_with_context"]:
         return (
             total,
-            f"yes, in {human_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}",
+            f"yes, in {format_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}",
         )
     if est["weights_fit_in_budget"]:
         return total, f"weights only: {est['max_context_tokens_in_budget']:,} tokens of KV fit"
-    return total, f"no: {human_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}"
+    return total, f"no: {format_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}"
 
 
 class ModelBrowser(QDialog):
@@ -193,7 +193,7 @@ class ModelBrowser(QDialog):
                 item(_count(h.downloads), h.downloads),
                 item(_count(h.likes), h.likes),
                 item(params, h.params),
-                item(human_bytes(h.weights_bytes) if h.weights_bytes else "?", h.weights_bytes),
+                item(format_bytes(h.weights_bytes) if h.weights_bytes else "?", h.weights_bytes),
                 item(h.license or "?"),
                 item(
                     h.gated or "no", tip="accept the licence on the Hub and set HF_TOKEN" if h.gated else ""
@@ -245,7 +245,7 @@ class ModelBrowser(QDialog):
             total, verdict_text = fit_text(c)
             cells = (
                 item(c.label, tip="\n".join(c.files)),
-                item(human_bytes(c.weights_bytes), c.weights_bytes),
+                item(format_bytes(c.weights_bytes), c.weights_bytes),
                 item(total),
                 item(verdict_text),
                 item(c.note or ("" if c.loadable else "not loadable by kvscope")),
@@ -281,7 +281,7 @@ class ModelBrowser(QDialog):
         ok = choice is not None and choice.loadable and self._files.supported is not False
         self.download_button.setEnabled(ok and not self.cancel_button.isEnabled())
         if choice is not None:
-            self.download_button.setText(f"Download {choice.label} ({human_bytes(choice.download_bytes)})")
+            self.download_button.setText(f"Download {choice.label} ({format_bytes(choice.download_bytes)})")
 
     # ---- download --------------------------------------------------------------------------
     @Slot()
@@ -294,7 +294,7 @@ class ModelBrowser(QDialog):
         self.download_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
         self.progress.setValue(0)
-        self.progress_label.setText(f"0 B of {human_bytes(choice.download_bytes)}")
+        self.progress_label.setText(f"0 B of {format_bytes(choice.download_bytes)}")
         self._say(f"Downloading {self._files.repo_id} ({choice.label}) into the Hugging Face cache…")
         self._tickets["download"] = self.worker.download(self._files.repo_id, choice.files)
 
@@ -303,8 +303,8 @@ class ModelBrowser(QDialog):
         if ticket != self._tickets["download"]:
             return
         self.progress.setValue(round(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 1000)
-        rate = f" · {human_bytes(p.bytes_per_s)}/s" if p.bytes_per_s else ""
-        self.progress_label.setText(f"{human_bytes(p.done_bytes)} of {human_bytes(p.total_bytes)}{rate}")
+        rate = f" · {format_bytes(p.bytes_per_s)}/s" if p.bytes_per_s else ""
+        self.progress_label.setText(f"{format_bytes(p.done_bytes)} of {format_bytes(p.total_bytes)}{rate}")
 
     @Slot(int, object)
     def _on_downloaded(self, ticket: int, result) -> None:
@@ -314,9 +314,9 @@ class ModelBrowser(QDialog):
         self.progress.setValue(1000)
         self._downloaded_source = result.source
         self.use_button.setEnabled(True)
-        resumed = f", {human_bytes(result.resumed_bytes)} resumed" if result.resumed_bytes else ""
+        resumed = f", {format_bytes(result.resumed_bytes)} resumed" if result.resumed_bytes else ""
         self._say(
-            f"Downloaded {result.repo_id}: {human_bytes(result.downloaded_bytes)}{resumed}. Ready to load."
+            f"Downloaded {result.repo_id}: {format_bytes(result.downloaded_bytes)}{resumed}. Ready to load."
         )
         self._on_file_selected()
 

@@ -12,7 +12,7 @@ from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QMessageBox, QPushButton, QVBoxLayout, QWidget
 
 from app.models.browser_table import item, table
-from app.models.picker import human_bytes
+from engine.units import format_bytes
 
 COLUMNS = ("Model", "Where", "On disk", "Partial download", "Weights")
 
@@ -60,9 +60,9 @@ class CacheTab(QWidget):
         else:
             total = sum(c.size_bytes for c in cached)
             partial = sum(c.partial_bytes for c in cached)
-            resumable = f", {human_bytes(partial)} of partial downloads that resume" if partial else ""
+            resumable = f", {format_bytes(partial)} of partial downloads that resume" if partial else ""
             self.summary.setText(
-                f"Hugging Face cache {cache_dir()}: {len(cached)} models, {human_bytes(total)}{resumable}"
+                f"Hugging Face cache {cache_dir()}: {len(cached)} models, {format_bytes(total)}{resumable}"
             )
             self.summary.setProperty("kind", "")
         others = lmstudio_models() + gpt4all_models() + ollama_models()
@@ -74,8 +74,8 @@ class CacheTab(QWidget):
             cells = (
                 item(c.repo_id, tip=c.path),
                 item("HF cache"),
-                item(human_bytes(c.size_bytes), c.size_bytes),
-                item(human_bytes(c.partial_bytes) if c.partial_bytes else "–", c.partial_bytes),
+                item(format_bytes(c.size_bytes), c.size_bytes),
+                item(format_bytes(c.partial_bytes) if c.partial_bytes else "–", c.partial_bytes),
                 item(", ".join(c.weights) or "none"),
             )
             for col, cell in enumerate(cells):
@@ -84,7 +84,7 @@ class CacheTab(QWidget):
             cells = (
                 item(m.name, tip=m.source),
                 item(m.where),
-                item(human_bytes(m.size_bytes), m.size_bytes),
+                item(format_bytes(m.size_bytes), m.size_bytes),
                 item("–"),
                 item("gguf"),
             )
@@ -132,4 +132,4 @@ class CacheTab(QWidget):
             self.summary.setProperty("kind", "error")
             return
         self.refresh()
-        self.summary.setText(f"Deleted {repo_id}: {human_bytes(freed)} freed. " + self.summary.text())
+        self.summary.setText(f"Deleted {repo_id}: {format_bytes(freed)} freed. " + self.summary.text())

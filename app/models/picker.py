@@ -2,15 +2,13 @@
 dtype, device, KV block size and budget, with the memory estimate shown before loading.
 
 The estimate (`engine.model.inspect.inspect_model`) reads only config/metadata, but a GGUF
-header can still take a moment, so it runs on a short-lived worker thread and reports back
-through a queued signal to a bound slot.
+header can still take a moment, so it runs on a worker (app.workers); a newer choice discards
+the estimate still being read for an older one.
 """
 
 from __future__ import annotations
 
-import threading
-
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -24,18 +22,12 @@ from PySide6.QtWidgets import (
 )
 
 from app.models.quant_picker import QuantizationChoice
-from app.settings import MIB, ModelChoice
+from app.settings import ModelChoice
+from app.workers import Worker, create_worker
 from engine.config import DEVICES, DTYPES
+from engine.units import MIB, format_bytes
 
 DEFAULT_LABEL = "Packaged default: SmolLM2-135M-Instruct"
-GIB = 1024**3
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
@@ -48,11 +40,11 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
         [
             f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
             f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {human_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
-            f"{human_bytes(est['budget_bytes'])} ({est['budget_source']})",
-            f"KV cache: {human_bytes(per_token)} per token; the full {est['context']:,}-token context "
-            f"needs {human_bytes(est['kv_bytes_for_context'])}",
-            f"KV budget {human_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+            f"Weights ≈ {format_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
+            f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
+            f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
+            f"needs {format_bytes(est['kv_bytes_for_context'])}",
+            f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
             f"= {pool_blocks * block_size:,} tokens",
         ]
     )
@@ -63,7 +55,7 @@ def cached_model_entries() -> list[tuple[str, str]]:
     Ollama: engine.model.local_models), with its size on disk; [] when none or unreadable."""
     from engine.model.local_models import find_local_models
 
-    return [(f"{m.where}: {m.name} · {human_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
+    return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
 
 
 def fit_suffix(est: dict) -> str:
@@ -77,11 +69,19 @@ def fit_suffix(est: dict) -> str:
 ENTRY_FIT_CONTEXT = 4096
 
 
-class _EstimateRelay(QObject):
-    """Carries a worker thread's result to the GUI thread (queued: the receiver lives there)."""
+def entry_fits(sources: list[str], dtype: str) -> list[tuple[str, str]]:
+    """(source, suffix) for each entry: whether it fits, from its metadata alone (a worker runs it)."""
+    from engine.model.inspect import inspect_model
 
-    finished = Signal(int, object, str)  # ticket, estimate dict or None, error message
-    entry_fit = Signal(str, str)  # source, suffix for its entry (' · fits', ' · too big here')
+    marks = []
+    for source in sources:
+        try:
+            est = inspect_model(source, dtype=dtype, context=ENTRY_FIT_CONTEXT)
+        except Exception:  # noqa: BLE001 - unreadable: the estimate line says why when chosen
+            marks.append((source, " · unreadable"))
+            continue
+        marks.append((source, " · not served" if not est.get("supported", True) else fit_suffix(est)))
+    return marks
 
 
 class ModelPicker(QWidget):
@@ -118,7 +118,7 @@ class ModelPicker(QWidget):
         self.kv_budget = QSpinBox()
         self.kv_budget.setRange(0, 1024 * 1024)
         self.kv_budget.setSuffix(" MiB")
-        self.kv_budget.setSpecialValueText(f"auto ({human_bytes(default_budget_bytes)})")
+        self.kv_budget.setSpecialValueText(f"auto ({format_bytes(default_budget_bytes)})")
         self.kv_budget.setToolTip("Memory for the paged KV cache; it sets how many pages the pool has")
         self.quantization = QuantizationChoice(self)
         self.estimate = QLabel("")
@@ -148,11 +148,7 @@ class ModelPicker(QWidget):
         layout.addWidget(self.estimate)
         layout.addWidget(self.load_button)
 
-        self._relay = _EstimateRelay(self)
-        self._relay.finished.connect(self._on_estimate)
-        self._relay.entry_fit.connect(self._on_entry_fit)
-        self._ticket = 0
-        self._worker: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._estimate: dict | None = None
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
@@ -187,7 +183,7 @@ class ModelPicker(QWidget):
 
     def add_cached_models(self) -> None:
         """List the models already on this machine with their size (directory scans; called once
-        at startup), then mark each with whether it fits, read from its metadata on a thread."""
+        at startup), then mark each with whether it fits, read from its metadata on a worker."""
         try:
             entries = cached_model_entries()
         except Exception as exc:  # noqa: BLE001 - a broken cache must not break the picker
@@ -200,30 +196,19 @@ class ModelPicker(QWidget):
                 added.append(source)
         if added:
             dtype = self.dtype.currentText()
-            self._fit_worker = threading.Thread(
-                target=self._mark_fits, args=(added, dtype), name="kvscope-fit", daemon=True
+            create_worker(
+                lambda: entry_fits(added, dtype),
+                name="kvscope-fit",
+                parent=self,
+                on_returned=self._on_entry_fits,
             )
-            self._fit_worker.start()
 
-    def _mark_fits(self, sources: list[str], dtype: str) -> None:
-        from engine.model.inspect import inspect_model
-
-        for source in sources:
-            try:
-                est = inspect_model(source, dtype=dtype, context=ENTRY_FIT_CONTEXT)
-            except Exception:  # noqa: BLE001 - unreadable: the estimate line says why when chosen
-                self._relay.entry_fit.emit(source, " · unreadable")
-                continue
-            if not est.get("supported", True):
-                self._relay.entry_fit.emit(source, " · not served")
-            else:
-                self._relay.entry_fit.emit(source, fit_suffix(est))
-
-    @Slot(str, str)
-    def _on_entry_fit(self, source: str, suffix: str) -> None:
-        index = self.source.findData(source)
-        if index >= 0 and not self.source.itemText(index).endswith(suffix):
-            self.source.setItemText(index, self.source.itemText(index) + suffix)
+    @Slot(object)
+    def _on_entry_fits(self, marks: list[tuple[str, str]]) -> None:
+        for source, suffix in marks:
+            index = self.source.findData(source)
+            if index >= 0 and not self.source.itemText(index).endswith(suffix):
+                self.source.setItemText(index, self.source.itemText(index) + suffix)
 
     def _select_source(self, source: str) -> None:
         index = self.source.findData(source)
@@ -236,39 +221,42 @@ class ModelPicker(QWidget):
     @Slot()
     def refresh_estimate(self) -> None:
         """Start inspecting the chosen source; a newer request supersedes an older one."""
-        self._ticket += 1
-        ticket, choice = self._ticket, self.choice()
+        choice = self.choice()
         self.source.setToolTip(self.source.currentText())
         self._estimate = None
         self.estimate.setText("Reading the model's metadata…")
-        self._worker = threading.Thread(
-            target=self._inspect, args=(ticket, choice), name="kvscope-inspect", daemon=True
-        )
-        self._worker.start()
+        if self._worker is not None:
+            self._worker.discard()  # the user has picked something else since
 
-    def _inspect(self, ticket: int, choice: ModelChoice) -> None:
-        try:
+        def inspect() -> dict:
             from engine.model.inspect import inspect_model
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).
-            est = inspect_model(choice.source, dtype=choice.dtype)
-            self._relay.finished.emit(ticket, est, "")
-        except Exception as exc:  # noqa: BLE001 - shown to the user as the reason
-            self._relay.finished.emit(ticket, None, str(exc) or type(exc).__name__)
+            return inspect_model(choice.source, dtype=choice.dtype)
 
-    @Slot(int, object, str)
-    def _on_estimate(self, ticket: int, est: dict | None, error: str) -> None:
-        if ticket != self._ticket:
-            return  # the user has picked something else since
-        if est is None:
-            self._estimate = None
-            self.estimate.setText(f"Cannot estimate this model: {error}")
-            self.estimate.setProperty("kind", "error")
-        else:
-            self._estimate = est
-            self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
-            self.estimate.setProperty("kind", "")
+        self._worker = create_worker(
+            inspect,
+            name="kvscope-inspect",
+            parent=self,
+            on_returned=self._on_estimate,
+            on_errored=self._on_estimate_failed,
+        )
+
+    @Slot(object)
+    def _on_estimate(self, est: dict) -> None:
+        self._estimate = est
+        self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
+        self._mark_estimate("")
+
+    @Slot(str)
+    def _on_estimate_failed(self, error: str) -> None:
+        self._estimate = None
+        self.estimate.setText(f"Cannot estimate this model: {error}")
+        self._mark_estimate("error")
+
+    def _mark_estimate(self, kind: str) -> None:
+        self.estimate.setProperty("kind", kind)
         self.estimate.style().unpolish(self.estimate)
         self.estimate.style().polish(self.estimate)
 
@@ -284,12 +272,11 @@ class ModelPicker(QWidget):
             )
 
     def wait_for_estimate(self, timeout: float = 5.0) -> None:
-        """Join a running inspection (window close, tests) so no worker outlives the picker."""
-        if self._worker is not None:
-            self._worker.join(timeout)
-        fit_worker = getattr(self, "_fit_worker", None)
-        if fit_worker is not None:
-            fit_worker.join(timeout)
+        """Join the inspections still reading (window close, tests) and deliver the latest, so no
+        worker outlives the picker."""
+        for worker in self.findChildren(Worker):
+            worker.wait(timeout)
+            worker.drain()
         if self._browser is not None:
             self._browser.worker.wait(timeout)
 
@@ -305,6 +292,10 @@ class ModelPicker(QWidget):
         path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", "", "GGUF models (*.gguf)")
         if path:
             self._select_source(path)
+
+    @Slot()
+    def _on_load_clicked(self) -> None:
+        self.load_requested.emit(self.choice())
 
     @Slot()
     def open_browser(self) -> None:
@@ -323,7 +314,3 @@ class ModelPicker(QWidget):
         if self.source.findData(source) < 0:
             self.source.addItem(f"HF cache: {source}", source)
         self._select_source(source)
-
-    @Slot()
-    def _on_load_clicked(self) -> None:
-        self.load_requested.emit(self.choice())

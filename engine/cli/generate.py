@@ -7,6 +7,7 @@ import sys
 
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
 from engine.model.chat_template import NOTE_PLAIN_TEXT
+from engine.units import milliseconds
 
 EXIT_REQUEST_FAILED = 1
 
@@ -180,7 +181,7 @@ def run_generate(args) -> int:
     else:
         s = outcome.stats
         print(
-            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {s.ttft_s * 1000:.0f} ms, "
+            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {milliseconds(s.ttft_s)}, "
             f"{s.tokens_per_s:.1f} tok/s]",
             file=sys.stderr,
         )

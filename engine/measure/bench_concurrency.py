@@ -13,6 +13,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
 from engine.request import Request
+from engine.units import milliseconds
 
 TOPICS = [
     "the water cycle", "how a bicycle gear works", "why leaves change colour", "the history of paper",
@@ -114,6 +115,6 @@ def run_concurrency_bench(args, loaded) -> int:
     pc = report["prefix_cache"]
     print(
         f"prefix cache: {pc['cached_prompt_tokens']}/{pc['prompt_tokens']} prompt tokens cached; "
-        f"TTFT cold {pc['ttft_cold_s'] * 1000:.0f} ms, cached {pc['ttft_cached_s'] * 1000:.0f} ms"
+        f"TTFT cold {milliseconds(pc['ttft_cold_s'])}, cached {milliseconds(pc['ttft_cached_s'])}"
     )
     return 0

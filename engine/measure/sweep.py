@@ -16,9 +16,10 @@ from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished, StepStats
 from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import bound, mbu, mfu, step_cost
+from engine.measure.roofline import bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
+from engine.units import mbu, mfu
 
 # Real text, tokenized and repeated to the length a sweep asks for: token identities do not change
 # the cost of a step, but a prompt of real text keeps the run what a user would send.
