@@ -36,39 +36,7 @@ from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
 from widgets.reference import ReferenceDistribution
 from widgets.token_text import visible
-
-WHAT_IF_LABEL = "what-if (settings changed since this token)"
-WHAT_IF_HOW = (
-    "recomputed on the engine: this token's full logits from one forward over its context, "
-    "then the sampler's own stages under these settings"
-)
-WHAT_IF_WAITING = "recomputing this token on the engine…"
-WHAT_IF_STREAMING = (
-    "select a token, or let the reply finish, to recompute it (each recomputation is a forward "
-    "over the whole context); the bars show the token as it was drawn"
-)
-WhatIfKey = tuple[int, int, SamplingParams]  # request id, token index, the what-if settings
-# The shell's answer for a token: its settings, the snapshot (None: failed), why not, notes.
-WhatIfAnswer = tuple[TokenGenerated, SamplingParams, TokenSnapshot | None, str, tuple[str, ...]]
-
-
-def describe_params(params: SamplingParams) -> str:
-    """The warper settings a what-if uses, in the words of the controls."""
-    if params.greedy:
-        return "greedy (temperature 0)"
-    parts = [f"temperature {params.temperature:g}"]
-    if params.top_k:
-        parts.append(f"top-k {params.top_k}")
-    if params.top_p < 1.0:
-        parts.append(f"top-p {params.top_p:g}")
-    if params.min_p > 0.0:
-        parts.append(f"min-p {params.min_p:g}")
-    if params.typical_p < 1.0:
-        parts.append(f"typical-p {params.typical_p:g}")
-    if params.xtc_probability > 0.0:
-        parts.append(f"XTC {params.xtc_threshold:g} at p {params.xtc_probability:g}")
-    return " · ".join(parts)
-
+from widgets.what_if_state import WhatIfState
 
 CONTINUE_HINT = "Click a candidate, then continue the reply from it as a new branch"
 
@@ -84,11 +52,7 @@ class ProbabilityPanel(QWidget):
         self.state = state
         self._request_id: int | None = None
         self._index: int | None = None
-        self._what_if: SamplingParams | None = None
-        # The what-if last asked for (its key and token: ids restart with each engine), and the
-        # shell's answer to it: the recomputed snapshot, or why there is none.
-        self._what_if_asked: tuple[WhatIfKey, TokenGenerated] | None = None
-        self._what_if_answer: WhatIfAnswer | None = None
+        self.what_if = WhatIfState()
         self._stage_choice: str | None = None  # None: the last (final) stage
         self._shown: TokenGenerated | None = None
         self._stale = True
@@ -168,7 +132,7 @@ class ProbabilityPanel(QWidget):
 
     def set_what_if(self, params: SamplingParams | None) -> None:
         """Show the selected token's stages recomputed under `params` (None: as recorded)."""
-        self._what_if = params
+        self.what_if.params = params
         self._update()
 
     def show_what_if(
@@ -182,11 +146,8 @@ class ProbabilityPanel(QWidget):
     ) -> None:
         """The shell's answer to `what_if_requested`: the token's snapshot under `params` (and
         how it differs from one real draw, if it does), or why it could not be recomputed."""
-        asked = self._what_if_asked
-        if asked is None or asked[0] != (request_id, index, params):
-            return  # an answer to a question no longer on screen
-        self._what_if_answer = (asked[1], params, snapshot, error, notes)
-        self._update()
+        if self.what_if.answered((request_id, index, params), snapshot, error, notes):
+            self._update()
 
     def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:
         """Where the full-precision reference of a token comes from (a quality run's results)."""
@@ -247,7 +208,7 @@ class ProbabilityPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         followed = self.following or self._stale
         # A what-if on the followed reply is recomputed once it ends ("requests").
-        ended = "requests" in dirty and self._what_if is not None and self.following
+        ended = "requests" in dirty and self.what_if.params is not None and self.following
         if ("tokens" in dirty and followed) or ended:
             self._update()
 
@@ -317,35 +278,20 @@ class ProbabilityPanel(QWidget):
         recorded = token.snapshot
         assert recorded is not None
         self.what_if_error = None
-        params = self._what_if
-        if params is None:
+        if self.what_if.params is None:
             self.banner.hide()
             return recorded
         self.banner.show()
         if is_remote_snapshot(recorded):
             self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
             return recorded
-        label = f"{WHAT_IF_LABEL}: {describe_params(params)}"
         view = self.state.requests.get(token.request_id)
-        if self.following and view is not None and not view.done:
-            self.banner.setText(f"{label}: {WHAT_IF_STREAMING}")
-            return recorded
-        answer = self._what_if_answer
-        if answer is not None and answer[0] is token and answer[1] == params:
-            _, _, snapshot, error, notes = answer
-            if snapshot is None:
-                self.banner.setText(label)
-                self.what_if_error = error
-                return None
-            self.banner.setText(f"{label}: {WHAT_IF_HOW}" + "".join(f"\n· {note}" for note in notes))
-            return snapshot
-        self.banner.setText(f"{label}: {WHAT_IF_WAITING}")
-        key = (token.request_id, token.index, params)
-        asked = self._what_if_asked
-        if asked is None or asked[0] != key or asked[1] is not token:
-            self._what_if_asked = (key, token)
-            self.what_if_requested.emit(*key)
-        return recorded
+        shown = self.what_if.view(token, recorded, self.following and view is not None and not view.done)
+        self.banner.setText(shown.banner)
+        self.what_if_error = shown.error or None
+        if shown.ask is not None:
+            self.what_if_requested.emit(*shown.ask)
+        return shown.snapshot
 
     def _clear(self, message: str) -> None:
         self.stages, self.stage_name = (), None
@@ -355,7 +301,7 @@ class ProbabilityPanel(QWidget):
         self.summary.setText("")
         self.header.setText(f"<span style='color:{theme.MUTED}'>Token probabilities</span>")
         self._sync_stage_buttons((), -1, 0)
-        if self._what_if is None:
+        if self.what_if.params is None:
             self.banner.hide()
 
     def _set_header(self, token: TokenGenerated, shown: TokenSnapshot | None) -> None:

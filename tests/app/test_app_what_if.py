@@ -12,7 +12,7 @@ from test_app_chat import send_and_wait, use_params
 
 from engine.sampling import what_if as what_if_module
 from engine.sampling.what_if import WhatIf
-from widgets.probability_panel import WHAT_IF_HOW
+from widgets.what_if_state import WHAT_IF_HOW
 
 TIMEOUT_MS = 60_000
 

@@ -9,15 +9,10 @@ from hand_events import finished, snapshot, token
 from engine.config import SamplingParams
 from engine.events import RequestStarted
 from live.state import LiveState
-from widgets.probability_panel import (
-    WHAT_IF_HOW,
-    WHAT_IF_LABEL,
-    WHAT_IF_STREAMING,
-    WHAT_IF_WAITING,
-    ProbabilityPanel,
-)
+from widgets.probability_panel import ProbabilityPanel
 from widgets.probability_rows import cut_lines, entropy_text
 from widgets.token_text import visible
+from widgets.what_if_state import WHAT_IF_HOW, WHAT_IF_LABEL, WHAT_IF_STREAMING, WHAT_IF_WAITING
 
 TEXTS = [" the", " a", "\n", " an", "\tthis", " my"]
 LOGITS = [3.0, 2.2, 1.9, 1.0, 0.4, -0.5]
