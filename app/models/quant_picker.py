@@ -52,7 +52,8 @@ def weights_figures(spec: ModelSpec, info: ModelInfo) -> WeightsFigures:
 
 
 def describe_loaded(weights: WeightsFigures, loaded: ModelLoaded, kv_dtype: str) -> str:
-    """Two lines for the picker once a model is up: weights before/after, KV page size."""
+    """The picker's lines once a model is up: weights before/after, KV page size, then how the
+    engine runs it (ModelInfo.notes: the weights kept, the forward, its threads, the kernel table)."""
     if weights.bytes_full is None:
         line = f"Loaded weights: {format_bytes(weights.bytes_now)} in {weights.load_dtype} (not quantized)"
     else:
@@ -67,7 +68,7 @@ def describe_loaded(weights: WeightsFigures, loaded: ModelLoaded, kv_dtype: str)
         kv += f" ({format_bytes(full_block)} in {loaded.info.dtype}), {loaded.kv_num_blocks:,} pages"
     else:
         kv += f", {loaded.kv_num_blocks:,} pages"
-    return f"{line}\n{kv}"
+    return "\n".join([line, kv, *loaded.info.notes])
 
 
 def statuses_for(device: str):

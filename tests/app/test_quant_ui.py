@@ -138,6 +138,9 @@ def test_loading_with_a_scheme_updates_the_weights_series(make_window, qtbot, ti
     assert f"weights, {INT8} (tensor sizes)" in memory.legend.text()
     line = window.controls.model.quantization.loaded.text()
     assert INT8 in line and "in float32" in line and "KV int8" in line
+    # how the engine runs it, as it reported: the forward, its threads, the measured kernel table
+    assert all(note in line for note in info.notes) and "engine threads" in line
+    assert "kernels int8-row: " in line
     # the int8 pool: more pages in the same 1 MiB than the float32 one had
     assert event.kv_num_blocks >= 2 * full.kv_num_blocks
 

@@ -78,7 +78,8 @@ def test_attached_to_kvscope_every_panel_works_from_its_events(qtbot, make_windo
     assert live.steps
     view = live.requests[window.controller._records[reply.id].request_id]
     assert len(view.tokens) == PARAMS.max_new_tokens
-    window.panels.probabilities.show_token(None, None)  # draws at once
+    # the app's own reply (the server's stream also carries server_reply's request, from another client)
+    window.panels.probabilities.show_token(view.request_id, len(view.tokens) - 1)  # draws at once
     assert window.panels.probabilities.stages[0].name == "raw"  # the per-stage view, as locally
     assert not any(cover.covered for cover in window.remote_views.covers.values())
     qtbot.waitUntil(lambda: host.metrics_family == "kvscope", timeout=LOAD_TIMEOUT_MS)
