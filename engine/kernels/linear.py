@@ -188,10 +188,14 @@ def _wrap_remaining(model: nn.Module, policy: KernelPolicy) -> None:
     """Every plain linear not fused becomes a KernelLinear too, the LM head included (one path
     for every layer; a tied head keeps sharing the embedding's tensor)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = getattr(embedding, "weight", None)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         kind = KernelHead if module is head else KernelLinear
-        setattr(parent, child, kind(DenseWeight(module.weight), module.bias, policy))
+        # a head tied to the embedding keeps its rows: the lookup reads the same tensor
+        columns = False if tied is not None and module.weight is tied else None
+        setattr(parent, child, kind(DenseWeight(module.weight, columns), module.bias, policy))

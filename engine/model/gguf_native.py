@@ -193,7 +193,7 @@ def _tie_head(model, config, embedding_storage: WeightStorage | None, policy: Ke
         return
     embed = model.get_input_embeddings()
     if isinstance(head, nn.Linear) and head.weight.is_meta:
-        model.lm_head = KernelHead(DenseWeight(embed.weight), None, policy)  # tied: one tensor
+        model.lm_head = KernelHead(DenseWeight(embed.weight, columns=False), None, policy)  # tied: one tensor
 
 
 def _materialize_rest(model, config, dtype) -> None:

@@ -92,6 +92,15 @@ def resolve_scheme(quantization: str, src: ModelSource, device: torch.device = C
     return quantization
 
 
+def load_transformers_model(source: str, dtype: str = "float32"):
+    """The source's weights in a plain transformers model, as transformers alone would serve them
+    (no kernel layers, no fused projections): the baseline `engine bench` runs generate() on."""
+    src = resolve_source(source)
+    if src.kind == "default" and src.is_gguf:
+        src = ModelSource("default", default_model_dir(), src.name, src.gguf)
+    return _load_weights(src, TORCH_DTYPES[dtype]).eval()
+
+
 def load_model(
     spec: ModelSpec,
     progress: Callable[[str, float], None] | None = None,
