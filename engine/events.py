@@ -3,6 +3,10 @@
 Every event is a small frozen dataclass carrying plain Python values (no tensors), so a
 consumer on another thread can keep them without touching torch or the engine's state.
 `t` is `time.perf_counter()` on the engine thread when the event was made.
+
+One module past 400 lines on purpose: it is the whole vocabulary that crosses from the engine to
+the GUI and over the wire (engine/serve/codec.py serialises every dataclass found here), and a
+reader should find all of it in one place.
 """
 
 from __future__ import annotations

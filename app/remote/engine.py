@@ -10,6 +10,10 @@ disconnect and cancels the request), /metrics is polled by another, and a kvscop
 A generic server's replies become events here (app.remote.openai_stream: timed on this client).
 A kvscope server's replies are only *sent* here: their events, the same as a local engine's,
 come on its events stream (app.remote.kvscope_events), with blocks, steps and memory.
+
+Over 400 lines on purpose: one class owns the one asyncio loop and the state its tasks share
+(replies in flight, the events stream, the metrics poll); the protocol details live beside it
+(http, openai_stream, kvscope_events, prom, vllm_kv).
 """
 
 from __future__ import annotations
