@@ -113,7 +113,14 @@ def load(qtbot, window, folder, scheme: str, kv_dtype: str = "auto"):
     window.controls.model.set_choice(choice)
     with qtbot.waitSignal(window.host.model_loaded, timeout=LOAD_TIMEOUT_MS) as loaded:
         window.controls.model.load_button.click()
-    qtbot.waitUntil(lambda: len(window.host.live.memory) > 0, timeout=LOAD_TIMEOUT_MS)
+    # the memory timeline runs on across loads: wait for a sample this model's engine took
+    # (one taken before it, by the previous model, may still be the last on a slow machine)
+    engine_info = loaded.args[0].info
+    live = window.host.live
+    qtbot.waitUntil(
+        lambda: len(live.memory) > 0 and live.memory.column("weights")[-1] == engine_info.weight_bytes,
+        timeout=LOAD_TIMEOUT_MS,
+    )
     window.panels.memory.refresh({"memory"})
     return loaded.args[0]
 
