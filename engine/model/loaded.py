@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +14,14 @@ from engine.model.shapes import ModelShapes
 from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
-    tokenizer: object  # a transformers tokenizer with a chat template
+    model: PreTrainedModel  # a transformers *ForCausalLM in eval mode
+    tokenizer: PreTrainedTokenizerBase  # with a chat template
     info: ModelInfo
     device: torch.device
     dtype: torch.dtype
