@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from engine.quant.bnb import Bnb4bit, BnbInt8
 from engine.quant.fp8 import Fp8Weight
 from engine.quant.w8a8 import W8A8, W8A8SmoothQuant
 from engine.quant.weight_only import Int4WeightOnly, Int8WeightOnly
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "NONE",
@@ -55,7 +59,7 @@ class FullPrecision(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return True, f"plain matmuls on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
         return model
 
 
@@ -77,7 +81,7 @@ class NativeGguf(QuantScheme):
             return False, problem
         return True, "torch's packed int4/int8 CPU kernels for decode rows, dense matmuls for prefill"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
         raise QuantizationError("'native' applies while a GGUF file is read; load the file with it instead.")
 
 
@@ -92,7 +96,7 @@ class Automatic(QuantScheme):
             return True, "native for GGUF sources, none otherwise"
         return True, "none (a GGUF is dequantized on a GPU)"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
         raise QuantizationError("'auto' is resolved when the model is loaded, from its source.")
 
 
@@ -159,15 +163,18 @@ def check_scheme(name: str, device: torch.device | str) -> QuantScheme:
     return scheme
 
 
-def quantize_model(model: nn.Module, name: str, tokenizer=None) -> nn.Module:
+def quantize_model(
+    model: nn.Module, name: str, tokenizer: PreTrainedTokenizerBase | None = None
+) -> nn.Module:
     """Quantize `model` in place with scheme `name` on the device it already lives on, record a
     QuantizedWeights on it and return it. 'none' returns the model untouched (and unrecorded)."""
     device = next(model.parameters()).device
     scheme = check_scheme(name, device)
     if name == NONE:
         return model
-    if quantization_of(model) is not None:
-        raise QuantizationError(f"The model is already quantized ({quantization_of(model).scheme}).")
+    already = quantization_of(model)
+    if already is not None:
+        raise QuantizationError(f"The model is already quantized ({already.scheme}).")
     before = model_weight_bytes(model)
     start = time.perf_counter()
     plain_before = len(target_linears(model))
