@@ -5,17 +5,24 @@ pulls: a render timer on the GUI thread drains the store up to 30 times a second
 budget by app.frame_pacer while the engine generates), folds the
 batch into LiveState, and re-emits what the chat needs as ordinary same-thread Qt signals. So no
 signal ever crosses threads, and a burst of thousands of events costs one redraw per panel.
+
+What the GUI needs from the engine beyond its events goes through `call(fn)`: the engine thread
+runs `fn(llm_engine)` between two steps (`Engine.call`), and the outcome reaches the GUI thread as
+an `app.workers.EngineCall`'s signals, drained on the same render tick.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
 from app.frame_pacer import MIN_INTERVAL_MS, FramePacer
+from app.workers import EngineCall
 from engine.config import EngineConfig
 from engine.core.service import Engine
 from engine.events import (
@@ -38,6 +45,9 @@ SHUTDOWN_TIMEOUT_S = 30.0
 # When the user loads another model, the old engine gets this long to stop before the GUI moves
 # on; one still busy (mid-load) is kept and joined at exit so no thread outlives the app.
 RESTART_TIMEOUT_S = 2.0
+# Requests remembered by id for what needs them after they ran (a token's what-if recomputes its
+# prompt): as many as the live state keeps views of.
+REMEMBERED_REQUESTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,8 @@ class EngineHost(QObject):
         self._ready = False
         self._in_flight: set[int] = set()
         self._retired: list[Engine] = []
+        self._calls: list[EngineCall] = []  # engine calls whose outcome has not reached the GUI yet
+        self._requests: OrderedDict[int, Request] = OrderedDict()  # this engine's, by request id
         self.generation = 0  # bumped per engine: request ids restart at 1 with each engine
         self.pacer = FramePacer()
         self._timer = QTimer(self)
@@ -104,8 +116,10 @@ class EngineHost(QObject):
             engine.cancel(request_id)
         engine.shutdown(timeout)
         self.render_tick()  # fold the cancellations and final events while the store still is ours
+        self._drain_calls()  # calls the stopped engine failed or finished
         self.engine, self.store = None, None
         self._in_flight.clear()
+        self._requests.clear()  # the next engine numbers its requests from 1 again
         self._loading = self._ready = False
         stopped = not engine.is_alive()
         if not stopped:
@@ -133,12 +147,34 @@ class EngineHost(QObject):
             raise RuntimeError("no model is loaded")
         request_id = self.engine.submit(request)
         self._in_flight.add(request_id)
+        self._requests[request_id] = request
+        while len(self._requests) > REMEMBERED_REQUESTS:
+            self._requests.popitem(last=False)
         self.status_changed.emit()
         return request_id
 
     def cancel(self, request_id: int) -> None:
         if self.engine is not None and request_id in self._in_flight:
             self.engine.cancel(request_id)
+
+    def request(self, request_id: int) -> Request | None:
+        """A request this engine was given (None: not one of the last REMEMBERED_REQUESTS)."""
+        return self._requests.get(request_id)
+
+    def call(
+        self, fn: Callable[..., Any], *, name: str = "engine call", progress: bool = False
+    ) -> EngineCall:
+        """Run `fn(llm_engine)` (or `fn(llm_engine, report)` with `progress=True`) on the engine
+        thread between two steps. Its news arrive on the GUI thread as the returned job's signals;
+        without an engine, or once it has stopped, the job errors with the reason."""
+        job = EngineCall(name, self)
+        self._calls.append(job)
+        if self.engine is None:
+            job.fail("no model is loaded")
+            QTimer.singleShot(0, self._drain_calls)
+            return job
+        job.attach(self.engine.call(job.work(fn, progress)))
+        return job
 
     def status(self) -> HostStatus:
         return HostStatus(loading=self._loading, ready=self._ready, generating=bool(self._in_flight))
@@ -147,6 +183,7 @@ class EngineHost(QObject):
     @Slot()
     def _on_timer(self) -> None:
         self.render_tick()
+        self._drain_calls()
         self._timer.setInterval(self.pacer.next_interval_ms(busy=bool(self._in_flight)))
 
     def render_tick(self) -> None:
@@ -159,6 +196,12 @@ class EngineHost(QObject):
         # Emitted even when nothing arrived: a panel may be animating (the page map's fading
         # highlight of freshly written blocks); each decides from `dirty` whether to redraw.
         self.frame.emit(dirty)
+
+    @Slot()
+    def _drain_calls(self) -> None:
+        for job in self._calls:
+            job.drain()
+        self._calls = [job for job in self._calls if job.running]
 
     def _dispatch(self, events: Iterable) -> None:
         """Re-emit the lifecycle the chat follows; tokens are grouped per request per frame."""

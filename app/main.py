@@ -27,13 +27,13 @@ import os
 import sys
 from pathlib import Path
 
-# Offline before anything imports transformers or huggingface_hub: kvscope never downloads.
-for _name, _value in (
-    ("HF_HUB_OFFLINE", "1"),
-    ("TRANSFORMERS_OFFLINE", "1"),
-    ("TOKENIZERS_PARALLELISM", "false"),
-):
-    os.environ.setdefault(_name, _value)
+# Offline before anything imports transformers or huggingface_hub: loading never downloads (the
+# model browser goes online for the search or download the user asks for, unless they set
+# HF_HUB_OFFLINE themselves).
+from engine.hub.online import offline_by_default  # noqa: E402
+
+offline_by_default()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # A first load converts the packaged GGUF and a slow disk can take minutes; beyond this a
 # scripted run reports failure instead of hanging a CI job.
@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
-    from app.theme import apply_theme
     from app.window import MainWindow
     from engine.config import ConfigError
+    from widgets.theme import apply_theme
 
     configure_for_gui()
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     # Wayland matches the window to its desktop entry (and icon) by this name.
     app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
-    apply_theme(app)
+    apply_theme(app, asset_path("style.qss"))
 
     scripted = args.prompt is not None
     try:

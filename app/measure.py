@@ -302,16 +302,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtWidgets import QApplication
 
+    from app.paths import asset_path
     from app.runtime import gui_torch_threads, paint_on_the_gui_thread_only, share_gil_finely
-    from app.theme import apply_theme
     from engine.config import ConfigError, ModelSpec
     from engine.model.errors import ModelLoadError, describe_load_error
     from engine.model.loading import load_model
+    from widgets.theme import apply_theme
 
     share_gil_finely()  # as the app does (process-wide, so for both runs)
     paint_on_the_gui_thread_only()
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    apply_theme(app)
+    apply_theme(app, asset_path("style.qss"))
     try:
         loaded = load_model(ModelSpec(args.model, args.dtype, args.device))
         import torch

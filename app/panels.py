@@ -22,8 +22,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol
+
+from PySide6.QtCore import QObject, QTimer, Slot
 
 from live.state import LiveState
+
+if TYPE_CHECKING:
+    from widgets.kv_page_map import KVPageMapPanel
+    from widgets.latency_panel import LatencyPanel
+    from widgets.memory_panel import MemoryPanel
+    from widgets.probability_panel import ProbabilityPanel
+    from widgets.quality_panel import QualityPanel
+    from widgets.roofline_panel import RooflinePanel
+    from widgets.speculation_panel import SpeculationPanel
+    from widgets.step_timeline import StepTimelinePanel
 
 # The pyqtgraph panels: the expensive ones to repaint.
 PLOTS = ("memory", "latency", "roofline", "step_timeline")
@@ -33,18 +46,29 @@ HIDDEN_EVERY_FRAMES = 15
 # The shortest time between two redraws of one visible plot (once a second: a history graph
 # read by eye; the text and the bars stream at the render rate).
 PLOT_INTERVAL_S = 1.0
+# How long after a render frame a due plot redraws: long enough for Qt to paint the frame's
+# other widgets first, short enough to read as the same moment.
+PLOT_DEFER_MS = 5
+
+
+class LivePanel(Protocol):
+    """What the render frame asks of a panel."""
+
+    def refresh(self, dirty: set[str]) -> None: ...
+
+    def isVisible(self) -> bool: ...  # noqa: N802 - Qt's name
 
 
 @dataclass(slots=True)
 class Panels:
-    probabilities: object  # widgets ProbabilityPanel
-    page_map: object  # widgets KVPageMapPanel
-    memory: object  # widgets MemoryPanel
-    latency: object  # widgets LatencyPanel
-    quality: object  # widgets QualityPanel
-    roofline: object  # widgets RooflinePanel
-    step_timeline: object  # widgets StepTimelinePanel
-    speculation: object  # widgets SpeculationPanel
+    probabilities: ProbabilityPanel
+    page_map: KVPageMapPanel
+    memory: MemoryPanel
+    latency: LatencyPanel
+    quality: QualityPanel
+    roofline: RooflinePanel
+    step_timeline: StepTimelinePanel
+    speculation: SpeculationPanel
 
     _pending: dict[str, set[str]] = field(default_factory=dict)  # dirty keys a panel has not seen
     _frame: int = 0
@@ -54,10 +78,10 @@ class Panels:
     # plot paints in a pass of its own, after the frame's other widgets.
     _defer: Callable[[Callable[[], None]], None] = lambda refresh: refresh()
 
-    def named(self) -> list[tuple[str, object]]:
+    def named(self) -> list[tuple[str, LivePanel]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if not f.name.startswith("_")]
 
-    def all(self) -> tuple:
+    def all(self) -> tuple[LivePanel, ...]:
         return tuple(panel for _, panel in self.named())
 
     def refresh(self, dirty: set[str], now: float | None = None) -> None:
@@ -84,17 +108,37 @@ class Panels:
             self._next_plot += 1
 
     def refresh_all(self, dirty: set[str]) -> None:
-        """Every panel at once, throttles ignored: the final frame of a scripted screenshot."""
+        """Every panel at once, plot turns ignored: the final frame of a scripted screenshot."""
         for name, panel in self.named():
             self._pending.setdefault(name, set()).update(dirty)
             self._refresh(name, panel)
-            if hasattr(panel, "flush"):
-                panel.flush()
 
-    def _refresh(self, name: str, panel) -> None:
+    def _refresh(self, name: str, panel: LivePanel) -> None:
         keys = self._pending.get(name, set())
         self._pending[name] = set()
         panel.refresh(keys)
+
+
+class PlotPass(QObject):
+    """Runs a due plot's refresh PLOT_DEFER_MS after the frame, in a paint pass of its own."""
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._refresh: Callable[[], None] | None = None
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(PLOT_DEFER_MS)
+        self._timer.timeout.connect(self._run)
+
+    def defer(self, refresh: Callable[[], None]) -> None:
+        self._refresh = refresh
+        self._timer.start()
+
+    @Slot()
+    def _run(self) -> None:
+        refresh, self._refresh = self._refresh, None
+        if refresh is not None:
+            refresh()
 
 
 def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | None = None) -> Panels:
@@ -117,5 +161,5 @@ def build_panels(live: LiveState, defer: Callable[[Callable[[], None]], None] | 
         RooflinePanel(live),
         StepTimelinePanel(live),
         SpeculationPanel(live),
-        **({} if defer is None else {"_defer": defer}),
+        _defer=defer if defer is not None else (lambda refresh: refresh()),
     )

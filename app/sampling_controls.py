@@ -85,8 +85,9 @@ class SamplingControls(QWidget):
         self.tokens = TokenTextEditors(self)
         self.what_if = QCheckBox("What-if view")
         what_if_text = (
-            "The Probabilities panel recomputes the selected token's stages from its recorded "
-            "logits under the settings above, labelled as a what-if (the reply itself is unchanged)."
+            "The Probabilities panel recomputes the selected token exactly under the settings above: "
+            "its full logits from one forward over its context on the engine, then the sampler's "
+            "own stages; labelled as a what-if (the reply itself is unchanged)."
         )
         self.what_if.setToolTip(what_if_text)
         what_if_hint = QLabel(what_if_text)

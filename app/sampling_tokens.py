@@ -10,7 +10,6 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtWidgets import QLabel, QLineEdit
 
-from app import theme
 from app.token_entries import (
     EntryError,
     ResolvedEntry,
@@ -21,6 +20,7 @@ from app.token_entries import (
     parse_banned,
     parse_bias,
 )
+from widgets import theme
 
 RESOLVE_DELAY_MS = 300  # after typing pauses
 # resolver(entries, on_result(list[ResolvedEntry]), on_error(message)) -> False when no model

@@ -15,8 +15,8 @@ from PySide6.QtCore import QByteArray, QSettings
 
 from app.paths import settings_path
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.units import MIB
 
-MIB = 1024 * 1024
 # The probability panel needs per-token snapshots; 20 candidates show the shape of a
 # distribution without making each token event heavy.
 DEFAULT_SNAPSHOT_TOP_N = 20

@@ -11,7 +11,7 @@ import math
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
 
-from app.models.picker import human_bytes
+from engine.units import format_bytes
 from live.state import LiveState
 
 # An error stays visible this long (and in the tooltip of the label until the next one).
@@ -105,7 +105,7 @@ class StatusBar(QStatusBar):
         text = f"KV {pm.used_blocks}/{pm.num_blocks} pages"
         if pm.used_blocks:
             # Utilisation only means something while pages are in use (written / allocated slots).
-            text += f" · {pm.utilisation * 100:.0f}% filled · {human_bytes(pm.used_bytes)}"
+            text += f" · {pm.utilisation * 100:.0f}% filled · {format_bytes(pm.used_bytes)}"
         self.kv.setText(text)
 
     def _refresh_memory(self, live: LiveState) -> None:
@@ -113,4 +113,4 @@ class StatusBar(QStatusBar):
             self.memory.setText("")
             return
         process = float(live.memory.column("process")[-1])
-        self.memory.setText(f"{human_bytes(process)} ({live.memory_source})")
+        self.memory.setText(f"{format_bytes(process)} ({live.memory_source})")

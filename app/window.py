@@ -6,8 +6,6 @@ saved on close and restored on the next launch (View > Reset layout brings the d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from PySide6.QtCore import Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
@@ -26,8 +24,8 @@ from app.chat.view import ChatPane
 from app.chat.window_actions import ChatWindowActions, mark_interrupted
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
-from app.panels import Panels, build_panels
-from app.physics_views import PhysicsViews
+from app.panels import Panels, PlotPass, build_panels
+from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
 from app.remote.host import AttachableHost
 from app.remote.views import RemoteViews
@@ -35,15 +33,13 @@ from app.sampling_presets import PresetStore
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
+from app.what_if import WhatIfController
 from engine.config import ConfigError, EngineConfig
 from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
 DEFAULT_SIZE = (1560, 960)
-# How long after a render frame a due plot redraws: long enough for Qt to paint the frame's
-# other widgets first, short enough to read as the same moment.
-PLOT_DEFER_MS = 5
 WELCOME = (
     "Chat with the model here, and watch it think in the panels around:\n"
     "the probability of every candidate token, the KV-cache pages filling up, memory and latency."
@@ -81,12 +77,8 @@ class MainWindow(QMainWindow):
             token_texts=settings.token_texts(),
         )
         # A due plot redraws a few ms after the frame's other panels, in a paint pass of its own.
-        self._deferred_plot: Callable[[], None] | None = None
-        self._plot_timer = QTimer(self)
-        self._plot_timer.setSingleShot(True)
-        self._plot_timer.setInterval(PLOT_DEFER_MS)
-        self._plot_timer.timeout.connect(self._run_deferred_plot)
-        self.panels: Panels = build_panels(self.host.live, defer=self._defer_plot)
+        self.plot_pass = PlotPass(self)
+        self.panels: Panels = build_panels(self.host.live, defer=self.plot_pass.defer)
         self.status = StatusBar()
         self.setStatusBar(self.status)
         # Replies a crash or a kill cut off mid-stream: marked before anything shows them as finished.
@@ -109,6 +101,7 @@ class MainWindow(QMainWindow):
             self.host, self.controller, self.panels, self.controls.model, parent=self
         )
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
+        self.what_if = WhatIfController(self.host, self.panels.probabilities, parent=self)
         self.load_tool = LoadToolPanel(self.host)
         self.speculation = SpeculationController(self, self.start_engine, parent=self)
         token_view, colour = settings.get("chat/view", [False, False])
@@ -293,17 +286,6 @@ class MainWindow(QMainWindow):
     def _on_frame(self, dirty: set[str]) -> None:
         self.panels.refresh(dirty)
 
-    @Slot(object)
-    def _defer_plot(self, refresh: Callable[[], None]) -> None:
-        self._deferred_plot = refresh
-        self._plot_timer.start()
-
-    @Slot()
-    def _run_deferred_plot(self) -> None:
-        refresh, self._deferred_plot = self._deferred_plot, None
-        if refresh is not None:
-            refresh()
-
     def _on_model_loading(self, _event) -> None:
         self.refresh_status()
 
@@ -314,6 +296,8 @@ class MainWindow(QMainWindow):
         self.chat.input.setPlaceholderText(
             f"Message {event.info.name}…  (Enter sends, Shift+Enter for a new line)"
         )
+        if event.info.chat_note:  # a system prompt merged, or plain text for a template-less model
+            self.status.showMessage(event.info.chat_note, 30_000)
         self.refresh_status()
 
     @Slot(str)

@@ -49,6 +49,10 @@ class ModelInfo:
     # Bytes per weight element as stored (fractional for packed formats: 4-bit codes with their
     # group scales are ~0.56); what a step that reads the weights in their own format moves.
     weight_bytes_per_param: float = 0.0
+    # What kvscope does to this model's conversations, for the user (engine/model/chat_template.py):
+    # a system prompt merged into the first user turn, or plain text for a model without a
+    # template. "" when the template takes the conversation as it is.
+    chat_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

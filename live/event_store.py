@@ -6,19 +6,21 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from engine.events import Event
+
 
 class EventStore:
     """Thread-safe inbox: `push` from the engine thread, `drain` from the GUI thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: deque = deque()
+        self._events: deque[Event] = deque()
 
-    def push(self, event) -> None:
+    def push(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
 
-    def drain(self) -> list:
+    def drain(self) -> list[Event]:
         with self._lock:
             events, self._events = self._events, deque()
         return list(events)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.events import BeamStep, GroupStats, RequestFinished, TokenGenerated
+from live.page_map import PageMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +104,12 @@ class GroupView:
         self.live_seqs.clear()
 
     # ---- memory ----------------------------------------------------------------------------
-    def blocks(self, page_map) -> GroupBlocks:
+    def blocks(self, page_map: PageMap) -> GroupBlocks:
         """The group's blocks now, counted from the page map's owners (exact from block events)."""
         return group_blocks(page_map, self.live_seqs)
 
 
-def group_blocks(page_map, seq_ids: set[int]) -> GroupBlocks:
+def group_blocks(page_map: PageMap, seq_ids: set[int]) -> GroupBlocks:
     """Distinct blocks held by `seq_ids` and the sum of their references (their table lengths)."""
     shared = unshared = 0
     if not seq_ids:
@@ -121,7 +122,7 @@ def group_blocks(page_map, seq_ids: set[int]) -> GroupBlocks:
     return GroupBlocks(shared, unshared)
 
 
-def saving_line(view: GroupView, page_map) -> str:
+def saving_line(view: GroupView, page_map: PageMap) -> str:
     """The group's memory in one line: its final peaks (GroupStats) once it ended, else now."""
     noun = "samples" if view.kind == "samples" else "beams" if view.kind == "beams" else "sequences"
     stats = view.stats

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.events import (
     BeamStep,
     BlockEvent,
     EngineError,
+    Event,
     KVStats,
     MemorySample,
     ModelLoaded,
@@ -39,11 +42,25 @@ from engine.events import (
     TokenGenerated,
 )
 from live.groups import GroupView
+from live.latency import LatencySeries
 from live.page_map import PageMap
 from live.ring_buffer import RingBuffer
+from live.roofline import RooflinePoints
 
 DIRTY_KEYS = frozenset(
-    {"model", "requests", "tokens", "kv", "memory", "latency", "steps", "errors", "speculation", "groups"}
+    {
+        "model",
+        "requests",
+        "tokens",
+        "kv",
+        "memory",
+        "latency",
+        "steps",
+        "roofline",
+        "errors",
+        "speculation",
+        "groups",
+    }
 )
 
 # Ring capacities: 4 h of memory samples at the engine's 4 Hz; 100k tokens of latency history.
@@ -54,12 +71,6 @@ MAX_ERRORS = 100
 # Finished requests kept with their per-token snapshots (a chat session rarely exceeds this;
 # the oldest finished ones go first so memory stays bounded in long sessions).
 MAX_REQUESTS = 256
-# Rolling tokens/s over the last TPS_WINDOW_S seconds or the last TPS_MIN_TOKENS tokens,
-# whichever reaches further back: a second follows a change of batch size quickly, and the token
-# floor keeps slow generation (a few tokens a second) from reading as a comb of 1, 2, 3 tokens/s.
-# The window never reaches back before the engine became busy, so an idle gap is not averaged in.
-TPS_WINDOW_S = 1.0
-TPS_MIN_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -95,25 +106,25 @@ class LiveState:
         self.page_map = PageMap()
         self.kv_stats: KVStats | None = None
         self.steps: deque[StepStats] = deque(maxlen=RECENT_STEPS)
-        # Each recent step with the rows its LM head computed: the engine emits a step's tokens
-        # before its StepStats and computes logits only for the sequences it samples, so the
-        # tokens counted since the previous step are that number (the roofline's FLOP count).
-        self.step_logit_rows: deque[tuple[StepStats, int]] = deque(maxlen=RECENT_STEPS)
-        self._tokens_since_step = 0
+        # Every step placed by the FLOPs and bytes the engine counted for it (StepStats.cost).
+        self.roofline = RooflinePoints()
         self.memory = RingBuffer(
             memory_capacity,
-            ("t", "weights", "kv_pool", "kv_used", "process", "reserved", "device_total"),
+            (
+                "t",
+                "weights",
+                "kv_pool",
+                "kv_used",
+                "process",
+                "reserved",
+                "device_total",
+                "draft_weights",
+                "draft_cache",
+            ),
         )
         self.memory_source: str = ""
-        # One row per generated token: x is its global number; latency_ms is the ITL for a
-        # request's later tokens and the TTFT for its first (is_first = 1).
-        self.latency = RingBuffer(
-            latency_capacity, ("t", "x", "latency_ms", "is_first", "request_id", "tokens_per_s")
-        )
-        self._window_t: deque[float] = deque()  # token times of the last TPS_WINDOW_S
-        self._last_tokens_t: deque[float] = deque(maxlen=TPS_MIN_TOKENS + 1)
-        self._running: set[int] = set()
-        self._busy_since: float | None = None  # arrival of the request that ended the last idle
+        self.latency_series = LatencySeries(latency_capacity)
+        self.latency = self.latency_series.ring  # one row per generated token (see live.latency)
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         # Speculative rounds by (request id, round number): what a selected token's round was.
         self.spec_rounds: dict[tuple[int, int], SpecRound] = {}
@@ -121,10 +132,8 @@ class LiveState:
         # sequence (a plain request's only sequence has its request's id).
         self.groups: dict[int, GroupView] = {}
         self.seq_request: dict[int, int] = {}
-        # Per request, the time of each sample's latest token: a sample's inter-token latency
-        # is measured within its own stream, not from a sibling's token of the same step.
-        self._branch_last_t: dict[int, dict[int, float]] = {}
-        self._handlers = {
+        # Each handler takes its own event type; the dict is keyed by that type.
+        self._handlers: dict[type[Any], Callable[[Any], set[str]]] = {
             ModelLoading: self._on_loading,
             ModelLoaded: self._on_loaded,
             ModelLoadFailed: self._on_load_failed,
@@ -142,14 +151,14 @@ class LiveState:
             EngineError: self._on_engine_error,
         }
 
-    def apply(self, events) -> set[str]:
+    def apply(self, events: Iterable[Event]) -> set[str]:
         """Fold events in order; returns the dirty keys (a subset of DIRTY_KEYS)."""
         dirty: set[str] = set()
         for event in events:
             handler = self._handlers.get(type(event))
             if handler is None:
                 continue  # an event type newer than this GUI: nothing here knows how to show it
-            if self.origin_t is None and getattr(event, "t", 0.0):
+            if self.origin_t is None and event.t:
                 self.origin_t = event.t
             dirty |= handler(event)
         return dirty
@@ -196,7 +205,8 @@ class LiveState:
         per_block = event.kv_pool_bytes // event.kv_num_blocks if event.kv_num_blocks else 0
         self.page_map = PageMap(event.kv_num_blocks, event.kv_block_size, per_block)
         self.kv_stats = None
-        return {"model", "kv"}
+        self.roofline.clear()  # another model (or its restart): its steps start afresh
+        return {"model", "kv", "roofline"}
 
     def _on_load_failed(self, event: ModelLoadFailed) -> set[str]:
         self.loading, self.load_error = None, event.message
@@ -221,7 +231,7 @@ class LiveState:
 
     def _forget_group(self, request_id: int) -> None:
         group = self.groups.pop(request_id, None)
-        self._branch_last_t.pop(request_id, None)
+        self.latency_series.forget(request_id)
         if group is not None:
             for seq_id in group.branch_of:
                 if self.seq_request.get(seq_id) == request_id:
@@ -244,9 +254,7 @@ class LiveState:
         self._forget_group(event.request_id)
         view = self._request(event.request_id)
         view.prompt_tokens, view.started_t = event.prompt_tokens, event.t
-        if not self._running:
-            self._busy_since = event.t
-        self._running.add(event.request_id)
+        self.latency_series.started(event.request_id, event.t)
         self.latest_request_id = event.request_id
         return {"requests"}
 
@@ -259,68 +267,29 @@ class LiveState:
             # a token's (request, index) still names one token for the probability panel.
             self._group(event.request_id).on_token(event)
             dirty.add("groups")
-        last_t = self._branch_last_t.setdefault(event.request_id, {})
-        previous_t = last_t.get(event.branch)
-        if previous_t is not None:
-            latency_s, is_first = event.t - previous_t, False
-        else:
-            latency_s, is_first = event.t - view.started_t, True
-        last_t[event.branch] = event.t
         if event.branch == 0:
             view.tokens.append(event)
-        self._tokens_since_step += 1
         self.latest_request_id = event.request_id
-
-        tokens_per_s = self._rolling_rate(event.t)
-
-        row = self.latency.append(
-            t=event.t,
-            x=self.latency.appended,
-            latency_ms=latency_s * 1000.0,
-            is_first=float(is_first),
-            request_id=event.request_id,
-            tokens_per_s=tokens_per_s,
-        )
+        row, is_first = self.latency_series.point(event.request_id, event.branch, event.t, view.started_t)
         if is_first and event.branch == 0:
             view.first_token_row = row
         return dirty
 
-    def _rolling_rate(self, t: float) -> float:
-        window, recent = self._window_t, self._last_tokens_t
-        window.append(t)
-        recent.append(t)
-        busy = self._busy_since if self._busy_since is not None else -math.inf
-        edge = max(t - TPS_WINDOW_S, busy)
-        while window and window[0] <= edge:
-            window.popleft()  # window: the tokens in (edge, t]
-        kth_back = recent[0] if len(recent) == recent.maxlen else -math.inf
-        start = max(busy, min(t - TPS_WINDOW_S, kth_back))
-        if math.isinf(start) or t <= start:
-            return math.nan
-        if len(recent) < recent.maxlen or recent[0] <= start:
-            count = sum(1 for x in recent if x > start)  # at most TPS_MIN_TOKENS + 1 to look at
-        else:
-            count = len(window)  # more tokens since `start` than `recent` holds: start == edge
-        return count / (t - start)
-
     def _on_finished(self, event: RequestFinished) -> set[str]:
-        self._running.discard(event.request_id)
+        self.latency_series.ended(event.request_id)
         view = self._request(event.request_id)
         view.status, view.finished = event.finish_reason, event
         dirty = {"requests"}
-        self._branch_last_t.pop(event.request_id, None)
         if event.group is not None or event.request_id in self.groups:
             self._group(event.request_id).on_finished(event)
             dirty.add("groups")
         # The engine's own TTFT counts from arrival; the live point counted from RequestStarted.
-        row = view.first_token_row
-        if row is not None and self.latency.holds(row) and event.stats.ttft_s > 0:
-            self.latency.set(row, "latency_ms", event.stats.ttft_s * 1000.0)
+        if self.latency_series.set_ttft(view.first_token_row, event.stats.ttft_s):
             dirty.add("latency")
         return dirty
 
     def _on_failed(self, event: RequestFailed) -> set[str]:
-        self._running.discard(event.request_id)
+        self.latency_series.ended(event.request_id)
         view = self._request(event.request_id)
         view.status, view.error = "failed", event.message
         self.errors.append(f"request {event.request_id} failed: {event.message}")
@@ -349,19 +318,8 @@ class LiveState:
         # of the latency graph: the time since the previous step, the first one's TTFT. Every
         # beam gains one token per step, so the rolling rate reads as tokens/s per beam.
         view = self._request(event.request_id)
-        last_t = self._branch_last_t.setdefault(event.request_id, {})
-        previous_t = last_t.get(0)
-        latency_s = event.t - (previous_t if previous_t is not None else view.started_t)
-        last_t[0] = event.t
-        row = self.latency.append(
-            t=event.t,
-            x=self.latency.appended,
-            latency_ms=latency_s * 1000.0,
-            is_first=float(previous_t is None),
-            request_id=event.request_id,
-            tokens_per_s=self._rolling_rate(event.t),
-        )
-        if previous_t is None:
+        row, is_first = self.latency_series.point(event.request_id, 0, event.t, view.started_t)
+        if is_first:
             view.first_token_row = row
         return {"groups", "requests", "latency"}
 
@@ -378,9 +336,9 @@ class LiveState:
 
     def _on_step(self, event: StepStats) -> set[str]:
         self.steps.append(event)
-        self.step_logit_rows.append((event, self._tokens_since_step))
-        self._tokens_since_step = 0
         self.kv_stats = event.kv
+        if self.roofline.add(event):
+            return {"steps", "kv", "roofline"}
         return {"steps", "kv"}
 
     def _on_memory(self, event: MemorySample) -> set[str]:
@@ -392,6 +350,8 @@ class LiveState:
             process=event.process_bytes,
             reserved=event.process_reserved_bytes,
             device_total=event.device_total_bytes,
+            draft_weights=event.draft_weights_bytes,
+            draft_cache=event.draft_cache_bytes,
         )
         self.memory_source = event.source
         return {"memory"}

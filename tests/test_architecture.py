@@ -1,5 +1,6 @@
 """The house's rules, checked by tools: import-linter's contracts (pyproject.toml) keep the arrows
-one-way, and ruff keeps the code clean. Each runs as the developer would run it."""
+one-way, mypy (strict on the live layer, [tool.mypy] in pyproject.toml) checks the types, and ruff
+keeps the code clean. Each runs as the developer would run it."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ def test_import_contracts_hold():
     # the contracts must actually have been checked, not skipped
     assert "broken" in result.stdout and " 0 broken" in result.stdout, result.stdout[-2000:]
     assert "Analyzed" in result.stdout
+
+
+# The packages mypy checks with the strict flags of [tool.mypy] (what they import is checked too).
+TYPED_PACKAGES = ("live",)
+
+
+def test_the_typed_packages_type_check():
+    result = run("mypy", *TYPED_PACKAGES)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.stdout.startswith("Success: no issues found"), result.stdout[-2000:]

@@ -140,7 +140,7 @@ class BeamTreeView(QWidget):
         painter.setFont(self._font)
         visible = QRectF(event.rect()).adjusted(-COLUMN_PX, 0, COLUMN_PX, 0)
         root = self.root_rect()
-        painter.setPen(QColor(theme.MUTED_TEXT))
+        painter.setPen(QColor(theme.MUTED))
         painter.drawRoundedRect(root, 4, 4)
         painter.drawText(root, Qt.AlignmentFlag.AlignCenter, "prompt")
         for node in self.nodes:
@@ -156,21 +156,21 @@ class BeamTreeView(QWidget):
 
     def _paint_edge(self, painter: QPainter, node: BeamNode, rect: QRectF) -> None:
         start = self.root_rect() if node.parent_row < 0 else self.node_rect(node.step - 1, node.parent_row)
-        colour = QColor(theme.PANEL_TEXT if node.alive else theme.GRID)
+        colour = QColor(theme.TEXT if node.alive else theme.GRID)
         painter.setPen(QPen(colour, 1.4 if node.alive else 1.0))
         painter.drawLine(QPointF(start.right(), start.center().y()), QPointF(rect.left(), rect.center().y()))
 
     def _paint_node(self, painter: QPainter, node: BeamNode, rect: QRectF) -> None:
         if node.finished:
-            border, fill, text = QColor(theme.ACCENT), QColor(60, 50, 20), QColor(theme.PANEL_TEXT)
+            border, fill, text = QColor(theme.MARK), QColor(60, 50, 20), QColor(theme.TEXT)
         elif node.alive:
             border, fill, text = (
                 QColor(*theme.seq_rgb(node.seq_id)),
                 QColor(36, 40, 48),
-                QColor(theme.PANEL_TEXT),
+                QColor(theme.TEXT),
             )
         else:
-            border, fill, text = QColor(theme.GRID), QColor(28, 30, 36), QColor(theme.MUTED_TEXT)
+            border, fill, text = QColor(theme.GRID), QColor(28, 30, 36), QColor(theme.MUTED)
         painter.setPen(QPen(border, 1.2))
         painter.setBrush(fill)
         painter.drawRoundedRect(rect, 4, 4)
@@ -181,7 +181,7 @@ class BeamTreeView(QWidget):
             token_label(node.text), Qt.TextElideMode.ElideRight, int(top.width())
         )
         painter.drawText(top, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, label)
-        painter.setPen(QColor(theme.MUTED_TEXT))
+        painter.setPen(QColor(theme.MUTED))
         painter.drawText(
             bottom, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, format_score(node.score)
         )

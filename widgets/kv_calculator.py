@@ -2,16 +2,17 @@
 how much fits beside the weights, and a chart of KV bytes against context for several batches.
 
 Fields start from the loaded model (and follow it until the user edits them); "Loaded model"
-brings them back, "From model" reads any source's config through `inspect_model` (metadata
-only, on a worker thread), and every field can be typed to explore any config.
+brings them back, "From model" reads any source's config, and every field can be typed to
+explore any config. The widget only draws and asks: the shell reads configs and memory
+(`inspect_requested`, `loaded_requested`) and hands the figures back (`show_loaded`,
+`show_inspected`, `show_error`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-import torch
-from PySide6.QtCore import QSize, Qt, Slot
+from PySide6.QtCore import QSize, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -25,16 +26,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.config import DTYPES
-from engine.model.shapes import DTYPE_BYTES
+from engine.units import GIB, byte_unit, format_bytes
 from live.state import LiveState
 from widgets import theme
-from widgets.background_job import BackgroundJob
 from widgets.kv_memory import KV_DTYPES, KVConfig, chart_batches
 from widgets.plot_style import legend_entry, styled_plot
-from widgets.units import byte_unit, format_bytes
 
-GIB = 1 << 30
 BATCH_COLOURS = ("#5b9bd5", "#5fd38d", "#f0b429", "#e8833a", "#9b7ede")
 CHART_POINTS = 64
 CHART_HEADROOM = 1.3
@@ -44,6 +41,9 @@ PREFERRED_SIZE = (440, 640)
 
 
 class KVCalculator(QWidget):
+    inspect_requested = Signal(str, str)  # source, the KV dtype chosen: read that model's config
+    loaded_requested = Signal()  # fill in the loaded model and the memory available now
+
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
@@ -51,12 +51,9 @@ class KVCalculator(QWidget):
         self.error = ""
         self.follows_loaded = True  # until the user edits a field, the loaded model fills them
         self._filling = False
-        self.job = BackgroundJob("kvscope-kv-calculator", self)
-        self.job.succeeded.connect(self._on_inspected)
-        self.job.failed.connect(self._on_inspect_failed)
         self.setObjectName("kvCalculator")
         self.setStyleSheet(
-            f"#kvCalculator QLabel {{ color: {theme.PANEL_TEXT}; }} #kvCalculator {{ background: {theme.BACKGROUND}; }}"
+            f"#kvCalculator QLabel {{ color: {theme.TEXT}; }} #kvCalculator {{ background: {theme.BACKGROUND}; }}"
         )
 
         self.layers = _int_field(1, 10_000, "Decoder layers: each stores its own K and V")
@@ -66,7 +63,10 @@ class KVCalculator(QWidget):
         self.head_dim = _int_field(1, 65_536, "Dimension of one head's key (and value) vector")
         self.dtype = QComboBox()
         self.dtype.addItems(KV_DTYPES)
-        self.dtype.setToolTip("Element type of the cached keys and values")
+        self.dtype.setToolTip(
+            "What the cached keys and values are stored in: the model's dtype, or int8 codes with a "
+            "float16 scale per head (the engine's KV dtype int8)"
+        )
         self.context = _int_field(1, 10_000_000, "Tokens per sequence: prompt plus reply")
         self.context.setGroupSeparatorShown(True)
         self.batch = _int_field(1, 1_000_000, "Sequences held at once")
@@ -102,9 +102,9 @@ class KVCalculator(QWidget):
         self.budget_line = pg.InfiniteLine(
             angle=0,
             movable=False,
-            pen=pg.mkPen(theme.ACCENT, width=1, style=Qt.PenStyle.DashLine),
+            pen=pg.mkPen(theme.MARK, width=1, style=Qt.PenStyle.DashLine),
             label="budget beside the weights",
-            labelOpts={"position": 0.02, "color": theme.ACCENT, "anchors": [(0, 1), (0, 1)]},
+            labelOpts={"position": 0.02, "color": theme.MARK, "anchors": [(0, 1), (0, 1)]},
         )
         item.addItem(self.budget_line, ignoreBounds=True)
 
@@ -143,7 +143,7 @@ class KVCalculator(QWidget):
         for spin in (self.weights, self.budget):
             spin.valueChanged.connect(self._on_edited)
         self.dtype.currentIndexChanged.connect(self._on_edited)
-        self.from_loaded.clicked.connect(self.use_loaded_model)
+        self.from_loaded.clicked.connect(self.loaded_requested)
         self.from_model.clicked.connect(self.inspect_source)
         self._recompute()
 
@@ -168,82 +168,34 @@ class KVCalculator(QWidget):
             self._filling = False
         self._recompute()
 
-    @Slot()
-    def use_loaded_model(self) -> None:
-        """Fill in the loaded model: its shapes and dtype, its full context, its weights, and the
-        memory its device has available now as the budget."""
-        loaded = self.state.loaded
-        if loaded is None:
-            self.error = "No model is loaded yet."
-            self._recompute()
-            return
-        from engine.measure.memory import available_memory_bytes
-
-        info = loaded.info
-        self.follows_loaded = True
-        self.set_config(
-            KVConfig(
-                num_layers=info.num_layers,
-                num_kv_heads=info.num_kv_heads,
-                head_dim=info.head_dim,
-                dtype=info.dtype if info.dtype in DTYPE_BYTES else "float32",
-                context=info.max_position_embeddings,
-                batch=self.batch.value(),
-                num_heads=info.num_heads,
-                weight_bytes=info.weight_bytes,
-                budget_bytes=info.weight_bytes + available_memory_bytes(torch.device(info.device)),
-            )
-        )
-
-    def model_loaded(self) -> None:
-        """The engine loaded a model: follow it unless the user has typed a config of their own."""
-        if self.follows_loaded:
-            self.use_loaded_model()
+    def show_loaded(self, config: KVConfig) -> None:
+        """The loaded model's config (its shapes, KV storage, full context, weights, and the
+        memory its device has available now as the budget): the fields follow it again."""
+        self.follows_loaded, self.error = True, ""
+        self.set_config(config)
 
     @Slot()
     def inspect_source(self) -> None:
+        """Ask for the config of the typed source, stored in the chosen KV dtype."""
         source = self.source.text().strip() or "default"
-        if self.job.running:
-            return
-        dtype = self.dtype.currentText() if self.dtype.currentText() in DTYPES else "float32"
+        if not self.from_model.isEnabled():
+            return  # one read at a time
         self.error = ""
         self.from_model.setEnabled(False)
         self.results.setText(f"Reading the config of {source}…")
+        self.inspect_requested.emit(source, self.dtype.currentText())
 
-        def inspect(_progress):
-            from engine.model.inspect import inspect_model
-
-            return inspect_model(source, dtype=dtype)
-
-        self.job.start(inspect)
-
-    @Slot(object)
-    def _on_inspected(self, est: dict) -> None:
+    def show_inspected(self, config: KVConfig) -> None:
+        """The config read for "From model": the fields stop following the loaded model."""
         self.from_model.setEnabled(True)
         self.follows_loaded = False
-        self.set_config(
-            KVConfig(
-                num_layers=est["num_layers"],
-                num_kv_heads=est["num_kv_heads"],
-                head_dim=est["head_dim"],
-                dtype=est["dtype"],
-                context=est["context"],
-                batch=self.batch.value(),
-                num_heads=est["num_heads"],
-                weight_bytes=est["weight_bytes"],
-                # inspect_model's budget is the memory available now, weights not yet loaded.
-                budget_bytes=est["budget_bytes"],
-            )
-        )
+        self.set_config(config)
 
-    @Slot(str)
-    def _on_inspect_failed(self, message: str) -> None:
+    def show_error(self, message: str) -> None:
+        """Why a config could not be read (or the loaded model filled in)."""
         self.from_model.setEnabled(True)
-        self.error = f"Cannot read that model: {message}"
+        self.error = message
         self._recompute()
-
-    def shutdown(self, timeout: float = 10.0) -> bool:
-        return self.job.wait(timeout)
 
     # ---- figures ---------------------------------------------------------------------------
     @Slot()
@@ -278,7 +230,7 @@ class KVCalculator(QWidget):
         self._draw(self.config)
 
     def _results_text(self, c: KVConfig) -> str:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         lines = []
         if self.follows_loaded and self.state.loaded is None:
             lines.append(
@@ -286,9 +238,14 @@ class KVCalculator(QWidget):
             )
         if self.error:
             lines.append(f"<span style='color:{theme.WHAT_IF}'>{self.error}</span>")
+        per_head = (
+            f"({c.head_dim} × {c.element_bytes} B + {c.scale_bytes} B float16 scale)"
+            if c.quantized
+            else f"{c.head_dim} × {c.element_bytes} B"
+        )
         per_token = (
             f"Per token <b>{format_bytes(c.bytes_per_token)}</b> {muted}= 2 (K, V) × {c.num_layers} layers × "
-            f"{c.num_kv_heads} KV heads × {c.head_dim} × {c.element_bytes} B</span>"
+            f"{c.num_kv_heads} KV heads × {per_head}</span>"
         )
         mha = c.mha_bytes_per_token
         if mha and c.num_heads != c.num_kv_heads:

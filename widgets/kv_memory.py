@@ -1,10 +1,12 @@
 """KV-cache memory of a model config, for the calculator (no Qt here).
 
 Per token, every layer stores a key and a value vector for each KV head:
-    2 x layers x kv_heads x head_dim x bytes per element.
-Grouped-query attention (kv_heads < query heads) and multi-query attention (kv_heads = 1) shrink
-it by the group size; context and batch multiply it. The formula is ModelShapes'
-(`kv_bytes_per_token`) written over the few fields it needs, so any config can be typed in.
+    2 x layers x kv_heads x head_dim x bytes per element
+(an int8 cache adds one float16 scale per head to each vector). Grouped-query attention
+(kv_heads < query heads) and multi-query attention (kv_heads = 1) shrink it by the group size;
+context and batch multiply it. The bytes are engine.model.shapes' `kv_bytes_per_token`, the one
+formula the engine sizes its pool with, over the few shapes typed here, so any config can be
+explored.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model.shapes import DTYPE_BYTES
+from engine.config import DTYPES
+from engine.model.shapes import DTYPE_BYTES, KV_INT8_SCALE_BYTES, kv_bytes_per_token
 
-KV_DTYPES = tuple(DTYPE_BYTES)
+# What the engine's KV pool can store: the model's own dtype (kv_dtype "auto") or int8 codes
+# with float16 scales (kv_dtype "int8").
+INT8 = "int8"
+KV_DTYPES = (*DTYPES, INT8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +29,7 @@ class KVConfig:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # what the K/V are stored in: a model dtype, or "int8" (codes + float16 scales)
     context: int
     batch: int = 1
     num_heads: int = 0  # query heads; 0 when unknown (then no GQA comparison)
@@ -31,7 +37,7 @@ class KVConfig:
     budget_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV dtype must be one of {', '.join(KV_DTYPES)}, got {self.dtype!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "context", "batch"):
             if getattr(self, name) < 1:
@@ -44,12 +50,22 @@ class KVConfig:
             raise ValueError("weights and budget cannot be negative")
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype == INT8
+
+    @property
     def element_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of the scale stored per head and vector (an int8 cache's float16 scale)."""
+        return KV_INT8_SCALE_BYTES if self.quantized else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        kv_dtype = "int8" if self.quantized else "auto"
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype)
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -84,6 +100,12 @@ class KVConfig:
     def kv_bytes(self, contexts: np.ndarray, batch: int) -> np.ndarray:
         """KV bytes of `batch` sequences at each of `contexts` tokens."""
         return np.asarray(contexts, dtype=np.float64) * self.bytes_per_token * batch
+
+
+def kv_storage(dtype: str, kv_dtype: str) -> str:
+    """The calculator's KV dtype for an engine that loads in `dtype` with `kv_dtype` ("auto" or
+    "int8"): what its pool stores."""
+    return INT8 if kv_dtype == "int8" else dtype
 
 
 def chart_batches(batch: int) -> list[int]:

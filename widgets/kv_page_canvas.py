@@ -34,7 +34,7 @@ FADE_S = 0.6  # how long a written block stays brightened
 HIGHLIGHT = 0.55  # how far towards white a just-written block starts
 EMPTY_SHADE = 0.32  # brightness of a used block's unwritten slots relative to its colour
 SHOW_COUNT_PX = 16  # cells at least this large print their ref count when shared
-COW_MARK = (240, 180, 41)  # theme.ACCENT as RGB: the corner of a copy-on-write copy
+COW_MARK = (240, 180, 41)  # theme.MARK as RGB: the corner of a copy-on-write copy
 
 
 def grid_for(num_blocks: int, width: int, height: int) -> tuple[int, int, int]:
@@ -164,7 +164,7 @@ class KVPageCanvas(QWidget):
         painter = QPainter(self)
         painter.fillRect(self.rect(), QColor(theme.BACKGROUND))
         if self._image is None:
-            painter.setPen(QColor(theme.MUTED_TEXT))
+            painter.setPen(QColor(theme.MUTED))
             painter.drawText(
                 self.rect(), Qt.AlignmentFlag.AlignCenter, "KV pool appears when a model is loaded"
             )

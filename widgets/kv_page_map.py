@@ -15,20 +15,16 @@ import numpy as np
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from engine.units import format_bytes
 from live.groups import saving_line
 from live.page_map import PageMap
 from live.state import LiveState
 from widgets import theme
 from widgets.kv_page_canvas import COW_MARK, KVPageCanvas
 from widgets.live_label import LiveLabel
-from widgets.throttle import RedrawThrottle
-from widgets.units import format_bytes
 
 LEGEND_MAX_SEQS = 6  # more requests than this are summarised as "+n more"
 GROUP_LINES_MAX = 3  # saving lines for at most this many groups (running first, then the latest)
-# 20 redraws a second keep blocks visibly lighting up token by token, at two thirds of the GIL
-# time a redraw on every 30 Hz frame would take from the engine thread.
-REDRAW_INTERVAL_S = 0.05
 
 
 def _swatch(rgb: tuple[int, int, int], label: str, glyph: str = "■") -> str:
@@ -42,7 +38,7 @@ def counters_text(pm: PageMap) -> str:
     slots_alloc = used * pm.block_size
     parts = [
         f"<b>{used}</b> used · {free - cached} free · {cached} cached"
-        f" <span style='color:{theme.MUTED_TEXT}'>of {pm.num_blocks} blocks × {pm.block_size} tokens</span>"
+        f" <span style='color:{theme.MUTED}'>of {pm.num_blocks} blocks × {pm.block_size} tokens</span>"
     ]
     if pm.shared_blocks:
         parts[0] += f" · {pm.shared_blocks} shared"
@@ -87,10 +83,9 @@ class KVPageMapPanel(QWidget):
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("kvPageMapPanel")
         self.setStyleSheet(
-            f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#kvPageMapPanel, #kvPageMapPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.counters = LiveLabel()
         self.counters.setTextFormat(Qt.TextFormat.RichText)
@@ -104,7 +99,7 @@ class KVPageMapPanel(QWidget):
         self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
-        self.legend.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.legend.setStyleSheet(f"color: {theme.MUTED};")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(3)
@@ -117,19 +112,12 @@ class KVPageMapPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         # Also redraw while a just-written block is still fading back to its plain colour.
         if dirty & {"kv", "model", "groups"} or time.perf_counter() < self.canvas.glow_until:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def _redraw(self) -> None:
         pm = self.state.page_map
         if pm.num_blocks == 0:
-            self.counters.setText(f"<span style='color:{theme.MUTED_TEXT}'>KV cache: no model loaded</span>")
+            self.counters.setText(f"<span style='color:{theme.MUTED}'>KV cache: no model loaded</span>")
             self.legend.setText("")
         else:
             self.legend.setText(legend_text(pm, self.state))

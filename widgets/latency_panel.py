@@ -28,11 +28,7 @@ from widgets.plot_style import (
     nice_ceiling,
     styled_plot,
 )
-from widgets.throttle import RedrawThrottle
 
-# 10 redraws a second still reads as live; every frame would cost the engine ~5% of its time
-# once the series holds thousands of tokens.
-REDRAW_INTERVAL_S = 0.1
 # Beyond this many points per-token dots merge into a smear and cost more than the line.
 MAX_DOTS = 400
 # Symbol pens and brushes are made once: pyqtgraph caches a rendered symbol per pen/brush
@@ -54,10 +50,9 @@ class LatencyPanel(QWidget):
         super().__init__(parent)
         self.state = state
         self.p50 = self.p99 = math.nan
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("latencyPanel")
         self.setStyleSheet(
-            f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#latencyPanel, #latencyPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.readout = LiveLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
@@ -117,9 +112,9 @@ class LatencyPanel(QWidget):
         line = pg.InfiniteLine(
             angle=0,
             movable=False,
-            pen=pg.mkPen(theme.PANEL_TEXT, width=1, style=style),
+            pen=pg.mkPen(theme.TEXT, width=1, style=style),
             label=name,
-            labelOpts={"position": 0.98, "color": theme.MUTED_TEXT, "anchors": [(1, 1), (1, 1)]},
+            labelOpts={"position": 0.98, "color": theme.MUTED, "anchors": [(1, 1), (1, 1)]},
         )
         line.hide()
         return line
@@ -130,14 +125,7 @@ class LatencyPanel(QWidget):
 
     def refresh(self, dirty: set[str]) -> None:
         if "latency" in dirty:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def point_count(self) -> int:
         """Points drawn: finite ITL points plus TTFT markers (one per generated token)."""
@@ -146,9 +134,7 @@ class LatencyPanel(QWidget):
     def _redraw(self) -> None:
         ring = self.state.latency
         if len(ring) == 0:
-            self.readout.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Latency: no tokens generated yet</span>"
-            )
+            self.readout.setText(f"<span style='color:{theme.MUTED}'>Latency: no tokens generated yet</span>")
             for curve in (self.itl_curve, self.ttft_points, self.rate_curve):
                 curve.setData([], [])
             self.p50_line.hide()
@@ -208,7 +194,7 @@ class LatencyPanel(QWidget):
         parts.append(
             legend_entry(theme.SERIES["tokens_per_s"], "tokens/s")
             + (f" <b>{rate:.1f}</b>" if math.isfinite(rate) else "")
-            + f" <span style='color:{theme.MUTED_TEXT}'>(right axis) · {len(ring)} tokens</span>"
+            + f" <span style='color:{theme.MUTED}'>(right axis) · {len(ring)} tokens</span>"
         )
         return " &nbsp; ".join(parts)
 

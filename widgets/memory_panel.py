@@ -1,8 +1,10 @@
-"""Memory graph: weights, KV pool, KV in use and the process total over time.
+"""Memory graph: weights, KV pool, KV in use, a speculative draft model's weights and cache, and
+the process total over time.
 
-Every series is named with where its number comes from (tensor sizes for weights and the KV
-pool, block count for KV in use, the engine's probe for the process: psutil RSS on CPU, torch
-CUDA counters or NVML on a GPU). The y axis uses one binary unit (MiB or GiB) chosen from the
+Every series is named with where its number comes from (tensor sizes for weights, the KV pool
+and the draft's, block count for KV in use, the engine's probe for the process: psutil RSS on
+CPU, torch CUDA counters or NVML on a GPU). The draft's series appear only while the engine runs
+one (a self-draft shares the target's weights: only its cache shows). The y axis uses one binary unit (MiB or GiB) chosen from the
 largest value, so tick labels stay round. With quantized weights (`set_weights_scheme`) the
 weights series names its scheme and a dashed line marks what the same weights take in full
 precision, so the saving reads straight off the graph.
@@ -15,20 +17,25 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from engine.units import byte_unit, format_bytes
 from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.plot_style import AUTO_DOWNSAMPLE_FACTOR, StableRange, legend_entry, nice_ceiling, styled_plot
-from widgets.units import byte_unit, format_bytes
 
 # (ring column, legend label); "{source}" is the engine's probe name for the process figures.
 SERIES = (
     ("weights", "weights (tensor sizes)"),
     ("kv_pool", "KV pool allocated"),
     ("kv_used", "KV in use (used blocks)"),
+    ("draft_weights", "draft model weights (tensor sizes)"),
+    ("draft_cache", "draft KV cache"),
     ("process", "process total ({source})"),
     ("reserved", "reserved ({source})"),
 )
+DASHED = ("reserved", "draft_cache")
+# Shown only when they hold something: most engines run no draft model.
+ONLY_WHEN_USED = ("draft_weights", "draft_cache")
 
 
 class MemoryPanel(QWidget):
@@ -38,7 +45,7 @@ class MemoryPanel(QWidget):
         self.unit: tuple[str, int] = ("MiB", 1 << 20)
         self.setObjectName("memoryPanel")
         self.setStyleSheet(
-            f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#memoryPanel, #memoryPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
@@ -57,7 +64,7 @@ class MemoryPanel(QWidget):
         self.full_precision_line.hide()
         item.addItem(self.full_precision_line, ignoreBounds=True)
         for key, _ in SERIES:
-            dashed = key == "reserved"
+            dashed = key in DASHED
             pen = pg.mkPen(
                 theme.SERIES[key], width=2, style=Qt.PenStyle.DashLine if dashed else Qt.PenStyle.SolidLine
             )
@@ -72,10 +79,6 @@ class MemoryPanel(QWidget):
     def refresh(self, dirty: set[str]) -> None:
         if "memory" in dirty:
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now (the same call as on the other panels, before a screenshot)."""
-        self._redraw()
 
     def set_weights_scheme(self, scheme: str | None, full_bytes: int | None = None, dtype: str = "") -> None:
         """The loaded model's weight quantization (None or 'none': full precision) and, when
@@ -95,7 +98,7 @@ class MemoryPanel(QWidget):
         ring = self.state.memory
         if len(ring) == 0:
             self.legend.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Memory: waiting for the engine's first sample</span>"
+                f"<span style='color:{theme.MUTED}'>Memory: waiting for the engine's first sample</span>"
             )
             for curve in self.curves.values():
                 curve.setData([], [])
@@ -112,7 +115,12 @@ class MemoryPanel(QWidget):
         if unit != self.unit:
             self.unit = unit
             self.plot.getPlotItem().setLabel("left", unit[0])
-        shown = tuple(key for key, _ in SERIES if key != "reserved" or show_reserved)
+        used = {key for key in ONLY_WHEN_USED if bool(np.nanmax(columns[key]) > 0)}
+        shown = tuple(
+            key
+            for key, _ in SERIES
+            if (key != "reserved" or show_reserved) and (key not in ONLY_WHEN_USED or key in used)
+        )
         for key, _ in SERIES:
             curve = self.curves[key]
             curve.setVisible(key in shown)
@@ -139,7 +147,9 @@ class MemoryPanel(QWidget):
         for key in shown:
             value = float(columns[key][-1])
             entries.append(
-                legend_entry(theme.SERIES[key], labels[key].format(source=source))
+                legend_entry(
+                    theme.SERIES[key], labels[key].format(source=source), "┅" if key in DASHED else "━"
+                )
                 + f" <b>{format_bytes(value)}</b>"
             )
             if key == "weights" and self.full_precision is not None:
@@ -150,5 +160,5 @@ class MemoryPanel(QWidget):
                 )
         total = float(self.state.memory.column("device_total")[-1])
         if total > 0:
-            entries.append(f"<span style='color:{theme.MUTED_TEXT}'>of {format_bytes(total)} total</span>")
+            entries.append(f"<span style='color:{theme.MUTED}'>of {format_bytes(total)} total</span>")
         return " &nbsp; ".join(entries)

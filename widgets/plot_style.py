@@ -45,7 +45,7 @@ def styled_plot(axis_items: dict[str, pg.AxisItem] | None = None) -> pg.PlotWidg
     for side in ("left", "bottom", "right"):
         axis = item.getAxis(side)
         axis.setPen(pg.mkPen(theme.GRID))
-        axis.setTextPen(pg.mkPen(theme.MUTED_TEXT))
+        axis.setTextPen(pg.mkPen(theme.MUTED))
         # An axis repaints whenever anything in its plot does, replaying its tick labels as
         # text each time (the most expensive part of a live plot's paint, measured). Cached as
         # a pixmap, it is only re-rendered when its range or size changes.

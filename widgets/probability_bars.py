@@ -76,7 +76,7 @@ class ProbabilityBars(QWidget):
         painter.fillRect(self.rect(), QColor(theme.BACKGROUND))
         painter.setFont(self._font)
         if self.message or not self.rows:
-            painter.setPen(QColor(theme.MUTED_TEXT))
+            painter.setPen(QColor(theme.MUTED))
             painter.drawText(
                 self.rect().adjusted(12, 12, -12, -12),
                 Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap,
@@ -113,9 +113,9 @@ class ProbabilityBars(QWidget):
                 painter.drawRect(QRectF(1, y + 0.5, width - 2, self._row_px - 1))
             # token text, right-aligned against the bars
             removed = row.removed_by is not None
-            color = QColor(theme.MUTED_TEXT) if removed else QColor(theme.PANEL_TEXT)
+            color = QColor(theme.MUTED) if removed else QColor(theme.TEXT)
             if row.drawn:
-                color = QColor(theme.ACCENT)
+                color = QColor(theme.MARK)
             font = self._font
             if removed:
                 font = type(self._font)(self._font)
@@ -134,12 +134,12 @@ class ProbabilityBars(QWidget):
             # solid bar: the shown stage
             top = mid - bar_h / 2
             if row.prob > 0:
-                fill = QColor(theme.ACCENT) if row.drawn else QColor(theme.SERIES["stage"])
+                fill = QColor(theme.MARK) if row.drawn else QColor(theme.SERIES["stage"])
                 painter.fillRect(QRectF(bar_x, top, bar_w * row.prob / scale, bar_h), fill)
             # ghost: the raw distribution (hatched when this row has been cut)
             ghost = QRectF(bar_x, top, max(1.0, bar_w * row.raw_prob / scale), bar_h)
             if removed:
-                painter.fillRect(ghost, QBrush(QColor(theme.MUTED_TEXT), Qt.BrushStyle.BDiagPattern))
+                painter.fillRect(ghost, QBrush(QColor(theme.MUTED), Qt.BrushStyle.BDiagPattern))
             painter.setPen(QPen(QColor(170, 176, 188), 1.0, Qt.PenStyle.SolidLine))
             painter.setBrush(Qt.BrushStyle.NoBrush)
             painter.drawRect(ghost)
@@ -157,9 +157,9 @@ class ProbabilityBars(QWidget):
 
         for index, stage in cut_lines(rows):
             y = self._top + index * self._row_px
-            painter.setPen(QPen(QColor(theme.ACCENT), 1.0, Qt.PenStyle.DashLine))
+            painter.setPen(QPen(QColor(theme.MARK), 1.0, Qt.PenStyle.DashLine))
             painter.drawLine(QPointF(MARGIN, y), QPointF(width - MARGIN, y))
-            painter.setPen(QColor(theme.ACCENT))
+            painter.setPen(QColor(theme.MARK))
             label = f"✂ {stage_label(stage)}"
             lw = metrics.horizontalAdvance(label) + 6
             painter.fillRect(
@@ -170,7 +170,7 @@ class ProbabilityBars(QWidget):
 
         hidden = len(self.rows) - shown
         if hidden > 0:
-            painter.setPen(QColor(theme.MUTED_TEXT))
+            painter.setPen(QColor(theme.MUTED))
             y = self._top + shown * self._row_px
             painter.drawText(
                 QRectF(MARGIN, y, width - 2 * MARGIN, MIN_ROW_PX),

@@ -2,9 +2,12 @@
 
 Follows the latest generated token unless `show_token` pins one. A row of stage buttons picks
 which stage the bars show (the final one by default); the raw distribution stays visible as
-ghost outlines. With `set_what_if(params)` the stages are recomputed from the token's snapshot
-by `engine.sampling.what_if` and the panel says so in a banner. With `set_reference_source`,
-the full-precision reference of a quality run is drawn as a tick on each row where it exists.
+ghost outlines. With `set_what_if(params)` the panel asks (`what_if_requested`) for the token's
+stages under those settings, which the shell recomputes exactly on the engine thread
+(engine.sampling.what_if: one forward over the token's context, then the sampler's own stages
+over the full logits) and hands back with `show_what_if`; a banner says so. With
+`set_reference_source`, the full-precision reference of a quality run is drawn as a tick on
+each row where it exists.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.config import SamplingParams
-from engine.events import StageSnapshot, TokenGenerated
+from engine.events import StageSnapshot, TokenGenerated, TokenSnapshot
 from live.remote import is_remote_snapshot
 from live.state import LiveState
 from widgets import theme
@@ -32,14 +35,21 @@ from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
 from widgets.reference import ReferenceDistribution
-from widgets.throttle import RedrawThrottle
 from widgets.token_text import visible
 
-# Following the latest token, 15 redraws a second is faster than anyone reads the bars and
-# halves the GUI's share of the GIL next to redrawing on every 30 Hz frame.
-FOLLOW_REDRAW_INTERVAL_S = 1 / 15
-
 WHAT_IF_LABEL = "what-if (settings changed since this token)"
+WHAT_IF_HOW = (
+    "recomputed on the engine: this token's full logits from one forward over its context, "
+    "then the sampler's own stages under these settings"
+)
+WHAT_IF_WAITING = "recomputing this token on the engine…"
+WHAT_IF_STREAMING = (
+    "select a token, or let the reply finish, to recompute it (each recomputation is a forward "
+    "over the whole context); the bars show the token as it was drawn"
+)
+WhatIfKey = tuple[int, int, SamplingParams]  # request id, token index, the what-if settings
+# The shell's answer for a token: its settings, the snapshot (None: failed), why not, notes.
+WhatIfAnswer = tuple[TokenGenerated, SamplingParams, TokenSnapshot | None, str, tuple[str, ...]]
 
 
 def describe_params(params: SamplingParams) -> str:
@@ -64,6 +74,7 @@ CONTINUE_HINT = "Click a candidate, then continue the reply from it as a new bra
 
 
 class ProbabilityPanel(QWidget):
+    what_if_requested = Signal(int, int, object)  # request id, token index, SamplingParams
     # (request id, token index, candidate token id): cut the reply there, put that token there
     # and generate on (the chat makes it a branch of the reply).
     continue_requested = Signal(int, int, int)
@@ -74,6 +85,10 @@ class ProbabilityPanel(QWidget):
         self._request_id: int | None = None
         self._index: int | None = None
         self._what_if: SamplingParams | None = None
+        # The what-if last asked for (its key and token: ids restart with each engine), and the
+        # shell's answer to it: the recomputed snapshot, or why there is none.
+        self._what_if_asked: tuple[WhatIfKey, TokenGenerated] | None = None
+        self._what_if_answer: WhatIfAnswer | None = None
         self._stage_choice: str | None = None  # None: the last (final) stage
         self._shown: TokenGenerated | None = None
         self._stale = True
@@ -83,12 +98,11 @@ class ProbabilityPanel(QWidget):
         # (request id, token index) -> the full-precision reference there, or None
         self._reference_source: Callable[[int, int], ReferenceDistribution | None] | None = None
         self.reference: ReferenceDistribution | None = None
-        self.throttle = RedrawThrottle(FOLLOW_REDRAW_INTERVAL_S)
 
         self.setObjectName("probabilityPanel")
         self.setStyleSheet(
-            f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
-            f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.PANEL_TEXT}; border: 1px solid {theme.GRID};"
+            f"#probabilityPanel, #probabilityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
+            f"#probabilityPanel QToolButton {{ background: #23262d; color: {theme.TEXT}; border: 1px solid {theme.GRID};"
             " border-radius: 3px; padding: 1px 6px; }"
             f"#probabilityPanel QToolButton:checked {{ background: #2f4a6b; border-color: {theme.SERIES['stage']}; }}"
         )
@@ -107,7 +121,7 @@ class ProbabilityPanel(QWidget):
         self.stage_buttons.setExclusive(True)
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
         self.summary = LiveLabel()
-        self.summary.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.summary.setStyleSheet(f"color: {theme.MUTED};")
         self.reference_note = QLabel()
         self.reference_note.setTextFormat(Qt.TextFormat.RichText)
         self.reference_note.setWordWrap(True)
@@ -122,7 +136,7 @@ class ProbabilityPanel(QWidget):
         )
         self.continue_button.clicked.connect(self._on_continue_clicked)
         self.continue_hint = QLabel(CONTINUE_HINT)
-        self.continue_hint.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.continue_hint.setStyleSheet(f"color: {theme.MUTED};")
         self.continue_hint.setWordWrap(True)
         self._chosen_for: tuple[int, int] | None = None  # the token the chosen row belongs to
 
@@ -155,6 +169,23 @@ class ProbabilityPanel(QWidget):
     def set_what_if(self, params: SamplingParams | None) -> None:
         """Show the selected token's stages recomputed under `params` (None: as recorded)."""
         self._what_if = params
+        self._update()
+
+    def show_what_if(
+        self,
+        request_id: int,
+        index: int,
+        params: SamplingParams,
+        snapshot: TokenSnapshot | None,
+        error: str = "",
+        notes: tuple[str, ...] = (),
+    ) -> None:
+        """The shell's answer to `what_if_requested`: the token's snapshot under `params` (and
+        how it differs from one real draw, if it does), or why it could not be recomputed."""
+        asked = self._what_if_asked
+        if asked is None or asked[0] != (request_id, index, params):
+            return  # an answer to a question no longer on screen
+        self._what_if_answer = (asked[1], params, snapshot, error, notes)
         self._update()
 
     def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:
@@ -205,11 +236,6 @@ class ProbabilityPanel(QWidget):
             self.continue_button.setText(f"↳ Continue with “{text}”")
             self.continue_hint.setText(f"reply #{chosen[0]}, token {chosen[1]}: a new branch from here")
 
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self.throttle.drawn()
-        self._update()
-
     @property
     def following(self) -> bool:
         return self._request_id is None
@@ -219,9 +245,10 @@ class ProbabilityPanel(QWidget):
         return self.bars.rows
 
     def refresh(self, dirty: set[str]) -> None:
-        if "tokens" in dirty and (self.following or self._stale):
-            self.throttle.request()
-        if self.throttle.due():
+        followed = self.following or self._stale
+        # A what-if on the followed reply is recomputed once it ends ("requests").
+        ended = "requests" in dirty and self._what_if is not None and self.following
+        if ("tokens" in dirty and followed) or ended:
             self._update()
 
     # ---- building ----------------------------------------------------------------------------
@@ -255,19 +282,20 @@ class ProbabilityPanel(QWidget):
             )
             self._set_header(token, None)
             return
-        stages = self._stages_for(token)
-        if not stages:
+        shown = self._snapshot_for(token)
+        if shown is None:
             self._clear(f"what-if failed: {self.what_if_error}")
             return
+        stages = shown.stages
         self.stages = stages
         names = tuple(s.name for s in stages)
         index = names.index(self._stage_choice) if self._stage_choice in names else len(stages) - 1
         self.stage_name = names[index]
         self._sync_stage_buttons(stages, index, vocab=stages[0].kept_count)
         self.summary.setText(stage_summary(stages[index], stages[0].kept_count))
-        rows = bar_rows(token.snapshot, stages, index)
+        rows = bar_rows(shown, stages, index)
         self.bars.set_rows(self._with_reference(token, rows), names)
-        self._set_header(token, stages)
+        self._set_header(token, shown)
 
     def _with_reference(self, token: TokenGenerated, rows: list[BarRow]) -> list[BarRow]:
         """The rows with the reference's probability where a quality run has this token."""
@@ -283,27 +311,41 @@ class ProbabilityPanel(QWidget):
         self.reference_note.show()
         return [dataclasses.replace(row, reference_prob=ref.probs.get(row.token_id)) for row in rows]
 
-    def _stages_for(self, token: TokenGenerated) -> tuple[StageSnapshot, ...]:
+    def _snapshot_for(self, token: TokenGenerated) -> TokenSnapshot | None:
+        """The snapshot the bars show: as recorded, or the what-if's once the shell answered
+        (None: the what-if failed, `what_if_error` says why)."""
+        recorded = token.snapshot
+        assert recorded is not None
         self.what_if_error = None
-        if self._what_if is None:
+        params = self._what_if
+        if params is None:
             self.banner.hide()
-            return token.snapshot.stages
-        if is_remote_snapshot(token.snapshot):
-            self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
-            self.banner.show()
-            return token.snapshot.stages
-        from engine.sampling.what_if import what_if, what_if_notes  # pure; loads torch lazily
-
-        self.banner.setText(f"{WHAT_IF_LABEL}: {describe_params(self._what_if)}")
+            return recorded
         self.banner.show()
-        try:
-            notes = what_if_notes(token.snapshot, self._what_if)
-            if notes:
-                self.banner.setText(self.banner.text() + "".join(f"\n· {n}" for n in notes))
-            return what_if(token.snapshot, self._what_if)
-        except Exception as exc:  # noqa: BLE001 - a what-if must never break the render timer
-            self.what_if_error = f"{type(exc).__name__}: {exc}"
-            return ()
+        if is_remote_snapshot(recorded):
+            self.banner.setText("what-if needs the engine's raw logits: a remote server's tokens have none")
+            return recorded
+        label = f"{WHAT_IF_LABEL}: {describe_params(params)}"
+        view = self.state.requests.get(token.request_id)
+        if self.following and view is not None and not view.done:
+            self.banner.setText(f"{label}: {WHAT_IF_STREAMING}")
+            return recorded
+        answer = self._what_if_answer
+        if answer is not None and answer[0] is token and answer[1] == params:
+            _, _, snapshot, error, notes = answer
+            if snapshot is None:
+                self.banner.setText(label)
+                self.what_if_error = error
+                return None
+            self.banner.setText(f"{label}: {WHAT_IF_HOW}" + "".join(f"\n· {note}" for note in notes))
+            return snapshot
+        self.banner.setText(f"{label}: {WHAT_IF_WAITING}")
+        key = (token.request_id, token.index, params)
+        asked = self._what_if_asked
+        if asked is None or asked[0] != key or asked[1] is not token:
+            self._what_if_asked = (key, token)
+            self.what_if_requested.emit(*key)
+        return recorded
 
     def _clear(self, message: str) -> None:
         self.stages, self.stage_name = (), None
@@ -311,38 +353,38 @@ class ProbabilityPanel(QWidget):
         self.reference_note.hide()
         self.bars.set_message(message)
         self.summary.setText("")
-        self.header.setText(f"<span style='color:{theme.MUTED_TEXT}'>Token probabilities</span>")
+        self.header.setText(f"<span style='color:{theme.MUTED}'>Token probabilities</span>")
         self._sync_stage_buttons((), -1, 0)
         if self._what_if is None:
             self.banner.hide()
 
-    def _set_header(self, token: TokenGenerated, stages: tuple[StageSnapshot, ...] | None) -> None:
+    def _set_header(self, token: TokenGenerated, shown: TokenSnapshot | None) -> None:
         where = "latest" if self.following else "selected"
         snap = token.snapshot
         text = (
             f"<b>reply #{token.request_id} · token {token.index}</b>"
-            f" <span style='color:{theme.MUTED_TEXT}'>({where})</span>"
-            f" drawn <span style='color:{theme.ACCENT}'><b>{_html(visible(token.text))}</b></span>"
+            f" <span style='color:{theme.MUTED}'>({where})</span>"
+            f" drawn <span style='color:{theme.MARK}'><b>{_html(visible(token.text))}</b></span>"
         )
         if is_remote_snapshot(snap):
             text += (
                 f" p&nbsp;{percent(snap.drawn_prob)}"
-                f" <span style='color:{theme.MUTED_TEXT}'>(as the server reports it)</span>"
+                f" <span style='color:{theme.MUTED}'>(as the server reports it)</span>"
             )
-        elif snap is not None and stages:
-            if self._what_if is None:
+        elif snap is not None and shown is not None:
+            stages = shown.stages
+            if shown is snap:
                 text += (
                     f" p&nbsp;{percent(snap.drawn_prob)} · entropy {snap.entropy:.2f} nats"
-                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                    f" <span style='color:{theme.MUTED}'>(raw {snap.raw_entropy:.2f})</span>"
                 )
             else:
-                drawn = (
-                    snap.candidate_ids.index(snap.drawn_id) if snap.drawn_id in snap.candidate_ids else None
-                )
+                ids = shown.candidate_ids
+                drawn = ids.index(snap.drawn_id) if snap.drawn_id in ids else None
                 would_be = percent(stages[-1].probs[drawn]) if drawn is not None else "?"
                 text += (
                     f" would be p&nbsp;{would_be} · entropy {entropy_text(stages[-1])}"
-                    f" <span style='color:{theme.MUTED_TEXT}'>(raw {snap.raw_entropy:.2f})</span>"
+                    f" <span style='color:{theme.MUTED}'>(raw {snap.raw_entropy:.2f})</span>"
                 )
         self.header.setText(text)
 

@@ -57,7 +57,7 @@ class QualityPanel(QWidget):
         self.engine_label = ""
         self.setObjectName("qualityPanel")
         self.setStyleSheet(
-            f"#qualityPanel, #qualityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#qualityPanel, #qualityPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.source = QComboBox()
         for key, label in sources:
@@ -70,7 +70,7 @@ class QualityPanel(QWidget):
         )
         self.run_button.clicked.connect(self._on_run_clicked)
         self.status = QLabel()
-        self.status.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.status.setStyleSheet(f"color: {theme.MUTED};")
         self.status.setWordWrap(True)
         self.status.hide()  # shown while a run goes and for its errors
         # The figures as a small table (scheme | full precision), one short line per cell, so a
@@ -81,7 +81,7 @@ class QualityPanel(QWidget):
         self.cells: dict[tuple[str, int], QLabel] = {}
         for row, name in enumerate(TABLE_ROWS):
             head = QLabel(name)
-            head.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+            head.setStyleSheet(f"color: {theme.MUTED};")
             self.table.addWidget(head, row, 0)
             for column in (1, 2):
                 cell = QLabel()
@@ -98,7 +98,7 @@ class QualityPanel(QWidget):
             "'last reply' is the running engine's own."
         )
         self.hover = QLabel()
-        self.hover.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.hover.setStyleSheet(f"color: {theme.MUTED};")
         self.plot = styled_plot()
         item = self.plot.getPlotItem()
         item.setLabel("bottom", "token position in the text")  # KL's unit is in the figures' legend
@@ -116,7 +116,7 @@ class QualityPanel(QWidget):
             symbolPen=pg.mkPen(DISAGREE_COLOUR),
             symbolBrush=DISAGREE_BRUSH,
         )
-        self.mean_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED_TEXT, style=Qt.PenStyle.DashLine))
+        self.mean_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.PenStyle.DashLine))
         self.mean_line.hide()
         item.addItem(self.mean_line, ignoreBounds=True)
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
@@ -146,7 +146,7 @@ class QualityPanel(QWidget):
 
     def set_running(self, text: str) -> None:
         self.run_button.setEnabled(False)
-        self.status.setStyleSheet(f"color: {theme.MUTED_TEXT};")
+        self.status.setStyleSheet(f"color: {theme.MUTED};")
         self.status.setText(f"Running: {text}…")
         self.status.show()
 
@@ -196,7 +196,7 @@ class QualityPanel(QWidget):
     # ---- text --------------------------------------------------------------------------------
     def _show_empty(self) -> None:
         self.figures.setText(
-            f"<span style='color:{theme.MUTED_TEXT}'>Compare the running scheme with full precision: "
+            f"<span style='color:{theme.MUTED}'>Compare the running scheme with full precision: "
             "per-token KL divergence, top-1 agreement and perplexity of both, with the speed of each "
             "measured through the engine.</span>"
         )
@@ -245,7 +245,7 @@ class QualityPanel(QWidget):
             legend_entry(KL_COLOUR, f"KL mean <b>{report.mean_kl:.4g}</b> · max {report.max_kl:.3g} nats")
             + " &nbsp; "
             + legend_entry(DISAGREE_COLOUR, f"top-1 agreement <b>{report.top1_agreement:.1%}</b>", "✕")
-            + f" <span style='color:{theme.MUTED_TEXT}'>over {report.num_tokens:,} tokens of the {where}{cut}</span>"
+            + f" <span style='color:{theme.MUTED}'>over {report.num_tokens:,} tokens of the {where}{cut}</span>"
         )
 
     def _refresh_live(self) -> None:
@@ -262,7 +262,7 @@ class QualityPanel(QWidget):
         self._set_row(
             "last reply",
             f"{stats.tokens_per_s:.1f} tok/s, {stats.generated_tokens} tokens",
-            f"<span style='color:{theme.MUTED_TEXT}'>{self.engine_label or 'the running engine'}, in the chat</span>",
+            f"<span style='color:{theme.MUTED}'>{self.engine_label or 'the running engine'}, in the chat</span>",
         )
 
     # ---- slots -------------------------------------------------------------------------------

@@ -7,38 +7,28 @@ kernels do (memory-bound: a decode reads every weight for a token or two); steps
 could (compute-bound: a prefill reuses each weight for many tokens). Batching decodes and
 longer prefill chunks move points to the right.
 
-The limits come from `engine.measure.device_limits` on request (a button; seconds of measuring on a
-worker thread, then cached per device and dtype). The FLOP and byte counts come from
-`engine.measure.roofline.step_cost` with the loaded model's shapes, which the window hands over on load.
+The panel only draws. Its points are the live state's (live.roofline: each step's FLOPs and
+bytes as the engine counted them, over its target forward time); the limits are measured by the
+shell on request (`measure_requested`) and handed over with `set_limits` as a `Roof`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
-import torch
-from PySide6.QtCore import Qt, Slot
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from engine.measure import device_limits
-from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import duration, si
-from engine.model.shapes import ModelShapes
+from engine.units import duration, si
+from live.roofline import PHASES, RooflinePoint, phase_utilisation
 from live.state import LiveState
 from widgets import theme
-from widgets.background_job import BackgroundJob
 from widgets.plot_style import styled_plot
-from widgets.roofline_points import PHASES, ModelCosts, RooflinePoint, phase_utilisation, point_from_step
 from widgets.si_axis import SILogAxis
-from widgets.throttle import RedrawThrottle
 
-# 5 redraws a second: a scatter of a thousand points is cheap, but the eye gains nothing faster.
-REDRAW_INTERVAL_S = 0.2
-# Points kept on the plot: a few minutes of chat; older steps only crowd the newest.
-MAX_POINTS = 2000
 # MFU/MBU are over this many of the latest steps of a phase: enough to smooth one slow step
 # (a page fault, a GC pause), few enough to follow a change of batch size within a reply.
 UTILISATION_STEPS = 32
@@ -48,40 +38,51 @@ PHASE_MEANING = {
     "decode": "steps that only decode (one new token per sequence)",
     "mixed": "steps with prefill chunks and decodes in one forward (continuous batching)",
 }
-ROOF_COLOUR = theme.PANEL_TEXT
+ROOF_COLOUR = theme.TEXT
 NO_PEN = pg.mkPen(None)
 # Made once: pyqtgraph caches a rendered symbol per brush object (see latency_panel).
 BRUSHES = {phase: pg.mkBrush(colour) for phase, colour in PHASE_COLOURS.items()}
 HOW_COUNTED = (
-    "FLOPs: the matmuls of every token through q/k/v/o and the MLP of every layer, attention "
-    "scores and value sums over each query's keys, and the LM head for the rows that sample.\n"
-    "Bytes: every weight once per step, the gathered embedding rows, the K/V read (whole "
-    "context) and written (new tokens).\n"
-    "Time: the engine's forward time of those steps."
+    "Counted by the engine from what each step ran. FLOPs: the matmuls of every token through "
+    "q/k/v/o and the MLP of every layer, attention scores and value sums over each query's keys, "
+    "and the LM head for the rows it computed.\n"
+    "Bytes: every weight once per step in its stored format, the gathered embedding rows, the "
+    "K/V read (whole context) and written (new tokens).\n"
+    "Time: the target model's forward of those steps (drafting excluded)."
 )
 
 
-def limits_device(info) -> torch.device:
-    return torch.device(info.device)
+@dataclass(frozen=True, slots=True)
+class Roof:
+    """The measured limits the panel draws: the matmul peak and the memory bandwidth of a device
+    in a dtype, with what they were measured on (`device`, e.g. "AMD EPYC (2 threads) float32")
+    and how (`how`, the measurement in words, for the tooltip). The shell writes both."""
+
+    peak_flops: float
+    bandwidth: float
+    device: str
+    how: str
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte at which the compute roof meets the bandwidth slope."""
+        return self.peak_flops / self.bandwidth
 
 
 class RooflinePanel(QWidget):
+    measure_requested = Signal()  # the user asked to measure (again) the loaded model's device
+
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
-        self.costs: ModelCosts | None = None
-        self.limits: DeviceLimits | None = None
-        self.points: deque[RooflinePoint] = deque(maxlen=MAX_POINTS)
+        self.limits: Roof | None = None
+        self.measuring = False
         self.limits_error = ""
-        self._last_step = 0
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
-        self.job = BackgroundJob("kvscope-measure", self)
-        self.job.succeeded.connect(self._on_limits)
-        self.job.failed.connect(self._on_limits_failed)
+        self._drawn = -1  # the live points' count when last drawn
 
         self.setObjectName("rooflinePanel")
         self.setStyleSheet(
-            f"#rooflinePanel, #rooflinePanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#rooflinePanel, #rooflinePanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.device_label = QLabel()
         self.device_label.setWordWrap(True)
@@ -89,10 +90,10 @@ class RooflinePanel(QWidget):
         self.measure_button = QPushButton("Measure limits")
         self.measure_button.setToolTip(
             "Time the largest matmuls this device runs fast in the model's dtype and a large memory "
-            "copy (about ten seconds). The result is cached per device and dtype.\n"
-            "Measure while no reply is generating: the engine and the measurement share the device."
+            "copy (about ten seconds) on the engine's thread: a reply waits meanwhile, so nothing "
+            "else runs on the device. The result is cached per device and dtype."
         )
-        self.measure_button.clicked.connect(self.measure_limits)
+        self.measure_button.clicked.connect(self.measure_requested)
         # One label per phase: its colour mark (the legend), its MFU and MBU, and in the tooltip
         # how they were computed and its latest step.
         self.utilisation = {phase: QLabel() for phase in PHASES}
@@ -110,13 +111,13 @@ class RooflinePanel(QWidget):
         self.ridge_line = pg.InfiniteLine(
             angle=90,
             movable=False,
-            pen=pg.mkPen(theme.MUTED_TEXT, width=1, style=Qt.PenStyle.DashLine),
+            pen=pg.mkPen(theme.MUTED, width=1, style=Qt.PenStyle.DashLine),
             label="ridge",
-            labelOpts={"position": 0.08, "color": theme.MUTED_TEXT, "anchors": [(0, 1), (0, 1)]},
+            labelOpts={"position": 0.08, "color": theme.MUTED, "anchors": [(0, 1), (0, 1)]},
         )
         item.addItem(self.ridge_line, ignoreBounds=True)
-        self.memory_text = pg.TextItem("← memory-bound", color=theme.MUTED_TEXT, anchor=(1, 1))
-        self.compute_text = pg.TextItem("compute-bound →", color=theme.MUTED_TEXT, anchor=(0, 1))
+        self.memory_text = pg.TextItem("← memory-bound", color=theme.MUTED, anchor=(1, 1))
+        self.compute_text = pg.TextItem("compute-bound →", color=theme.MUTED, anchor=(0, 1))
         for text in (self.memory_text, self.compute_text):
             item.addItem(text, ignoreBounds=True)
         self.scatter: dict[str, pg.ScatterPlotItem] = {}
@@ -142,106 +143,33 @@ class RooflinePanel(QWidget):
         layout.addWidget(self.plot, 1)
         self._redraw()
 
-    # ---- model and limits ------------------------------------------------------------------
-    def set_model_shapes(self, shapes: ModelShapes | None) -> None:
-        """The loaded model's shapes (the window reads them on ModelLoaded): points restart,
-        and the limits for its device and dtype are read from the cache when measured before."""
-        loaded = self.state.loaded
-        self.points.clear()
-        self._last_step = 0
-        self.costs = ModelCosts.of(shapes, loaded.info) if shapes is not None and loaded else None
-        if loaded is not None and not self._limits_match(loaded.info):
-            self.limits, self.limits_error = None, ""
-            device = limits_device(loaded.info)
-            cached = device_limits.cache_path(device, loaded.info.dtype).exists()
-            if cached and not self.job.running:
-                self._start_measuring(refresh=False)  # a read of the cache (re-measured if stale)
-        self.throttle.drawn()
+    # ---- inputs ----------------------------------------------------------------------------
+    def set_limits(self, limits: Roof | None) -> None:
+        """The measured limits of the loaded model's device and dtype (None: not measured)."""
+        self.limits, self.limits_error = limits, ""
         self._redraw()
 
-    def _limits_match(self, info) -> bool:
-        limits = self.limits
-        return limits is not None and limits.device == str(limits_device(info)) and limits.dtype == info.dtype
-
-    @Slot()
-    def measure_limits(self) -> None:
-        """Measure (again) the loaded model's device in its dtype, on a worker thread."""
-        if self.state.loaded is None or self.job.running:
-            return
-        self._start_measuring(refresh=True)
-
-    def _start_measuring(self, refresh: bool) -> None:
-        info = self.state.loaded.info
-        device, dtype = limits_device(info), info.dtype
-        self.limits_error = ""
-        self.job.start(lambda _progress: device_limits.load_or_measure(device, dtype, refresh=refresh))
+    def set_measuring(self, measuring: bool) -> None:
+        self.measuring = measuring
+        if measuring:
+            self.limits_error = ""
         self._redraw()
 
-    def set_limits(self, limits: DeviceLimits | None) -> None:
-        self.limits = limits
-        self.throttle.drawn()
+    def set_limits_error(self, message: str) -> None:
+        self.measuring, self.limits_error = False, message
         self._redraw()
 
-    @Slot(object)
-    def _on_limits(self, limits: DeviceLimits) -> None:
-        loaded = self.state.loaded
-        # A model of another device or dtype may have loaded while measuring: keep only limits
-        # that belong to the model on screen.
-        if (
-            loaded is not None
-            and limits.device == str(limits_device(loaded.info))
-            and limits.dtype == loaded.info.dtype
-        ):
-            self.set_limits(limits)
-        else:
-            self._redraw()
-
-    @Slot(str)
-    def _on_limits_failed(self, message: str) -> None:
-        self.limits_error = message
-        self._redraw()
-
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Window closing: wait for a measurement in flight (it cannot be interrupted)."""
-        return self.job.wait(timeout)
-
-    # ---- live steps ------------------------------------------------------------------------
     def refresh(self, dirty: set[str]) -> None:
-        if "steps" in dirty and self._take_new_steps():
-            self.throttle.request()
-        if self.throttle.due():
+        unplaced = "steps" in dirty and not self.state.roofline.points  # says why nothing shows
+        if dirty & {"roofline", "model"} or unplaced or self.state.roofline.added != self._drawn:
             self._redraw()
 
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot)."""
-        self._take_new_steps()
-        self.throttle.drawn()
-        self._redraw()
-
-    def _take_new_steps(self) -> bool:
-        """Turn the steps the store gained since the last call into points; True when any."""
-        rows = self.state.step_logit_rows
-        if not rows:
-            return False
-        if rows[-1][0].step < self._last_step:
-            self._last_step = 0  # a new engine counts its steps from 1 again
-        new = []
-        for stats, logit_rows in reversed(rows):
-            if stats.step <= self._last_step:
-                break
-            new.append((stats, logit_rows))
-        if not new:
-            return False
-        self._last_step = new[0][0].step
-        if self.costs is not None:
-            for stats, logit_rows in reversed(new):
-                point = point_from_step(self.costs, stats, logit_rows)
-                if point is not None:
-                    self.points.append(point)
-        return True
+    @property
+    def points(self) -> list[RooflinePoint]:
+        return list(self.state.roofline.points)
 
     def phase_points(self, phase: str) -> list[RooflinePoint]:
-        return [p for p in self.points if p.phase == phase]
+        return self.state.roofline.of_phase(phase)
 
     def plotted(self, phase: str) -> tuple[np.ndarray, np.ndarray]:
         """The (intensity, FLOP/s) the scatter of `phase` shows, in data units (not log10)."""
@@ -250,10 +178,11 @@ class RooflinePanel(QWidget):
 
     # ---- drawing ---------------------------------------------------------------------------
     def _redraw(self) -> None:
+        self._drawn = self.state.roofline.added
         self.device_label.setText(self._device_text())
         self.device_label.setToolTip(self._device_tip())
         loaded = self.state.loaded
-        self.measure_button.setEnabled(loaded is not None and not self.job.running)
+        self.measure_button.setEnabled(loaded is not None and not self.measuring)
         self.measure_button.setText("Re-measure limits" if self.limits else "Measure limits")
         for phase in PHASES:
             chosen = self.phase_points(phase)
@@ -266,7 +195,7 @@ class RooflinePanel(QWidget):
         self._draw_utilisation()
 
     def _device_text(self) -> str:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         loaded = self.state.loaded
         if loaded is None:
             return f"{muted}Roofline: load a model; its steps are placed against this device's measured limits.</span>"
@@ -275,11 +204,14 @@ class RooflinePanel(QWidget):
         limits = self.limits
         if limits is not None:
             lines.append(
-                f"<b>{limits.device_name}</b> {limits.dtype}: peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> · "
+                f"<b>{limits.device}</b>: peak <b>{si(limits.peak_flops, 'FLOP/s')}</b> · "
                 f"bandwidth <b>{si(limits.bandwidth, 'B/s')}</b> · ridge <b>{limits.ridge:.2f} FLOP/B</b>"
             )
-        elif self.job.running:
-            lines.append(f"Measuring {info.device} in {info.dtype}: matmul peak and memory bandwidth…")
+        elif self.measuring:
+            lines.append(
+                f"Measuring {info.device} in {info.dtype}: matmul peak and memory bandwidth "
+                "(replies wait until it is done)…"
+            )
         else:
             lines.append(
                 f"{muted}Device limits for {info.device} in {info.dtype} not measured yet: press "
@@ -287,8 +219,10 @@ class RooflinePanel(QWidget):
             )
         if self.limits_error:
             lines.append(f"<span style='color:{theme.WHAT_IF}'>Measuring failed: {self.limits_error}</span>")
-        if self.costs is None:
-            lines.append(f"{muted}The loaded model's shapes are unknown: its steps cannot be placed.</span>")
+        if self.state.steps and not self.state.roofline.points:
+            lines.append(
+                f"{muted}This engine's steps carry no FLOP and byte counts: they cannot be placed.</span>"
+            )
         return "<br>".join(lines)
 
     def _device_tip(self) -> str:
@@ -296,10 +230,7 @@ class RooflinePanel(QWidget):
         if limits is None:
             return ""
         return (
-            f"Measured {limits.measured_at} in {limits.measure_seconds:.1f} s with {limits.threads} threads:\n"
-            f"matmul peak {si(limits.peak_flops, 'FLOP/s')}: the fastest {limits.dtype} matmul "
-            f"({limits.matmul_size} x {limits.matmul_size}, x @ W.T like every linear layer)\n"
-            f"bandwidth {si(limits.bandwidth, 'B/s')}: a large copy on {limits.device} (bytes read + written)\n"
+            f"{limits.how}\n"
             f"ridge = peak / bandwidth = {limits.ridge:.2f} FLOP per byte: a step that does fewer FLOPs "
             "per byte it moves waits on memory (memory-bound); one that does more waits on arithmetic "
             "(compute-bound)."
@@ -327,7 +258,7 @@ class RooflinePanel(QWidget):
         self.compute_text.setPos(math.log10(ridge) + 0.05, top)
 
     def _draw_utilisation(self) -> None:
-        muted = f"<span style='color:{theme.MUTED_TEXT}'>"
+        muted = f"<span style='color:{theme.MUTED}'>"
         for phase, label in self.utilisation.items():
             head = f"<span style='color:{PHASE_COLOURS[phase]}'>●</span>&nbsp;{phase}"
             chosen = self.phase_points(phase)
@@ -344,7 +275,10 @@ class RooflinePanel(QWidget):
                     f"{PHASE_MEANING[phase].capitalize()}. Measure the device limits for MFU and MBU.\n\n{latest}"
                 )
                 continue
-            util = phase_utilisation(chosen, phase, self.limits, UTILISATION_STEPS)
+            util = phase_utilisation(
+                chosen, phase, self.limits.peak_flops, self.limits.bandwidth, UTILISATION_STEPS
+            )
+            assert util is not None  # `chosen` is not empty
             label.setText(f"{head} MFU <b>{util.mfu.value:.1%}</b> · MBU <b>{util.mbu.value:.1%}</b>")
             label.setToolTip(
                 f"{PHASE_MEANING[phase].capitalize()}, the last {util.steps}:\n"
@@ -355,8 +289,11 @@ class RooflinePanel(QWidget):
         lines = [
             data.describe(),
             f"{data.intensity:.2f} FLOP/B: {si(data.flops, 'FLOP')} over {si(data.bytes, 'B')}",
-            f"{si(data.flops_per_s, 'FLOP/s')} in {duration(data.forward_s)} (forward)",
+            f"{si(data.flops_per_s, 'FLOP/s')} in {duration(data.forward_s)} (target forward)",
         ]
+        terms = [f"{name} {si(value, '')}".strip() for name, value in data.breakdown.items()]
+        if terms:
+            lines.append("engine's count: " + ", ".join(terms))
         if self.limits is not None:
             lines.append(
                 f"MFU {data.flops_per_s / self.limits.peak_flops:.1%} · MBU {data.bytes_per_s / self.limits.bandwidth:.1%}"

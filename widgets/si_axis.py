@@ -10,7 +10,7 @@ import math
 
 import pyqtgraph as pg
 
-from engine.measure.roofline import si
+from engine.units import si
 
 
 class SILogAxis(pg.AxisItem):

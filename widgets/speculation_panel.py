@@ -4,6 +4,8 @@ speedup against the same settings without speculation.
 
 Figures for a finished reply are its engine RequestStats; while a reply streams they are folded
 from its SpecRound events so far. The speedup comes only from a measurement the user starts.
+A round names its drafts by id; their texts come from the engine's tokenizer through the shell
+(`texts_needed`, answered with `add_token_texts`), never decoded here.
 """
 
 from __future__ import annotations
@@ -142,17 +144,19 @@ def round_rows(spec_round: SpecRound, token_text: Callable[[int], str]) -> list[
 
 class SpeculationPanel(QWidget):
     measure_requested = Signal()
+    texts_needed = Signal(object)  # tuple of token ids whose text the round table lacks
 
     def __init__(self, state: LiveState, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.state = state
-        self.token_text: Callable[[int], str] = lambda token_id: f"#{token_id}"
+        self.token_texts: dict[int, str] = {}  # token id -> its text, from the engine's tokenizer
+        self._asked: set[int] = set()
         self.acceptance: Acceptance | None = None
         self._selected: tuple[int, int] | None = None
         self.setObjectName("speculationPanel")
         self.setStyleSheet(
             f"#speculationPanel, #speculationPanel QLabel {{ background: {theme.BACKGROUND};"
-            f" color: {theme.PANEL_TEXT}; }}"
+            f" color: {theme.TEXT}; }}"
         )
         self.summary = QLabel("No speculative reply yet: turn speculation on in Controls and send a message.")
         self.summary.setTextFormat(Qt.TextFormat.RichText)
@@ -201,8 +205,18 @@ class SpeculationPanel(QWidget):
         layout.addLayout(body, 1)
 
     # ---- inputs ----------------------------------------------------------------------------
-    def set_token_text(self, token_text: Callable[[int], str]) -> None:
-        self.token_text = token_text
+    def add_token_texts(self, texts: dict[int, str]) -> None:
+        """Texts of token ids asked for by `texts_needed`."""
+        self.token_texts.update(texts)
+        self._update_round()
+
+    def clear_token_texts(self) -> None:
+        """Another model (another tokenizer): ids may name other texts now."""
+        self.token_texts.clear()
+        self._asked.clear()
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_texts.get(token_id, f"#{token_id}")
 
     def show_token(self, request_id: int | None, index: int | None) -> None:
         """The chat's selected token (None, None: none selected)."""
@@ -274,6 +288,10 @@ class SpeculationPanel(QWidget):
             f"Round {spec_round.round} ({spec_round.proposer}): {spec_round.accepted} of "
             f"{len(spec_round.draft_ids)} drafts accepted, then {ending}."
         )
+        unknown = tuple(i for i in dict.fromkeys(spec_round.draft_ids) if i not in self.token_texts)
+        if unknown and not self._asked.issuperset(unknown):
+            self._asked.update(unknown)
+            self.texts_needed.emit(unknown)
         rows = round_rows(spec_round, self.token_text)
         self.round_table.setRowCount(len(rows))
         for r, row in enumerate(rows):

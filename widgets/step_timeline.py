@@ -20,12 +20,10 @@ from engine.events import StepStats
 from live.state import LiveState
 from widgets import theme
 from widgets.plot_style import legend_entry, styled_plot
-from widgets.throttle import RedrawThrottle
 
 # Steps drawn: enough to see a burst of requests being admitted, prefilled and decoded, few
 # enough that each bar stays wider than a pixel in a dock.
 SHOWN_STEPS = 160
-REDRAW_INTERVAL_S = 0.1
 COLOURS = {
     "prefill": "#e8833a",
     "decode": "#5b9bd5",
@@ -76,11 +74,10 @@ class StepTimelinePanel(QWidget):
         super().__init__(parent)
         self.state = state
         self.series = timeline_series([])
-        self.throttle = RedrawThrottle(REDRAW_INTERVAL_S)
         self.setObjectName("stepTimelinePanel")
         self.setStyleSheet(
             f"#stepTimelinePanel, #stepTimelinePanel QLabel {{ background: {theme.BACKGROUND}; "
-            f"color: {theme.PANEL_TEXT}; }}"
+            f"color: {theme.TEXT}; }}"
         )
         self.readout = QLabel()
         self.readout.setTextFormat(Qt.TextFormat.RichText)
@@ -128,14 +125,7 @@ class StepTimelinePanel(QWidget):
 
     def refresh(self, dirty: set[str]) -> None:
         if "steps" in dirty:
-            self.throttle.request()
-        if self.throttle.due():
             self._redraw()
-
-    def flush(self) -> None:
-        """Redraw now, ignoring the throttle (before a screenshot or a check)."""
-        self.throttle.drawn()
-        self._redraw()
 
     def _redraw(self) -> None:
         steps = list(self.state.steps)
@@ -159,7 +149,7 @@ class StepTimelinePanel(QWidget):
     def _readout(self, steps: list[StepStats]) -> str:
         s = self.series
         if not len(s):
-            return f"<span style='color:{theme.MUTED_TEXT}'>Steps: none yet</span>"
+            return f"<span style='color:{theme.MUTED}'>Steps: none yet</span>"
         last = steps[-1]
         parts = [
             legend_entry(COLOURS["prefill"], "prefill", "■") + f" <b>{last.prefill_tokens}</b>",
@@ -167,7 +157,7 @@ class StepTimelinePanel(QWidget):
             legend_entry(COLOURS["running"], "running") + f" <b>{last.running}</b>",
             legend_entry(COLOURS["waiting"], "waiting", "┅") + f" <b>{last.waiting}</b>",
             legend_entry(COLOURS["preempted"], "preemptions", "▼") + f" <b>{last.preemptions}</b>",
-            f"<span style='color:{theme.MUTED_TEXT}'>{s.mixed_steps} of the last {len(s)} steps "
+            f"<span style='color:{theme.MUTED}'>{s.mixed_steps} of the last {len(s)} steps "
             "mixed prefill with decode</span>",
         ]
         return " &nbsp; ".join(parts)

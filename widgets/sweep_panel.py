@@ -3,17 +3,19 @@ user's machine, plotted, and explained in a sentence drawn from the numbers.
 
 The sweep is `engine.measure.sweep.compare_dtypes`: the loaded model's source is loaded once per chosen
 dtype (held together and measured interleaved, so drift hits them alike) in a separate engine of
-its own. It runs on a worker thread with progress and cancel; cancelling takes effect between
-two runs. The app's own engine keeps its model; for clean figures, do not chat meanwhile: both
-share the CPU (or GPU).
+its own. The panel only asks and draws: `run_requested` carries the settings, the shell runs the
+sweep on a worker (progress and cancel; cancelling takes effect between two runs) and hands back
+its progress and report. The app's own engine keeps its model; for clean figures, do not chat
+meanwhile: both share the CPU (or GPU).
 """
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 
 import pyqtgraph as pg
-from PySide6.QtCore import QSize, Qt, Slot
+from PySide6.QtCore import QSize, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QBoxLayout,
     QCheckBox,
@@ -30,7 +32,6 @@ from PySide6.QtWidgets import (
 
 from engine.config import DTYPES
 from widgets import theme
-from widgets.background_job import BackgroundJob
 from widgets.plot_style import LogValueAxis, legend_entry, styled_plot
 from widgets.sweep_summary import explain_parts
 
@@ -40,8 +41,6 @@ DTYPE_COLOURS = {"float32": "#5b9bd5", "bfloat16": "#e8833a", "float16": "#5fd38
 DEFAULT_PROMPT_LENGTHS = "32,128,512"
 DEFAULT_CONTEXT_LENGTHS = "128,512,1024"
 DEFAULT_DTYPES = ("float32", "bfloat16")
-# The sweep keeps every core busy (load ~1 per core); beyond this, something else was running.
-BUSY_LOAD_PER_CORE = 1.5
 PREFERRED_SIZE = (460, 680)
 # Below this width two plots side by side get too narrow to read their axes.
 SIDE_BY_SIDE_MIN_WIDTH = 640
@@ -64,38 +63,36 @@ def progress_steps(dtypes: int, prompts: int, contexts: int, repeats: int) -> in
     return dtypes + dtypes * repeats * (prompts + contexts)
 
 
-def busy_machine_note(device: str, load: float | None = None, cores: int | None = None) -> str:
-    """A warning when other work shared the CPU during a CPU sweep, from the 1-minute load
-    average: the sweep's own threads account for about one per core, so a load beyond
-    BUSY_LOAD_PER_CORE per core means other processes ran too, and the figures understate the CPU."""
-    if device.startswith("cuda"):
-        return ""
-    if load is None or cores is None:
-        import psutil
+@dataclass(frozen=True, slots=True)
+class SweepSettings:
+    """What the user asked to measure (checked: at least one dtype and length of each)."""
 
-        load, cores = psutil.getloadavg()[0], psutil.cpu_count(logical=True) or 1
-    if load <= BUSY_LOAD_PER_CORE * cores:
-        return ""
-    return (
-        f"The machine was busy (load average {load:.1f} on {cores} cores): other processes shared the "
-        "CPU, so these times are slower and noisier than the CPU is. Run again when it is idle."
-    )
+    dtypes: tuple[str, ...]  # the first is the baseline
+    decode_tokens: int  # timed per context length
+    repeats: int  # per length and dtype (the median is shown)
+    prompt_lengths: tuple[int, ...]
+    context_lengths: tuple[int, ...]
+
+    @property
+    def progress_steps(self) -> int:
+        return progress_steps(
+            len(self.dtypes), len(self.prompt_lengths), len(self.context_lengths), self.repeats
+        )
 
 
 class SweepPanel(QWidget):
+    run_requested = Signal(object)  # SweepSettings
+    cancel_requested = Signal()
+
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.source: str | None = None
         self.device = "auto"
         self.report: dict | None = None
-        self.job = BackgroundJob("kvscope-sweep", self)
-        self.job.progress.connect(self._on_progress)
-        self.job.succeeded.connect(self._on_report)
-        self.job.failed.connect(self._on_failed)
-        self.job.cancelled.connect(self._on_cancelled)
+        self.running = False
         self.setObjectName("sweepPanel")
         self.setStyleSheet(
-            f"#sweepPanel {{ background: {theme.BACKGROUND}; }} #sweepPanel QLabel {{ color: {theme.PANEL_TEXT}; }}"
+            f"#sweepPanel {{ background: {theme.BACKGROUND}; }} #sweepPanel QLabel {{ color: {theme.TEXT}; }}"
         )
 
         self.model_label = QLabel()
@@ -221,80 +218,73 @@ class SweepPanel(QWidget):
     def chosen_dtypes(self) -> list[str]:
         return [dtype for dtype, box in self.dtype_boxes.items() if box.isChecked()]
 
+    def settings(self) -> SweepSettings:
+        """The settings typed in; ValueError with the reason for anything unusable."""
+        dtypes = self.chosen_dtypes()
+        if not dtypes:
+            raise ValueError("choose at least one dtype")
+        return SweepSettings(
+            tuple(dtypes),
+            self.decode_tokens.value(),
+            self.repeats.value(),
+            tuple(parse_lengths(self.prompt_lengths.text(), "prompt lengths")),
+            tuple(parse_lengths(self.context_lengths.text(), "context lengths")),
+        )
+
     @Slot()
     def run(self) -> None:
-        if self.job.running or self.source is None:
+        if self.running or self.source is None:
             return
         try:
-            dtypes = self.chosen_dtypes()
-            if not dtypes:
-                raise ValueError("choose at least one dtype")
-            prompts = parse_lengths(self.prompt_lengths.text(), "prompt lengths")
-            contexts = parse_lengths(self.context_lengths.text(), "context lengths")
+            settings = self.settings()
         except ValueError as exc:
             self._set_status(str(exc), error=True)
             return
-        decode, repeats = self.decode_tokens.value(), self.repeats.value()
-        self.progress.setRange(0, progress_steps(len(dtypes), len(prompts), len(contexts), repeats))
+        self.running = True
+        self.progress.setRange(0, settings.progress_steps)
         self.progress.setValue(0)
-        self._set_status(f"Starting: {', '.join(dtypes)}…")
-        source, device = self.source, self.device
-
-        def sweep(progress):
-            from engine.measure.sweep import compare_dtypes
-
-            return compare_dtypes(
-                source, dtypes, prompts, contexts, device=device, decode_tokens=decode, repeats=repeats,
-                progress=progress,
-            )  # fmt: skip
-
-        self.job.start(sweep)
+        self._set_status(f"Starting: {', '.join(settings.dtypes)}…")
         self._update_controls()
+        self.run_requested.emit(settings)
 
     @Slot()
     def cancel(self) -> None:
-        if self.job.running:
-            self.job.cancel()
+        if self.running:
             self._set_status("Cancelling after the current run…")
             self.cancel_button.setEnabled(False)
+            self.cancel_requested.emit()
 
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Window closing: cancel and wait for the sweep to reach its next stopping point."""
-        self.job.cancel()
-        return self.job.wait(timeout)
-
-    @Slot(str)
-    def _on_progress(self, message: str) -> None:
+    # ---- what the shell reports ------------------------------------------------------------
+    def show_progress(self, message: str) -> None:
         self.progress.setValue(min(self.progress.value() + 1, self.progress.maximum()))
         self._set_status(message)
 
-    @Slot(object)
-    def _on_report(self, report: dict) -> None:
+    def show_report(self, report: dict, note: str = "") -> None:
+        """A finished sweep, with a note on how trustworthy it is (a busy machine), if any."""
+        self.running = False
         self.progress.setValue(self.progress.maximum())
-        busy = busy_machine_note(report["device"])
         self._set_status(
-            f"Measured {report['model']} on {report['device']}. {busy}".strip(), error=bool(busy)
+            f"Measured {report['model']} on {report['device']}. {note}".strip(), error=bool(note)
         )
         self.set_report(report)
         self._update_controls()
 
-    @Slot(str)
-    def _on_failed(self, message: str) -> None:
+    def show_failed(self, message: str) -> None:
+        self.running = False
         self._set_status(f"The sweep failed: {message}", error=True)
         self._update_controls()
 
-    @Slot()
-    def _on_cancelled(self) -> None:
+    def show_cancelled(self) -> None:
+        self.running = False
         self._set_status("Sweep cancelled.")
         self._update_controls()
 
     def _update_controls(self) -> None:
-        running = self.job.running
-        self.run_button.setEnabled(self.source is not None and not running)
-        self.cancel_button.setEnabled(running)
+        self.run_button.setEnabled(self.source is not None and not self.running)
+        self.cancel_button.setEnabled(self.running)
 
     def _set_status(self, text: str, error: bool = False) -> None:
-        colour = theme.WHAT_IF if error else theme.MUTED_TEXT
+        colour = theme.WHAT_IF if error else theme.MUTED
         self.status.setText(f"<span style='color:{colour}'>{text}</span>")
 
     # ---- results ---------------------------------------------------------------------------
@@ -307,13 +297,13 @@ class SweepPanel(QWidget):
         dtypes = list(dict.fromkeys(row["dtype"] for row in report["prompt_lengths"]))
         entries = []
         for dtype in dtypes:
-            colour = DTYPE_COLOURS.get(dtype, theme.PANEL_TEXT)
+            colour = DTYPE_COLOURS.get(dtype, theme.TEXT)
             self._curve("ttft", dtype, colour, report["prompt_lengths"], "prompt_tokens", "ttft_s")
             self._curve("itl", dtype, colour, report["context_lengths"], "context_tokens", "median_itl_s")
             entries.append(
                 legend_entry(colour, dtype + (" (baseline)" if dtype == report["baseline_dtype"] else ""))
             )
-        self.legend.setText(" &nbsp; ".join(entries) + f" &nbsp; <span style='color:{theme.MUTED_TEXT}'>"
+        self.legend.setText(" &nbsp; ".join(entries) + f" &nbsp; <span style='color:{theme.MUTED}'>"
                             f"{report['model']} on {report['device']}</span>")  # fmt: skip
         comparisons, scaling = explain_parts(report)
         self.explanation.setText("<br>".join([f"<b>{html.escape(c)}</b>" for c in comparisons] + [

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from engine.units import milliseconds
+
 # Within this factor a ratio reads as "about the same": timing noise on a busy machine.
 SAME = 1.1
 # A phase faster than its byte saving by more than this factor gains from faster arithmetic.
@@ -58,11 +60,6 @@ def _ratios_at(rows, base_rows, length: str, pick, keys: tuple[str, ...]) -> tup
     mine = {row[length]: row for row in rows if row[length] in base}
     at = pick(mine)
     return at, [mine[at][key] / base[at][key] for key in keys]
-
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1000
-    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
 
 
 def _device_words(device: str) -> str:
@@ -125,7 +122,7 @@ def scaling_sentence(report: dict, dtype: str) -> str:
             else "far less: fixed per-step costs still dominate prefill at these lengths"
         )
         parts.append(
-            f"TTFT {_ms(first['ttft_s'])} → {_ms(last['ttft_s'])} ({growth:.1f}x) from {first['prompt_tokens']} "
+            f"TTFT {milliseconds(first['ttft_s'])} → {milliseconds(last['ttft_s'])} ({growth:.1f}x) from {first['prompt_tokens']} "
             f"to {last['prompt_tokens']} prompt tokens ({tokens:.0f}x the tokens; {why})"
         )
     decode = sorted(_rows(report, "context_lengths", dtype), key=lambda r: r["context_tokens"])
@@ -142,7 +139,7 @@ def scaling_sentence(report: dict, dtype: str) -> str:
             "beyond its reads here"
         )
         parts.append(
-            f"ITL {_ms(first['median_itl_s'])} → {_ms(last['median_itl_s'])} ({growth:.2f}x) from "
+            f"ITL {milliseconds(first['median_itl_s'])} → {milliseconds(last['median_itl_s'])} ({growth:.2f}x) from "
             f"{first['context_tokens']} to {last['context_tokens']} tokens of context ({why})"
         )
     if not parts:

@@ -40,7 +40,7 @@ class ThroughputView(QWidget):
         item.setLabel("bottom", "median ITL per request (ms)")
         item.setLabel("left", "total tokens/s")
         self.curve = item.plot(
-            pen=pg.mkPen(theme.MUTED_TEXT, width=1, style=Qt.PenStyle.DotLine),
+            pen=pg.mkPen(theme.MUTED, width=1, style=Qt.PenStyle.DotLine),
             symbol="o",
             symbolSize=9,
             symbolBrush=pg.mkBrush(POINT_COLOUR),
@@ -75,13 +75,13 @@ class ThroughputView(QWidget):
             # point would otherwise get an axis spanning a hair around its own value.
             item.setRange(xRange=(0, max(xs) * 1.25), yRange=(0, max(ys) * 1.25), padding=0)
         for p, x, y in zip(ordered, xs, ys, strict=True):
-            label = pg.TextItem(f"×{p.concurrency}", color=theme.PANEL_TEXT, anchor=(0, 1))
+            label = pg.TextItem(f"×{p.concurrency}", color=theme.TEXT, anchor=(0, 1))
             label.setPos(x, y)
             item.addItem(label)
             self._labels.append(label)
         if not ordered:
             self.caption.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Throughput vs latency: run a load "
+                f"<span style='color:{theme.MUTED}'>Throughput vs latency: run a load "
                 "(or a sweep) to add a point per concurrency</span>"
             )
             return

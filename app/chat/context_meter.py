@@ -15,8 +15,8 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app import theme
 from app.chat.context_fit import ContextFit
+from widgets import theme
 
 BAR_W, BAR_H = 150, 10
 # Colours of the context bar's parts: what was sent, what is being typed or generated, the

@@ -20,11 +20,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
 from app.chat.group_reply import Alternative, GroupReply
 from app.chat.rich_text import markdown_html, plain_html
 from app.chat.view import MessageBubble
 from live.state import LiveState
+from widgets import theme
 from widgets.beam_tree import BeamTreeView, format_score
 from widgets.theme import seq_rgb
 

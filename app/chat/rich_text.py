@@ -2,7 +2,7 @@
 per generated token for inspecting.
 
 Qt's HTML is HTML 4 with a little CSS, so code blocks become a table (the only block that
-reliably takes a background colour and padding) and colours come from app.theme. A fenced block
+reliably takes a background colour and padding) and colours come from widgets.theme. A fenced block
 naming a language Pygments knows is highlighted with inline colours (Qt reads no style sheet
 classes); every block has a "Copy" link (`copy:<n>`, n counting the reply's code blocks) whose
 text `render_markdown` returns beside the HTML.
@@ -21,7 +21,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 
-from app import theme
+from widgets import theme
 
 TOKEN_LINK_PREFIX = "tok:"
 COPY_LINK_PREFIX = "copy:"

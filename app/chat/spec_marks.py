@@ -14,8 +14,8 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Sequence
 
-from app import theme
 from app.chat.rich_text import PARTIAL_CHARACTER_MARK, TOKEN_LINK_PREFIX, ReplyToken, lead_html
+from widgets import theme
 
 SPEC_MARK_COLOURS = {"accepted": theme.OK, "resampled": theme.ERROR, "bonus": theme.ACCENT}
 SPEC_MARK_MEANINGS = {

@@ -2,15 +2,13 @@
 dtype, device, KV block size and budget, with the memory estimate shown before loading.
 
 The estimate (`engine.model.inspect.inspect_model`) reads only config/metadata, but a GGUF
-header can still take a moment, so it runs on a short-lived worker thread and reports back
-through a queued signal to a bound slot.
+header can still take a moment, so it runs on a worker (app.workers); a newer choice discards
+the estimate still being read for an older one.
 """
 
 from __future__ import annotations
 
-import threading
-
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -24,18 +22,12 @@ from PySide6.QtWidgets import (
 )
 
 from app.models.quant_picker import QuantizationChoice
-from app.settings import MIB, ModelChoice
+from app.settings import ModelChoice
+from app.workers import Worker, create_worker
 from engine.config import DEVICES, DTYPES
+from engine.units import MIB, format_bytes
 
 DEFAULT_LABEL = "Packaged default: SmolLM2-135M-Instruct"
-GIB = 1024**3
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
@@ -48,31 +40,48 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
         [
             f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
             f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {human_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
-            f"{human_bytes(est['budget_bytes'])} ({est['budget_source']})",
-            f"KV cache: {human_bytes(per_token)} per token; the full {est['context']:,}-token context "
-            f"needs {human_bytes(est['kv_bytes_for_context'])}",
-            f"KV budget {human_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+            f"Weights ≈ {format_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
+            f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
+            f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
+            f"needs {format_bytes(est['kv_bytes_for_context'])}",
+            f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
             f"= {pool_blocks * block_size:,} tokens",
         ]
     )
 
 
 def cached_model_entries() -> list[tuple[str, str]]:
-    """(label, source) for each model in the local Hugging Face cache; [] when none or unreadable."""
-    from engine.model.sources import find_cached_hf_models
+    """(label, source) for each model already on this machine (the HF cache, LM Studio, GPT4All,
+    Ollama: engine.model.local_models), with its size on disk; [] when none or unreadable."""
+    from engine.model.local_models import find_local_models
 
-    entries = []
-    for item in find_cached_hf_models():
-        source = item if isinstance(item, str) else getattr(item, "repo_id", None) or str(item)
-        entries.append((f"HF cache: {source}", source))
-    return entries
+    return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
 
 
-class _EstimateRelay(QObject):
-    """Carries a worker thread's result to the GUI thread (queued: the receiver lives there)."""
+def fit_suffix(est: dict) -> str:
+    """' · fits' or why not, for a picker entry (weights + KV for its context vs free memory)."""
+    if est.get("fits_with_context"):
+        return " · fits"
+    return " · weights only fit" if est.get("weights_fit_in_budget") else " · too big here"
 
-    finished = Signal(int, object, str)  # ticket, estimate dict or None, error message
+
+# Context the picker's fit marks reserve KV for (the model's own when smaller).
+ENTRY_FIT_CONTEXT = 4096
+
+
+def entry_fits(sources: list[str], dtype: str) -> list[tuple[str, str]]:
+    """(source, suffix) for each entry: whether it fits, from its metadata alone (a worker runs it)."""
+    from engine.model.inspect import inspect_model
+
+    marks = []
+    for source in sources:
+        try:
+            est = inspect_model(source, dtype=dtype, context=ENTRY_FIT_CONTEXT)
+        except Exception:  # noqa: BLE001 - unreadable: the estimate line says why when chosen
+            marks.append((source, " · unreadable"))
+            continue
+        marks.append((source, " · not served" if not est.get("supported", True) else fit_suffix(est)))
+    return marks
 
 
 class ModelPicker(QWidget):
@@ -92,6 +101,9 @@ class ModelPicker(QWidget):
         self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
         self.gguf_button = QPushButton("GGUF…")
         self.gguf_button.setToolTip("A single .gguf model file")
+        self.hub_button = QPushButton("Hub…")
+        self.hub_button.setToolTip("Search the Hugging Face Hub and download a model into the local cache")
+        self._browser = None
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
         self.dtype.setToolTip("Weight and KV precision: float32 is exact; bfloat16 halves memory")
@@ -106,7 +118,7 @@ class ModelPicker(QWidget):
         self.kv_budget = QSpinBox()
         self.kv_budget.setRange(0, 1024 * 1024)
         self.kv_budget.setSuffix(" MiB")
-        self.kv_budget.setSpecialValueText(f"auto ({human_bytes(default_budget_bytes)})")
+        self.kv_budget.setSpecialValueText(f"auto ({format_bytes(default_budget_bytes)})")
         self.kv_budget.setToolTip("Memory for the paged KV cache; it sets how many pages the pool has")
         self.quantization = QuantizationChoice(self)
         self.estimate = QLabel("")
@@ -120,6 +132,7 @@ class ModelPicker(QWidget):
         browse_row = QHBoxLayout()
         browse_row.addWidget(self.folder_button)
         browse_row.addWidget(self.gguf_button)
+        browse_row.addWidget(self.hub_button)
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("dtype", self.dtype)
@@ -135,10 +148,7 @@ class ModelPicker(QWidget):
         layout.addWidget(self.estimate)
         layout.addWidget(self.load_button)
 
-        self._relay = _EstimateRelay(self)
-        self._relay.finished.connect(self._on_estimate)
-        self._ticket = 0
-        self._worker: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._estimate: dict | None = None
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
@@ -148,6 +158,7 @@ class ModelPicker(QWidget):
         self.block_size.valueChanged.connect(self._on_pool_changed)
         self.folder_button.clicked.connect(self._on_pick_folder)
         self.gguf_button.clicked.connect(self._on_pick_gguf)
+        self.hub_button.clicked.connect(self.open_browser)
 
     # ---- values ----------------------------------------------------------------------------
     def set_choice(self, choice: ModelChoice) -> None:
@@ -171,15 +182,33 @@ class ModelPicker(QWidget):
         )
 
     def add_cached_models(self) -> None:
-        """List the models of the local HF cache (a directory scan; called once at startup)."""
+        """List the models already on this machine with their size (directory scans; called once
+        at startup), then mark each with whether it fits, read from its metadata on a worker."""
         try:
             entries = cached_model_entries()
         except Exception as exc:  # noqa: BLE001 - a broken cache must not break the picker
-            self.source.setToolTip(f"The local Hugging Face cache could not be read: {exc}")
+            self.source.setToolTip(f"The models on this machine could not be listed: {exc}")
             return
+        added = []
         for label, source in entries:
             if self.source.findData(source) < 0:
                 self.source.addItem(label, source)
+                added.append(source)
+        if added:
+            dtype = self.dtype.currentText()
+            create_worker(
+                lambda: entry_fits(added, dtype),
+                name="kvscope-fit",
+                parent=self,
+                on_returned=self._on_entry_fits,
+            )
+
+    @Slot(object)
+    def _on_entry_fits(self, marks: list[tuple[str, str]]) -> None:
+        for source, suffix in marks:
+            index = self.source.findData(source)
+            if index >= 0 and not self.source.itemText(index).endswith(suffix):
+                self.source.setItemText(index, self.source.itemText(index) + suffix)
 
     def _select_source(self, source: str) -> None:
         index = self.source.findData(source)
@@ -192,39 +221,42 @@ class ModelPicker(QWidget):
     @Slot()
     def refresh_estimate(self) -> None:
         """Start inspecting the chosen source; a newer request supersedes an older one."""
-        self._ticket += 1
-        ticket, choice = self._ticket, self.choice()
+        choice = self.choice()
         self.source.setToolTip(self.source.currentText())
         self._estimate = None
         self.estimate.setText("Reading the model's metadata…")
-        self._worker = threading.Thread(
-            target=self._inspect, args=(ticket, choice), name="kvscope-inspect", daemon=True
-        )
-        self._worker.start()
+        if self._worker is not None:
+            self._worker.discard()  # the user has picked something else since
 
-    def _inspect(self, ticket: int, choice: ModelChoice) -> None:
-        try:
+        def inspect() -> dict:
             from engine.model.inspect import inspect_model
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).
-            est = inspect_model(choice.source, dtype=choice.dtype)
-            self._relay.finished.emit(ticket, est, "")
-        except Exception as exc:  # noqa: BLE001 - shown to the user as the reason
-            self._relay.finished.emit(ticket, None, str(exc) or type(exc).__name__)
+            return inspect_model(choice.source, dtype=choice.dtype)
 
-    @Slot(int, object, str)
-    def _on_estimate(self, ticket: int, est: dict | None, error: str) -> None:
-        if ticket != self._ticket:
-            return  # the user has picked something else since
-        if est is None:
-            self._estimate = None
-            self.estimate.setText(f"Cannot estimate this model: {error}")
-            self.estimate.setProperty("kind", "error")
-        else:
-            self._estimate = est
-            self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
-            self.estimate.setProperty("kind", "")
+        self._worker = create_worker(
+            inspect,
+            name="kvscope-inspect",
+            parent=self,
+            on_returned=self._on_estimate,
+            on_errored=self._on_estimate_failed,
+        )
+
+    @Slot(object)
+    def _on_estimate(self, est: dict) -> None:
+        self._estimate = est
+        self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
+        self._mark_estimate("")
+
+    @Slot(str)
+    def _on_estimate_failed(self, error: str) -> None:
+        self._estimate = None
+        self.estimate.setText(f"Cannot estimate this model: {error}")
+        self._mark_estimate("error")
+
+    def _mark_estimate(self, kind: str) -> None:
+        self.estimate.setProperty("kind", kind)
         self.estimate.style().unpolish(self.estimate)
         self.estimate.style().polish(self.estimate)
 
@@ -240,9 +272,13 @@ class ModelPicker(QWidget):
             )
 
     def wait_for_estimate(self, timeout: float = 5.0) -> None:
-        """Join a running inspection (window close, tests) so no worker outlives the picker."""
-        if self._worker is not None:
-            self._worker.join(timeout)
+        """Join the inspections still reading (window close, tests) and deliver the latest, so no
+        worker outlives the picker."""
+        for worker in self.findChildren(Worker):
+            worker.wait(timeout)
+            worker.drain()
+        if self._browser is not None:
+            self._browser.worker.wait(timeout)
 
     # ---- slots -----------------------------------------------------------------------------
     @Slot()
@@ -260,3 +296,21 @@ class ModelPicker(QWidget):
     @Slot()
     def _on_load_clicked(self) -> None:
         self.load_requested.emit(self.choice())
+
+    @Slot()
+    def open_browser(self) -> None:
+        """The Hub browser (one per picker); a model it downloads becomes the chosen source."""
+        from app.models.browser import ModelBrowser
+
+        if self._browser is None:
+            self._browser = ModelBrowser(dtype=self.dtype.currentText(), parent=self.window())
+            self._browser.model_chosen.connect(self._on_model_downloaded)
+        self._browser.show()
+        self._browser.raise_()
+        self._browser.query.setFocus()
+
+    @Slot(str)
+    def _on_model_downloaded(self, source: str) -> None:
+        if self.source.findData(source) < 0:
+            self.source.addItem(f"HF cache: {source}", source)
+        self._select_source(source)

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QComboBox, QFormLayout, QLabel, QStyledItemDelegat
 
 from engine.config import KV_DTYPES, ModelSpec
 from engine.events import ModelInfo, ModelLoaded
-from widgets.units import format_bytes
+from engine.units import format_bytes
 
 NONE = "none"  # engine.quant.schemes.NONE, without importing torch for a constant
 KV_LABELS = {"auto": "model dtype", "int8": "int8 (per-token scales)"}

@@ -20,11 +20,15 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.quality.jobs import EVAL_TEXT, QualityJob, QualityUnavailable, ReplyTokens
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.request import Request
 from widgets.reference import ReferenceDistribution
+
+if TYPE_CHECKING:
+    from engine.measure.quality import QualityReport  # torch: imported where a run needs it
 
 # The longest text compared; a longer conversation keeps its last tokens. Both models' float32
 # logits are held at once: 2 x 2048 x 49k x 4 B = 0.8 GB for SmolLM2's vocabulary.
@@ -45,7 +49,7 @@ class SpeedFigures:
 @dataclass(frozen=True, slots=True)
 class QualityResult:
     job: QualityJob
-    report: object  # engine.measure.quality.QualityReport over `token_ids`
+    report: QualityReport  # over `token_ids`
     token_ids: tuple[int, ...]
     token_texts: tuple[str, ...]
     reply_start: int | None  # position of the reply's first token in token_ids (None: no reply)
@@ -177,7 +181,7 @@ def _check_memory(spec: ModelSpec, num_tokens: int) -> None:
     from engine.model.configs import read_config
     from engine.model.shapes import ModelShapes
     from engine.model.sources import resolve_source
-    from widgets.units import format_bytes
+    from engine.units import format_bytes
 
     shapes = ModelShapes.from_config(read_config(resolve_source(spec.source)))
     weights = shapes.weight_bytes(spec.dtype)

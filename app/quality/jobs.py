@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.workers import UserFacingError
 from engine.config import ModelSpec
 from engine.request import ChatMessage
 
@@ -23,7 +24,7 @@ QUALITY_SOURCES = (
 )
 
 
-class QualityUnavailable(Exception):
+class QualityUnavailable(UserFacingError):
     """The run cannot be done here (memory, a model that fails to load, too little text);
     the message says why, for the user."""
 

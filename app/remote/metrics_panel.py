@@ -34,7 +34,7 @@ class RemoteMetricsPanel(QWidget):
         self.host = host
         self.setObjectName("remoteMetricsPanel")
         self.setStyleSheet(
-            f"#remoteMetricsPanel, #remoteMetricsPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; }}"
+            f"#remoteMetricsPanel, #remoteMetricsPanel QLabel {{ background: {theme.BACKGROUND}; color: {theme.TEXT}; }}"
         )
         self.header = QLabel()
         self.header.setTextFormat(Qt.TextFormat.RichText)
@@ -65,7 +65,7 @@ class RemoteMetricsPanel(QWidget):
     def _plot(self, label: str, colour: str):
         plot = styled_plot()
         item = plot.getPlotItem()
-        item.setTitle(f"<span style='color:{theme.MUTED_TEXT}'>{label}</span>", size="8pt")
+        item.setTitle(f"<span style='color:{theme.MUTED}'>{label}</span>", size="8pt")
         # points as well as lines: a server that updates its counters only when a request ends
         # (llama.cpp) gives isolated points between gaps
         curve = item.plot(
@@ -80,7 +80,7 @@ class RemoteMetricsPanel(QWidget):
         source = host.remote
         if source is None:
             self.header.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>Not attached: Remote ▸ Attach to server… connects to "
+                f"<span style='color:{theme.MUTED}'>Not attached: Remote ▸ Attach to server… connects to "
                 "a vLLM, SGLang, llama.cpp or kvscope server and graphs its /metrics here.</span>"
             )
             self.readout.setText("")
@@ -91,7 +91,7 @@ class RemoteMetricsPanel(QWidget):
         prefix = f"{family}:" if family else "no known prefix"
         self.header.setText(
             f"<b>{source.server_name}</b> at {source.target.label} · source: its /metrics ({prefix} names), "
-            f"polled every second, the last {WINDOW_S / 60:.0f} minutes (x: seconds ago). <span style='color:{theme.MUTED_TEXT}'>The server's own figures; the "
+            f"polled every second, the last {WINDOW_S / 60:.0f} minutes (x: seconds ago). <span style='color:{theme.MUTED}'>The server's own figures; the "
             "Latency panel has this client's TTFT and ITL per reply.</span>"
         )
         points = list(host.metrics)
@@ -112,12 +112,10 @@ class RemoteMetricsPanel(QWidget):
             if last.prefix_hit_rate is not None:
                 text += f" · prefix-cache hits {last.prefix_hit_rate * 100:.1f}% of queried tokens"
             if missing:
-                text += f" <span style='color:{theme.MUTED_TEXT}'>({', '.join(missing)}: not exported)</span>"
+                text += f" <span style='color:{theme.MUTED}'>({', '.join(missing)}: not exported)</span>"
             self.readout.setText(text)
         else:
-            self.readout.setText(
-                f"<span style='color:{theme.MUTED_TEXT}'>waiting for the second poll…</span>"
-            )
+            self.readout.setText(f"<span style='color:{theme.MUTED}'>waiting for the second poll…</span>")
         if not points:
             return
         now = points[-1].t

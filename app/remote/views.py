@@ -80,9 +80,7 @@ class Covered(QWidget):
         self.notice.setTextFormat(Qt.TextFormat.RichText)
         self.notice.setWordWrap(True)
         self.notice.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        self.notice.setStyleSheet(
-            f"background: {theme.BACKGROUND}; color: {theme.PANEL_TEXT}; padding: 10px;"
-        )
+        self.notice.setStyleSheet(f"background: {theme.BACKGROUND}; color: {theme.TEXT}; padding: 10px;")
         self.notice.hide()
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -194,9 +192,8 @@ class RemoteViews(QObject):
     def _on_model_loaded(self, event) -> None:
         if not self.host.attached:
             return
-        # A kvscope server's model: its shapes came with it (there is no local model config to
-        # read), and a sweep would load and measure it on this machine, not on the server's.
-        self.window.panels.roofline.set_model_shapes(event.info.shapes)
+        # A sweep would load and measure the model on this machine, not on the server's. (The
+        # roofline places a kvscope server's steps by the costs its events carry.)
         self.window.physics.sweep.set_model(None)
 
     @Slot(str)

@@ -3,8 +3,8 @@ engine with and without speculation, one after the other, on the loaded model.
 
 Both runs ignore EOS and generate the same number of tokens, so their tokens/s compare like for
 like; a short warm-up first keeps one-off costs (first kernels, allocator growth) out of both.
-Runs on a worker thread (widgets.background_job) beside the idle chat engine; a chat reply sent
-meanwhile shares the CPU and lowers both figures alike.
+Runs on the engine thread (EngineHost.call), the only thread that may use the engine's model: a
+chat reply sent meanwhile waits until it is done, so nothing else shares the device.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFinished
+from engine.events import RequestFinished, RequestStats
 from engine.request import Request
 
 # Enough tokens for a stable rate on CPU, few enough that the measurement takes seconds.
@@ -25,7 +25,7 @@ MEASURE_TOKENS = 64
 class SpeedRun:
     tokens: int
     seconds: float
-    stats: object  # engine.events.RequestStats of the run
+    stats: RequestStats  # of the run
 
     @property
     def tokens_per_s(self) -> float:

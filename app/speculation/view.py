@@ -1,6 +1,8 @@
 """Wires speculative decoding into the window: the controls' Apply restarts the engine with the
 chosen SpeculativeConfig (keeping the loaded model), the chat's draft marks and the panel read
-the live state, and "Measure speedup" replays the conversation's last prompt on a worker thread.
+the live state, the panel's draft texts are decoded by the engine's tokenizer on the engine
+thread, and "Measure speedup" replays the conversation's last prompt there too: the engine's
+model is the engine thread's, so nothing else runs on it meanwhile.
 """
 
 from __future__ import annotations
@@ -8,17 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from PySide6.QtCore import QObject, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
-from app.speculation.measure import measure_speedup
+from app.speculation.measure import SpeedupResult, measure_speedup
+from app.workers import EngineCall
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.request import ChatMessage, Request
-from widgets.background_job import BackgroundJob
 
 JOIN_TIMEOUT_S = 60.0  # a measurement is two short generations; closing waits for it
 
 
 class SpeculationController(QObject):
+    measured = Signal(object)  # SpeedupResult, once shown
+
     def __init__(self, window, start_engine: Callable[..., None], parent: QObject | None = None):
         super().__init__(parent)
         self.host = window.host
@@ -28,13 +32,10 @@ class SpeculationController(QObject):
         self.panel = window.panels.speculation
         self._start_engine = start_engine
         self.applied: SpeculativeConfig | None = None  # what the running engine was started with
-        self.job = BackgroundJob("kvscope-speculation", self)
-        self.job.progress.connect(self.panel.set_measuring)
-        self.job.succeeded.connect(self._on_measured)
-        self.job.failed.connect(self._on_measure_failed)
-        self.job.cancelled.connect(lambda: self.panel.set_measuring(None))
+        self.call: EngineCall | None = None  # the speedup measurement in flight
         self.controls.apply_requested.connect(self.apply)
         self.panel.measure_requested.connect(self.measure)
+        self.panel.texts_needed.connect(self._decode)
         self.chat.token_inspected.connect(self.panel.show_token)
         self.host.model_loaded.connect(self._on_model_loaded)
         live = self.host.live
@@ -62,26 +63,34 @@ class SpeculationController(QObject):
 
     @Slot(object)
     def apply(self, spec: SpeculativeConfig | None) -> None:
-        """Restart the engine with `spec`, reusing the loaded model when there is one."""
+        """Restart the engine with `spec`, reusing the loaded model when there is one (asked of
+        the engine thread, which holds it)."""
         self.applied = spec
-        if self.host.config is None:
+        config = self.host.config
+        if config is None:
             return  # no engine yet: the next model load starts with it
-        loaded = self._loaded_model()
         if self.chat.active is not None:
             self.chat.stop()
-        self._start_engine(replace(self.host.config, speculative=spec), loaded=loaded)
-
-    def _loaded_model(self):
-        engine = self.host.engine
-        if engine is None or not self.host.status().ready or engine.core is None:
-            return None
-        return engine.core.loaded
+        restart = replace(config, speculative=spec)
+        if not self.host.status().ready:
+            self._start_engine(restart)  # nothing loaded to keep: load again
+            return
+        call = self.host.call(lambda core: core.loaded, name="the loaded model")
+        call.returned.connect(lambda loaded: self._start_engine(restart, loaded=loaded))
+        call.errored.connect(lambda _message: self._start_engine(restart))
 
     @Slot(object)
     def _on_model_loaded(self, _event) -> None:
-        tokenizer = self.host.engine.tokenizer if self.host.engine is not None else None
-        if tokenizer is not None:
-            self.panel.set_token_text(lambda token_id: tokenizer.decode([token_id]))
+        self.panel.clear_token_texts()
+
+    @Slot(object)
+    def _decode(self, token_ids: tuple[int, ...]) -> None:
+        """The draft tokens' texts, decoded by the engine's own tokenizer on its thread."""
+        call = self.host.call(
+            lambda core: {i: core.tokenizer.decode([i], skip_special_tokens=False) for i in token_ids},
+            name="draft texts",
+        )
+        call.returned.connect(self.panel.add_token_texts)
 
     # ---- speedup ---------------------------------------------------------------------------
     def replay_request(self) -> Request | None:
@@ -100,28 +109,36 @@ class SpeculationController(QObject):
 
     @Slot()
     def measure(self) -> None:
-        if self.job.running:
+        if self.call is not None and self.call.running:
             return
         spec = self.applied
-        loaded = self._loaded_model()
         request = self.replay_request()
+        config = self.host.config
         if spec is None:
             self.panel.show_measure_error("speculation is off: choose a proposer and apply it first")
             return
-        if loaded is None:
+        if config is None or not self.host.status().ready:
             self.panel.show_measure_error("no model is loaded")
             return
         if request is None:
             self.panel.show_measure_error("send a message first: the measurement replays your last prompt")
             return
-        config = self.host.config
-        self.panel.set_measuring("starting")
-        self.job.start(lambda progress: measure_speedup(loaded, config, spec, request, progress))
+        self.panel.set_measuring("starting (replies wait until it is done)")
+        self.call = self.host.call(
+            lambda core, progress: measure_speedup(core.loaded, config, spec, request, progress),
+            name="speedup",
+            progress=True,
+        )
+        self.call.progress.connect(self.panel.set_measuring)
+        self.call.returned.connect(self._on_measured)
+        self.call.errored.connect(self._on_measure_failed)
+        self.call.cancelled.connect(lambda: self.panel.set_measuring(None))
 
     @Slot(object)
-    def _on_measured(self, result) -> None:
+    def _on_measured(self, result: SpeedupResult) -> None:
         self.panel.set_measuring(None)
         self.panel.show_speedup(result)
+        self.measured.emit(result)
 
     @Slot(str)
     def _on_measure_failed(self, message: str) -> None:
@@ -129,5 +146,8 @@ class SpeculationController(QObject):
         self.panel.show_measure_error(message)
 
     def shutdown(self) -> None:
-        self.job.cancel()
-        self.job.wait(JOIN_TIMEOUT_S)
+        if self._tabs is not None:  # the tabs may emit while the closed window is torn down
+            self._tabs.currentChanged.disconnect(self._mark_every_tab)
+        if self.call is not None:
+            self.call.cancel()
+            self.call.wait(JOIN_TIMEOUT_S)

@@ -8,6 +8,8 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.events import Event, GroupStats, RequestFailed, RequestFinished, TokenGenerated
+from engine.model.chat_template import NOTE_PLAIN_TEXT
+from engine.units import milliseconds
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -59,6 +61,9 @@ def load_engine(args: argparse.Namespace, collector: Collector) -> LLMEngine:
         print(f"[{fraction:4.0%}] {stage}", file=sys.stderr)
 
     loaded = load_model(config.model, progress=progress)
+    note = loaded.info.chat_note  # what kvscope does to this model's conversations
+    if note and (getattr(args, "system", None) or note == NOTE_PLAIN_TEXT):
+        print(f"note: {note}", file=sys.stderr)
     for note in loaded.info.notes:  # how it runs: the weights kept, the forward, the kernels
         print(f"       {note}", file=sys.stderr)
     return LLMEngine(loaded, config, collector)
@@ -86,6 +91,7 @@ def result_json(
         "model": {
             "name": engine.loaded.info.name,
             "dtype": engine.loaded.info.dtype,
+            "chat_note": engine.loaded.info.chat_note,
             "quantization": engine.loaded.info.quantization,
             "weight_bytes": engine.loaded.info.weight_bytes,
             "notes": list(engine.loaded.info.notes),
@@ -191,7 +197,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         s = outcome.stats
         print(
-            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {s.ttft_s * 1000:.0f} ms, "
+            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {milliseconds(s.ttft_s)}, "
             f"{s.tokens_per_s:.1f} tok/s]",
             file=sys.stderr,
         )

@@ -1,4 +1,4 @@
-"""The headless CLI: `python -m engine generate|chat|inspect-model|bench`.
+"""The headless CLI: `python -m engine generate|chat|inspect-model|bench|models`.
 
 It is the app's scripted face and the test contract: every figure it prints comes from the same
 engine the window drives. Errors print one clear line to stderr and exit non-zero.
@@ -17,9 +17,9 @@ from engine.cli.args import (
     add_model_args,
     add_sampling_args,
 )
+from engine.hub.online import offline_by_default  # noqa: E402 - before anything imports huggingface_hub
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline_by_default()  # loads never download; `models` goes online for the request the user makes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EXIT_BAD_INPUT = 2
@@ -81,6 +81,9 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     from engine.cli import quant as cli_quant
 
     cli_quant.add_commands(sub)
+    from engine.cli import models as cli_models
+
+    cli_models.add_commands(sub)
     from engine.cli import serve as cli_serve
 
     cli_serve.add_command(sub)
@@ -118,6 +121,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             from engine.measure.bench import run_bench
 
             return run_bench(args)
+        if args.command == "models":
+            from engine.cli import models as cli_models
+
+            return cli_models.run(args)
         if args.command == "serve":
             from engine.cli import serve as cli_serve
 

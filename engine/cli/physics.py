@@ -176,7 +176,7 @@ def run_attention_kernels(args) -> int:
 
 
 def _print_roofline(r: dict) -> None:
-    from engine.measure.roofline import si
+    from engine.units import si
 
     lim = r["device_limits"]
     print(

@@ -39,6 +39,7 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.storage import PagedKVStorage
 from engine.measure.memory import probe_memory
 from engine.measure.roofline import step_cost
+from engine.model import chat_template
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
@@ -88,6 +89,7 @@ class LLMEngine:
             loaded.dtype,
             loaded.device,
             kv_dtype=config.kv_dtype,
+            layers=loaded.attention or None,
         )
         self.kv = KVCacheManager(pool, config.enable_prefix_caching, copy_block=self.storage.copy_block)
         self.max_model_len = min(
@@ -124,7 +126,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
             message = (
                 str(exc)
-                if isinstance(exc, (RequestError, GroupError, ConfigError))
+                if isinstance(exc, (RequestError, GroupError, ConfigError, chat_template.ChatTemplateError))
                 else f"{type(exc).__name__}: {exc}"
             )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
@@ -137,13 +139,7 @@ class LLMEngine:
         return request_id
 
     def prompt_ids(self, request: Request) -> list[int]:
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + list(
-            request.reply_prefix_ids
-        )
+        return chat_template.prompt_ids(self.tokenizer, request)
 
     def _make_sequence(self, request: Request, request_id: int) -> Sequence:
         ids = self.prompt_ids(request)

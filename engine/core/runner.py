@@ -45,7 +45,10 @@ class ModelRunner:
         self.policy = policy
         self._cache = PagedCache()
         reason = unsupported_reason(model)
-        self.own_forward = LlamaForward(model) if reason is None else None
+        if reason is None and storage.layers is None:
+            reason = "no attention probe for its layers"  # a hand-built storage: the generic path
+        windows = tuple(layer.window for layer in storage.layers) if storage.layers is not None else ()
+        self.own_forward = LlamaForward(model, windows) if reason is None else None
         # which forward runs, and why the fast one does not (ModelInfo.notes says the same)
         self.executor = "kvscope Llama-family forward" if reason is None else f"transformers ({reason})"
 
@@ -94,7 +97,7 @@ class ModelRunner:
     def _transformers_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch, keep_rows: torch.Tensor
     ) -> torch.Tensor:
-        with paged_attention(self.model):
+        with paged_attention(self.model, batch):
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=position_ids[None],

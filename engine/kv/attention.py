@@ -20,11 +20,18 @@ kernel and take an explicit matmul-softmax path.
 Two callers: kvscope's own forward (engine/model/forward) calls `attend`; transformers' modeling
 code reaches it through `paged_attention_forward`, registered with AttentionInterface, with the
 metadata passed down in the forward kwargs (`paged_batch=`) and K/V written by `PagedCache.update`.
+For transformers' code, what each layer does (window, soft cap, sinks) is what the load-time probe
+saw it called with (engine/model/layer_attention.py, in `storage.layers`): that covers families
+whose window lives in their mask alone (Phi-MoE, Qwen2-MoE) and is checked against every call.
+Families whose decoder layers drop the forward's kwargs (StableLM, Persimmon) reach the batch
+through `paged_attention(model, batch)`; a layer that writes K/V but attends by its own code would
+read only the new tokens, so a forward where the two differ is refused (AttentionMismatch).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +60,9 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
     seqs: list[SeqSlice]
     _causal: dict = field(default_factory=dict)  # (seq index, window) -> mask, once per step
+    # transformers' layers that wrote K/V and that attended through the pool, this forward
+    written: list[int] = field(default_factory=list)
+    attended: list[int] = field(default_factory=list)
 
     def causal_mask(self, index: int, seq: SeqSlice, window: int | None) -> torch.Tensor | None:
         """Mask [q_len, context] of a prefill chunk after `past` cached tokens (None: plain causal
@@ -144,6 +154,41 @@ def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Ten
 
 
 # ---- transformers' modeling code --------------------------------------------------------------
+# The batch of the forward in progress, for layers that do not pass the forward's kwargs on.
+_ACTIVE_BATCH: ContextVar[PagedBatch | None] = ContextVar("kvscope_paged_batch", default=None)
+
+
+def batch_of(kwargs: dict | None) -> PagedBatch:
+    batch = (kwargs or {}).get("paged_batch") or _ACTIVE_BATCH.get()
+    if batch is None:
+        raise RuntimeError("paged attention ran outside a paged forward (no batch given)")
+    return batch
+
+
+class AttentionMismatch(RuntimeError):
+    """The model's attention is not what kvscope probed at load: stop rather than be wrong."""
+
+
+def layer_attention(batch: PagedBatch, layer_idx: int, scaling, kwargs: dict) -> LayerAttention:
+    """How layer `layer_idx` attends: as probed at load (storage.layers), checked against this
+    call (the soft cap, the sinks, and the window where the call names one: some families slide
+    through their mask alone); as the call says when the storage has no probe (hand-built)."""
+    sinks = kwargs.get("s_aux")
+    window, softcap = kwargs.get("sliding_window") or None, kwargs.get("softcap") or None
+    probed = batch.storage.layers[layer_idx] if batch.storage.layers is not None else None
+    if probed is not None:
+        if (window is not None and window != probed.window) or (softcap, sinks is not None) != (
+            probed.softcap,
+            probed.sinks,
+        ):
+            raise AttentionMismatch(
+                f"layer {layer_idx} attends with window {window}, soft cap {softcap}, sinks "
+                f"{sinks is not None}, but kvscope probed {probed} at load; it stops rather than give wrong tokens"
+            )
+        window = probed.window
+    return LayerAttention(scaling=scaling, window=window, softcap=softcap, sinks=sinks)
+
+
 class PagedCache(Cache):
     """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
 
@@ -151,7 +196,8 @@ class PagedCache(Cache):
         super().__init__(layers=[])
 
     def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
-        batch: PagedBatch = (kwargs or {}).get("paged_batch") or extra.get("paged_batch")
+        batch = batch_of(kwargs or extra)
+        batch.written.append(layer_idx)
         # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
         batch.storage.write(
             layer_idx, batch.slot_mapping, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
@@ -167,14 +213,9 @@ class PagedCache(Cache):
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
-    batch: PagedBatch = kwargs["paged_batch"]
-    sinks = kwargs.get("s_aux")
-    how = LayerAttention(
-        scaling=scaling,
-        window=kwargs.get("sliding_window") or None,
-        softcap=kwargs.get("softcap") or None,
-        sinks=sinks,
-    )
+    batch = batch_of(kwargs)
+    batch.attended.append(module.layer_idx)
+    how = layer_attention(batch, module.layer_idx, scaling, kwargs)
     out = attend(batch.storage, module.layer_idx, query[0].transpose(0, 1), batch, how)
     return out[None], None
 
@@ -183,13 +224,21 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 @contextmanager
-def paged_attention(model):
+def paged_attention(model, batch: PagedBatch | None = None):
     """Route the model's attention through the paged kernel for one forward, then restore it
-    (so the same model object still serves transformers' own generate() as a reference)."""
+    (so the same model object still serves transformers' own generate() as a reference).
+    `batch` reaches layers that drop the forward's kwargs."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_IMPLEMENTATION
+    token = _ACTIVE_BATCH.set(batch)
     try:
         yield
     finally:
+        _ACTIVE_BATCH.reset(token)
         config._attn_implementation = previous
+    if batch is not None and sorted(batch.written) != sorted(batch.attended):
+        raise AttentionMismatch(
+            f"layers {sorted(set(batch.written) ^ set(batch.attended))} wrote K/V without attending through "
+            "the paged cache (or the reverse): this model's attention bypasses kvscope's, whose tokens would be wrong"
+        )

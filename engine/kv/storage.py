@@ -41,6 +41,7 @@ class PagedKVStorage:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_dtype: str = "auto",
+        layers: tuple | None = None,
     ):
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
@@ -64,6 +65,11 @@ class PagedKVStorage:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.device = torch.device(device)
+        # Per layer, the attention transformers' code calls (window, soft cap, sinks), probed at
+        # load (engine.model.layer_attention.AttentionSpec); None: as each call says (hand-built).
+        if layers is not None and len(layers) != num_layers:
+            raise ValueError(f"{len(layers)} layer descriptions for {num_layers} layers")
+        self.layers = tuple(layers) if layers is not None else None
         self.bytes_per_block = self.block_bytes(
             num_layers, block_size, num_kv_heads, head_dim, dtype, kv_dtype
         )
@@ -120,6 +126,12 @@ class PagedKVStorage:
         result covering at least `stop` tokens): two [kv_heads, stop - start, head_dim] tensors,
         dequantized to `dtype` when stored as int8. A view of the pool when the blocks are
         consecutive and the pool holds `dtype` already."""
+        skip = start // self.block_size  # blocks wholly before the window are not read at all
+        if skip:
+            blocks = (
+                blocks[skip:] if not isinstance(blocks, slice) else slice(blocks.start + skip, blocks.stop)
+            )
+            start, stop = start - skip * self.block_size, stop - skip * self.block_size
         out = []
         for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             codes = _tokens(pools[layer], blocks)[:, start:stop]

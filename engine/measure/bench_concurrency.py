@@ -15,6 +15,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, RequestFinished
 from engine.request import Request
+from engine.units import milliseconds
 
 if TYPE_CHECKING:
     from engine.model.loaded import LoadedModel
@@ -123,6 +124,6 @@ def run_concurrency_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     pc = report["prefix_cache"]
     print(
         f"prefix cache: {pc['cached_prompt_tokens']}/{pc['prompt_tokens']} prompt tokens cached; "
-        f"TTFT cold {pc['ttft_cold_s'] * 1000:.0f} ms, cached {pc['ttft_cached_s'] * 1000:.0f} ms"
+        f"TTFT cold {milliseconds(pc['ttft_cold_s'])}, cached {milliseconds(pc['ttft_cached_s'])}"
     )
     return 0

@@ -96,6 +96,7 @@ def teacher_forced_logits(
 def _paged_logits(model: PreTrainedModel, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
     from engine.kv.storage import PagedKVStorage
+    from engine.model.layer_attention import probe_attention
     from engine.model.shapes import ModelShapes
 
     shapes = ModelShapes.from_config(model.config)
@@ -111,10 +112,12 @@ def _paged_logits(model: PreTrainedModel, ids: torch.Tensor, kv_dtype: str) -> t
         param.dtype,
         param.device,
         kv_dtype=kv_dtype,
+        # each layer as its family attends (windows that live only in the mask included)
+        layers=probe_attention(model, shapes),
     )
     positions = torch.arange(n, device=param.device)
     batch = PagedBatch(storage, positions, [SeqSlice(0, n, n, slice(0, num_blocks))])
-    with paged_attention(model):
+    with paged_attention(model, batch):
         out = model(input_ids=ids, position_ids=positions[None], cache=PagedCache(), paged_batch=batch)
     logits: torch.Tensor = out.logits
     return logits[0].float()

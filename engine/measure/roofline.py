@@ -1,5 +1,5 @@
 """FLOPs and bytes of one engine step, computed from the model's shapes and the step's sequences,
-and the utilisation figures (MFU, MBU) that compare a measured step with the device's limits.
+and the roof they are placed under (the utilisation figures, MFU and MBU, are engine.units').
 
 Only matrix multiplications are counted as FLOPs (the q/k/v/o projections, the gated MLP, the
 attention scores and weighted sums, the LM head): they are >99% of the arithmetic, and what the
@@ -14,7 +14,6 @@ share of the weights.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from engine.events import StepCost
 from engine.model.shapes import ModelShapes
@@ -107,42 +106,6 @@ def step_cost(
     )
 
 
-# ---- utilisation -----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Utilisation:
-    value: float  # achieved / limit: 0.25 means a quarter of the measured limit
-    achieved: float  # FLOP/s or bytes/s
-    how: str  # the formula with this measurement's numbers, for a tooltip
-
-
-def mfu(flops: float, seconds: float, peak_flops: float) -> Utilisation:
-    """Model FLOPs utilisation: the step's counted FLOPs per second over the measured matmul peak."""
-    _check_positive(seconds, "the step time")
-    _check_positive(peak_flops, "the peak FLOP/s")
-    achieved = flops / seconds
-    value = achieved / peak_flops
-    how = (
-        f"MFU = FLOPs / time / peak = {si(flops, 'FLOP')} / {duration(seconds)} / "
-        f"{si(peak_flops, 'FLOP/s')} (measured matmul peak) = {si(achieved, 'FLOP/s')} / "
-        f"{si(peak_flops, 'FLOP/s')} = {value:.1%}"
-    )
-    return Utilisation(value, achieved, how)
-
-
-def mbu(nbytes: float, seconds: float, bandwidth: float) -> Utilisation:
-    """Memory bandwidth utilisation: the step's bytes moved per second over the measured bandwidth."""
-    _check_positive(seconds, "the step time")
-    _check_positive(bandwidth, "the memory bandwidth")
-    achieved = nbytes / seconds
-    value = achieved / bandwidth
-    how = (
-        f"MBU = bytes / time / bandwidth = {si(nbytes, 'B')} / {duration(seconds)} / "
-        f"{si(bandwidth, 'B/s')} (measured copy bandwidth) = {si(achieved, 'B/s')} / "
-        f"{si(bandwidth, 'B/s')} = {value:.1%}"
-    )
-    return Utilisation(value, achieved, how)
-
-
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
     """The roofline: at `intensity` FLOP/byte a step can reach at most min(peak, intensity x bandwidth)."""
     return min(peak_flops, intensity * bandwidth)
@@ -151,28 +114,3 @@ def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> f
 def bound(intensity: float, ridge: float) -> str:
     """Which roof limits a step: left of the ridge (peak / bandwidth) memory, right of it compute."""
     return "compute-bound" if intensity >= ridge else "memory-bound"
-
-
-def _check_positive(value: float, what: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{what} must be positive, got {value}")
-
-
-# ---- formatting for the `how` strings ---------------------------------------------------------
-_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def si(value: float, unit: str) -> str:
-    """3 significant digits with a decimal SI prefix: si(1.5e9, 'B/s') -> '1.50 GB/s'."""
-    for scale, prefix in _PREFIXES:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def duration(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"

@@ -17,9 +17,10 @@ from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, RequestFailed, RequestFinished, StepCost, StepStats
 from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import bound, mbu, mfu, step_cost
+from engine.measure.roofline import bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
+from engine.units import mbu, mfu
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -7,6 +7,7 @@ import torch
 from engine.measure.memory import available_memory_bytes
 from engine.model.errors import ModelLoadError
 from engine.model.shapes import ModelShapes
+from engine.units import format_bytes
 
 # ---- device, dtype, memory -------------------------------------------------------------------
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,10 +39,6 @@ def check_dtype_on_device(dtype: str, device: torch.device) -> None:
         )
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
 def check_fits(
     config,
     dtype: str,
@@ -64,8 +61,8 @@ def check_fits(
         where = "free GPU memory" if device.type == "cuda" else "available RAM"
         smaller = " bfloat16 halves it;" if dtype == "float32" else ""
         raise ModelLoadError(
-            f"{name} will not fit: its weights need about {_gib(needed)}"
+            f"{name} will not fit: its weights need about {format_bytes(needed)}"
             f"{'' if nbytes is not None else ' in ' + dtype}, but only "
-            f"{_gib(available)} of {where} is left.{smaller} choose a smaller model or close other programs."
+            f"{format_bytes(available)} of {where} is left.{smaller} choose a smaller model or close other programs."
         )
     return needed

@@ -142,44 +142,56 @@ def _gguf_value(reader, key: str):
 def read_gguf_config(path: Path):
     """A transformers config built from a GGUF file's metadata only (its tensors stay on disk),
     with the key mapping transformers itself uses when it loads the file."""
+    reader = open_gguf(path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return gguf_metadata_config(
+        lambda key: _gguf_value(reader, key),
+        {t.name for t in reader.tensors},
+        None if tokens is None else len(tokens.data),
+        path.name,
+    )
+
+
+def gguf_metadata_config(value_of, tensor_names: set[str], vocab_len: int | None, name: str):
+    """The config transformers would build from GGUF metadata: `value_of(key)` reads a metadata
+    value (None when absent), `tensor_names` are the file's tensors (an untied head has
+    'output.weight'), `vocab_len` is the tokenizer's token count. Shared by local files and the
+    Hub's remote headers (engine/hub/gguf_header.py)."""
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    reader = open_gguf(path)
-    arch = _gguf_value(reader, "general.architecture")
+    arch = value_of("general.architecture")
     model_type = _GGUF_ARCH_RENAMES.get(arch, arch)
     if arch not in GGUF_CONFIG_MAPPING and model_type not in GGUF_CONFIG_MAPPING:
         raise ModelLoadError(
-            f"{path.name} holds a '{arch}' model, an architecture transformers {_transformers_version()} "
+            f"{name} holds a '{arch}' model, an architecture transformers {_transformers_version()} "
             "cannot load from GGUF. Choose a GGUF of a supported family (Llama, Mistral, Qwen, Gemma, Phi-3, ...) "
             "or the model's Hugging Face folder."
         )
     mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
     kwargs = {}
     for gguf_key, config_key in mapping.items():
-        value = _gguf_value(reader, f"{arch}.{gguf_key}")
+        value = value_of(f"{arch}.{gguf_key}")
         if value is None or config_key is None or config_key == -1:
             continue
         # Per-layer lists (hybrid models) size the cache by their largest entry.
         kwargs[config_key] = max(value) if isinstance(value, list) else value
-    key_length = _gguf_value(reader, f"{arch}.attention.key_length")
+    key_length = value_of(f"{arch}.attention.key_length")
     if key_length:  # the true head size; the rope dimension can cover only part of a head
         kwargs["head_dim"] = key_length
-    if "vocab_size" not in kwargs:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None:
-            kwargs["vocab_size"] = len(tokens.data)
-    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    if "vocab_size" not in kwargs and vocab_len is not None:
+        kwargs["vocab_size"] = vocab_len
+    kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
     model_type = _GGUF_TEXT_MODEL_TYPES.get(model_type, model_type)
     problem = causal_lm_problem({"model_type": model_type})
     if problem:
-        raise ModelLoadError(f"{path.name} cannot be loaded as a chat model: {problem}.")
+        raise ModelLoadError(f"{name} cannot be loaded as a chat model: {problem}.")
     try:
         config = CONFIG_MAPPING[model_type](**kwargs)
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(
-            f"The metadata of {path.name} does not describe a valid model: {first_line(exc)}."
+            f"The metadata of {name} does not describe a valid model: {first_line(exc)}."
         ) from None
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     return config

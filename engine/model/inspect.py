@@ -11,8 +11,10 @@ from engine.config import DTYPES, ConfigError
 from engine.measure.memory import available_memory_bytes
 from engine.model.checks import resolve_device
 from engine.model.configs import read_config
+from engine.model.errors import ModelLoadError
 from engine.model.shapes import ModelShapes
 from engine.model.sources import resolve_source
+from engine.model.support import support_for
 
 
 def inspect_model(
@@ -31,21 +33,44 @@ def inspect_model(
         raise ConfigError(f"the memory budget must be more than 0 GiB, got {budget_gib}")
 
     src = resolve_source(source)
-    shapes = ModelShapes.from_config(read_config(src))
+    config = read_config(src)
+    support = support_for(config)
+    try:
+        shapes = ModelShapes.from_config(config)
+    except Exception:  # noqa: BLE001 - per-layer shapes (heterogeneous configs), missing fields
+        why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
+        raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
+    report = {"name": src.name, "source": source, "path": str(src.path)}
+    report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib)))
+    report["supported"] = support.ok
+    report["support"] = support.family if support.ok else support.refusal
+    return report
+
+
+def budget_bytes_for(budget_gib: float | None) -> tuple[int, str]:
+    """(bytes, where the figure comes from): the given budget, or the memory free now on the
+    device a load would pick."""
+    if budget_gib is not None:
+        return int(budget_gib * 2**30), "given"
+    device = resolve_device("auto")
+    return available_memory_bytes(device), f"available {'GPU memory' if device.type == 'cuda' else 'RAM'} now"
+
+
+def memory_estimate(
+    shapes: ModelShapes,
+    dtype: str,
+    context: int | None,
+    budget: tuple[int, str],
+    weight_bytes: int | None = None,
+) -> dict:
+    """Weights + KV for `context` tokens (the model's maximum when None) against `budget`, the
+    figures inspect-model prints and the Hub's file list shows before a download. `weight_bytes`
+    overrides the estimate from the shapes (a GGUF loaded as stored)."""
+    budget_bytes, budget_source = budget
     context = shapes.max_position_embeddings if context is None else context
-    weight_bytes = shapes.weight_bytes(dtype)
+    weights = shapes.weight_bytes(dtype) if weight_bytes is None else weight_bytes
     kv_per_token = shapes.kv_bytes_per_token(dtype)
-    if budget_gib is None:
-        device = resolve_device("auto")
-        budget_bytes = available_memory_bytes(device)
-        budget_source = f"available {'GPU memory' if device.type == 'cuda' else 'RAM'} now"
-    else:
-        budget_bytes = int(budget_gib * 2**30)
-        budget_source = "given"
     return {
-        "name": src.name,
-        "source": source,
-        "path": str(src.path),
         "dtype": dtype,
         "architecture": shapes.architecture,
         "num_layers": shapes.num_layers,
@@ -56,13 +81,14 @@ def inspect_model(
         "vocab_size": shapes.vocab_size,
         "max_position_embeddings": shapes.max_position_embeddings,
         "params": shapes.params,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weights,
         "kv_bytes_per_token": kv_per_token,
         "context": context,
         "kv_bytes_for_context": kv_per_token * context,
         "budget_bytes": budget_bytes,
         "budget_source": budget_source,
-        "weights_fit_in_budget": weight_bytes <= budget_bytes,
+        "weights_fit_in_budget": weights <= budget_bytes,
+        "fits_with_context": weights + kv_per_token * context <= budget_bytes,
         # What is left after the weights, in whole tokens of KV (0 when the weights alone overflow).
-        "max_context_tokens_in_budget": max(0, budget_bytes - weight_bytes) // kv_per_token,
+        "max_context_tokens_in_budget": max(0, budget_bytes - weights) // kv_per_token,
     }

@@ -68,20 +68,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _window(config, index: int) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[index] == "sliding_attention" else None
-    if config.model_type == "mistral":
-        return window
-    if config.model_type in ("qwen2", "qwen3"):  # layer_types absent: follow use_sliding_window
-        return window if getattr(config, "use_sliding_window", False) else None
-    return None
-
-
 class LlamaForward:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, windows: tuple[int | None, ...]):
+        """`windows[i]`: layer i's sliding window as the load-time probe read it from the
+        family's own attention (engine/model/layer_attention.py), None for full attention."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -106,7 +96,7 @@ class LlamaForward:
                     layer.post_attention_layernorm,
                     mlp.gate_up_proj,
                     mlp.down_proj,
-                    LayerAttention(scaling=attn.scaling, window=_window(config, i)),
+                    LayerAttention(scaling=attn.scaling, window=windows[i]),
                 )
             )
 

@@ -10,6 +10,8 @@ import torch
 from engine.events import ModelInfo
 from engine.kernels.linear import KernelLinear, fuse_projections
 from engine.kernels.policy import KernelPolicy
+from engine.model.chat_template import chat_note
+from engine.model.layer_attention import AttentionSpec, probe_attention
 from engine.model.shapes import ModelShapes
 from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
@@ -27,6 +29,8 @@ class LoadedModel:
     dtype: torch.dtype
     # the kernel table shared by the model's linear layers (engine.kernels.policy)
     policy: KernelPolicy | None = None
+    # Per layer: sliding window, soft cap, sinks, as transformers calls the attention (probed at load)
+    attention: tuple[AttentionSpec, ...] = ()
 
     @staticmethod
     def from_model(
@@ -68,9 +72,11 @@ class LoadedModel:
             weight_bytes_before=record.bytes_before if record else weight_bytes,
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
+            chat_note=chat_note(tokenizer),
             notes=_notes(model, policy),
         )
-        return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy)
+        attention = probe_attention(model, shapes)
+        return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy, attention)
 
 
 def _notes(model, policy: KernelPolicy) -> tuple[str, ...]:

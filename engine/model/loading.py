@@ -15,8 +15,10 @@ from engine.model.configs import read_config
 from engine.model.default_model import default_model_dir, load_default_tokenizer
 from engine.model.errors import ModelLoadError, first_line
 from engine.model.gguf_native import NATIVE
+from engine.model.layer_attention import AttentionProbeError
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
+from engine.model.support import check_support
 from engine.quant.schemes import QuantizationError, check_scheme, get_scheme, quantize_model
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -113,8 +115,10 @@ def load_model(
         from engine.model.configs import read_gguf_config
 
         config = read_gguf_config(src.gguf)
+        check_support(config, src.name)
         return _load_native(spec, src, config, report, start, available_bytes)
     config = read_config(src)
+    check_support(config, src.name)  # every family either has parity tests or is refused here
     check_fits(config, spec.dtype, device, src.name, available_bytes)
     if src.kind == "default" and src.is_gguf:
         src = ModelSource("default", default_model_dir(report), src.name, src.gguf)
@@ -131,8 +135,15 @@ def load_model(
     if scheme != "none":
         report(f"quantizing weights ({scheme})", 0.85)
         model = _quantize(model.eval(), scheme, tokenizer, src.name)
-    loaded = LoadedModel.from_model(
-        model.eval(), tokenizer, name=src.name, source=spec.source, load_seconds=time.perf_counter() - start
+    loaded = _served(
+        lambda: LoadedModel.from_model(
+            model.eval(),
+            tokenizer,
+            name=src.name,
+            source=spec.source,
+            load_seconds=time.perf_counter() - start,
+        ),
+        src.name,
     )
     report("ready", 1.0)
     return loaded
@@ -162,13 +173,16 @@ def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: 
         ) from None
     report("loading tokenizer", 0.85)
     tokenizer = load_default_tokenizer() if original.kind == "default" else _load_tokenizer(original)
-    loaded = LoadedModel.from_model(
-        model,
-        tokenizer,
-        name=original.name,
-        source=spec.source,
-        load_seconds=time.perf_counter() - start,
-        scheme=NATIVE,
+    loaded = _served(
+        lambda: LoadedModel.from_model(
+            model,
+            tokenizer,
+            name=original.name,
+            source=spec.source,
+            load_seconds=time.perf_counter() - start,
+            scheme=NATIVE,
+        ),
+        original.name,
     )
     shapes = loaded.info.shapes
     before = shapes.params * 4 if shapes is not None else loaded.info.weight_bytes  # the float32 twin
@@ -177,6 +191,14 @@ def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: 
     )
     report("ready", 1.0)
     return loaded
+
+
+def _served(make, name: str) -> LoadedModel:
+    """The LoadedModel `make` builds, or the one-line refusal of its attention probe."""
+    try:
+        return make()
+    except AttentionProbeError as exc:  # the real model's attention, seen from its calls
+        raise ModelLoadError(f"{name} cannot be served: {exc}.") from None
 
 
 def _quantize(model, scheme: str, tokenizer, name: str):

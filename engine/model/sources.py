@@ -47,7 +47,7 @@ class ModelSource:
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.suffix.lower() == ".gguf"
+        return self.kind == "gguf" or self.path.suffix.lower() == ".gguf"
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -66,11 +66,15 @@ def resolve_source(source: str) -> ModelSource:
     if path.is_dir():
         return ModelSource("folder", path, path.resolve().name)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not has_gguf_magic(path):  # Ollama's blobs have no suffix
             raise ModelLoadError(
                 f"{path} is a single file but not a .gguf file. Choose a .gguf file, or the folder that "
                 "holds the model's config.json and weights."
             )
+        if path.suffix.lower() != ".gguf":  # an Ollama blob: named as Ollama names it
+            from engine.model.local_models import ollama_name
+
+            return ModelSource("gguf", path, ollama_name(path) or path.name, path)
         return ModelSource("gguf", path, path.stem, path)
     if _REPO_ID.match(source) and not source.lower().endswith(".gguf"):
         return ModelSource("repo", _cached_repo_folder(source), source)
@@ -78,6 +82,14 @@ def resolve_source(source: str) -> ModelSource:
         f"No model found at {path}: the path does not exist. Check the spelling, or choose a model "
         "folder, a .gguf file, or a model already in the local Hugging Face cache."
     )
+
+
+def has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def hf_cache_dir() -> Path:
@@ -95,9 +107,9 @@ def _cached_repo_folder(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(), local_files_only=True))
     except LocalEntryNotFoundError:
         raise ModelLoadError(
-            f"The model {repo_id} is not in the local Hugging Face cache, and kvscope never downloads. "
-            f"Download it first (for example `hf download {repo_id}`), or choose a folder or .gguf file. "
-            f"(No local path named {repo_id!r} exists either.)"
+            f"The model {repo_id} is not in the local Hugging Face cache, and loading never downloads. "
+            f"Download it first (`python -m engine models download {repo_id}`, or Hub… in the model picker), "
+            f"or choose a folder or .gguf file. (No local path named {repo_id!r} exists either.)"
         ) from None
 
 

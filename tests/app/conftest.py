@@ -11,8 +11,9 @@ import shiboken6
 from app_windows import TEST_NUM_BLOCKS, start_tiny
 from PySide6.QtCore import QTimer
 
-# Engine threads, model-inspection and quality workers: none may outlive the test that started them.
-APP_THREAD_NAMES = ("kvscope-engine", "kvscope-inspect", "kvscope-quality")
+# Every thread the app starts is named "kvscope-..." (the engine's, and each app.workers job's):
+# none may outlive the test that started it.
+APP_THREAD_PREFIX = "kvscope-"
 
 
 @pytest.fixture(autouse=True)
@@ -23,11 +24,15 @@ def isolated_user_dirs(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def no_app_threads_left():
+    # Qt objects a finished test left in reference cycles are collected here, on the GUI thread:
+    # collected later by a collection that runs on a worker thread, their deletion is deferred
+    # to the GUI thread by shiboken, and crashes there once Qt has torn their parents down.
+    gc.collect()
     yield
     for thread in threading.enumerate():
         if thread.name == "kvscope-inspect":
             thread.join(10)  # metadata reads finish on their own; give them the moment they need
-    left = [t.name for t in threading.enumerate() if t.name in APP_THREAD_NAMES and t.is_alive()]
+    left = [t.name for t in threading.enumerate() if t.name.startswith(APP_THREAD_PREFIX) and t.is_alive()]
     assert not left, f"threads left running after the test: {left}"
 
 

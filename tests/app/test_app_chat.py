@@ -50,7 +50,7 @@ def test_a_message_gets_a_streamed_reply_saved_as_it_grows(make_window, qtbot):
     assert window.host.live.page_map.used_blocks == 0  # ...and they are freed afterwards
     assert window.chat.transcript.bubbles[-1].text == event.text
     assert stored_messages(window) == [("user", "Hello there", None), ("assistant", event.text, "length")]
-    window.panels.latency.flush()  # the panel redraws at most 10 times a second: draw the last frame now
+    window.panels.latency.refresh({"latency"})  # plots redraw once a second: draw the last frame now
     assert window.panels.latency.point_count() == 24  # one ITL/TTFT point per generated token
     bubble = window.chat.transcript.bubbles[-1]
     assert len(bubble.tokens) == 24 and "".join(t.text_delta for t in bubble.tokens) == event.text

@@ -10,6 +10,7 @@ from test_app_chat import send_and_wait, stored_messages, use_params
 
 from app.chat.group_reply import GroupReply
 from app.chat.group_reply_view import GroupReplyCard
+from live.state import DIRTY_KEYS
 from widgets.beam_tree import format_score
 
 # 33 prompt tokens with the SmolLM2 chat template: the last prompt block is partly filled, so
@@ -103,7 +104,7 @@ def test_the_page_map_shows_the_groups_shared_blocks_and_its_saving(make_window,
         window.controller.send(PARTIAL_BLOCK_PROMPT)
         qtbot.waitUntil(gate.reached.is_set, timeout=REPLY_TIMEOUT_MS)
         window.host.render_tick()
-        panel.flush()
+        panel.refresh(DIRTY_KEYS)
         pm = window.host.live.page_map
         shared_refs = int(pm.ref_count.max())
         copies = int(np.count_nonzero((pm.ref_count > 0) & (pm.copied_from >= 0)))
@@ -118,7 +119,7 @@ def test_the_page_map_shows_the_groups_shared_blocks_and_its_saving(make_window,
     assert owners == {f"#{rid} sample {i}" for i in range(1, 5)}  # each sample its own colour
     assert live_line.startswith(f"group #{rid} (4 samples, now)")
     window.host.render_tick()
-    panel.flush()
+    panel.refresh(DIRTY_KEYS)
     assert window.host.live.page_map.used_blocks == 0  # all freed at the end
     stats = event.group
     assert stats.cow_copies == 3

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from app.models.picker import ModelPicker, describe_estimate, human_bytes
-from app.settings import MIB, ModelChoice
+from app.models.picker import ModelPicker, describe_estimate
+from app.settings import ModelChoice
+from engine.units import MIB
 
 ESTIMATE = {
     "architecture": "LlamaForCausalLM",
@@ -25,19 +26,10 @@ ESTIMATE = {
 def test_describe_estimate_states_weights_kv_and_the_pool():
     text = describe_estimate(ESTIMATE, kv_budget_bytes=64 * MIB, block_size=16)
     assert "135 M parameters" in text and "30 layers, 3 KV heads × 64" in text
-    assert "Weights ≈ 513.1 MiB in float32: fits in 8.0 GiB (available RAM now)" in text
-    assert "45.0 KiB per token" in text and "8,192-token context needs 360.0 MiB" in text
+    assert "Weights ≈ 513 MiB in float32: fits in 8.0 GiB (available RAM now)" in text
+    assert "45.0 KiB per token" in text and "8,192-token context needs 360 MiB" in text
     pages = 64 * MIB // (46_080 * 16)
     assert f"= {pages:,} pages of 16 = {pages * 16:,} tokens" in text
-
-
-def test_human_bytes():
-    assert [human_bytes(n) for n in (512, 2048, 3 * MIB, 5 * 1024 * MIB)] == [
-        "512 B",
-        "2.0 KiB",
-        "3.0 MiB",
-        "5.0 GiB",
-    ]
 
 
 def test_the_packaged_default_is_estimated_from_its_metadata(qtbot):
@@ -51,7 +43,7 @@ def test_the_packaged_default_is_estimated_from_its_metadata(qtbot):
     text = picker.estimate.text()
     assert "LlamaForCausalLM" in text and "30 layers" in text, text
     picker.kv_budget.setValue(128)  # the pool line follows the budget without re-reading the file
-    assert "KV budget 128.0 MiB" in picker.estimate.text()
+    assert "KV budget 128 MiB" in picker.estimate.text()
 
 
 def test_a_missing_model_says_why_it_cannot_be_estimated(qtbot, tmp_path):

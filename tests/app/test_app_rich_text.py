@@ -6,7 +6,6 @@ import math
 
 from pygments.token import Keyword
 
-from app import theme
 from app.chat.rich_text import (
     CODE_STYLE,
     PARTIAL_CHARACTER_MARK,
@@ -18,6 +17,7 @@ from app.chat.rich_text import (
     token_html,
     token_index_from_link,
 )
+from widgets import theme
 
 
 def test_code_fence_becomes_a_shaded_block_with_escaped_code():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from PySide6.QtCore import QByteArray
 
-from app.settings import DEFAULT_SAMPLING, MIB, AppSettings, ModelChoice
+from app.settings import DEFAULT_SAMPLING, AppSettings, ModelChoice
 from engine.config import SamplingParams
+from engine.units import MIB
 
 
 def test_sampling_and_model_choice_round_trip(tmp_path):

@@ -13,8 +13,8 @@ from PySide6.QtCore import Qt
 
 from app.models.picker import ModelPicker
 from app.quality.compute import compute_quality
+from app.quality.controller import THREAD_NAME
 from app.quality.jobs import CONVERSATION, EVAL_TEXT, QualityJob, QualityUnavailable
-from app.quality.runner import THREAD_NAME
 from app.settings import ModelChoice
 from engine.config import ModelSpec, SamplingParams
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
@@ -114,7 +114,7 @@ def load(qtbot, window, folder, scheme: str, kv_dtype: str = "auto"):
     with qtbot.waitSignal(window.host.model_loaded, timeout=LOAD_TIMEOUT_MS) as loaded:
         window.controls.model.load_button.click()
     qtbot.waitUntil(lambda: len(window.host.live.memory) > 0, timeout=LOAD_TIMEOUT_MS)
-    window.panels.memory.flush()
+    window.panels.memory.refresh({"memory"})
     return loaded.args[0]
 
 
@@ -146,7 +146,7 @@ def test_loading_with_a_scheme_updates_the_weights_series(make_window, qtbot, ti
 def run_quality(qtbot, window, source: str):
     panel = window.panels.quality
     panel.source.setCurrentIndex(panel.source.findData(source))
-    with qtbot.waitSignal(window.quality.runner.finished, timeout=QUALITY_TIMEOUT_MS) as done:
+    with qtbot.waitSignal(window.quality.finished, timeout=QUALITY_TIMEOUT_MS) as done:
         panel.run_button.click()
     window.quality.shutdown()
     return done.args[0]
@@ -209,7 +209,7 @@ def test_a_run_before_any_model_says_what_to_do(make_window, qtbot):
     window = make_window(start=False)
     window.panels.quality.run_button.click()
     assert window.panels.quality.status.text().startswith("Load a model first")
-    assert not window.quality.runner.running()
+    assert not window.quality.running
 
 
 def test_short_memory_is_said_instead_of_running_the_reference(tiny_folder, monkeypatch):

@@ -78,8 +78,7 @@ def test_attached_to_kvscope_every_panel_works_from_its_events(qtbot, make_windo
     assert live.steps
     view = live.requests[window.controller._records[reply.id].request_id]
     assert len(view.tokens) == PARAMS.max_new_tokens
-    window.panels.probabilities.show_token(None, None)
-    window.panels.probabilities.flush()
+    window.panels.probabilities.show_token(None, None)  # draws at once
     assert window.panels.probabilities.stages[0].name == "raw"  # the per-stage view, as locally
     assert not any(cover.covered for cover in window.remote_views.covers.values())
     qtbot.waitUntil(lambda: host.metrics_family == "kvscope", timeout=LOAD_TIMEOUT_MS)
@@ -105,8 +104,7 @@ def test_attached_as_a_plain_openai_server(qtbot, make_window, server, tiny_load
     assert rows.sum() == PARAMS.max_new_tokens
     # the probability panel: the server's top-K, labelled, no per-stage view
     panel = window.panels.probabilities
-    panel.show_token(request_id, 0)
-    panel.flush()
+    panel.show_token(request_id, 0)  # draws at once
     assert [s.name for s in panel.stages] == [REMOTE_TOP_K]
     assert len(panel.rows) == PARAMS.snapshot_top_n and panel.rows[0].drawn  # greedy: the likeliest
     assert "as the server reports it" in panel.header.text()

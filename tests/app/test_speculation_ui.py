@@ -4,7 +4,7 @@ selected token shows its round, and the speedup is measured both ways."""
 
 import math
 
-from app_windows import REPLY_TIMEOUT_MS
+from app_windows import REPLY_TIMEOUT_MS, StepGate
 from test_app_chat import send_and_wait, use_params
 
 from engine.config import SpeculativeConfig
@@ -84,8 +84,7 @@ def test_measure_speedup_reports_tokens_per_second_with_and_without(make_window,
     apply_ngram(window, qtbot)
     use_params(window, max_new_tokens=8)
     send_and_wait(qtbot, window, "Repeat repeat repeat")
-    job = window.speculation.job
-    with qtbot.waitSignal(job.succeeded, timeout=JOB_TIMEOUT_MS) as done:
+    with qtbot.waitSignal(window.speculation.measured, timeout=JOB_TIMEOUT_MS) as done:
         panel.measure_button.click()
     result = done.args[0]
     assert result.plain.tokens == result.speculative.tokens > 0
@@ -134,6 +133,34 @@ def test_self_draft_applies_with_its_layer_count(make_window, qtbot):
     finished = send_and_wait(qtbot, window, "Hello")
     rounds = [r for (rid, _), r in window.host.live.spec_rounds.items() if rid == finished.request_id]
     assert rounds and {r.proposer for r in rounds} == {"self (1 layers)"}
+
+
+def test_a_self_drafts_cache_shows_in_the_memory_graph_mid_reply(make_window, qtbot):
+    """Held mid-reply, the engine's memory sample counts the self-draft's KV cache (its weights are
+    the target's: none of its own), and the memory graph draws that series with its value."""
+    window = make_window()
+    controls = window.controls.speculation
+    controls.set_method("self")
+    controls.self_layers.setValue(1)
+    with qtbot.waitSignal(window.host.model_loaded, timeout=REPLY_TIMEOUT_MS):
+        controls.apply_button.click()
+    use_params(window, max_new_tokens=24)
+    gate = StepGate(window.host.engine.core, after_steps=4)
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
+        window.controller.send("Hello there")
+        qtbot.waitUntil(gate.reached.is_set, timeout=REPLY_TIMEOUT_MS)
+        call = window.host.call(lambda core: core.sample_memory())  # runs once the step ends
+        gate.release()
+        with qtbot.waitSignal(call.returned, timeout=REPLY_TIMEOUT_MS) as sampled:
+            pass
+    sample = sampled.args[0]
+    assert sample.draft_cache_bytes > 0 and sample.draft_weights_bytes == 0
+    window.host.render_tick()
+    memory = window.panels.memory
+    memory.refresh({"memory"})
+    _, cache = memory.series("draft_cache")
+    assert (cache * memory.unit[1] == sample.draft_cache_bytes).any()  # that sample, drawn
+    assert "draft KV cache" in memory.legend.text() and "draft model weights" not in memory.legend.text()
 
 
 def test_a_draft_model_without_a_path_is_refused_in_words(make_window, qtbot):

@@ -135,7 +135,7 @@ def test_repo_id_not_in_cache(hf_cache):
     message = load_error("nobody-here/no-such-model")
     assert (
         "not in the local Hugging Face cache" in message
-        and "hf download nobody-here/no-such-model" in message
+        and "python -m engine models download nobody-here/no-such-model" in message
     )
 
 
@@ -235,8 +235,8 @@ def test_model_too_big_for_memory_is_refused_before_loading(tmp_path, monkeypatc
     folder = write_config(tmp_path / "llama-8b", LLAMA_8B_CONFIG)  # no weights: the check comes first
     monkeypatch.setenv(AVAILABLE_MEMORY_ENV, str(8 * 2**30))
     message = load_error(str(folder), dtype="bfloat16")
-    # 8,030,261,248 parameters x 2 bytes = 14.96 GiB > 8 GiB.
-    assert "will not fit" in message and "14.96 GiB" in message and "8.00 GiB" in message
+    # 8,030,261,248 parameters x 2 bytes = 14.96 GiB, written "15.0 GiB" (engine.units) > 8 GiB.
+    assert "will not fit" in message and "15.0 GiB" in message and "8.0 GiB" in message
 
 
 def test_available_memory_parameter_overrides_the_probe(tiny_folder):

@@ -15,7 +15,6 @@ from engine.config import ConfigError, SamplingParams
 from engine.sampling.dry import DryPenalty
 from engine.sampling.sampler import Sampler
 from engine.sampling.stages import PENALTY_STAGES, exclude_top_choices
-from engine.sampling.what_if import what_if, what_if_notes
 
 
 def probs_of(snapshot, stage_name: str, vocab: int) -> torch.Tensor:
@@ -298,36 +297,6 @@ def test_params_from_json_lists_equal_params_from_tuples():
     )
     again = SamplingParams(**json.loads(json.dumps(dataclasses.asdict(params))))
     assert again == params and hash(again) == hash(params)
-
-
-# ---- what-if -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(typical_p=0.5),
-        dict(temperature=1.3, typical_p=0.9),
-        dict(xtc_probability=1.0, xtc_threshold=0.05),
-    ],
-)
-def test_what_if_reproduces_typical_p_and_a_firing_xtc(settings):
-    vocab = 200  # within the snapshot's top set: what-if knows every token
-    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
-    params = SamplingParams(snapshot_top_n=vocab, seed=0, **settings)
-    snapshot = Sampler(params).sample(logits, [], []).snapshot
-    got = what_if(snapshot, params)
-    assert [s.name for s in got] == [s.name for s in snapshot.stages]
-    for mine, real in zip(got, snapshot.stages):
-        assert mine.probs == pytest.approx(real.probs, abs=1e-5), mine.name
-        assert mine.kept_count == real.kept_count, mine.name
-
-
-def test_what_if_says_what_it_cannot_recompute():
-    logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
-    snapshot = Sampler(SamplingParams(snapshot_top_n=5, seed=0)).sample(logits, [], []).snapshot
-    assert what_if_notes(snapshot, SamplingParams()) == ()
-    notes = what_if_notes(snapshot, SamplingParams(dry_multiplier=0.8, xtc_probability=0.4))
-    assert any("shown as recorded" in n and "dry" in n for n in notes)
-    assert any("XTC" in n and "0.4" in n for n in notes)
 
 
 # ---- the CLI -----------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import pytest
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import StepStats
-from engine.measure.roofline import attainable_flops, bound, mbu, mfu, step_cost
+from engine.measure.roofline import attainable_flops, bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
+from engine.units import mbu, mfu
 
 
 def tiny(num_kv_heads: int = 2, tied: bool = True) -> ModelShapes:

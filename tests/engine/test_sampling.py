@@ -1,5 +1,5 @@
 """The sampler's stages against transformers' processors and hand formulas, its statistics, and
-the consistency of its snapshots and of the what-if recomputation."""
+the consistency of its snapshots (the what-if: tests/engine/test_what_if.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from transformers import (
 
 from engine.config import SamplingParams
 from engine.sampling.sampler import Sampler, SamplingError
-from engine.sampling.stages import PENALTY_STAGES
-from engine.sampling.what_if import what_if
 
 PROMPT = [3, 5, 5, 8, 13, 21]
 OUTPUT = [5, 34, 34, 34, 55, 89, 3]
@@ -286,70 +284,3 @@ def test_nan_logits_give_a_clear_error():
     for params in (SamplingParams(temperature=0.0), SamplingParams(seed=0)):
         with pytest.raises(SamplingError, match="NaN"):
             Sampler(params).sample(logits, [], [])
-
-
-def assert_stages_match(expected_snapshot, got_stages, got_candidates, ids, atol):
-    """Same stage names, kept counts and masses, and the same probabilities for `ids`."""
-    expected = {s.name: s for s in expected_snapshot.stages}
-    assert [s.name for s in got_stages] == list(expected)
-    for stage in got_stages:
-        want = dict(zip(expected_snapshot.candidate_ids, expected[stage.name].probs))
-        got = dict(zip(got_candidates, stage.probs))
-        for token in ids:
-            assert got[token] == pytest.approx(want[token], abs=atol), (stage.name, token)
-        assert stage.kept_count == expected[stage.name].kept_count, stage.name
-        assert stage.kept_mass == pytest.approx(expected[stage.name].kept_mass, abs=atol), stage.name
-
-
-WHAT_IF_SETTINGS = [
-    dict(temperature=0.7),
-    dict(temperature=1.4, top_k=30),
-    dict(top_p=0.85),
-    dict(temperature=0.5, min_p=0.1),
-    dict(temperature=1.2, top_k=200, top_p=0.9, min_p=0.01),
-]
-
-
-@pytest.mark.parametrize("settings", WHAT_IF_SETTINGS, ids=str)
-@pytest.mark.parametrize("vocab", [200, 5000])
-def test_what_if_with_the_same_settings_reproduces_the_pipeline(settings, vocab):
-    # 200 fits in the snapshot's top set (no tail at all); of 5000, forty tokens stand so far
-    # above the rest that the tail beyond the top 256 holds a negligible mass even at the
-    # highest temperature used.
-    logits = random_logits(vocab, 4, scale=1.0)
-    logits[:40] += 35.0
-    assert float(torch.softmax(logits / 1.4, 0).topk(min(vocab, 256)).values.sum()) > 1 - 1e-6
-    params = SamplingParams(snapshot_top_n=10, seed=1, repetition_penalty=1.2, **settings)
-    snapshot = Sampler(params).sample(logits, PROMPT, OUTPUT).snapshot
-    got = what_if(snapshot, params)
-    assert_stages_match(snapshot, got, snapshot.candidate_ids, snapshot.candidate_ids, atol=1e-5)
-    assert got[-1].probs == pytest.approx(snapshot.stages[-1].probs, abs=1e-5)
-
-
-@pytest.mark.parametrize("settings", WHAT_IF_SETTINGS, ids=str)
-def test_what_if_under_other_settings_equals_a_real_run_with_them(settings):
-    # 200 distinct high logits, then a flat tail holding a large share of the mass: the tail
-    # model of what-if is exact for a flat tail, so even a heavy tail must match exactly. The
-    # penalised tokens are all in the top set, so the tail stays flat after penalties too.
-    vocab, distinct = 3000, 200
-    logits = torch.cat([random_logits(distinct, 9, scale=1.0) + 4.0, torch.zeros(vocab - distinct)])
-    assert float(torch.softmax(logits, 0)[256:].sum()) > 0.1
-    recorded_params = SamplingParams(snapshot_top_n=20, presence_penalty=0.7, seed=0)
-    other = SamplingParams(snapshot_top_n=vocab, presence_penalty=0.7, seed=0, **settings)
-    recorded = Sampler(recorded_params).sample(logits, PROMPT, OUTPUT).snapshot
-    real = Sampler(other).sample(logits, PROMPT, OUTPUT).snapshot  # covers the whole vocabulary
-    # Tail tokens tie, so which of them a partial cut keeps is arbitrary: compare the distinct
-    # tokens one by one, and the tail through the kept counts and masses.
-    known = [t for t in recorded.candidate_ids if t < distinct]
-    assert len(known) >= 20
-    assert_stages_match(real, what_if(recorded, other), recorded.candidate_ids, known, atol=2e-5)
-
-
-def test_what_if_keeps_recorded_penalties_and_drops_warpers_for_greedy():
-    logits = random_logits(400, 2)
-    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, temperature=0.8, snapshot_top_n=5)
-    snapshot = Sampler(params).sample(logits, PROMPT, OUTPUT).snapshot
-    greedy = what_if(snapshot, SamplingParams(temperature=0.0))
-    assert greedy == snapshot.stages[:3]
-    assert [s.name for s in greedy[1:]] == ["repetition_penalty", "frequency_penalty"]
-    assert all(s.name in PENALTY_STAGES for s in greedy[1:])

@@ -1,10 +1,10 @@
-"""Group requests from hand-made events: the store's group fold and copy-on-write in the page
-map, the group's saving line, the beam tree and the samples' columns."""
+"""Group requests drawn from hand-made events: the group's saving line, the page map's names for
+the samples, the beam tree and the samples' columns (the fold itself: tests/live/test_groups.py)."""
 
 from __future__ import annotations
 
 import pytest
-from widget_events import beam_step, model_loaded, sample_token
+from hand_events import FORK_A, FORK_B, beam_events, fork_events, loaded_state
 
 from app.chat.group_reply import Alternative, GroupReply
 from app.chat.group_reply_view import GroupReplyCard
@@ -12,60 +12,17 @@ from engine.events import (
     BlockEvent,
     GroupStats,
     RequestFinished,
-    RequestStarted,
     RequestStats,
     SequenceFinished,
-    SequenceForked,
     SequenceResult,
 )
-from live.groups import group_blocks
-from live.state import LiveState
 from widgets.beam_tree import BeamTreeView, beam_nodes, format_score
 from widgets.kv_page_map import KVPageMapPanel, group_lines
-
-BLOCK = 4
-FORK_A, FORK_B = 1 << 40, (1 << 40) + 1
-
-
-def fork_events():
-    """Request 1 prefills 6 tokens (a full block 0, block 1 half full) and forks twice; fork A
-    then writes its first token: block 1 is shared and partly filled, so A copies it."""
-    return [
-        RequestStarted(1, 6),
-        BlockEvent("allocate", (0, 1), 1),
-        BlockEvent("append", (0, 1), 1, 0, 6, (4, 2)),
-        SequenceForked(1, 1, FORK_A, 1, 6),
-        BlockEvent("share", (0, 1), FORK_A, 0, 6, (4, 2)),
-        SequenceForked(1, 1, FORK_B, 2, 6),
-        BlockEvent("share", (0, 1), FORK_B, 0, 6, (4, 2)),
-        BlockEvent("allocate", (2,), FORK_A),
-        BlockEvent("cow", (2,), FORK_A, 4, 6, (2,), src_block_ids=(1,)),
-        BlockEvent("free", (1,), FORK_A),
-        BlockEvent("append", (2,), FORK_A, 6, 7, (3,)),
-        sample_token(1, 1, 0, " blue"),
-    ]
 
 
 @pytest.fixture
 def state():
-    state = LiveState()
-    state.apply([model_loaded(num_blocks=8, block_size=BLOCK)])
-    return state
-
-
-def test_forks_share_blocks_and_a_copy_on_write_copy_takes_the_source_place(state):
-    dirty = state.apply(fork_events())
-    pm = state.page_map
-    assert not state.errors and "groups" in dirty
-    assert list(pm.ref_count[:3]) == [3, 2, 1]  # the source keeps its other two owners
-    assert pm.owners[1] == [1, FORK_B] and pm.owners[2] == [FORK_A]
-    assert (pm.fill[2], pm.token_start[2], pm.copied_from[2]) == (3, 4, 1)
-    group = state.groups[1]
-    assert (group.forks, group.cow_copies, group.kind) == (2, 1, "samples")
-    assert group.sample_text == {1: " blue"} and state.requests[1].tokens == []  # sample 0 only there
-    assert group_blocks(pm, group.live_seqs) == group.blocks(pm)
-    assert (group.blocks(pm).shared, group.blocks(pm).unshared) == (3, 6)
-    assert state.seq_label(FORK_A) == "#1 sample 2" and state.seq_label(1) == "#1 sample 1"
+    return loaded_state()
 
 
 def test_ended_forks_free_their_blocks_and_the_line_reports_the_engine_figures(state):
@@ -95,7 +52,6 @@ def test_the_page_map_panel_names_the_samples_and_shows_the_saving(qtbot, state)
     panel.resize(420, 300)
     panel.show()
     panel.refresh(state.apply(fork_events()))
-    panel.flush()
     legend = panel.legend.text().replace("&nbsp;", " ")
     assert "request #1 · 3 samples" in legend and "copy-on-write copy" in legend
     assert legend.count("■") == 2 + 2  # free, cached; then the two sequences owning blocks
@@ -105,20 +61,6 @@ def test_the_page_map_panel_names_the_samples_and_shows_the_saving(qtbot, state)
     tip = panel.canvas.describe(2)
     assert "request #1 sample 2" in tip and "copy-on-write copy of block 1" in tip
     assert "shared by requests #1 sample 1, #1 sample 3" in panel.canvas.describe(1)
-
-
-def beam_events():
-    """Two beams over three steps: at step 1 both extend beam 1 (beam 2 is pruned, a fork
-    takes its place); at step 2 a hypothesis ends off beam 2 and the search is done."""
-    return [
-        RequestStarted(5, 4),
-        SequenceForked(5, 5, 9, 1, 4),
-        beam_step(5, 0, (0, 0), (" a", " b"), (-0.1, -0.7), (5, 9)),
-        SequenceForked(5, 5, 10, 1, 5),
-        SequenceFinished(5, 9, 1, "pruned"),
-        beam_step(5, 1, (0, 0), ("\n", " c"), (-0.3, -0.9), (5, 10)),
-        beam_step(5, 2, (0, 1), (" d", " e"), (-0.5, -1e9), (5, 10), finished=[(1, 2, -0.45)], done=True),
-    ]
 
 
 def test_beam_nodes_follow_the_steps_and_fade_the_dropped_branch(state):
@@ -179,16 +121,3 @@ def test_sample_columns_stream_then_show_results_and_the_kept_one(qtbot, state):
     card.set_kept(2)
     assert card.text == "text 2" and card.cards[2].kept and not card.cards[0].kept
     assert GroupReply.from_meta(card.reply.to_meta()) == card.reply
-
-
-def test_each_beam_step_is_a_latency_point_with_the_first_as_ttft(state):
-    events = beam_events()
-    started = RequestStarted(5, 4, t=10.0)
-    steps = [
-        beam_step(5, i, e.parents, e.token_texts, e.scores, e.seq_ids, t=10.5 + 0.25 * i)
-        for i, e in enumerate(e for e in events if type(e).__name__ == "BeamStep")
-    ]
-    state.apply([started, *steps])
-    assert list(state.latency.column("latency_ms")) == pytest.approx([500.0, 250.0, 250.0])
-    assert list(state.latency.column("is_first")) == [1.0, 0.0, 0.0]
-    assert state.requests[5].first_token_row == 0

@@ -1,5 +1,6 @@
-"""KV memory calculator: the formula's figures (GQA/MQA, context x batch, tokens in a budget),
-the 8B-class example, the chart, and filling the fields from the loaded model or a model folder."""
+"""KV memory calculator: the formula's figures (GQA/MQA, int8 with its scales, context x batch,
+tokens in a budget), the 8B-class example, the chart, and what the widget shows of the configs
+the shell hands it (the shell's side: tests/app/test_app_physics.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from widget_events import model_info
 
-from engine.events import ModelLoaded
+from engine.config import DTYPES
+from engine.kv.storage import PagedKVStorage
 from engine.model.shapes import ModelShapes
+from engine.units import GIB
 from live.state import LiveState
-from widgets.kv_calculator import GIB, KVCalculator
-from widgets.kv_memory import KVConfig, chart_batches
+from widgets.kv_calculator import KVCalculator
+from widgets.kv_memory import KV_DTYPES, KVConfig, chart_batches, kv_storage
 
 # The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from model_folders import LLAMA_8B_CONFIG, write_config  # noqa: E402
+from model_folders import LLAMA_8B_CONFIG  # noqa: E402
 
 LLAMA_8B = KVConfig(
     num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", context=131072, num_heads=32
@@ -34,9 +36,34 @@ def test_8b_class_config_at_128k_context_takes_16_gib_per_sequence():
 
 def test_formula_agrees_with_model_shapes():
     shapes = ModelShapes.from_config(type("Cfg", (), LLAMA_8B_CONFIG)())
-    for dtype in ("float32", "bfloat16", "int8"):
+    for dtype in ("float32", "bfloat16"):
         config = KVConfig(num_layers=32, num_kv_heads=8, head_dim=128, dtype=dtype, context=1)
         assert config.bytes_per_token == shapes.kv_bytes_per_token(dtype)
+    int8 = KVConfig(num_layers=32, num_kv_heads=8, head_dim=128, dtype="int8", context=1)
+    assert int8.bytes_per_token == shapes.kv_bytes_per_token(kv_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kv_dtype_is_what_the_engines_pool_stores(dtype):
+    """Per token, exactly what a block of the engine's own pool takes over its block size, for
+    the model dtypes (kv_dtype auto) and int8 (its float16 scales counted)."""
+    import torch
+
+    for kv_dtype in ("auto", "int8"):
+        config = KVConfig(
+            num_layers=30, num_kv_heads=3, head_dim=64, dtype=kv_storage(dtype, kv_dtype), context=1
+        )
+        block = PagedKVStorage.block_bytes(30, 16, 3, 64, getattr(torch, dtype), kv_dtype)
+        assert config.bytes_per_token * 16 == block, (dtype, kv_dtype)
+    # int8: 2 x 30 layers x 3 heads x (64 codes + a 2-byte scale), not 64 bytes a head
+    assert KVConfig(30, 3, 64, "int8", 1).bytes_per_token == 2 * 30 * 3 * 66
+
+
+def test_only_the_kv_dtypes_the_engine_has_are_offered(qtbot):
+    assert KV_DTYPES == ("float32", "bfloat16", "float16", "int8")
+    calculator = KVCalculator(LiveState())
+    qtbot.addWidget(calculator)
+    assert [calculator.dtype.itemText(i) for i in range(calculator.dtype.count())] == list(KV_DTYPES)
 
 
 def test_mqa_batch_and_budget():
@@ -79,8 +106,7 @@ def test_chart_batches():
 def calculator(qtbot):
     widget = KVCalculator(LiveState())
     qtbot.addWidget(widget)
-    yield widget
-    assert widget.shutdown(30)
+    return widget
 
 
 def test_widget_shows_16_gib_for_the_8b_config_and_draws_each_batch(calculator):
@@ -120,40 +146,23 @@ def test_widget_budget_line_and_tokens_that_fit(calculator):
     assert calculator.budget_line.value() == pytest.approx(9.0)
 
 
-def test_widget_follows_the_loaded_model(qtbot):
-    state = LiveState()
-    calculator = KVCalculator(state)
-    qtbot.addWidget(calculator)
-    info = model_info(num_layers=30, num_kv_heads=3, num_heads=9, head_dim=64, max_position_embeddings=8192)
-    state.apply([ModelLoaded(info, 16, 16, 16 * 16 * 512)])
-    calculator.model_loaded()
-    c = calculator.config
-    assert (c.num_layers, c.num_kv_heads, c.num_heads, c.head_dim, c.dtype, c.context) == (
-        30,
-        3,
-        9,
-        64,
-        "float32",
-        8192,
-    )
-    assert c.weight_bytes == pytest.approx(info.weight_bytes, abs=GIB / 1000)
-    assert "Per token <b>45.0 KiB</b>" in calculator.results.text()  # 2 x 30 x 3 x 64 x 4 B
-
-
-def test_from_model_reads_a_folder_config_off_the_gui_thread(calculator, qtbot, tmp_path):
-    folder = write_config(tmp_path / "llama8b", LLAMA_8B_CONFIG)
-    calculator.dtype.setCurrentText("float16")
-    calculator.source.setText(str(folder))
-    with qtbot.waitSignal(calculator.job.succeeded, timeout=30_000):
+def test_the_widget_shows_what_the_shell_hands_it(calculator, qtbot):
+    loaded = KVConfig(30, 3, 64, "int8", 8192, num_heads=9, weight_bytes=GIB // 2, budget_bytes=4 * GIB)
+    calculator.follows_loaded = False
+    calculator.show_loaded(loaded)
+    assert calculator.config == loaded and calculator.follows_loaded
+    text = calculator.results.text()
+    assert "Per token <b>11.6 KiB</b>" in text  # 2 x 30 x 3 x (64 + 2) B = 11,880 B
+    assert "(64 × 1 B + 2 B float16 scale)" in text
+    # "From model": the widget asks, the shell answers (or says why not).
+    calculator.source.setText("some/model")
+    with qtbot.waitSignal(calculator.inspect_requested) as asked:
         calculator.from_model.click()
-    c = calculator.config
-    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.context) == (32, 8, 128, 131072)
-    assert "<b>16.0 GiB</b>" in calculator.results.text()
-
-
-def test_from_model_with_a_bad_source_says_why(calculator, qtbot, tmp_path):
-    calculator.source.setText(str(tmp_path / "missing"))
-    with qtbot.waitSignal(calculator.job.failed, timeout=30_000):
-        calculator.from_model.click()
-    assert "Cannot read that model" in calculator.results.text()
-    assert calculator.from_model.isEnabled()
+    assert asked.args == ["some/model", "int8"] and not calculator.from_model.isEnabled()
+    calculator.show_error("Cannot read that model: no such folder")
+    assert calculator.from_model.isEnabled() and "no such folder" in calculator.results.text()
+    inspected = KVConfig(32, 8, 128, "float16", 131072, num_heads=32)
+    calculator.show_inspected(inspected)
+    assert calculator.config == inspected and not calculator.follows_loaded
+    with qtbot.waitSignal(calculator.loaded_requested):
+        calculator.from_loaded.click()

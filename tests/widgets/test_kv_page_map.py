@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from widget_events import model_loaded
+from hand_events import model_loaded
 
 from engine.events import BlockEvent
 from live.state import LiveState
@@ -46,7 +46,6 @@ def state():
 def panel(qtbot, state):
     panel = KVPageMapPanel(state)
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0  # these tests check what is drawn, not how often
     panel.resize(400, 300)
     panel.show()
     qtbot.waitExposed(panel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from widget_events import token
+from hand_events import token
 
 from engine.events import RequestStarted
 from live.state import LiveState
@@ -15,7 +15,6 @@ from widgets.latency_panel import LatencyPanel
 def panel(qtbot):
     panel = LatencyPanel(LiveState())
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0  # these tests check what is drawn, not how often
     panel.resize(400, 300)
     return panel
 

@@ -70,3 +70,30 @@ def test_redraws_only_for_memory(panel):
     assert len(panel.series("process")[0]) == 0
     panel.refresh({"memory"})
     assert np.array_equal(panel.series("process")[1], [900.0])
+
+
+def test_a_draft_models_weights_and_cache_are_drawn_while_there_is_one(panel):
+    from dataclasses import replace
+
+    plain = [sample(i, 900 * MIB) for i in range(2)]
+    panel.refresh(panel.state.apply(plain))
+    assert "draft" not in panel.legend.text()
+    assert len(panel.series("draft_weights")[0]) == len(panel.series("draft_cache")[0]) == 0
+    drafted = [
+        replace(sample(i, 1000 * MIB), draft_weights_bytes=270 * MIB, draft_cache_bytes=(20 + i) * MIB)
+        for i in range(2, 4)
+    ]
+    panel.refresh(panel.state.apply(drafted))
+    assert panel.series("draft_weights")[1].tolist() == [0.0, 0.0, 270.0, 270.0]
+    assert panel.series("draft_cache")[1].tolist() == [0.0, 0.0, 22.0, 23.0]
+    legend = panel.legend.text()
+    assert "draft model weights (tensor sizes)" in legend and "<b>270 MiB</b>" in legend
+    assert "draft KV cache" in legend and "<b>23.0 MiB</b>" in legend
+
+
+def test_a_self_draft_shows_only_its_cache(panel):
+    from dataclasses import replace
+
+    panel.refresh(panel.state.apply([replace(sample(0, 900 * MIB), draft_cache_bytes=12 * MIB)]))
+    legend = panel.legend.text()
+    assert "draft KV cache" in legend and "draft model weights" not in legend

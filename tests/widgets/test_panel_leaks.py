@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import PySide6
 import pytest
-from widget_events import model_loaded, snapshot, token
+from hand_events import model_loaded, snapshot, token
 
 from engine.events import BlockEvent, MemorySample, RequestStarted
 from live.state import LiveState
@@ -38,8 +38,6 @@ def panels(qtbot):
         qtbot.addWidget(panel)
         panel.resize(400, 300)
         panel.show()
-        if hasattr(panel, "throttle"):
-            panel.throttle.interval_s = 0.0
     qtbot.waitExposed(made[0])
     return made
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from hand_events import block_counts
 
 from engine.config import EngineConfig
 from engine.core.service import Engine
@@ -51,13 +52,7 @@ def test_page_map_equals_engine_kv_stats_after_every_step(engine_store, qtbot):
             events.append(event)
             state.apply([event])
             if isinstance(event, StepStats):
-                pm, kv = state.page_map, event.kv
-                assert (pm.used_blocks, pm.cached_free_blocks, pm.free_blocks, pm.used_slots) == (
-                    kv.used_blocks,
-                    kv.cached_free_blocks,
-                    kv.free_blocks,
-                    kv.used_slots,
-                )
+                assert block_counts(state.page_map) == block_counts(event.kv)
                 checked += 1
 
     def finished(request_id) -> bool:

@@ -3,8 +3,8 @@ token (drawn or not), the button names it and asks for a branch there; another t
 
 from __future__ import annotations
 
+from hand_events import snapshot, token
 from PySide6.QtCore import QPointF, Qt
-from widget_events import snapshot, token
 
 from engine.events import RequestStarted
 from live.state import LiveState
@@ -20,7 +20,6 @@ def make_panel(qtbot):
     state.apply([token(1, i, t=0.1 * (i + 1), snap=snapshot(LOGITS, TEXTS, drawn=0)) for i in range(3)])
     panel = ProbabilityPanel(state)
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0
     panel.resize(400, 300)
     panel.show()
     panel.show_token(1, 2)

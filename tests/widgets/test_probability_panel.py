@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from widget_events import snapshot, token
+from hand_events import finished, snapshot, token
 
 from engine.config import SamplingParams
 from engine.events import RequestStarted
 from live.state import LiveState
-from widgets.probability_panel import WHAT_IF_LABEL, ProbabilityPanel
+from widgets.probability_panel import (
+    WHAT_IF_HOW,
+    WHAT_IF_LABEL,
+    WHAT_IF_STREAMING,
+    WHAT_IF_WAITING,
+    ProbabilityPanel,
+)
 from widgets.probability_rows import cut_lines, entropy_text
 from widgets.token_text import visible
 
@@ -32,7 +38,6 @@ def state():
 def panel(qtbot, state):
     panel = ProbabilityPanel(state)
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0  # these tests check what is drawn, not how often
     panel.resize(400, 300)
     return panel
 
@@ -93,22 +98,52 @@ def test_pinned_token_not_yet_generated_appears_when_it_arrives(panel, state):
     assert bars(panel)[0] == list(snap.stages[-1].probs)
 
 
-def test_what_if_shows_the_engine_recomputation_clearly_labelled(panel, state):
-    from engine.sampling.what_if import what_if
-
+def test_what_if_asks_the_shell_then_shows_its_recomputation_clearly_labelled(panel, state, qtbot):
     snap = make_snap(drawn=0, temperature=1.0)
     panel.refresh(state.apply([token(1, 0, 0.1, " the", snap)]))
+    panel.show_token(1, 0)
     params = SamplingParams(temperature=0.5, top_k=2)
-    panel.set_what_if(params)
-    expected = what_if(snap, params)
-    assert panel.banner.isVisibleTo(panel)
-    assert panel.banner.text().startswith(WHAT_IF_LABEL) and "top-k 2" in panel.banner.text()
-    assert [s.name for s in panel.stages] == [s.name for s in expected]
-    assert bars(panel)[0] == list(expected[-1].probs)
+    with qtbot.waitSignal(panel.what_if_requested) as asked:
+        panel.set_what_if(params)
+    assert asked.args == [1, 0, params]
+    # Until the answer comes the recorded bars stay, and the banner says it is being recomputed.
+    assert panel.banner.isVisibleTo(panel) and panel.banner.text().startswith(WHAT_IF_LABEL)
+    assert WHAT_IF_WAITING in panel.banner.text() and bars(panel)[0] == list(snap.stages[-1].probs)
+    recomputed = make_snap(drawn=0, temperature=0.5, top_k=2)
+    panel.show_what_if(1, 0, params, recomputed)
+    assert "top-k 2" in panel.banner.text() and WHAT_IF_HOW in panel.banner.text()
+    assert [s.name for s in panel.stages] == [s.name for s in recomputed.stages]
+    assert bars(panel)[0] == list(recomputed.stages[-1].probs)
     assert "would be" in panel.header.text()
+    with qtbot.assertNotEmitted(panel.what_if_requested):
+        panel.select_stage("raw")  # an answered what-if is not asked again
     panel.set_what_if(None)
     assert not panel.banner.isVisibleTo(panel)
     assert bars(panel)[0] == list(snap.stages[-1].probs)
+
+
+def test_a_what_if_that_cannot_be_recomputed_says_why(panel, state, qtbot):
+    snap = make_snap(drawn=0)
+    panel.refresh(state.apply([token(1, 0, 0.1, " the", snap)]))
+    panel.show_token(1, 0)
+    params = SamplingParams(temperature=0.5)
+    panel.set_what_if(params)
+    panel.show_what_if(1, 0, SamplingParams(temperature=0.9), make_snap(drawn=0))  # a stale answer
+    assert WHAT_IF_WAITING in panel.banner.text()
+    panel.show_what_if(1, 0, params, None, "this token's request is no longer known to the engine")
+    assert panel.rows == [] and "no longer known" in panel.bars.message
+
+
+def test_what_if_while_following_a_streaming_reply_waits_for_its_end(panel, state, qtbot):
+    snap = make_snap(drawn=0)
+    panel.refresh(state.apply([token(1, 0, 0.1, " the", snap)]))
+    params = SamplingParams(temperature=0.5)
+    with qtbot.assertNotEmitted(panel.what_if_requested):
+        panel.set_what_if(params)  # following the reply as it streams: no forward per token
+    assert WHAT_IF_STREAMING in panel.banner.text() and bars(panel)[0] == list(snap.stages[-1].probs)
+    with qtbot.waitSignal(panel.what_if_requested) as asked:
+        panel.refresh(state.apply([finished(1, "stop", 0.1, (), t=0.3)]))
+    assert asked.args == [1, 0, params]
 
 
 def test_token_without_snapshot_explains_how_to_record_one(panel, state):

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from widget_events import finished, model_loaded, snapshot, token
+from hand_events import finished, model_loaded, snapshot, token
 
 from app.quality.compute import QualityResult, SpeedFigures
 from app.quality.jobs import CONVERSATION, QUALITY_SOURCES, QualityJob
@@ -140,7 +140,6 @@ def test_probability_rows_carry_the_reference_where_the_run_has_it(qtbot):
     state.apply([RequestStarted(1, 4, t=0.0), token(1, 0, 0.1, " a", snap)])
     panel = ProbabilityPanel(state)
     qtbot.addWidget(panel)
-    panel.throttle.interval_s = 0.0
     panel.show_token(1, 0)
     assert all(row.reference_prob is None for row in panel.rows)
     ref = ReferenceDistribution("full precision (float32)", {0: 0.5, 1: 0.3, 3: 0.01}, 0, " the", 0.5, 0.0123)

@@ -1,50 +1,26 @@
-"""Roofline panel: steps placed at step_cost's intensity and FLOP/s, on the expected side of the
-ridge for given limits; MFU/MBU with their formula in the tooltip; measuring the limits on a
-worker thread; live points from the real engine running the tiny model."""
+"""Roofline panel: each step placed at the intensity and FLOP/s of the cost the engine computed for
+it, on the expected side of the ridge for given limits; MFU/MBU with their formula in the
+tooltip; a step without a cost is not placed; the panel asks for a measurement and only draws."""
 
 from __future__ import annotations
 
 import pytest
-from widget_events import model_info
+from hand_events import model_info
 
-from engine.config import EngineConfig
-from engine.core.service import Engine
-from engine.events import KVStats, ModelLoaded, StepStats, TokenGenerated
-from engine.measure import device_limits
-from engine.measure.device_limits import DeviceLimits
-from engine.measure.roofline import mbu, mfu, step_cost
+from engine.events import KVStats, ModelLoaded, StepStats
+from engine.measure.roofline import step_cost
 from engine.model.shapes import ModelShapes
-from engine.request import Request
+from engine.units import mbu, mfu
 from live.state import LiveState
-from widgets.roofline_panel import RooflinePanel
+from widgets.roofline_panel import Roof, RooflinePanel
 
-# A SmolLM2-135M-shaped config (30 layers, 9 query heads over 3 KV heads of 64, tied embedding).
-SHAPES = ModelShapes(
-    architecture="LlamaForCausalLM",
-    num_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+# A SmolLM2-135M-shaped config: 30 layers of hidden 576 and MLP 1536, 9 query heads over 3 KV
+# heads of 64, a 49,152-token vocabulary, 8k context, the embedding tied to the LM head.
+SHAPES = ModelShapes("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 49152, 8192, True)
 BLOCK_SIZE = 16
 KV_ELEMS_PER_TOKEN = 2 * 30 * 3 * 64
 # Given limits: 73 GFLOP/s and 17 GB/s, a ridge at 4.3 FLOP/B (this machine's CPU in float32).
-LIMITS = DeviceLimits(
-    device="cpu",
-    device_name="Test CPU (2 threads)",
-    dtype="float32",
-    peak_flops=73e9,
-    matmul_size=2048,
-    bandwidth=17e9,
-    threads=2,
-    measured_at="2026-01-01T00:00:00+00:00",
-    measure_seconds=10.0,
-)
+LIMITS = Roof(73e9, 17e9, "Test CPU (2 threads) float32", "measured by hand for the test")
 
 
 def loaded_event(shapes: ModelShapes = SHAPES, dtype: str = "float32") -> ModelLoaded:
@@ -69,8 +45,18 @@ def kv_stats(elem_bytes: int = 4) -> KVStats:
 
 
 def step(
-    n: int, shapes: tuple[tuple[int, int], ...], forward_s: float, prefill: int, decode: int
+    n: int,
+    shapes: tuple[tuple[int, int], ...],
+    forward_s: float,
+    prefill: int,
+    decode: int,
+    rows: int | None = None,
+    priced: bool = True,
 ) -> StepStats:
+    """A step as the engine reports it: its LM-head rows (one per sequence unless given) and the
+    cost the engine computed for what it ran (here: step_cost over the same shapes)."""
+    rows = len(shapes) if rows is None else rows
+    cost = step_cost(SHAPES, shapes, 4, 4, logit_rows=rows) if priced else None
     return StepStats(
         step=n,
         prefill_tokens=prefill,
@@ -84,17 +70,10 @@ def step(
         kv=kv_stats(),
         seq_shapes=shapes,
         t=float(n),
+        logit_rows=rows,
+        kernel="fp32",
+        cost=cost,
     )
-
-
-def token(request_id: int, index: int) -> TokenGenerated:
-    return TokenGenerated(request_id, index, 5, "a", "a", -0.5, t=0.0)
-
-
-@pytest.fixture(autouse=True)
-def private_cache(monkeypatch, tmp_path):
-    """No test reads or writes the user's cached device limits."""
-    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -103,21 +82,18 @@ def panel(qtbot):
     state.apply([loaded_event()])
     widget = RooflinePanel(state)
     qtbot.addWidget(widget)
-    widget.set_model_shapes(SHAPES)
-    yield widget
-    assert widget.shutdown(30)
+    return widget
 
 
 def feed(panel: RooflinePanel, events) -> None:
     panel.refresh(panel.state.apply(events))
-    panel.flush()
 
 
 def test_prefill_and_decode_land_at_step_cost_on_their_sides_of_the_ridge(panel):
     panel.set_limits(LIMITS)
     # A 128-token prompt prefilled and sampled in one step, then one decode step at context 129.
-    feed(panel, [token(1, 0), step(1, ((128, 128),), 0.2, 128, 0)])
-    feed(panel, [token(1, 1), step(2, ((1, 129),), 0.03, 0, 1)])
+    feed(panel, [step(1, ((128, 128),), 0.2, 128, 0)])
+    feed(panel, [step(2, ((1, 129),), 0.03, 0, 1)])
 
     prefill_cost = step_cost(SHAPES, [(128, 128)], 4, 4, logit_rows=1)
     decode_cost = step_cost(SHAPES, [(1, 129)], 4, 4, logit_rows=1)
@@ -135,17 +111,30 @@ def test_prefill_and_decode_land_at_step_cost_on_their_sides_of_the_ridge(panel)
     assert "Test CPU (2 threads)" in panel.device_label.text()
 
 
-def test_a_prefill_chunk_that_samples_nothing_has_no_lm_head(panel):
-    """Logit rows come from the tokens the step sampled: none for an unfinished prompt chunk."""
-    feed(panel, [step(1, ((64, 64),), 0.1, 64, 0)])
+def test_points_are_the_engines_counts_whatever_the_tokens(panel):
+    """The rows and cost are the engine's: a prefill chunk that samples nothing (0 rows) and a
+    speculative round (1 + 4 drafts = 5 rows for one sequence) are placed as the engine counted
+    them; the point's tooltip names the rows and the engine's terms."""
+    feed(panel, [step(1, ((64, 64),), 0.1, 64, 0, rows=0)])
+    feed(panel, [step(2, ((5, 69),), 0.04, 0, 5, rows=5)])
     (x,), _ = panel.plotted("prefill")
     assert x == pytest.approx(step_cost(SHAPES, [(64, 64)], 4, 4, logit_rows=0).intensity)
     assert x != pytest.approx(step_cost(SHAPES, [(64, 64)], 4, 4, logit_rows=1).intensity)
+    spec = panel.points[-1]
+    assert spec.logit_rows == 5 and spec.flops == step_cost(SHAPES, [(5, 69)], 4, 4, logit_rows=5).flops
+    tip = panel._point_tip(0.0, 0.0, spec)
+    assert "5 LM-head rows, fp32 kernels" in tip and "flops_lm_head" in tip
+
+
+def test_a_step_without_an_engine_cost_is_not_placed(panel):
+    feed(panel, [step(1, ((1, 100),), 0.03, 0, 1, priced=False)])
+    assert panel.points == [] and sum(len(panel.plotted(p)[0]) for p in ("prefill", "decode", "mixed")) == 0
+    assert "carry no FLOP and byte counts" in panel.device_label.text()
 
 
 def test_batch_size_and_chunk_size_move_the_points_right(panel):
-    feed(panel, [token(1, 5), step(1, ((1, 100),), 0.03, 0, 1)])
-    feed(panel, [*(token(r, 5) for r in range(4)), step(2, tuple((1, 100) for _ in range(4)), 0.04, 0, 4)])
+    feed(panel, [step(1, ((1, 100),), 0.03, 0, 1)])
+    feed(panel, [step(2, tuple((1, 100) for _ in range(4)), 0.04, 0, 4)])
     feed(panel, [step(3, ((32, 32),), 0.05, 32, 0)])
     feed(panel, [step(4, ((128, 128),), 0.2, 128, 0)])
     decode_x, _ = panel.plotted("decode")
@@ -155,16 +144,14 @@ def test_batch_size_and_chunk_size_move_the_points_right(panel):
 
 
 def test_mixed_steps_are_their_own_colour(panel):
-    feed(panel, [token(2, 3), step(1, ((16, 16), (1, 40)), 0.05, 16, 1)])
+    feed(panel, [step(1, ((16, 16), (1, 40)), 0.05, 16, 1, rows=1)])
     assert len(panel.plotted("mixed")[0]) == 1
     assert len(panel.plotted("prefill")[0]) == len(panel.plotted("decode")[0]) == 0
 
 
 def test_mfu_and_mbu_with_their_formula_in_the_tooltip(panel):
-    feed(panel, [token(1, 0), step(1, ((128, 128),), 0.2, 128, 0)])
-    feed(
-        panel, [token(1, 1), step(2, ((1, 129),), 0.05, 0, 1), token(1, 2), step(3, ((1, 130),), 0.04, 0, 1)]
-    )
+    feed(panel, [step(1, ((128, 128),), 0.2, 128, 0)])
+    feed(panel, [step(2, ((1, 129),), 0.05, 0, 1), step(3, ((1, 130),), 0.04, 0, 1)])
     label = panel.utilisation["decode"]
     assert "MFU <b>" not in label.text()  # no limits measured yet: no utilisation to show
     panel.set_limits(LIMITS)
@@ -181,74 +168,25 @@ def test_mfu_and_mbu_with_their_formula_in_the_tooltip(panel):
     assert expected_mbu.value > 5 * expected_mfu.value
 
 
-def test_measuring_runs_off_the_gui_thread_and_is_cached(panel, qtbot, monkeypatch):
-    """The button measures the loaded model's device in its dtype (small matmuls here: the
-    wiring is under test, not the figures) and a later load reads the cached result."""
-    monkeypatch.setattr(device_limits, "MATMUL_SIZES", (32, 64))
-    monkeypatch.setattr(device_limits, "BANDWIDTH_BYTES", 2**20)
-    with qtbot.waitSignal(panel.job.succeeded, timeout=60_000):
+def test_the_panel_asks_for_a_measurement_and_shows_its_state(panel, qtbot):
+    with qtbot.waitSignal(panel.measure_requested):
         panel.measure_button.click()
-    limits = panel.limits
-    assert limits is not None and limits.device == "cpu" and limits.dtype == "float32"
-    assert limits.device_name in panel.device_label.text()
-    assert device_limits.cache_path(device_limits.resolve_device("cpu"), "float32").exists()
-
-    panel.set_limits(None)
-    with qtbot.waitSignal(panel.job.succeeded, timeout=60_000):
-        panel.set_model_shapes(SHAPES)  # a model loaded again: its limits come from the cache
-    assert panel.limits == limits
-
-
-def test_a_failed_measurement_says_why(panel, qtbot, monkeypatch):
-    panel.state.apply([loaded_event(dtype="int8")])  # no matmul dtype: device_limits refuses it
-    with qtbot.waitSignal(panel.job.failed, timeout=30_000):
-        panel.measure_button.click()
-    assert "dtype must be one of" in panel.device_label.text()
-
-
-def test_points_from_the_real_engine_running_the_tiny_model(tiny_loaded, qtbot):
-    state = LiveState()
-    panel = RooflinePanel(state)
-    qtbot.addWidget(panel)
-    events = []
-
-    def sink(event):
-        events.append(event)
-
-    engine = Engine(
-        EngineConfig(block_size=4, num_blocks=128, max_model_len=512), sink=sink, loaded=tiny_loaded
+    panel.set_measuring(True)
+    assert not panel.measure_button.isEnabled() and "Measuring cpu in float32" in panel.device_label.text()
+    panel.set_limits_error("dtype must be one of float32, bfloat16, float16")
+    assert (
+        panel.measure_button.isEnabled()
+        and "Measuring failed: dtype must be one of" in panel.device_label.text()
     )
-    engine.start()
-    try:
-        assert engine.wait_until_loaded(60) is not None, engine.load_error
-        panel.refresh(state.apply(list(events)))
-        panel.set_model_shapes(ModelShapes.from_config(tiny_loaded.model.config))
-        seen = len(events)
-        params = dict(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-        ids = [engine.submit(Request.chat(f"Count to {n}.", **params)) for n in (3, 5)]
+    panel.set_limits(LIMITS)
+    assert (
+        panel.measure_button.text() == "Re-measure limits"
+        and "Measuring failed" not in panel.device_label.text()
+    )
 
-        def done() -> bool:
-            nonlocal seen
-            batch = events[seen:]
-            seen += len(batch)
-            panel.refresh(state.apply(batch))
-            return all(state.requests.get(i) is not None and state.requests[i].done for i in ids)
 
-        qtbot.waitUntil(done, timeout=120_000)
-    finally:
-        engine.shutdown(30)
-    panel.flush()
-    steps = [e for e in events if isinstance(e, StepStats)]
-    shown = sum(len(panel.plotted(phase)[0]) for phase in ("prefill", "decode", "mixed"))
-    assert shown == len(steps) == len(panel.points)
-    assert len(panel.plotted("decode")[0]) >= 1
-    assert len(panel.plotted("prefill")[0]) + len(panel.plotted("mixed")[0]) >= 1
-    # Every point is step_cost of its step over its forward time.
-    shapes = ModelShapes.from_config(tiny_loaded.model.config)
-    per_param = tiny_loaded.info.weight_bytes / tiny_loaded.info.params
-    for point, stats in zip(panel.points, steps):
-        assert point.step == stats.step
-        cost = step_cost(shapes, stats.seq_shapes, per_param, 4, point.logit_rows)
-        assert point.intensity == pytest.approx(cost.intensity)
-        assert point.flops_per_s == pytest.approx(cost.flops / stats.forward_s)
-    assert sum(p.logit_rows for p in panel.points) == 12  # one row per generated token
+def test_a_new_model_starts_its_points_afresh(panel):
+    feed(panel, [step(1, ((1, 100),), 0.03, 0, 1), step(2, ((1, 101),), 0.03, 0, 1)])
+    assert len(panel.points) == 2
+    feed(panel, [loaded_event()])
+    assert panel.points == [] and len(panel.plotted("decode")[0]) == 0

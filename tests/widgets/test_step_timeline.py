@@ -64,7 +64,7 @@ def test_chunked_prefill_beside_a_decode_shows_mixed_steps(qtbot, tiny_loaded):
         assert finished == 2
     finally:
         engine.shutdown(30)
-    panel.flush()
+    panel.refresh({"steps"})
     series = panel.series
     steps = list(state.steps)
     assert len(series) == len(steps)

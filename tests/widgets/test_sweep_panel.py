@@ -1,19 +1,15 @@
-"""Sweep view: the explanation follows the measured ratios, lengths are parsed with reasons, and a
-real per-dtype sweep of the tiny model runs off the GUI thread with progress, plot and cancel."""
+"""Sweep view: the explanation follows the measured ratios, lengths are parsed with reasons, and the
+panel asks for a sweep with its settings and draws the report it is handed (the real sweep of the
+tiny model, run by the shell with progress and cancel: tests/app/test_app_sweep.py)."""
 
 from __future__ import annotations
 
 import html
-import sys
-from pathlib import Path
 
 import pytest
 
-from widgets.sweep_panel import SweepPanel, busy_machine_note, parse_lengths, progress_steps
+from widgets.sweep_panel import SweepPanel, SweepSettings, parse_lengths, progress_steps
 from widgets.sweep_summary import bound_from_dtype_change, change, explain, explain_parts
-
-# The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 
 def report(prefill_ratio: float, decode_ratio: float, byte_ratio: float = 0.5, device: str = "cpu") -> dict:
@@ -88,13 +84,6 @@ def test_same_sized_dtypes_are_put_down_to_arithmetic():
     assert "moving about the same bytes: the difference is the speed of their arithmetic" in text
 
 
-def test_a_busy_cpu_is_pointed_out():
-    assert busy_machine_note("cpu", load=2.2, cores=2) == ""  # the sweep's own threads
-    note = busy_machine_note("cpu", load=7.9, cores=2)
-    assert "load average 7.9 on 2 cores" in note and "Run again when it is idle" in note
-    assert busy_machine_note("cuda", load=7.9, cores=2) == ""
-
-
 def test_lengths_are_parsed_with_reasons():
     assert parse_lengths(" 512, 32,128 ,32", "prompt lengths") == [32, 128, 512]
     with pytest.raises(ValueError, match="whole numbers"):
@@ -108,76 +97,56 @@ def test_lengths_are_parsed_with_reasons():
 def panel(qtbot):
     widget = SweepPanel()
     qtbot.addWidget(widget)
-    yield widget
-    assert widget.shutdown(120)
+    return widget
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, default_tokenizer):
-    from model_folders import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("sweep") / "tiny", default_tokenizer)
-
-
-def configure(panel: SweepPanel, folder: Path) -> None:
-    panel.set_model(str(folder), "cpu", "tiny")
-    panel.prompt_lengths.setText("8,32")
-    panel.context_lengths.setText("16,48")
-    panel.decode_tokens.setValue(2)
-    panel.repeats.setValue(1)
-
-
-def test_no_model_no_run_and_bad_input_says_why(panel):
+def test_no_model_no_run_and_bad_input_says_why(panel, qtbot):
     assert not panel.run_button.isEnabled()
     panel.set_model("default", "cpu")
     panel.prompt_lengths.setText("eight")
-    panel.run()
-    assert "whole numbers" in panel.status.text() and not panel.job.running
+    with qtbot.assertNotEmitted(panel.run_requested):
+        panel.run()
+    assert "whole numbers" in panel.status.text() and not panel.running
+    for box in panel.dtype_boxes.values():
+        box.setChecked(False)
+    panel.prompt_lengths.setText("8")
+    with qtbot.assertNotEmitted(panel.run_requested):
+        panel.run()
+    assert "choose at least one dtype" in panel.status.text()
 
 
-def test_real_sweep_of_the_tiny_model_in_two_dtypes(panel, qtbot, tiny_folder):
-    configure(panel, tiny_folder)
-    messages = []
-    panel.job.progress.connect(messages.append)
-    with qtbot.waitSignal(panel.job.succeeded, timeout=300_000):
+def test_the_panel_asks_then_draws_the_report_it_is_handed(panel, qtbot):
+    panel.set_model("some/model", "cpu", "tiny")
+    panel.prompt_lengths.setText("512, 32,128")
+    panel.context_lengths.setText("1024,128")
+    with qtbot.waitSignal(panel.run_requested) as asked:
         panel.run_button.click()
-        assert panel.cancel_button.isEnabled() and not panel.run_button.isEnabled()
-    qtbot.waitUntil(lambda: panel.progress.value() == panel.progress.maximum(), timeout=10_000)
-    assert len(messages) == panel.progress.maximum() == progress_steps(2, 2, 2, 1)
-    rows = panel.report["prompt_lengths"]
+    settings = asked.args[0]
+    assert settings == SweepSettings(("float32", "bfloat16"), 8, 2, (32, 128, 512), (128, 1024))
+    assert panel.running and panel.cancel_button.isEnabled() and not panel.run_button.isEnabled()
+    assert panel.progress.maximum() == settings.progress_steps == progress_steps(2, 3, 2, 2)
+    panel.show_progress("loading float32")
+    assert panel.progress.value() == 1 and "loading float32" in panel.status.text()
+    with qtbot.waitSignal(panel.cancel_requested):
+        panel.cancel_button.click()
+    measured = report(prefill_ratio=2.9, decode_ratio=1 / 1.7)
+    panel.show_report(measured, "The machine was busy")
+    assert not panel.running and panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
+    assert "Measured m on cpu. The machine was busy" in panel.status.text()
     for dtype in ("float32", "bfloat16"):
         x, y = panel.curve("ttft", dtype)
-        assert x == [8, 32]
-        assert y == [1000 * r["ttft_s"] for r in rows if r["dtype"] == dtype]
-        assert panel.curve("itl", dtype)[0] == [16, 48]
-    comparisons, scaling = explain_parts(panel.report)
-    assert comparisons[0].startswith("bfloat16 against float32: prefill ")
+        assert x == [32, 128, 512]
+        assert y == [1000 * r["ttft_s"] for r in measured["prompt_lengths"] if r["dtype"] == dtype]
+        assert panel.curve("itl", dtype)[0] == [128, 1024]
+    comparisons, scaling = explain_parts(measured)
     assert f"<b>{html.escape(comparisons[0])}</b>" in panel.explanation.text()
     assert all(html.escape(line) in panel.explanation.text() for line in scaling)
-    assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
-
-
-def test_cancel_stops_the_sweep_between_runs(panel, qtbot, tiny_folder):
-    configure(panel, tiny_folder)
-    panel.repeats.setValue(3)
-
-    def cancel_on_first_progress(_message: str) -> None:
-        panel.cancel()
-
-    panel.job.progress.connect(cancel_on_first_progress)
-    with qtbot.waitSignal(panel.job.cancelled, timeout=300_000):
-        panel.run_button.click()
-    assert "cancelled" in panel.status.text()
-    assert panel.report is None and panel.run_button.isEnabled()
-
-
-def test_a_dtype_the_device_refuses_fails_with_the_loaders_reason(panel, qtbot, tiny_folder):
-    configure(panel, tiny_folder)
-    for dtype, box in panel.dtype_boxes.items():
-        box.setChecked(dtype == "float16")
-    with qtbot.waitSignal(panel.job.failed, timeout=120_000):
-        panel.run_button.click()
-    assert "The sweep failed" in panel.status.text() and "float16" in panel.status.text()
+    panel.run()
+    panel.show_failed("float16 is not offered on the CPU")
+    assert "The sweep failed: float16 is not offered on the CPU" in panel.status.text() and not panel.running
+    panel.run()
+    panel.show_cancelled()
+    assert "Sweep cancelled." in panel.status.text() and panel.run_button.isEnabled()
 
 
 def test_growth_beyond_what_the_bytes_or_tokens_explain_is_called_out():

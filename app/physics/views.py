@@ -1,7 +1,7 @@
 """The physics-of-inference views and what they need from the app: the roofline panel (a live
 panel, refreshed with the others), the KV memory calculator and the sweep view, each told about
-the model the engine loads, their workers stopped when the window closes, and a menu to reach them.
-"""
+the model the engine loads, their controllers' work stopped when the window closes, and a menu
+to reach them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from PySide6.QtCore import QObject, Slot
 from PySide6.QtWidgets import QDockWidget, QMenu
 
 from app.engine_host import EngineHost
-from engine.model.shapes import ModelShapes
+from app.physics.calculator import CalculatorController
+from app.physics.limits import LimitsController
+from app.physics.sweep import SweepController, sweep_device
+from engine.events import ModelLoaded
 from widgets.kv_calculator import KVCalculator
 from widgets.roofline_panel import RooflinePanel
 from widgets.sweep_panel import SweepPanel
@@ -21,24 +24,6 @@ SHUTDOWN_TIMEOUT_S = 30.0
 DOCKS = (("roofline", "&Roofline"), ("kv_calculator", "&KV memory calculator"), ("sweep", "Latency &sweeps"))
 
 
-def loaded_model_shapes(host: EngineHost) -> ModelShapes | None:
-    """The running model's shapes, read from its config.
-
-    ModelLoaded's ModelInfo lacks the MLP width and whether the LM head is tied, and the FLOP and
-    byte counts need both. The config is set at load and never changes after, so reading it from
-    the GUI thread once the model has loaded is safe."""
-    engine = host.engine
-    core = engine.core if engine is not None else None
-    if core is None:
-        return None
-    return ModelShapes.from_config(core.loaded.model.config)
-
-
-def sweep_device(device: str) -> str:
-    """The ModelSpec device that loads on the device a model runs on ("cuda:0" -> "cuda")."""
-    return "cuda" if device.startswith("cuda") else "cpu"
-
-
 class PhysicsViews(QObject):
     def __init__(self, host: EngineHost, roofline: RooflinePanel, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -47,13 +32,14 @@ class PhysicsViews(QObject):
         self.kv_calculator = KVCalculator(host.live)
         self.sweep = SweepPanel()
         self.sweep.set_model(None)
+        self.limits = LimitsController(host, roofline, self)
+        self.calculator = CalculatorController(host, self.kv_calculator, self)
+        self.sweeps = SweepController(self.sweep, self)
         host.model_loaded.connect(self._on_model_loaded)
 
     @Slot(object)
-    def _on_model_loaded(self, event) -> None:
+    def _on_model_loaded(self, event: ModelLoaded) -> None:
         info = event.info
-        self.roofline.set_model_shapes(loaded_model_shapes(self.host))
-        self.kv_calculator.model_loaded()
         # The sweep loads the same source again, once per dtype it compares.
         self.sweep.set_model(info.source, sweep_device(info.device), info.name)
 
@@ -67,10 +53,10 @@ class PhysicsViews(QObject):
         measure = menu.addAction("&Measure device limits")
         measure.triggered.connect(docks["roofline"].show)
         measure.triggered.connect(docks["roofline"].raise_)
-        measure.triggered.connect(self.roofline.measure_limits)
+        measure.triggered.connect(self.limits.measure)
 
     def shutdown(self) -> bool:
-        """Window closing: cancel the sweep and wait for every worker; True when none is left."""
-        stopped = self.sweep.shutdown(SHUTDOWN_TIMEOUT_S)
-        stopped &= self.roofline.shutdown(SHUTDOWN_TIMEOUT_S)
-        return self.kv_calculator.shutdown(SHUTDOWN_TIMEOUT_S) and stopped
+        """Window closing: cancel the sweep and wait for every job; True when none is left."""
+        stopped = self.sweeps.shutdown(SHUTDOWN_TIMEOUT_S)
+        stopped &= self.limits.shutdown(SHUTDOWN_TIMEOUT_S)
+        return self.calculator.shutdown(SHUTDOWN_TIMEOUT_S) and stopped

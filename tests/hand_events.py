@@ -1,4 +1,5 @@
-"""Hand-made engine events for view tests: small, exact, and consistent with the contracts.
+"""Hand-made engine events for the live state's and the views' tests: small, exact, and
+consistent with the contracts.
 
 Snapshots are computed from a logits vector with the same stage definitions the engine uses
 (softmax, temperature, top-k, top-p), so the numbers a test feeds a panel are ones a real
@@ -10,16 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from engine.events import (
+    BlockEvent,
     KVStats,
     ModelInfo,
     ModelLoaded,
     RequestFinished,
+    RequestStarted,
     RequestStats,
+    SequenceFinished,
+    SequenceForked,
     StageSnapshot,
     StepStats,
     TokenGenerated,
     TokenSnapshot,
 )
+from live.page_map import PageMap
+from live.state import LiveState
 
 
 def model_info(**overrides) -> ModelInfo:
@@ -149,3 +156,54 @@ def beam_step(request_id: int, step: int, parents, texts, scores, seq_ids, finis
 
 def sample_token(request_id: int, branch: int, index: int, text: str, t: float = 0.0) -> TokenGenerated:
     return TokenGenerated(request_id, index, index, text, text, -0.5, None, t=t, branch=branch)
+
+
+# ---- a group request ---------------------------------------------------------------------------
+BLOCK = 4
+FORK_A, FORK_B = 1 << 40, (1 << 40) + 1
+
+
+def fork_events():
+    """Request 1 prefills 6 tokens (a full block 0, block 1 half full) and forks twice; fork A
+    then writes its first token: block 1 is shared and partly filled, so A copies it."""
+    return [
+        RequestStarted(1, 6),
+        BlockEvent("allocate", (0, 1), 1),
+        BlockEvent("append", (0, 1), 1, 0, 6, (4, 2)),
+        SequenceForked(1, 1, FORK_A, 1, 6),
+        BlockEvent("share", (0, 1), FORK_A, 0, 6, (4, 2)),
+        SequenceForked(1, 1, FORK_B, 2, 6),
+        BlockEvent("share", (0, 1), FORK_B, 0, 6, (4, 2)),
+        BlockEvent("allocate", (2,), FORK_A),
+        BlockEvent("cow", (2,), FORK_A, 4, 6, (2,), src_block_ids=(1,)),
+        BlockEvent("free", (1,), FORK_A),
+        BlockEvent("append", (2,), FORK_A, 6, 7, (3,)),
+        sample_token(1, 1, 0, " blue"),
+    ]
+
+
+def beam_events():
+    """Two beams over three steps: at step 1 both extend beam 1 (beam 2 is pruned, a fork
+    takes its place); at step 2 a hypothesis ends off beam 2 and the search is done."""
+    return [
+        RequestStarted(5, 4),
+        SequenceForked(5, 5, 9, 1, 4),
+        beam_step(5, 0, (0, 0), (" a", " b"), (-0.1, -0.7), (5, 9)),
+        SequenceForked(5, 5, 10, 1, 5),
+        SequenceFinished(5, 9, 1, "pruned"),
+        beam_step(5, 1, (0, 0), ("\n", " c"), (-0.3, -0.9), (5, 10)),
+        beam_step(5, 2, (0, 1), (" d", " e"), (-0.5, -1e9), (5, 10), finished=[(1, 2, -0.45)], done=True),
+    ]
+
+
+def loaded_state(num_blocks: int = 8, block_size: int = BLOCK) -> LiveState:
+    """A live state that has seen a model load (a pool of `num_blocks` blocks)."""
+    state = LiveState()
+    state.apply([model_loaded(num_blocks=num_blocks, block_size=block_size)])
+    return state
+
+
+def block_counts(pool: PageMap | KVStats) -> tuple[int, int, int, int]:
+    """Used, cached-free and free blocks and written slots: what the page map folded from the
+    block events must equal in the engine's own KVStats."""
+    return pool.used_blocks, pool.cached_free_blocks, pool.free_blocks, pool.used_slots

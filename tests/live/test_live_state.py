@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from widget_events import finished, model_loaded, token
+from hand_events import finished, model_loaded, token
 
 from engine.events import (
     BlockEvent,

@@ -1,0 +1,58 @@
+"""Answers the probability panel's what-ifs: a token's stages under other settings, recomputed
+exactly on the engine thread (engine.sampling.what_if) from the request the host remembers and
+the reply's tokens before it (its TokenGenerated events).
+
+One recomputation runs at a time; while it runs, only the latest question waits (a slider
+dragged through ten values costs two forwards at most, and the engine keeps the last token's
+logits, so the second re-runs only the stages).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Slot
+
+from app.engine_host import EngineHost
+from app.workers import EngineCall
+from engine.config import SamplingParams
+from engine.sampling.what_if import WhatIf, what_if_notes
+from widgets.probability_panel import ProbabilityPanel
+
+Question = tuple[int, int, SamplingParams]  # request id, token index, settings
+
+
+class WhatIfController(QObject):
+    def __init__(self, host: EngineHost, panel: ProbabilityPanel, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.host, self.panel = host, panel
+        self.what_if = WhatIf()  # touched only on the engine thread, inside the calls below
+        self.call: EngineCall | None = None
+        self._waiting: Question | None = None
+        panel.what_if_requested.connect(self.ask)
+
+    @Slot(int, int, object)
+    def ask(self, request_id: int, index: int, params: SamplingParams) -> None:
+        self._waiting = (request_id, index, params)
+        if self.call is None or not self.call.running:
+            self._next()
+
+    def _next(self) -> None:
+        question, self._waiting = self._waiting, None
+        if question is None:
+            return
+        request_id, index, params = question
+        request = self.host.request(request_id)
+        view = self.host.live.requests.get(request_id)
+        token = self.host.live.token(request_id, index)
+        if request is None or view is None or token is None or token.snapshot is None:
+            self.panel.show_what_if(*question, None, "this token's request is no longer known to the engine")
+            self._next()
+            return
+        output_ids = [t.token_id for t in view.tokens[:index]]
+        recorded, what_if = token.snapshot, self.what_if
+        self.call = self.host.call(
+            lambda core: what_if.recompute(core, request, output_ids, recorded, params), name="what-if"
+        )
+        notes = what_if_notes(params)
+        self.call.returned.connect(lambda snapshot: self.panel.show_what_if(*question, snapshot, "", notes))
+        self.call.errored.connect(lambda message: self.panel.show_what_if(*question, None, message))
+        self.call.finished.connect(self._next)

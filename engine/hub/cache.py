@@ -1,0 +1,110 @@
+"""The local Hugging Face cache: which models it holds, their size on disk, and deleting one.
+
+Read with huggingface_hub's `scan_cache_dir` (the same view as `hf cache scan`); partial
+downloads (`blobs/<etag>.incomplete`, see engine/hub/download.py) are counted apart, because they
+are what a later download resumes. Needs no network.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.hub.online import HubError
+
+
+@dataclass(frozen=True, slots=True)
+class CachedModel:
+    repo_id: str
+    size_bytes: int  # complete files on disk
+    partial_bytes: int  # unfinished downloads, resumable
+    files: int
+    revisions: tuple[str, ...]  # commit hashes (short)
+    last_modified: float  # seconds since the epoch
+    path: str  # the repo's folder in the cache
+    weights: tuple[str, ...]  # "safetensors", "gguf"
+    source: str  # what to load: the repo id, or the path of its only GGUF
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _scan():
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        return scan_cache_dir(cache_dir())
+    except CacheNotFound:
+        return None
+    except OSError as exc:
+        raise HubError(f"The Hugging Face cache at {cache_dir()} cannot be read: {exc}") from None
+
+
+def _partial_bytes(repo_path: Path) -> int:
+    return sum(p.stat().st_size for p in (repo_path / "blobs").glob("*.incomplete"))
+
+
+def list_cached() -> list[CachedModel]:
+    """Model repos in the HF cache, largest first."""
+    scan = _scan()
+    if scan is None:
+        return []
+    out = []
+    for repo in scan.repos:
+        if repo.repo_type != "model":
+            continue
+        names = {f.file_name: f for rev in repo.revisions for f in rev.files}
+        ggufs = sorted({str(f.file_path) for f in names.values() if f.file_name.lower().endswith(".gguf")})
+        weights = tuple(
+            kind
+            for kind, present in (
+                ("safetensors", any(n.endswith(".safetensors") for n in names)),
+                ("gguf", bool(ggufs)),
+            )
+            if present
+        )
+        has_folder = "config.json" in names and "safetensors" in weights
+        source = repo.repo_id if has_folder or len(ggufs) != 1 else ggufs[0]
+        out.append(
+            CachedModel(
+                repo_id=repo.repo_id,
+                size_bytes=repo.size_on_disk,
+                partial_bytes=_partial_bytes(Path(repo.repo_path)),
+                files=repo.nb_files,
+                revisions=tuple(sorted(rev.commit_hash[:12] for rev in repo.revisions)),
+                last_modified=float(repo.last_modified or 0.0),
+                path=str(repo.repo_path),
+                weights=weights,
+                source=source,
+            )
+        )
+    return sorted(out, key=lambda m: m.size_bytes, reverse=True)
+
+
+def delete_cached(repo_id: str) -> int:
+    """Remove every revision of `repo_id` (and its partial downloads) from the cache; the bytes freed."""
+    scan = _scan()
+    repo = next(
+        (r for r in (scan.repos if scan else ()) if r.repo_id == repo_id and r.repo_type == "model"), None
+    )
+    if repo is None:
+        raise HubError(
+            f"{repo_id} is not in the Hugging Face cache at {cache_dir()}; `models list` shows what is."
+        )
+    repo_path = Path(repo.repo_path)
+    freed = _partial_bytes(repo_path)
+    if repo.revisions:
+        strategy = scan.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
+        freed += strategy.expected_freed_size
+        strategy.execute()
+    if repo_path.exists():  # what the strategy leaves: partial blobs, empty folders, refs
+        shutil.rmtree(repo_path, ignore_errors=True)
+    return freed

@@ -1,0 +1,274 @@
+"""Downloading a repo's chosen files into the standard HF cache, byte by byte, cancellable, resumable.
+
+huggingface_hub's own bar for a repo counts files; kvscope wants bytes over the whole choice. And
+`hf_hub_download` resumes only within one call (a dropped connection is retried with a Range
+request), then deletes its partial file, so a cancel or a failure would start over. So each
+file's blob is fetched here, with huggingface_hub's `http_get` (Range resume, retries, its auth
+headers) into `blobs/<etag>.incomplete`, which stays when the download stops and is resumed by the
+next one; once complete it becomes `blobs/<etag>` and `hf_hub_download` (finding the blob) makes
+the snapshot link and the ref, so the cache is exactly what huggingface_hub itself would leave.
+Each file's byte bar reports into a tally of the whole choice; cancelling raises from it. Before
+anything is fetched the free disk space is checked against what is left to download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.hub.online import HubError, api, endpoint, hub_call, token
+
+
+class DownloadCancelled(HubError):
+    """The user stopped the download; what arrived is kept for a resume."""
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadProgress:
+    done_bytes: int  # of the whole choice, resumed bytes included
+    total_bytes: int
+    file: str  # the file arriving now
+    files_done: int
+    files_total: int
+    bytes_per_s: float  # this session's rate (resumed bytes excluded)
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadResult:
+    repo_id: str
+    revision: str
+    folder: Path  # the snapshot folder in the HF cache
+    files: tuple[str, ...]
+    downloaded_bytes: int  # fetched in this call (0 when all was cached)
+    resumed_bytes: int  # already there as partial files
+    total_bytes: int
+    cached_bytes: int = 0  # files already complete in the cache: downloaded + resumed + cached = total
+
+    @property
+    def source(self) -> str:
+        """What to load: the repo id (safetensors), or the GGUF file's path."""
+        ggufs = [f for f in self.files if f.lower().endswith(".gguf")]
+        return str(self.folder / ggufs[0]) if len(ggufs) == 1 else self.repo_id
+
+
+class _Tally:
+    """Byte counts of one download across its files; the per-file bars report into it."""
+
+    def __init__(self, total: int, files_total: int, report, cancel: threading.Event | None):
+        self.total, self.files_total = total, files_total
+        self.report, self.cancel = report, cancel
+        self.done_before = 0  # bytes of files finished (or found complete) before the current one
+        self.current = 0  # bytes of the current file, its resumed part included
+        self.resumed = 0
+        self.fetched = 0
+        self.files_done = 0
+        self.file = ""
+        self.started = time.monotonic()
+
+    def emit(self) -> None:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        self.report(
+            DownloadProgress(
+                self.done_before + self.current,
+                self.total,
+                self.file,
+                self.files_done,
+                self.files_total,
+                self.fetched / elapsed,
+            )
+        )
+
+    def check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise DownloadCancelled(
+                "Download cancelled: the files that arrived are kept in the Hugging Face cache and the "
+                "next download of this model resumes where it stopped."
+            )
+
+    def bar(self, total=None, initial=0, **_ignored):
+        """The progress bar huggingface_hub opens for one file (its tqdm_class)."""
+        return _FileBar(self, initial or 0)
+
+
+class _FileBar:
+    def __init__(self, tally: _Tally, initial: int):
+        self.tally = tally
+        tally.current = initial
+        tally.resumed += initial
+        tally.emit()
+
+    def update(self, n: int = 1) -> None:
+        # huggingface_hub counts a chunk before writing it: stop here and the chunks before it
+        # are on disk, this one is not (so it is not counted either)
+        self.tally.check_cancel()
+        self.tally.current += n
+        self.tally.fetched += max(n, 0)
+        self.tally.emit()
+
+    def update_transfer(self, n: int) -> None:  # the Hub's own bars count transfers apart
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _repo_dir(repo_id: str) -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    name: str
+    url: str  # where the bytes are (the Hub's redirect target for large files)
+    etag: str
+    size: int
+
+    def blob(self, repo_id: str) -> Path:
+        return _repo_dir(repo_id) / "blobs" / self.etag
+
+    def partial(self, repo_id: str) -> Path:
+        return _repo_dir(repo_id) / "blobs" / f"{self.etag}.incomplete"
+
+
+def _plan(repo_id: str, name: str, revision: str) -> _Plan:
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    meta = get_hf_file_metadata(
+        hf_hub_url(repo_id, name, revision=revision, endpoint=endpoint()), token=token()
+    )
+    if not meta.etag:
+        raise HubError(f"The Hub gave no version tag (ETag) for {name} of {repo_id}; it cannot be cached.")
+    return _Plan(name, meta.location, meta.etag, int(meta.size or 0))
+
+
+def _fetch_blob(repo_id: str, plan: _Plan, tally: _Tally) -> None:
+    """The file's bytes into blobs/<etag>, resuming blobs/<etag>.incomplete."""
+    from huggingface_hub.utils import WeakFileLock
+
+    blob, partial = plan.blob(repo_id), plan.partial(repo_id)
+    if blob.exists():
+        return
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock = _repo_dir(repo_id).parent / ".locks" / _repo_dir(repo_id).name / f"{plan.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(str(lock)):
+        resume = partial.stat().st_size if partial.exists() else 0
+        if plan.size and resume > plan.size:  # not this file's bytes: start over
+            partial.unlink()
+            resume = 0
+        _get(plan, partial, resume, tally)
+        if resume and not _matches(plan, partial):
+            # the part kept from before was not this file's (a crash mid-write, another version):
+            # the whole file again rather than a corrupt model
+            partial.unlink()
+            tally.resumed -= resume
+            _get(plan, partial, 0, tally)
+            if not _matches(plan, partial):
+                partial.unlink()
+                raise HubError(
+                    f"{plan.name} arrived with the wrong content (its SHA-256 differs); try again."
+                )
+        partial.replace(blob)
+
+
+# huggingface_hub reads the body 10 MiB at a time: a bar that moves every 10 s on a 1 MB/s line.
+PROGRESS_CHUNK = 1 << 20
+
+
+def _get(plan: _Plan, partial: Path, resume: int, tally: _Tally) -> None:
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, PROGRESS_CHUNK)
+    with partial.open("ab") as f:
+        http_get(
+            plan.url,
+            f,
+            resume_size=resume,
+            headers=build_hf_headers(token=token()),
+            expected_size=plan.size or None,
+            tqdm_class=tally.bar,
+        )
+
+
+def _matches(plan: _Plan, path: Path) -> bool:
+    """The file's SHA-256 is the Hub's ETag for LFS files (weights): check it after a resume.
+    Small (git) files carry another kind of ETag; their size was checked by http_get."""
+    if not re.fullmatch(r"[0-9a-f]{64}", plan.etag):
+        return True
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest() == plan.etag
+
+
+def download_files(
+    repo_id: str,
+    files: list[str] | tuple[str, ...],
+    progress: Callable[[DownloadProgress], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> DownloadResult:
+    """Fetch `files` of `repo_id` (at its current revision) into the HF cache."""
+    from huggingface_hub import constants, hf_hub_download
+
+    if not files:
+        raise HubError("Choose at least one file to download.")
+    report = progress or (lambda p: None)
+    with hub_call(repo_id):
+        info = api().model_info(repo_id, files_metadata=True)
+        sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
+        missing = [f for f in files if f not in sizes]
+        if missing:
+            raise HubError(f"{repo_id} has no file {missing[0]} on the Hub.")
+        plans = [_plan(repo_id, name, info.sha) for name in files]
+        total = sum(p.size for p in plans)
+        left = 0
+        for p in plans:
+            if not p.blob(repo_id).exists():
+                partial = p.partial(repo_id)
+                left += p.size - (partial.stat().st_size if partial.exists() else 0)
+        cache = Path(constants.HF_HUB_CACHE)
+        cache.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(cache).free
+        if left > free:
+            raise HubError(
+                f"Not enough disk space: {repo_id} needs {_gib(left)} more in {cache}, but only {_gib(free)} "
+                "is free. Free some space (`models delete` removes cached models) and try again."
+            )
+        tally = _Tally(total, len(files), report, cancel)
+        cached = sum(p.size for p in plans if p.blob(repo_id).exists())
+        for plan in plans:
+            tally.check_cancel()
+            tally.file, tally.current = plan.name, 0
+            _fetch_blob(repo_id, plan, tally)
+            # the blob is in place: huggingface_hub links it into the snapshot and records the ref
+            # (asked for "main", so refs/main names the commit and a load by repo id finds it)
+            hf_hub_download(repo_id, plan.name, revision="main", endpoint=endpoint(), token=token())
+            tally.done_before += plan.size
+            tally.current = 0
+            tally.files_done += 1
+            tally.emit()
+    folder = _repo_dir(repo_id) / "snapshots" / info.sha
+    return DownloadResult(
+        repo_id, info.sha, folder, tuple(files), tally.fetched, tally.resumed, total, cached
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,91 @@
+"""A sliding-window model (Mistral's attention, window 8) through a conversation many windows long:
+every reply equals transformers' generate() on the whole history, each sliding layer reads only
+the blocks of its window, and the page map folded from the engine's events shows the same KV
+counts as the engine's own pool at every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_configs import VOCAB, WINDOW, tiny_model
+from tiny_models import IdTokenizer
+
+from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.events import BlockEvent, RequestFinished, StepStats
+from engine.kv.storage import PagedKVStorage
+from engine.model.loaded import LoadedModel
+from engine.request import Request
+from live.page_map import PageMap
+
+BLOCK = 4
+REPLY = 12
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    model = tiny_model("mistral", seed=3)
+    loaded = LoadedModel.from_model(model, IdTokenizer(VOCAB), name="tiny-mistral", source="test")
+    assert [layer.window for layer in loaded.attention] == [WINDOW, WINDOW]
+    return model, loaded
+
+
+def reference(model, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=REPLY, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees(mistral, monkeypatch):
+    model, loaded = mistral
+    reads = []  # (first position read, context length) of every layer's K/V read
+    real_read = PagedKVStorage.read
+
+    def read(self, layer, blocks, start, stop, dtype):
+        reads.append((start, stop))
+        return real_read(self, layer, blocks, start, stop, dtype)
+
+    monkeypatch.setattr(PagedKVStorage, "read", read)
+    events = []
+    page_map = PageMap(num_blocks=64, block_size=BLOCK)
+
+    def emit(event):
+        events.append(event)
+        if isinstance(event, BlockEvent):
+            assert page_map.apply(event) == []
+        if isinstance(event, StepStats):  # the map, folded from events, equals the engine's pool
+            assert (page_map.used_blocks, page_map.used_slots) == (event.kv.used_blocks, event.kv.used_slots)
+            assert page_map.cached_free_blocks == event.kv.cached_free_blocks
+
+    engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK, num_blocks=64, prefill_chunk_size=7), emit)
+    g = torch.Generator().manual_seed(5)
+    history: list[int] = []
+    for turn in range(4):
+        history += torch.randint(3, VOCAB, (9,), generator=g).tolist()  # the user's next message
+        expected = reference(model, history)
+        reads.clear()
+        rid = engine.add_request(
+            Request(
+                prompt_token_ids=tuple(history),
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=REPLY, ignore_eos=True),
+            )
+        )
+        while engine.has_work():
+            engine.step()
+            seq = engine.seqs.get(rid)
+            if seq is not None:  # the running sequence holds exactly the blocks its tokens need
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK)
+        (done,) = [e for e in events if isinstance(e, RequestFinished) and e.request_id == rid]
+        assert list(done.token_ids) == expected, f"turn {turn}: {len(history)} tokens of history"
+        # each decode of a sliding layer read only the last WINDOW keys, never the whole history
+        decodes = [(s, n) for s, n in reads if n > len(history)]
+        assert decodes and all(s == max(0, n - WINDOW) for s, n in decodes)
+        history += list(done.token_ids)
+        assert len(history) > (turn + 1) * 2 * WINDOW
+    # everything released, and the page map agrees: the conversation's full blocks stay cached
+    assert page_map.used_blocks == 0 == engine.kv.pool.num_used
+    assert page_map.cached_free_blocks == engine.kv.pool.num_cached_free > 0
+    finished = [e for e in events if isinstance(e, RequestFinished)]
+    assert [f.stats.cached_prompt_tokens > 0 for f in finished] == [False, True, True, True]
