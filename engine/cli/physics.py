@@ -159,7 +159,7 @@ def run_attention_kernels(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    from engine.measure.roofline import si
+    from engine.units import si
 
     print(
         f"{report['model']}: {report['heads']} heads x {report['layers']} layers; peak memory: {report['peak_memory_source']}"
