@@ -11,6 +11,7 @@ read and write the same pool through the same attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attentio
 from engine.kv.manager import KVCacheManager
 from engine.kv.storage import PagedKVStorage, block_index
 from engine.model.llama_forward import LlamaForward, unsupported_reason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -32,7 +36,7 @@ class ForwardResult:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         storage: PagedKVStorage,
         kv: KVCacheManager,
         device: torch.device,
