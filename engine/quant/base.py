@@ -4,7 +4,7 @@ quantized, kernel availability probes and the byte count of a (possibly quantize
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +13,10 @@ from engine.config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+# A model quantized in place comes back as itself: the same object, its type kept.
+M = TypeVar("M", bound=nn.Module)
 
 
 class QuantizationError(ConfigError):
@@ -42,7 +46,7 @@ class QuantScheme:
         """The scheme's own requirements on a usable device (kernels, packages, dtypes)."""
         raise NotImplementedError
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise NotImplementedError
 
     def require(self, device: torch.device) -> None:
@@ -128,7 +132,7 @@ def quantized_layer_count(model: nn.Module) -> int:
     return count
 
 
-def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
+def replace_linears(model: M, make: Callable[[str, nn.Linear], nn.Module]) -> M:
     """Swap each target linear for `make(name, linear)`, in place; the old weights are freed."""
     targets = target_linears(model)
     if not targets:

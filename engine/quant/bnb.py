@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.quant.base import QuantScheme, replace_linears
+from engine.quant.base import M, QuantScheme, replace_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,7 +60,7 @@ class BnbInt8(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _bnb_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         import bitsandbytes as bnb
 
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CAST_NOTICE_FILTER)
@@ -100,7 +100,7 @@ class Bnb4bit(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _bnb_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         import bitsandbytes as bnb
 
         def make(name: str, linear: nn.Linear) -> nn.Module:

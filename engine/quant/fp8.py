@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.base import QuantScheme, replace_linears
+from engine.quant.base import M, QuantScheme, replace_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,5 +61,5 @@ class Fp8Weight(QuantScheme):
             return False, f"float8_e4m3fn conversion on {device.type} does not round-trip"
         return True, f"float8_e4m3fn storage on {device.type}, dequantized per matmul"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return replace_linears(model, lambda name, linear: Fp8WeightLinear(linear))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.quant.base import (
+    M,
     QuantizationError,
     QuantScheme,
     missing_kernels,
@@ -59,7 +60,7 @@ class FullPrecision(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return True, f"plain matmuls on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return model
 
 
@@ -81,7 +82,7 @@ class NativeGguf(QuantScheme):
             return False, problem
         return True, "torch's packed int4/int8 CPU kernels for decode rows, dense matmuls for prefill"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise QuantizationError("'native' applies while a GGUF file is read; load the file with it instead.")
 
 
@@ -96,7 +97,7 @@ class Automatic(QuantScheme):
             return True, "native for GGUF sources, none otherwise"
         return True, "none (a GGUF is dequantized on a GPU)"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise QuantizationError("'auto' is resolved when the model is loaded, from its source.")
 
 
@@ -163,9 +164,7 @@ def check_scheme(name: str, device: torch.device | str) -> QuantScheme:
     return scheme
 
 
-def quantize_model(
-    model: nn.Module, name: str, tokenizer: PreTrainedTokenizerBase | None = None
-) -> nn.Module:
+def quantize_model(model: M, name: str, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
     """Quantize `model` in place with scheme `name` on the device it already lives on, record a
     QuantizedWeights on it and return it. 'none' returns the model untouched (and unrecorded)."""
     device = next(model.parameters()).device

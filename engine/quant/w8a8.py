@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.quant import packing
-from engine.quant.base import QuantizationError, QuantScheme, has_aten_kernel, replace_linears
+from engine.quant.base import M, QuantizationError, QuantScheme, has_aten_kernel, replace_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,7 +95,7 @@ class W8A8(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _int_mm_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return replace_linears(model, lambda name, linear: W8A8Linear(linear))
 
 
@@ -112,7 +112,7 @@ class W8A8SmoothQuant(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _int_mm_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
 
         if tokenizer is None:

@@ -14,7 +14,7 @@ from engine.kernels.linear import KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import Int4GroupWeight, Int8RowWeight
 from engine.quant import packing
-from engine.quant.base import QuantizationError, QuantScheme, missing_kernels, replace_linears
+from engine.quant.base import M, QuantizationError, QuantScheme, missing_kernels, replace_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -145,7 +145,7 @@ class Int8WeightOnly(QuantScheme):
             return False, problem
         return True, f"torch.ops.aten._weight_int8pack_mm on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         def make(name: str, linear: nn.Linear) -> nn.Module:
             if linear.weight.device.type != "cpu":
                 return Int8WeightOnlyLinear(linear)
@@ -178,7 +178,7 @@ class Int4WeightOnly(QuantScheme):
             return False, problem
         return True, f"torch.ops.aten._weight_int4pack_mm_for_cpu on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         def make(name: str, linear: nn.Linear) -> nn.Module:
             if linear.weight.device.type != "cpu" or self.group_size != DEFAULT_INT4_GROUP_SIZE:
                 return Int4WeightOnlyLinear(linear, self.group_size, name)
