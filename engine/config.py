@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,9 +28,11 @@ DRY_DEFAULT_BREAKERS = ("\n", ":", '"', "*")
 # base^(L - allowed) with L capped at DRY_MAX_MATCH (engine.sampling.stages) stays finite in float32.
 DRY_MAX_BASE = 5.0
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: +-100 already bans or forces a token
+# what a logit bias may be given as (the dataclass normalises it to the tuple form)
+BiasPairs = dict[int, float] | Iterable[tuple[int, float]] | Iterable[list[float]]
 
 
-def _bias_pairs(pairs) -> tuple[tuple[int, float], ...]:
+def _bias_pairs(pairs: BiasPairs) -> tuple[tuple[int, float], ...]:
     """(id, bias) pairs from a tuple, a list of 2-lists (JSON) or a {id: bias} dict."""
     items = pairs.items() if isinstance(pairs, dict) else pairs
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import ConfigError, SamplingParams
 
@@ -44,7 +45,7 @@ class Request:
         system: str | None = None,
         history: tuple[ChatMessage, ...] = (),
         sampling: SamplingParams | None = None,
-        **sampling_fields,
+        **sampling_fields: Any,
     ) -> Request:
         """A user turn after `history`, optionally under a system prompt. Sampling is either a
         SamplingParams or its fields as keywords."""

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -124,7 +128,7 @@ def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def sampling_from(args, snapshot_top_n: int = 0):
+def sampling_from(args: argparse.Namespace, snapshot_top_n: int = 0) -> SamplingParams:
     from engine.config import DRY_DEFAULT_BREAKERS, SamplingParams
 
     return SamplingParams(
@@ -160,7 +164,7 @@ def sampling_from(args, snapshot_top_n: int = 0):
     )
 
 
-EARLY_STOPPING_WORDS = {"true": True, "false": False, "never": "never"}
+EARLY_STOPPING_WORDS: dict[str, bool | str] = {"true": True, "false": False, "never": "never"}
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +182,7 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from(args):
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig, ModelSpec
 
     budget = int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None
@@ -194,7 +198,7 @@ def engine_config_from(args):
     )
 
 
-def speculative_from(args):
+def speculative_from(args: argparse.Namespace) -> SpeculativeConfig | None:
     from engine.config import SpeculativeConfig
 
     if not args.speculative:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Any, TextIO
 
-from engine.events import RequestFailed, RequestFinished, TokenGenerated
+from engine.events import Event, GroupStats, RequestFailed, RequestFinished, TokenGenerated
 from engine.model.chat_template import NOTE_PLAIN_TEXT
 from engine.units import milliseconds
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+    from engine.request import Request
 
 EXIT_REQUEST_FAILED = 1
 
@@ -15,12 +21,12 @@ EXIT_REQUEST_FAILED = 1
 class Collector:
     """Receives engine events; optionally streams reply text to a terminal as it comes."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream: TextIO | None = None):
         self.stream = stream
         self.tokens: list[TokenGenerated] = []
         self.outcome: RequestFinished | RequestFailed | None = None
 
-    def __call__(self, event) -> None:
+    def __call__(self, event: Event) -> None:
         if isinstance(event, TokenGenerated):
             self.tokens.append(event)
             if self.stream is not None and event.text_delta:
@@ -30,7 +36,7 @@ class Collector:
             self.outcome = event
 
 
-def run_to_end(engine, request, collector: Collector):
+def run_to_end(engine: LLMEngine, request: Request, collector: Collector) -> RequestFinished | RequestFailed:
     """Drive the engine until the request ends; Ctrl-C cancels the request, keeping its text."""
     collector.tokens.clear()
     collector.outcome = None
@@ -40,10 +46,11 @@ def run_to_end(engine, request, collector: Collector):
             engine.step()
     except KeyboardInterrupt:
         engine.abort(request_id)
+    assert collector.outcome is not None, "the engine ends every request it took, finished or failed"
     return collector.outcome
 
 
-def load_engine(args, collector):
+def load_engine(args: argparse.Namespace, collector: Collector) -> LLMEngine:
     from engine.cli.args import engine_config_from
     from engine.core.llm_engine import LLMEngine
     from engine.model.loading import load_model
@@ -62,9 +69,11 @@ def load_engine(args, collector):
     return LLMEngine(loaded, config, collector)
 
 
-def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], probs_k: int) -> dict:
+def result_json(
+    outcome: RequestFinished, engine: LLMEngine, tokens: list[TokenGenerated], probs_k: int
+) -> dict[str, Any]:
     stats = outcome.stats
-    result = {
+    result: dict[str, Any] = {
         "text": outcome.text,
         "token_ids": list(outcome.token_ids),
         "prompt_tokens": stats.prompt_tokens,
@@ -89,6 +98,7 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
         },
     }
     if engine.config.speculative is not None:
+        assert engine.proposer is not None, "a speculative engine has its proposer"
         result["speculative"] = {
             "method": engine.config.speculative.method,
             "proposer": engine.proposer.name,
@@ -111,9 +121,14 @@ def result_json(outcome: RequestFinished, engine, tokens: list[TokenGenerated], 
     return result
 
 
-def group_json(outcome: RequestFinished) -> dict:
+def _group_of(outcome: RequestFinished) -> GroupStats:
+    assert outcome.group is not None, "only an n-sample or beam request has group figures"
+    return outcome.group
+
+
+def group_json(outcome: RequestFinished) -> dict[str, Any]:
     """n samples / beams: every sequence (best first) and the group's block sharing."""
-    group = outcome.group
+    group = _group_of(outcome)
     return {
         "sequences": [
             {
@@ -134,7 +149,7 @@ def group_json(outcome: RequestFinished) -> dict:
 
 def print_group(outcome: RequestFinished) -> None:
     """The sequences one after another with their scores, then the memory figures."""
-    group = outcome.group
+    group = _group_of(outcome)
     what = "sample" if group.kind == "samples" else "beam"
     for rank, s in enumerate(outcome.sequences):
         label = f"sample {s.branch}" if group.kind == "samples" else f"beam {rank}"
@@ -148,8 +163,9 @@ def print_group(outcome: RequestFinished) -> None:
     )
 
 
-def token_probs(token: TokenGenerated, k: int) -> dict:
+def token_probs(token: TokenGenerated, k: int) -> dict[str, Any]:
     snap = token.snapshot
+    assert snap is not None, "--probs asks the engine for a snapshot of every token"
     final = snap.stages[-1]
     return {
         "id": token.token_id,
@@ -161,7 +177,7 @@ def token_probs(token: TokenGenerated, k: int) -> dict:
     }
 
 
-def run_generate(args) -> int:
+def run_generate(args: argparse.Namespace) -> int:
     from engine.cli.args import sampling_from
     from engine.request import Request
 
@@ -188,7 +204,7 @@ def run_generate(args) -> int:
     return 0
 
 
-def run_chat(args) -> int:
+def run_chat(args: argparse.Namespace) -> int:
     from engine.cli.args import sampling_from
     from engine.request import ChatMessage, Request
 

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     return EXIT_BAD_INPUT
 
 
-def run_inspect(args) -> int:
+def run_inspect(args: argparse.Namespace) -> int:
     from engine.model.inspect import inspect_model
 
     report = inspect_model(args.source, dtype=args.dtype, context=args.context, budget_gib=args.budget_gib)

@@ -4,16 +4,23 @@ to stderr (offline, no network, gated, not found, disk full) and exit 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError
+
+if TYPE_CHECKING:
+    from engine.hub.download import DownloadProgress
+    from engine.hub.files import RepoFiles, WeightChoice
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m = sub.add_parser("models", help="search, list, download and delete models (the Hugging Face Hub)")
     msub = m.add_subparsers(dest="models_command", required=True)
 
@@ -49,7 +56,7 @@ def add_commands(sub) -> None:
     rm.add_argument("--json", action="store_true")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.models_command](args)
     except HubError as exc:
@@ -67,12 +74,12 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else (f"{n / 1e3:.1f}k" if n >= 1e3 else str(n))
 
 
-def _print_json(value) -> None:
+def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2, default=str))
 
 
 # ---- search ---------------------------------------------------------------------------------
-def _search(args) -> int:
+def _search(args: argparse.Namespace) -> int:
     from engine.hub.search import search_models
 
     hits = search_models(args.query, limit=args.limit, sort=args.sort)
@@ -94,7 +101,7 @@ def _search(args) -> int:
 
 
 # ---- files ----------------------------------------------------------------------------------
-def _files(args) -> int:
+def _files(args: argparse.Namespace) -> int:
     from engine.hub.files import repo_files
 
     files = repo_files(args.repo, dtype=args.dtype, context=args.context, budget_gib=args.budget_gib)
@@ -123,7 +130,7 @@ def _files(args) -> int:
 
 
 # ---- download -------------------------------------------------------------------------------
-def _pick(files, args):
+def _pick(files: RepoFiles, args: argparse.Namespace) -> WeightChoice:
     loadable = [c for c in files.choices if c.loadable]
     if args.gguf:
         wanted = args.gguf.upper()
@@ -144,11 +151,11 @@ def _pick(files, args):
 class _Bar:
     """A byte-level bar on stderr, redrawn at most every 1% (or each file)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.last = (-1, "")
         self.drawn = False
 
-    def __call__(self, p) -> None:
+    def __call__(self, p: DownloadProgress) -> None:
         pct = int(100 * p.done_bytes / p.total_bytes) if p.total_bytes else 100
         if (pct, p.file) == self.last:
             return
@@ -164,7 +171,7 @@ class _Bar:
         )
 
 
-def _download(args) -> int:
+def _download(args: argparse.Namespace) -> int:
     from engine.hub.download import download_files
     from engine.hub.files import repo_files
 
@@ -181,7 +188,7 @@ def _download(args) -> int:
     finally:
         if bar.drawn:
             print(file=sys.stderr)  # end the bar's line
-    report = {
+    report: dict[str, Any] = {
         "repo_id": result.repo_id,
         "revision": result.revision,
         "choice": choice.label,
@@ -202,7 +209,7 @@ def _download(args) -> int:
 
 
 # ---- list / delete --------------------------------------------------------------------------
-def _list(args) -> int:
+def _list(args: argparse.Namespace) -> int:
     from engine.hub.cache import list_cached
     from engine.model.local_models import gpt4all_models, lmstudio_models, ollama_models
 
@@ -231,7 +238,7 @@ def _list(args) -> int:
     return 0
 
 
-def _delete(args) -> int:
+def _delete(args: argparse.Namespace) -> int:
     from engine.hub.cache import delete_cached
 
     freed = delete_cached(args.repo)
@@ -242,4 +249,10 @@ def _delete(args) -> int:
     return 0
 
 
-COMMANDS = {"search": _search, "files": _files, "download": _download, "list": _list, "delete": _delete}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "search": _search,
+    "files": _files,
+    "download": _download,
+    "list": _list,
+    "delete": _delete,
+}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from engine.cli.args import add_model_args
 
@@ -39,7 +40,7 @@ def _dtype_list(text: str) -> list[str]:
     return values
 
 
-def add_commands(subparsers) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = subparsers.add_parser(
         "roofline", help="measured device limits and where prefill and decode steps sit against them"
     )
@@ -82,13 +83,13 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.command == "roofline":
         return run_roofline(args)
     return run_sweep(args)
 
 
-def run_roofline(args) -> int:
+def run_roofline(args: argparse.Namespace) -> int:
     from engine.config import ModelSpec
     from engine.measure.device_limits import load_or_measure
     from engine.measure.sweep import measure_roofline_points
@@ -106,7 +107,7 @@ def run_roofline(args) -> int:
         rounds=args.rounds,
         progress=_progress,
     )
-    report = {
+    report: dict[str, Any] = {
         "model": loaded.info.name,
         "dtype": args.dtype,
         "device": str(loaded.device),
@@ -123,7 +124,7 @@ def run_roofline(args) -> int:
     return 0
 
 
-def run_sweep(args) -> int:
+def run_sweep(args: argparse.Namespace) -> int:
     from engine.config import ConfigError
     from engine.measure.sweep import compare_dtypes
 
@@ -148,7 +149,7 @@ def run_sweep(args) -> int:
     return 0
 
 
-def run_attention_kernels(args) -> int:
+def run_attention_kernels(args: argparse.Namespace) -> int:
     from engine.config import ModelSpec
     from engine.measure.attention_kernels import compare_attention_kernels
     from engine.model.loading import load_model
@@ -159,7 +160,7 @@ def run_attention_kernels(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    from engine.measure.roofline import si
+    from engine.units import si
 
     print(
         f"{report['model']}: {report['heads']} heads x {report['layers']} layers; peak memory: {report['peak_memory_source']}"
@@ -175,7 +176,7 @@ def run_attention_kernels(args) -> int:
     return 0
 
 
-def _print_roofline(r: dict) -> None:
+def _print_roofline(r: dict[str, Any]) -> None:
     from engine.units import si
 
     lim = r["device_limits"]
@@ -196,7 +197,7 @@ def _print_roofline(r: dict) -> None:
         )
 
 
-def _print_sweep(r: dict) -> None:
+def _print_sweep(r: dict[str, Any]) -> None:
     base = r["baseline_dtype"]
     print(f"{r['model']} on {r['device']}; ratios are to {base}")
     print(f"{'dtype':10}{'prompt':>8}{'TTFT ms':>10}{'tok/s':>10}{'ratio':>8}")

@@ -9,15 +9,25 @@ for both). `--list` says which schemes can run here and why not. A scheme whose 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.events import Event, RequestFinished
+    from engine.measure.quality import QualityReport
+    from engine.model.loaded import LoadedModel
+    from engine.quant.schemes import SchemeStatus
+
+Row = dict[str, Any]  # one scheme's JSON-ready figures
 
 SCOPE = "Every scheme quantizes the decoder's linear layers; embeddings and the LM head keep the load dtype."
 REPORT_PROMPT = "Give three practical tips for keeping a houseplant alive, one sentence each."
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from engine.cli.args import add_model_args
 
     q = sub.add_parser("quant-report", help="memory, speed and quality of each quantization scheme")
@@ -30,7 +40,7 @@ def add_commands(sub) -> None:
     q.add_argument("--json", action="store_true")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from engine.config import ConfigError
     from engine.model.checks import resolve_device
     from engine.quant.schemes import scheme_statuses
@@ -50,7 +60,7 @@ def run(args) -> int:
     return 0
 
 
-def _chosen(schemes: str | None, statuses, is_gguf: bool) -> list[str]:
+def _chosen(schemes: str | None, statuses: list[SchemeStatus], is_gguf: bool) -> list[str]:
     """Requested names, checked: an unknown or unavailable scheme is an error, not skipped. By
     default every scheme that applies ('native' only to a GGUF source)."""
     from engine.model.gguf_native import NATIVE
@@ -70,7 +80,7 @@ def _chosen(schemes: str | None, statuses, is_gguf: bool) -> list[str]:
     return [NONE] + [n for n in dict.fromkeys(names) if n != NONE]  # the reference comes first
 
 
-def _print_list(statuses, as_json: bool) -> int:
+def _print_list(statuses: list[SchemeStatus], as_json: bool) -> int:
     rows = [
         {"name": s.name, "available": s.available, "reason": s.reason, "description": s.description}
         for s in statuses
@@ -84,7 +94,7 @@ def _print_list(statuses, as_json: bool) -> int:
     return 0
 
 
-def build_report(args, names: list[str], statuses) -> dict:
+def build_report(args: argparse.Namespace, names: list[str], statuses: list[SchemeStatus]) -> dict[str, Any]:
     import torch
 
     from engine.config import ModelSpec
@@ -98,11 +108,17 @@ def build_report(args, names: list[str], statuses) -> dict:
     from engine.model.loading import load_model
 
     status = {s.name: s for s in statuses}
-    say = lambda text: print(text, file=sys.stderr)  # noqa: E731
-    rows, runs = [], []
-    reference = eval_ids = ref_logits = None
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr)
+
+    rows: list[Row] = []
+    runs: list[tuple[Row, _SpeedRun]] = []
+    reference: LoadedModel | None = None
+    eval_ids: list[int] | None = None
+    ref_logits: torch.Tensor | None = None
     for name in names:
-        row = {"scheme": name, "available": status[name].available, "reason": status[name].reason}
+        row: Row = {"scheme": name, "available": status[name].available, "reason": status[name].reason}
         rows.append(row)
         if not row["available"]:
             continue
@@ -117,6 +133,7 @@ def build_report(args, names: list[str], statuses) -> dict:
         if reference is None:
             reference, eval_ids = loaded, eval_token_ids(loaded.tokenizer)
             ref_logits = teacher_forced_logits(reference.model, eval_ids)
+        assert eval_ids is not None and ref_logits is not None, "they come with the reference"
         say(f"quality of {name} on the evaluation text")
         quality = compare_logits(
             ref_logits, teacher_forced_logits(loaded.model, eval_ids, args.kv_dtype), eval_ids
@@ -168,7 +185,9 @@ def build_report(args, names: list[str], statuses) -> dict:
     }
 
 
-def _reply_top1_agreement(runs, reference_reply: list[int], kv_dtype: str) -> None:
+def _reply_top1_agreement(
+    runs: list[tuple[Row, _SpeedRun]], reference_reply: list[int], kv_dtype: str
+) -> None:
     """Greedy replies part ways at the first near-tie and are incomparable after it. This asks
     instead, at every position of the reference reply (same context for both): would the
     scheme have picked the reference's token?"""
@@ -185,7 +204,9 @@ def _reply_top1_agreement(runs, reference_reply: list[int], kv_dtype: str) -> No
         row["reply_top1_agreement"] = sum(agree) / len(agree)
 
 
-def _fill_load_and_quality(row: dict, loaded, reference, quality) -> None:
+def _fill_load_and_quality(
+    row: Row, loaded: LoadedModel, reference: LoadedModel, quality: QualityReport
+) -> None:
     from engine.quant.base import quantized_layer_count
     from engine.quant.schemes import quantization_of
 
@@ -206,11 +227,11 @@ class _SpeedRun:
     """One scheme's engine answering the report prompt greedily: prefill speed from its time to
     first token, decode speed from the gaps between the tokens that follow."""
 
-    def __init__(self, loaded, args):
+    def __init__(self, loaded: LoadedModel, args: argparse.Namespace):
         from engine.config import EngineConfig, ModelSpec
         from engine.core.llm_engine import LLMEngine
 
-        self.events: list = []
+        self.events: list[Event] = []
         self.new_tokens = args.new_tokens
         spec = ModelSpec(args.model, args.dtype, args.device)
         blocks = (args.new_tokens + 256) // 16 + 1  # the chat-templated prompt is under 256 tokens
@@ -224,7 +245,7 @@ class _SpeedRun:
         self.text = ""
         self._request(2)  # warm-up: first-call allocations, lazy imports
 
-    def _request(self, new_tokens: int):
+    def _request(self, new_tokens: int) -> RequestFinished:
         from engine.config import SamplingParams
         from engine.events import RequestFailed, RequestFinished
         from engine.request import Request
@@ -245,7 +266,7 @@ class _SpeedRun:
         self.decode_tok_s.append(reply.stats.tokens_per_s)
         self.output_ids, self.text = list(reply.token_ids), reply.text
 
-    def fill(self, row: dict, reference_ids: list[int] | None) -> None:
+    def fill(self, row: Row, reference_ids: list[int] | None) -> None:
         from engine.measure.quality import greedy_agreement
 
         row["prefill_tok_s"] = statistics.median(self.prefill_tok_s)
@@ -257,7 +278,7 @@ class _SpeedRun:
         row["reply"] = self.text
 
 
-def _table(report: dict) -> str:
+def _table(report: dict[str, Any]) -> str:
     head = (
         f"{report['model']} {report['dtype']} on {report['device']}, {report['threads']} threads, KV "
         f"{report['kv_dtype']}; quality on {report['eval_tokens']} eval tokens vs 'none'; "

@@ -15,7 +15,7 @@ from engine.cli.args import add_engine_args, engine_config_from
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
 
-def add_command(sub) -> None:
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API (chat, completions, logprobs, metrics)",

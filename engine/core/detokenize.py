@@ -14,6 +14,10 @@ could still grow into one is held back, so a streamed delta never shows part of 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded along with the first reply tokens, so the first delta gets the spacing
@@ -25,7 +29,9 @@ class IncrementalDetokenizer:
     """One reply's text, token by token. `text` is always the concatenation of the deltas
     returned so far (after `flush`, the whole reply, cut before a stop string)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()
+    ):
         self._tokenizer = tokenizer
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._prefix_offset = 0
@@ -63,7 +69,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of tokenization spaces: that heuristic rewrites text across token
         # boundaries (" ." -> "."), so windows would not add up to the whole.
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str), "one list of ids decodes to one string"
+        return text
 
     def _decode_new(self, final: bool) -> str:
         if self._read_offset == len(self._ids):

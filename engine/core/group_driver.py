@@ -10,13 +10,13 @@ RequestFinished with every sequence ranked and the group's memory figures.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import SamplingParams
-from engine.core.beam_search import BeamSearch, Hypothesis
+from engine.core.beam_search import BeamSearch, Hypothesis, StepResult
 from engine.core.scheduler import Scheduler
 from engine.core.seq_group import SequenceGroup
 from engine.core.sequence import Sequence
@@ -131,6 +131,7 @@ class GroupDriver:
     def end_sample(self, seq: Sequence, reason: str) -> None:
         """One sample finished; the request finishes with its last sample."""
         group = seq.group
+        assert group is not None, "a sample belongs to its group"
         seq.finish_reason = reason
         seq.detokenizer.flush()
         self._drop(group, seq, reason)
@@ -161,7 +162,7 @@ class GroupDriver:
         if len(members) == 1:
             log_probs = log_probs.expand(k, -1)  # step 0: every beam is the prompt
         capped = members[0].num_tokens + 1 >= self.limits.max_model_len
-        result = group.beam.step(log_probs, length_capped=capped)
+        result = group.search.step(log_probs, length_capped=capped)
         slots = members if len(members) == k else members * k
         now = time.perf_counter()
         group.mark_token_step(step, now)
@@ -169,7 +170,7 @@ class GroupDriver:
             # No beam runs again: nothing to fork or extend (the kept hypotheses hold the
             # tokens); each slot is shown on the sequence that holds its parent's blocks.
             self._emit_beam_step(group, result, tuple(slots[p].seq_id for p in result.parents), now)
-            self._finish(group, None, self._beam_results(group, group.beam.ranked(), None))
+            self._finish(group, None, self._beam_results(group, group.search.ranked(), None))
             return
 
         # The first new beam from a parent continues in the parent's sequence; any other forks
@@ -198,11 +199,13 @@ class GroupDriver:
         group.measure_blocks()
         self._emit_beam_step(group, result, tuple(seq.seq_id for seq in new_members), now)
 
-    def _emit_beam_step(self, group: SequenceGroup, result, seq_ids: tuple[int, ...], now: float) -> None:
+    def _emit_beam_step(
+        self, group: SequenceGroup, result: StepResult, seq_ids: tuple[int, ...], now: float
+    ) -> None:
         self.emit(
             BeamStep(
                 request_id=group.request_id,
-                step=group.beam.generated - 1,
+                step=group.search.generated - 1,
                 parents=result.parents,
                 token_ids=result.tokens,
                 token_texts=tuple(self.text.text(t) for t in result.tokens),
@@ -214,7 +217,9 @@ class GroupDriver:
             )
         )
 
-    def _beam_results(self, group: SequenceGroup, hyps: list[Hypothesis], reason: str | None):
+    def _beam_results(
+        self, group: SequenceGroup, hyps: list[Hypothesis], reason: str | None
+    ) -> list[SequenceResult]:
         eos = set() if group.params.ignore_eos else self.text.eos_ids
         results = []
         for rank, hyp in enumerate(hyps):
@@ -224,7 +229,7 @@ class GroupDriver:
             results.append(SequenceResult(rank, self._text(group, text_ids), hyp.token_ids, hyp.score, why))
         return results
 
-    def _text(self, group: SequenceGroup, token_ids) -> str:
+    def _text(self, group: SequenceGroup, token_ids: Iterable[int]) -> str:
         first = group.every_seq[0]
         detok = self.text.detokenizer(first.token_ids[: first.num_prompt_tokens])
         for token in token_ids:
@@ -250,8 +255,8 @@ class GroupDriver:
         group = self.active[request_id]
         if group.kind == "samples":
             results = self._sample_results(group, "cancelled")
-        elif group.beam.generated:
-            results = self._beam_results(group, group.beam.running_ranked(), "cancelled")
+        elif group.search.generated:
+            results = self._beam_results(group, group.search.running_ranked(), "cancelled")
         else:
             results = []
         self._finish(group, "cancelled", results)

@@ -43,7 +43,7 @@ from engine.model import chat_template
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
-from engine.speculative.proposers import make_proposer
+from engine.speculative.proposers import Proposer, make_proposer
 
 # Without an explicit size the KV pool gets this much memory: room for several thousand tokens
 # of a small model, and few enough blocks that every one is visible in the page map.
@@ -98,7 +98,7 @@ class LLMEngine:
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
-        self.proposer = make_proposer(config, loaded) if config.speculative else None
+        self.proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
         )

@@ -11,6 +11,7 @@ read and write the same pool through the same attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attentio
 from engine.kv.manager import KVCacheManager
 from engine.kv.storage import PagedKVStorage, block_index
 from engine.model.llama_forward import LlamaForward, unsupported_reason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -32,7 +36,7 @@ class ForwardResult:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         storage: PagedKVStorage,
         kv: KVCacheManager,
         device: torch.device,
@@ -60,7 +64,11 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)  # decode rows first
         seqs = [seqs[i] for i in order]
         num_tokens = [num_tokens[i] for i in order]
-        ids, positions, slots, slices, keep = [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        keep: list[int] = []
         rows: dict[int, tuple[int, int]] = {}
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
@@ -76,10 +84,13 @@ class ModelRunner:
             if count:
                 rows[seq.seq_id] = (len(keep), count)
                 keep.extend(range(q_start + n - count, q_start + n))
-        to = dict(dtype=torch.long, device=self.device)
-        batch = PagedBatch(self.storage, torch.tensor(slots, **to), slices)
-        input_ids, position_ids = torch.tensor(ids, **to), torch.tensor(positions, **to)
-        keep_rows = torch.tensor(keep, **to)
+
+        def long_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        batch = PagedBatch(self.storage, long_tensor(slots), slices)
+        input_ids, position_ids = long_tensor(ids), long_tensor(positions)
+        keep_rows = long_tensor(keep)
         with torch.inference_mode(), self.policy.step(num_tokens) as record:
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows)
@@ -87,7 +98,9 @@ class ModelRunner:
                 logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
         return ForwardResult(logits.float(), rows, record)
 
-    def _transformers_forward(self, input_ids, position_ids, batch, keep_rows) -> torch.Tensor:
+    def _transformers_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch, keep_rows: torch.Tensor
+    ) -> torch.Tensor:
         with paged_attention(self.model, batch):
             out = self.model(
                 input_ids=input_ids[None],
@@ -97,4 +110,5 @@ class ModelRunner:
                 logits_to_keep=keep_rows,
                 paged_batch=batch,
             )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits
+        return logits[0]

@@ -14,10 +14,15 @@ beam group's members reach their logits in the same step (lockstep) or not at al
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.sequence import SeqStatus, Sequence
 from engine.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from engine.kv.block_pool import Block
 
 
 @dataclass(slots=True)
@@ -84,7 +89,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
         self.running[at:] = [*new, *rest]
 
-    def _members(self, seq: Sequence, queue) -> list[Sequence]:
+    def _members(self, seq: Sequence, queue: Iterable[Sequence]) -> list[Sequence]:
         """`seq` and the rest of its group in `queue` (they sit together), in queue order."""
         if seq.group is None:
             return [seq]
@@ -175,7 +180,7 @@ class Scheduler:
                     budget -= n
         return batch
 
-    def _can_admit(self, members: list[Sequence], cached: list[list], plan: list[int]) -> bool:
+    def _can_admit(self, members: list[Sequence], cached: list[list[Block]], plan: list[int]) -> bool:
         """Room for every member's cached prefix plus its planned tokens at once."""
         if len(members) == 1:
             return self.kv.can_allocate(members[0], cached[0], plan[0])

@@ -41,6 +41,12 @@ class SequenceGroup:
         first.group = self
 
     @property
+    def search(self) -> BeamSearch:
+        """A beam group's search (samples have none)."""
+        assert self.beam is not None, "only a beam group has a search"
+        return self.beam
+
+    @property
     def lockstep(self) -> bool:
         """Beams must all get their logits in the same step (the search ranks them together)."""
         return self.kind == "beams" and len(self.members) > 1

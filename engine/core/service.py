@@ -14,13 +14,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.events import EngineError, Event, ModelInfo, ModelLoaded, ModelLoadFailed, ModelLoading
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.core.llm_engine import LLMEngine
+    from engine.model.loaded import LoadedModel
+    from engine.request import Request
 
 T = TypeVar("T")
 
@@ -30,16 +34,20 @@ IDLE_POLL_S = 0.25
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, sink: Callable[[Event], None], loaded=None):
+    def __init__(
+        self, config: EngineConfig, sink: Callable[[Event], None], loaded: LoadedModel | None = None
+    ):
         self.config = config
         self._sink = sink
-        self._loaded = loaded  # a LoadedModel, or None to load config.model on the thread
-        self._commands: queue.Queue = queue.Queue()
+        self._loaded = loaded  # None: load config.model on the thread
+        # (kind, payload): ("submit", (request_id, Request)), ("cancel", request_id),
+        # ("call", (fn, Future)), ("wake", None)
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._core = None
+        self._core: LLMEngine | None = None
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
         self._closing = threading.Lock()  # `call` vs the loop's end: a call is run or failed, never lost
@@ -58,11 +66,11 @@ class Engine:
         return self.info
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self._loaded.tokenizer if self._loaded is not None else None
 
     @property
-    def core(self):
+    def core(self) -> LLMEngine | None:
         """The synchronous engine (LLMEngine); only for the engine thread and tests."""
         return self._core
 
@@ -77,7 +85,7 @@ class Engine:
             self._thread.join(timeout)
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(self, request) -> int:
+    def submit(self, request: Request) -> int:
         """Queue a Request; returns its id at once. Its events carry that id."""
         request_id = next(self._ids)
         self._commands.put(("submit", (request_id, request)))
@@ -136,7 +144,7 @@ class Engine:
         try:
             self._serve()
         finally:
-            self._core.abort_all()
+            self._loaded_core().abort_all()
             self._close()
 
     def _load(self) -> None:
@@ -149,18 +157,22 @@ class Engine:
                 self._emit(ModelLoading(stage, fraction, time.perf_counter()))
 
             self._loaded = load_model(self.config.model, progress=progress)
-        self._core = LLMEngine(self._loaded, self.config, self._emit)
-        pool, storage = self._core.kv.pool, self._core.storage
+        core = self._core = LLMEngine(self._loaded, self.config, self._emit)
+        pool, storage = core.kv.pool, core.storage
         self._emit(
             ModelLoaded(
                 self._loaded.info, pool.num_blocks, pool.block_size, storage.total_bytes, time.perf_counter()
             )
         )
         self.info = self._loaded.info
-        self._core.sample_memory()
+        core.sample_memory()
+
+    def _loaded_core(self) -> LLMEngine:
+        assert self._core is not None, "commands are served only after the model loaded"
+        return self._core
 
     def _serve(self) -> None:
-        core = self._core
+        core = self._loaded_core()
         last_memory = 0.0
         while not self._stop.is_set():
             block = not core.has_work()
@@ -186,17 +198,17 @@ class Engine:
                 core.sample_memory()
                 last_memory = now
 
-    def _handle(self, kind: str, payload) -> None:
+    def _handle(self, kind: str, payload: Any) -> None:
         if kind == "submit":
             request_id, request = payload
-            self._core.add_request(request, request_id=request_id)
+            self._loaded_core().add_request(request, request_id=request_id)
         elif kind == "cancel":
-            self._core.abort(payload)
+            self._loaded_core().abort(payload)
         elif kind == "call":
             fn, future = payload
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(fn(self._core))
+                future.set_result(fn(self._loaded_core()))
             except BaseException as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
                 future.set_exception(exc)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.core.detokenize import IncrementalDetokenizer
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
 
 class TokenText:
-    def __init__(self, tokenizer: Any, eos_ids: set[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
 
     def text(self, token_id: int) -> str:
         """One token's own text, special tokens included (the probability panel shows them)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        assert isinstance(text, str), "one list of ids decodes to one string"
+        return text
 
     def detokenizer(self, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
@@ -23,7 +29,7 @@ class TokenText:
         return token_id in self.eos_ids and not ignore_eos
 
 
-def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids_of(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (eos, getattr(tokenizer, "eos_token_id", None)):

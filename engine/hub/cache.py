@@ -10,8 +10,12 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError
+
+if TYPE_CHECKING:
+    from huggingface_hub import HFCacheInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +30,7 @@ class CachedModel:
     weights: tuple[str, ...]  # "safetensors", "gguf"
     source: str  # what to load: the repo id, or the path of its only GGUF
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -36,7 +40,7 @@ def cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _scan():
+def _scan() -> HFCacheInfo | None:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -102,6 +106,7 @@ def delete_cached(repo_id: str) -> int:
     repo_path = Path(repo.repo_path)
     freed = _partial_bytes(repo_path)
     if repo.revisions:
+        assert scan is not None, "the repo was found in the scan"
         strategy = scan.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
         freed += strategy.expected_freed_size
         strategy.execute()

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.hub.online import HubError, api, endpoint, hub_call, token
 
@@ -60,7 +61,13 @@ class DownloadResult:
 class _Tally:
     """Byte counts of one download across its files; the per-file bars report into it."""
 
-    def __init__(self, total: int, files_total: int, report, cancel: threading.Event | None):
+    def __init__(
+        self,
+        total: int,
+        files_total: int,
+        report: Callable[[DownloadProgress], None],
+        cancel: threading.Event | None,
+    ):
         self.total, self.files_total = total, files_total
         self.report, self.cancel = report, cancel
         self.done_before = 0  # bytes of files finished (or found complete) before the current one
@@ -91,7 +98,7 @@ class _Tally:
                 "next download of this model resumes where it stopped."
             )
 
-    def bar(self, total=None, initial=0, **_ignored):
+    def bar(self, total: int | None = None, initial: int | None = 0, **_ignored: Any) -> _FileBar:
         """The progress bar huggingface_hub opens for one file (its tqdm_class)."""
         return _FileBar(self, initial or 0)
 
@@ -117,10 +124,10 @@ class _FileBar:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> _FileBar:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
@@ -202,7 +209,9 @@ def _get(plan: _Plan, partial: Path, resume: int, tally: _Tally) -> None:
             resume_size=resume,
             headers=build_hf_headers(token=token()),
             expected_size=plan.size or None,
-            tqdm_class=tally.bar,
+            # huggingface_hub only calls its tqdm_class and uses the bar's update/close/context;
+            # its annotation asks for a tqdm subclass, a factory of _FileBar does the same
+            tqdm_class=tally.bar,  # type: ignore[arg-type]
         )
 
 
@@ -236,7 +245,10 @@ def download_files(
         missing = [f for f in files if f not in sizes]
         if missing:
             raise HubError(f"{repo_id} has no file {missing[0]} on the Hub.")
-        plans = [_plan(repo_id, name, info.sha) for name in files]
+        revision = info.sha
+        if revision is None:
+            raise HubError(f"The Hub did not say which commit of {repo_id} it listed; try again.")
+        plans = [_plan(repo_id, name, revision) for name in files]
         total = sum(p.size for p in plans)
         left = 0
         for p in plans:
@@ -264,9 +276,9 @@ def download_files(
             tally.current = 0
             tally.files_done += 1
             tally.emit()
-    folder = _repo_dir(repo_id) / "snapshots" / info.sha
+    folder = _repo_dir(repo_id) / "snapshots" / revision
     return DownloadResult(
-        repo_id, info.sha, folder, tuple(files), tally.fetched, tally.resumed, total, cached
+        repo_id, revision, folder, tuple(files), tally.fetched, tally.resumed, total, cached
     )
 
 

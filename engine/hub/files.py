@@ -15,8 +15,13 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError, api, describe, hub_call
+
+if TYPE_CHECKING:
+    from huggingface_hub.hf_api import ModelInfo
+    from transformers import PreTrainedConfig
 
 SAFETENSORS = "safetensors"
 GGUF = "gguf"
@@ -35,7 +40,7 @@ class WeightChoice:
     download_bytes: int  # everything `files` takes
     loadable: bool  # kvscope can load it once downloaded
     note: str = ""  # why not, or what to know
-    estimate: dict | None = None  # inspect-model's figures, None when the shapes are unknown
+    estimate: dict[str, Any] | None = None  # inspect-model's figures, None when the shapes are unknown
     estimate_error: str = ""
 
 
@@ -49,7 +54,7 @@ class RepoFiles:
     supported: bool | None
     other_files: tuple[str, ...] = field(default=())
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -60,7 +65,7 @@ def quant_of(filename: str) -> str:
     return found[-1].upper() if found else "GGUF"
 
 
-def _sizes(info) -> dict[str, int]:
+def _sizes(info: ModelInfo) -> dict[str, int]:
     return {s.rfilename: int(s.size or (s.lfs.size if s.lfs else 0) or 0) for s in info.siblings or ()}
 
 
@@ -87,7 +92,7 @@ def group_weights(sizes: dict[str, int]) -> list[tuple[str, str, tuple[str, ...]
     return out
 
 
-def _config_shapes(repo_id: str, revision: str):
+def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     """The repo's config.json (downloaded alone into the HF cache) as a transformers config."""
     from huggingface_hub import hf_hub_download
 
@@ -100,14 +105,20 @@ def _config_shapes(repo_id: str, revision: str):
     return read_folder_config(Path(path).parent)
 
 
-def _gguf_config(repo_id: str, revision: str, filename: str):
+def _gguf_config(repo_id: str, revision: str, filename: str) -> PreTrainedConfig:
     from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
     return config_from_header(header, PurePosixPath(filename).name)
 
 
-def _estimate(config, dtype: str, context: int | None, budget, weight_bytes: int | None):
+def _estimate(
+    config: PreTrainedConfig,
+    dtype: str,
+    context: int | None,
+    budget: tuple[int, str],
+    weight_bytes: int | None,
+) -> dict[str, Any]:
     from engine.model.inspect import memory_estimate
     from engine.model.shapes import ModelShapes
 
@@ -131,6 +142,8 @@ def repo_files(
     with hub_call(repo_id):
         info = api().model_info(repo_id, files_metadata=True)
         revision = info.sha
+        if revision is None:
+            raise HubError(f"The Hub did not say which commit of {repo_id} it listed; try again.")
         sizes = _sizes(info)
         groups = group_weights(sizes)
         companions = tuple(
@@ -138,7 +151,8 @@ def repo_files(
             for f in sorted(sizes)
             if "/" not in f and f.endswith(COMPANION_SUFFIXES) and f != ".gitattributes"
         )
-        config, config_error = None, ""
+        config: PreTrainedConfig | None = None
+        config_error = ""
         if "config.json" in sizes:
             try:
                 config = _config_shapes(repo_id, revision)
@@ -146,7 +160,8 @@ def repo_files(
                 config_error = str(exc)
             except Exception as exc:  # noqa: BLE001 - a gated repo lists its files but not their contents
                 config_error = describe(exc, repo_id)
-        choices, configs = [], [config] if config is not None else []
+        choices: list[WeightChoice] = []
+        configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
             if kind == GGUF and loadable:
@@ -155,7 +170,7 @@ def repo_files(
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
-            estimate = None
+            estimate: dict[str, Any] | None = None
             if cfg is not None:
                 try:
                     estimate = _estimate(cfg, dtype, context, budget, None)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 CHUNK = 1 << 20
 MAX_HEADER_BYTES = 64 << 20  # a header past this is not one kvscope can use
@@ -59,7 +63,7 @@ class _Stream:
         self.pos = end
         return out
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str) -> Any:
         return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
@@ -69,7 +73,8 @@ class _Stream:
         self.read(self.unpack("<Q"))
 
 
-def _value(s: _Stream, kind: int, keep_strings: bool):
+def _value(s: _Stream, kind: int, keep_strings: bool) -> Any:
+    """A metadata value as decoded: a number, a string, a list of them, or _Skipped."""
     if kind in _SCALARS:
         return s.unpack(_SCALARS[kind])
     if kind == _STRING:
@@ -96,7 +101,7 @@ class _Skipped:
 
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
-    fields: dict  # metadata key -> value (the token list only as its length)
+    fields: dict[str, Any]  # metadata key -> value (the token list only as its length)
     tensor_names: frozenset[str]
     params: int  # elements over all tensors, the model's parameter count
 
@@ -110,11 +115,12 @@ def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
     if version < 2:
         raise GGUFHeaderError(f"GGUF version {version} is too old")
     n_tensors, n_kv = s.unpack("<Q"), s.unpack("<Q")
-    fields: dict = {}
+    fields: dict[str, Any] = {}
     for _ in range(n_kv):
         key = s.string()
         fields[key] = _value(s, s.unpack("<I"), keep_strings=not key.startswith("tokenizer."))
-    names, params = set(), 0
+    names: set[str] = set()
+    params = 0
     for _ in range(n_tensors):
         names.add(s.string())
         count = 1
@@ -125,7 +131,7 @@ def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
     return GGUFHeader(fields, frozenset(names), params)
 
 
-def config_from_header(header: GGUFHeader, name: str):
+def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:
     """The transformers config of a GGUF header (a ModelLoadError when it describes none)."""
     from engine.model.configs import gguf_metadata_config
 
@@ -133,7 +139,7 @@ def config_from_header(header: GGUFHeader, name: str):
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = tokens.count if isinstance(tokens, _Skipped) else (len(tokens) if tokens else None)
 
-    def value_of(key):
+    def value_of(key: str) -> Any:
         value = fields.get(key)
         return None if isinstance(value, _Skipped) else value
 

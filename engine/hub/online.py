@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # huggingface_hub is imported at call time, after the offline switch
+    from huggingface_hub import HfApi
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # Set by offline_by_default: HF_HUB_OFFLINE=1 is kvscope's default, not the user's wish.
@@ -54,7 +59,7 @@ def token() -> str | None:
     return get_token()
 
 
-def api():
+def api() -> HfApi:
     from huggingface_hub import HfApi
 
     return HfApi(endpoint=endpoint(), token=token())
@@ -114,7 +119,7 @@ def describe(exc: BaseException, repo_id: str | None = None) -> str:
             "The disk is full: the download stopped. The partial file is kept and resumes where it "
             "stopped once there is space (or remove it with `models delete`)."
         )
-    cause = exc
+    cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, (httpx.TransportError, ConnectionError, TimeoutError)):
         cause = cause.__cause__ or cause.__context__
     if cause is not None:
@@ -129,7 +134,7 @@ def describe(exc: BaseException, repo_id: str | None = None) -> str:
 
 
 @contextmanager
-def hub_call(repo_id: str | None = None):
+def hub_call(repo_id: str | None = None) -> Iterator[None]:
     """Go online for this call; any failure becomes a HubError with one line."""
     go_online()
     try:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import api, hub_call
+
+if TYPE_CHECKING:
+    from huggingface_hub.hf_api import ExpandModelProperty_T, ModelInfo, ModelSort_T
 
 # Bytes per element of the dtypes the Hub reports for safetensors weights.
 SAFETENSORS_DTYPE_BYTES = {
@@ -21,8 +25,8 @@ SAFETENSORS_DTYPE_BYTES = {
     "U8": 1,
     "BOOL": 1,
 }
-SORTS = ("downloads", "likes", "trending_score", "last_modified")
-_EXPAND = [
+SORTS: tuple[ModelSort_T, ...] = ("downloads", "likes", "trending_score", "last_modified")
+_EXPAND: list[ExpandModelProperty_T] = [
     "downloads",
     "likes",
     "gated",
@@ -52,21 +56,21 @@ class ModelHit:
     supported: bool | None  # kvscope serves this model_type (None: the Hub gave no config)
     support_note: str  # the refusal reason, or the family name
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _license(info) -> str | None:
+def _license(info: ModelInfo) -> str | None:
     card = getattr(info, "card_data", None)
     if card is not None and getattr(card, "license", None):
         return str(card.license)
     for tag in info.tags or ():
         if tag.startswith("license:"):
-            return tag.removeprefix("license:")
+            return str(tag.removeprefix("license:"))
     return None
 
 
-def _weights(info) -> tuple[int | None, int | None]:
+def _weights(info: ModelInfo) -> tuple[int | None, int | None]:
     st = getattr(info, "safetensors", None)
     if st is not None and st.parameters:
         size = sum(n * SAFETENSORS_DTYPE_BYTES.get(dtype, 2) for dtype, n in st.parameters.items())
@@ -75,21 +79,21 @@ def _weights(info) -> tuple[int | None, int | None]:
     return gguf.get("total"), getattr(info, "used_storage", None)
 
 
-def _support(config: dict | None) -> tuple[str | None, bool | None, str]:
+def _support(config: dict[str, Any] | None) -> tuple[str | None, bool | None, str]:
     from engine.model.support import support_for
 
     if not config or not config.get("model_type"):
         return None, None, "no config on the Hub: decided when its files are listed"
 
     class _Cfg:  # the Hub's config excerpt (model_type, architectures...) read as attributes
-        def __init__(self, raw):
+        def __init__(self, raw: dict[str, Any]) -> None:
             self.__dict__.update(raw)
 
     support = support_for(_Cfg(config))
     return support.model_type, support.ok, support.family or support.refusal or ""
 
 
-def hit_of(info) -> ModelHit:
+def hit_of(info: ModelInfo) -> ModelHit:
     params, size = _weights(info)
     formats = tuple(
         name
@@ -123,12 +127,13 @@ def search_models(query: str, limit: int = 20, sort: str = "downloads") -> list[
     """Text-generation models whose name matches `query`, most downloaded (or liked...) first."""
     from engine.hub.online import HubError
 
-    if sort not in SORTS:
+    sort_key = next((s for s in SORTS if s == sort), None)
+    if sort_key is None:
         raise HubError(f"sort must be one of {', '.join(SORTS)}, got {sort!r}")
     if not 1 <= limit <= 1000:
         raise HubError(f"the result limit must be between 1 and 1000, got {limit}")
     with hub_call():
         infos = api().list_models(
-            search=query or None, pipeline_tag="text-generation", sort=sort, limit=limit, expand=_EXPAND
+            search=query or None, pipeline_tag="text-generation", sort=sort_key, limit=limit, expand=_EXPAND
         )
         return [hit_of(info) for info in infos]

@@ -15,10 +15,15 @@ computes (code - 8) * scale + zero, so Q4 codes map onto it unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K as _Q4K
+
+if TYPE_CHECKING:
+    from engine.kernels.weights import Int4GroupWeight, Q8BlockWeight
 
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 KEPT_TYPES = (*INT4_TYPES, Q.Q8_0)
@@ -34,7 +39,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def decode_int4(blocks: np.ndarray, qtype: Q, cols: int):
+def decode_int4(blocks: np.ndarray, qtype: Q, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw rows [N, bytes] of a Q4_0/Q4_1/Q4_K tensor -> (codes uint8 [N, K], scale [N, K/32],
     offset [N, K/32]) as float32 numpy arrays."""
     n = blocks.shape[0]
@@ -52,14 +57,14 @@ def decode_int4(blocks: np.ndarray, qtype: Q, cols: int):
         return _nibbles(b[..., 4:]).reshape(n, cols), scale, offset
     if qtype == Q.Q4_K:
         supers = cols // 256
-        b = blocks.reshape(n * supers, 144)
-        d, dmin = _fp16(b[:, :2]), _fp16(b[:, 2:4])
-        sc, mn = _Q4K.get_scale_min(b[:, 4:16])
+        rows = blocks.reshape(n * supers, 144)
+        d, dmin = _fp16(rows[:, :2]), _fp16(rows[:, 2:4])
+        sc, mn = _Q4K.get_scale_min(rows[:, 4:16])
         scale = (d * sc.astype(np.float32)).reshape(n, groups)
         offset = -(dmin * mn.astype(np.float32)).reshape(n, groups)
         # 128 bytes per super-block: four 32-byte chunks, each holding sub-blocks 2c (low nibbles)
         # and 2c + 1 (high nibbles)
-        qs = b[:, 16:].reshape(n * supers, 4, 32)
+        qs = rows[:, 16:].reshape(n * supers, 4, 32)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, cols)
         return codes, scale, offset
     raise ValueError(f"not a 4-bit GGUF type: {qtype}")
@@ -69,14 +74,17 @@ def dequantize_int4(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, qt
     """The float32 weights, computed the way gguf computes them."""
     n, cols = codes.shape
     q = codes.reshape(n, cols // GROUP, GROUP).astype(np.float32)
+    weights: np.ndarray
     if qtype == Q.Q4_0:
-        return (scale[..., None] * (q - 8.0)).reshape(n, cols)
-    if qtype == Q.Q4_K:
-        return (scale[..., None] * q + offset[..., None]).reshape(n, cols)
-    return (scale[..., None] * q + offset[..., None]).reshape(n, cols)
+        weights = scale[..., None] * (q - 8.0)
+    elif qtype == Q.Q4_K:
+        weights = scale[..., None] * q + offset[..., None]
+    else:
+        weights = scale[..., None] * q + offset[..., None]
+    return weights.reshape(n, cols)
 
 
-def decode_q8_0(blocks: np.ndarray, cols: int):
+def decode_q8_0(blocks: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """Raw rows [N, bytes] of a Q8_0 tensor -> (codes int8 [N, K], scale float32 [N, K/32])."""
     n = blocks.shape[0]
     b = blocks.reshape(n, cols // GROUP, 34)
@@ -85,7 +93,9 @@ def decode_q8_0(blocks: np.ndarray, cols: int):
     return codes, scale
 
 
-def int4_storage(blocks: np.ndarray, qtype: Q, cols: int, row_order: np.ndarray | None = None):
+def int4_storage(
+    blocks: np.ndarray, qtype: Q, cols: int, row_order: np.ndarray | None = None
+) -> Int4GroupWeight:
     from engine.kernels.weights import Int4GroupWeight
 
     codes, scale, offset = decode_int4(blocks, qtype, cols)
@@ -96,7 +106,7 @@ def int4_storage(blocks: np.ndarray, qtype: Q, cols: int, row_order: np.ndarray 
     return Int4GroupWeight(torch.from_numpy(np.ascontiguousarray(codes)), scale_t, zero)
 
 
-def q8_storage(blocks: np.ndarray, cols: int, row_order: np.ndarray | None = None):
+def q8_storage(blocks: np.ndarray, cols: int, row_order: np.ndarray | None = None) -> Q8BlockWeight:
     from engine.kernels.weights import Q8BlockWeight
 
     codes, scale = decode_q8_0(blocks, cols)

@@ -54,7 +54,9 @@ def cpu_layout() -> Int4CpuLayout:
 
 def pack_cpu(codes: torch.Tensor) -> torch.Tensor:
     """int codes [N, K] (0..15) -> torch's packed CPU layout, checked to read back exactly."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32).contiguous(), 1
+    )
     return packed
 
 

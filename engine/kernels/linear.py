@@ -4,11 +4,15 @@ one layer, so a decode step makes one weight pass instead of three."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch import nn
 
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, WeightStorage
+
+_Storage = TypeVar("_Storage", bound=WeightStorage)
 
 
 class KernelLinear(nn.Module):
@@ -92,14 +96,19 @@ def cat_storages(parts: list[WeightStorage]) -> WeightStorage | None:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
         return None
-    first = parts[0]
-    if isinstance(first, DenseWeight):
-        return DenseWeight(torch.cat([p.weight for p in parts]))  # type: ignore[attr-defined]
-    if isinstance(first, Int8RowWeight):
-        return Int8RowWeight.cat(parts)  # type: ignore[arg-type]
-    if isinstance(first, Int4GroupWeight):
-        return Int4GroupWeight.cat(parts)  # type: ignore[arg-type]
+    if dense := _all_of(parts, DenseWeight):
+        return DenseWeight(torch.cat([p.weight for p in dense]))
+    if int8 := _all_of(parts, Int8RowWeight):
+        return Int8RowWeight.cat(int8)
+    if int4 := _all_of(parts, Int4GroupWeight):
+        return Int4GroupWeight.cat(int4)
     return None
+
+
+def _all_of(parts: list[WeightStorage], cls: type[_Storage]) -> list[_Storage]:
+    """`parts` as a list of `cls` when every one is one, else empty."""
+    typed = [p for p in parts if isinstance(p, cls)]
+    return typed if len(typed) == len(parts) else []
 
 
 class FusedProjection(nn.Module):
@@ -130,6 +139,8 @@ class FusedProjection(nn.Module):
 
 
 class ProjectionSlice(nn.Module):
+    fused: FusedProjection
+
     def __init__(self, fused: FusedProjection, index: int):
         super().__init__()
         # not a submodule: the fused layer is registered once on the layer that owns it
@@ -161,13 +172,14 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
             owner = getattr(module, owner_name, None)
             if owner is None or not all(isinstance(getattr(owner, n, None), nn.Module) for n in names):
                 continue
-            linears = [as_kernel_linear(getattr(owner, n), policy) for n in names]
-            if any(lin is None for lin in linears):
+            maybe = [as_kernel_linear(getattr(owner, n), policy) for n in names]
+            linears = [lin for lin in maybe if lin is not None]
+            if len(linears) != len(maybe):
                 continue
-            storage = cat_storages([lin.storage for lin in linears])  # type: ignore[union-attr]
+            storage = cat_storages([lin.storage for lin in linears])
             if storage is None:
                 continue
-            biases = [lin.bias for lin in linears]  # type: ignore[union-attr]
+            biases = [lin.bias for lin in linears]
             bias = None
             if any(b is not None for b in biases):
                 bias = torch.cat(
@@ -187,8 +199,10 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
 def _wrap_remaining(model: nn.Module, policy: KernelPolicy) -> None:
     """Every plain linear not fused becomes a KernelLinear too, the LM head included (one path
     for every layer; a tied head keeps sharing the embedding's tensor)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    head = get_head() if get_head is not None else None
+    embedding = get_embedding() if get_embedding is not None else None
     tied = getattr(embedding, "weight", None)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:

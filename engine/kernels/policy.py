@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -181,7 +182,8 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
         assert isinstance(storage, DenseWeight)
         probe = DenseWeight(w.to(storage.weight.dtype))
     count = max(1, min(64, PROBE_BYTES // max(1, probe.nbytes)))
-    return [probe] + [copy.deepcopy(probe) for _ in range(count - 1)]
+    copies: list[WeightStorage] = [probe]
+    return copies + [copy.deepcopy(probe) for _ in range(count - 1)]
 
 
 def _time_kernels(storage: WeightStorage) -> dict[int, str]:
@@ -243,7 +245,7 @@ def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int,
     return best
 
 
-def _cache_file():
+def _cache_file() -> Path:
     import platform
 
     from engine.measure.memory import device_name

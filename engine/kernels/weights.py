@@ -128,7 +128,9 @@ class Int8RowWeight(WeightStorage):
 
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "packed":
-            y = torch.ops.aten._weight_int8pack_mm(x.to(PACKED_ACTIVATION_DTYPE), self.codes, self.scales)
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
+                x.to(PACKED_ACTIVATION_DTYPE), self.codes, self.scales
+            )
             return y.to(x.dtype)
         dtype = torch.float32 if kernel == "dense-fp32" else torch.bfloat16
         return _dense(x, self.dequantize(dtype))
@@ -178,7 +180,7 @@ class Int4GroupWeight(WeightStorage):
 
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "packed":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(PACKED_ACTIVATION_DTYPE), self.packed, INT4_GROUP, self.scales_and_zeros
             )
             if self.padded_rows != self.out_features:
@@ -243,11 +245,12 @@ class Q8BlockWeight(WeightStorage):
             return _dense(x, self.dequantize(dtype))
         blocks = self.block_codes.shape[0]
         xb = x.to(PACKED_ACTIVATION_DTYPE).reshape(x.shape[0], blocks, INT4_GROUP)
-        out = None
+        out: torch.Tensor | None = None
         for g in range(blocks):
-            part = torch.ops.aten._weight_int8pack_mm(xb[:, g], self.block_codes[g], self._unit).float()
-            part.mul_(self.block_scales[g].float())
+            part: torch.Tensor = torch.ops.aten._weight_int8pack_mm(xb[:, g], self.block_codes[g], self._unit)
+            part = part.float().mul_(self.block_scales[g].float())
             out = part if out is None else out.add_(part)
+        assert out is not None, "a Q8_0 layer has at least one block of 32 inputs"
         return out.to(x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

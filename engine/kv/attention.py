@@ -30,9 +30,11 @@ read only the new tokens, so a forward where the two differ is refused (Attentio
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from engine.kv.storage import Blocks, PagedKVStorage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTN_IMPLEMENTATION = "kvscope_paged"
 
@@ -59,7 +64,8 @@ class PagedBatch:
     storage: PagedKVStorage
     slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
     seqs: list[SeqSlice]
-    _causal: dict = field(default_factory=dict)  # (seq index, window) -> mask, once per step
+    # (seq index, window) -> mask, once per step
+    _causal: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
     # transformers' layers that wrote K/V and that attended through the pool, this forward
     written: list[int] = field(default_factory=list)
     attended: list[int] = field(default_factory=list)
@@ -99,7 +105,7 @@ def attend(
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
     [T, heads, head_dim]."""
     single = len(batch.seqs) == 1
-    out = None if single else torch.empty_like(q)
+    out = None if single else torch.empty_like(q)  # one sequence: its own output is the result
     for index, seq in enumerate(batch.seqs):
         start = 0 if how.window is None else max(0, seq.context_len - seq.q_len - how.window + 1)
         k, v = storage.read(layer, seq.blocks, start, seq.context_len, q.dtype)  # [kv_heads, L, d]
@@ -117,14 +123,21 @@ def attend(
             o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=causal)[0].transpose(
                 0, 1
             )
-        if single:
+        if out is None:
             return o
-        out[seq.q_start : seq.q_start + seq.q_len] = o  # type: ignore[index]
-    assert out is not None
+        out[seq.q_start : seq.q_start + seq.q_len] = o
+    assert out is not None, "a batch of one sequence returned inside the loop"
     return out
 
 
-def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    how: LayerAttention,
+    causal: bool = False,
+) -> torch.Tensor:
     """[B, heads, n, d] x [B, kv_heads, L, d]: SDPA, or the explicit path for soft-capping/sinks."""
     if how.softcap is None and how.sinks is None:
         return F.scaled_dot_product_attention(
@@ -149,7 +162,8 @@ def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Ten
         probs = torch.softmax(combined.float(), dim=-1).to(q.dtype)[..., :-1]
     else:
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return probs @ v
+    out: torch.Tensor = probs @ v
+    return out
 
 
 # ---- transformers' modeling code --------------------------------------------------------------
@@ -157,8 +171,8 @@ def _sdpa(q, k, v, mask, how: LayerAttention, causal: bool = False) -> torch.Ten
 _ACTIVE_BATCH: ContextVar[PagedBatch | None] = ContextVar("kvscope_paged_batch", default=None)
 
 
-def batch_of(kwargs: dict | None) -> PagedBatch:
-    batch = (kwargs or {}).get("paged_batch") or _ACTIVE_BATCH.get()
+def batch_of(kwargs: dict[str, Any] | None) -> PagedBatch:
+    batch: PagedBatch | None = (kwargs or {}).get("paged_batch") or _ACTIVE_BATCH.get()
     if batch is None:
         raise RuntimeError("paged attention ran outside a paged forward (no batch given)")
     return batch
@@ -168,7 +182,9 @@ class AttentionMismatch(RuntimeError):
     """The model's attention is not what kvscope probed at load: stop rather than be wrong."""
 
 
-def layer_attention(batch: PagedBatch, layer_idx: int, scaling, kwargs: dict) -> LayerAttention:
+def layer_attention(
+    batch: PagedBatch, layer_idx: int, scaling: float | None, kwargs: dict[str, Any]
+) -> LayerAttention:
     """How layer `layer_idx` attends: as probed at load (storage.layers), checked against this
     call (the soft cap, the sinks, and the window where the call names one: some families slide
     through their mask alone); as the call says when the storage has no probe (hand-built)."""
@@ -191,10 +207,18 @@ def layer_attention(batch: PagedBatch, layer_idx: int, scaling, kwargs: dict) ->
 class PagedCache(Cache):
     """A transformers Cache whose `update` writes into the block pool instead of growing tensors."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(layers=[])
 
-    def update(self, key_states, value_states, layer_idx, kwargs=None, *args, **extra):
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **extra: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch_of(kwargs or extra)
         batch.written.append(layer_idx)
         # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
@@ -206,16 +230,26 @@ class PagedCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given explicitly
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return query_length, 0
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """query: [1, heads, T, head_dim] packed over sequences. Returns ([1, T, heads, head_dim], None)."""
     batch = batch_of(kwargs)
-    batch.attended.append(module.layer_idx)
-    how = layer_attention(batch, module.layer_idx, scaling, kwargs)
-    out = attend(batch.storage, module.layer_idx, query[0].transpose(0, 1), batch, how)
+    layer = cast(int, module.layer_idx)  # every transformers attention module numbers its layer
+    batch.attended.append(layer)
+    how = layer_attention(batch, layer, scaling, kwargs)
+    out = attend(batch.storage, layer, query[0].transpose(0, 1), batch, how)
     return out[None], None
 
 
@@ -223,7 +257,7 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 @contextmanager
-def paged_attention(model, batch: PagedBatch | None = None):
+def paged_attention(model: PreTrainedModel, batch: PagedBatch | None = None) -> Iterator[None]:
     """Route the model's attention through the paged kernel for one forward, then restore it
     (so the same model object still serves transformers' own generate() as a reference).
     `batch` reaches layers that drop the forward's kwargs."""

@@ -91,7 +91,8 @@ class KVCacheManager:
         """Free blocks that appending `n` tokens to each `seq` takes, copies included. Of `w`
         writers into one shared block held `r` times, min(w, r - 1) copy it: the last holder to
         write finds it no longer shared."""
-        need, writers = 0, {}
+        need = 0
+        writers: dict[int, tuple[Block, int]] = {}  # block id -> (the block, its writers)
         for seq, n in plans:
             need += max(0, self.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
             shared = self._shared_write_target(seq, n)

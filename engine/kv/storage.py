@@ -19,7 +19,12 @@ the KV calculator).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from engine.model.layer_attention import AttentionSpec
 
 KV_INT8_SCALE_DTYPE = torch.float16
 _INT8_MAX = 127
@@ -41,7 +46,7 @@ class PagedKVStorage:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_dtype: str = "auto",
-        layers: tuple | None = None,
+        layers: tuple[AttentionSpec, ...] | None = None,
     ):
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
@@ -75,7 +80,14 @@ class PagedKVStorage:
         )
 
     @staticmethod
-    def block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_dtype="auto") -> int:
+    def block_bytes(
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: str = "auto",
+    ) -> int:
         """Bytes one block takes over all layers, K and V, scales included (pool sizing)."""
         from engine.model.shapes import kv_bytes_per_token
 
@@ -121,7 +133,9 @@ class PagedKVStorage:
             scales[layer].view(heads, -1).index_copy_(1, slots, scale.t())
 
     # ---- reading ---------------------------------------------------------------------------
-    def read(self, layer: int, blocks: Blocks, start: int, stop: int, dtype: torch.dtype):
+    def read(
+        self, layer: int, blocks: Blocks, start: int, stop: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V at positions [start, stop), through its blocks (a `block_index`
         result covering at least `stop` tokens): two [kv_heads, stop - start, head_dim] tensors,
         dequantized to `dtype` when stored as int8. A view of the pool when the blocks are
@@ -142,7 +156,9 @@ class PagedKVStorage:
             out.append(codes.to(dtype) * scale[..., None].to(dtype))
         return out[0], out[1]
 
-    def gather(self, layer: int, blocks: Blocks, context_len: int, dtype: torch.dtype):
+    def gather(
+        self, layer: int, blocks: Blocks, context_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `context_len` K and V of a sequence: [kv_heads, context_len, head_dim] each."""
         return self.read(layer, blocks, 0, context_len, dtype)
 
@@ -155,7 +171,7 @@ def _tokens(pool: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     return picked.flatten(1, 2)
 
 
-def block_index(block_ids: list[int], device) -> Blocks:
+def block_index(block_ids: list[int], device: torch.device) -> Blocks:
     """How to reach a sequence's blocks in a pool: a slice when the ids are consecutive (the
     blocks are then one view of the pool, nothing is copied), else an index tensor."""
     first = block_ids[0] if block_ids else 0

@@ -14,15 +14,22 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.nn.attention import SDPBackend
+
+    from engine.measure.sweep import Progress, _Bench
+    from engine.model.loaded import LoadedModel
 
 KERNELS = ("math", "flash")
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _backend(kernel: str):
+def _backend(kernel: str) -> SDPBackend:
     from torch.nn.attention import SDPBackend
 
     return {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[kernel]
@@ -45,7 +52,7 @@ def _reset_peak() -> bool:
     return True
 
 
-def measure_prefill(bench, prompt: list[int], kernel: str) -> tuple[float, int | None]:
+def measure_prefill(bench: _Bench, prompt: list[int], kernel: str) -> tuple[float, int | None]:
     """(seconds, peak bytes above the start) of one prefill of `prompt` under `kernel`."""
     from torch.nn.attention import sdpa_kernel
 
@@ -61,7 +68,9 @@ def measure_prefill(bench, prompt: list[int], kernel: str) -> tuple[float, int |
     return seconds, max(0, peak - base)
 
 
-def compare_attention_kernels(loaded, lengths: list[int], repeats: int = 2, progress=None) -> dict:
+def compare_attention_kernels(
+    loaded: LoadedModel, lengths: list[int], repeats: int = 2, progress: Progress | None = None
+) -> dict[str, Any]:
     """Rows per (prompt length, kernel): median prefill time, largest peak memory, score bytes."""
     from engine.measure.sweep import _Bench, _check_lengths, prompt_ids
 
@@ -72,14 +81,14 @@ def compare_attention_kernels(loaded, lengths: list[int], repeats: int = 2, prog
     bench = _Bench(loaded, max(lengths) + 2)
     bench.warm_up()
     heads = loaded.info.num_heads
-    samples: dict[tuple[int, str], list] = {}
+    samples: dict[tuple[int, str], list[tuple[float, int | None]]] = {}
     for n in lengths:
         prompt = prompt_ids(loaded.tokenizer, n)
         for r in range(repeats):
             for kernel in KERNELS if r % 2 == 0 else KERNELS[::-1]:  # alternate: drift hits both
                 report(f"{kernel}: {n} tokens, run {r + 1}/{repeats}")
                 samples.setdefault((n, kernel), []).append(measure_prefill(bench, prompt, kernel))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (n, kernel), runs in samples.items():
         peaks = [p for _, p in runs if p is not None]
         rows.append(

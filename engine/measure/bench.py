@@ -7,15 +7,28 @@ bandwidth floor (bytes read per token / measured memory bandwidth) and MBU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
-from engine.events import TokenGenerated
+from engine.events import Event, TokenGenerated
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from engine.core.llm_engine import LLMEngine
+    from engine.model.loaded import LoadedModel
+
+# (TTFT, inter-token gaps, token ids: None where the path does not report them) of one run
+Run = tuple[float, list[float], list[int] | None]
+Report = dict[str, Any]  # JSON-ready
 
 BENCH_PROMPT = (
     "Explain, in a few paragraphs, why the key-value cache makes autoregressive decoding of a "
@@ -26,15 +39,23 @@ BENCH_PROMPT = (
 class _TokenClock(StoppingCriteria):
     """Records when generate() produced each token (it calls stopping criteria once per step)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.times: list[float] = []
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: tuple[torch.Tensor] | None, **kwargs: Any
+    ) -> torch.BoolTensor:
         self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        # a bool tensor (torch's stubs type the legacy BoolTensor class apart from Tensor)
+        return cast(
+            torch.BoolTensor, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        )
 
 
-def run_hf(model, prompt_ids: list[int], new_tokens: int) -> tuple[float, list[float], list[int]]:
+def run_hf(
+    model: PreTrainedModel, prompt_ids: list[int], new_tokens: int
+) -> tuple[float, list[float], list[int]]:
+    assert isinstance(model, GenerationMixin), "a causal LM has generate()"
     clock = _TokenClock()
     inputs = torch.tensor([prompt_ids], device=model.device)
     start = time.perf_counter()
@@ -48,10 +69,13 @@ def run_hf(model, prompt_ids: list[int], new_tokens: int) -> tuple[float, list[f
             pad_token_id=0,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
-    return clock.times[0] - start, _gaps(clock.times), out[0, len(prompt_ids) :].tolist()
+    ids: list[int] = out[0, len(prompt_ids) :].tolist()
+    return clock.times[0] - start, _gaps(clock.times), ids
 
 
-def run_engine(engine, prompt_ids: list[int], new_tokens: int, events: list):
+def run_engine(
+    engine: LLMEngine, prompt_ids: list[int], new_tokens: int, events: list[Event]
+) -> tuple[float, list[float], list[int]]:
     from engine.config import SamplingParams
     from engine.request import Request
 
@@ -70,7 +94,7 @@ def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def _summary(ttfts: list[float], itls: list[float]) -> dict:
+def _summary(ttfts: list[float], itls: list[float]) -> dict[str, float]:
     itls_sorted = sorted(itls)
     p99 = itls_sorted[min(len(itls_sorted) - 1, int(0.99 * len(itls_sorted)))]
     return {
@@ -86,7 +110,7 @@ PATHS = ("native", "fp32", "int8", "int4", "generate", "llama.cpp")
 SCHEMES = {"native": "native", "fp32": "none", "int8": "int8-weight-only", "int4": "int4-weight-only"}
 
 
-def run_bench(args) -> int:
+def run_bench(args: argparse.Namespace) -> int:
     from engine.config import ModelSpec
     from engine.model.loading import load_model
 
@@ -108,7 +132,7 @@ def run_bench(args) -> int:
     return 0
 
 
-def bench_paths(args, progress) -> dict:
+def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]) -> Report:
     """Every path on the same prompt, new tokens and threads, interleaved round by round."""
     from engine.config import EngineConfig, ModelSpec
     from engine.core.llm_engine import LLMEngine
@@ -136,8 +160,10 @@ def bench_paths(args, progress) -> dict:
         wanted.remove("llama.cpp")
         notes["llama.cpp"] = BUILD_HINT
 
-    engines, loaded_by, sinks = {}, {}, {}
-    baseline = None
+    engines: dict[str, LLMEngine] = {}
+    loaded_by: dict[str, LoadedModel] = {}
+    sinks: dict[str, list[Event]] = {}
+    baseline: PreTrainedModel | None = None
     if "generate" in wanted:  # stock transformers: its own modules, not the engine's kernel layers
         from engine.model.loading import load_transformers_model
 
@@ -158,10 +184,12 @@ def bench_paths(args, progress) -> dict:
     text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt_ids = list(reference.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def run(path: str):
+    def run(path: str) -> Run:
         if path == "generate":
+            assert baseline is not None, "generate() runs on transformers' own model, loaded above"
             return run_hf(baseline, prompt_ids, args.new_tokens)
         if path == "llama.cpp":
+            assert llama_bench is not None and gguf is not None, "llama.cpp runs only when both were found"
             result = run_llama_bench(
                 llama_bench, gguf, len(prompt_ids), args.new_tokens, torch.get_num_threads()
             )
@@ -171,11 +199,12 @@ def bench_paths(args, progress) -> dict:
     progress("warming up", 0.0)
     for path in wanted:
         if path == "generate":
+            assert baseline is not None
             run_hf(baseline, prompt_ids, 4)
         elif path != "llama.cpp":
             run_engine(engines[path], prompt_ids, 4, sinks[path])
-    samples: dict[str, tuple[list, list]] = {p: ([], []) for p in wanted}
-    outputs: dict[str, list] = {}
+    samples: dict[str, tuple[list[float], list[float]]] = {p: ([], []) for p in wanted}
+    outputs: dict[str, list[int]] = {}
     for r in range(args.rounds):
         order = wanted[r % len(wanted) :] + wanted[: r % len(wanted)]  # each path leads a round in turn
         for path in order:
@@ -190,14 +219,14 @@ def bench_paths(args, progress) -> dict:
         results[p]["prefill_tokens_per_s"] = len(prompt_ids) / results[p]["ttft_s"]
         # the decode rate of a typical token: one stall (a page fault, the OS) does not move it
         results[p]["decode_tokens_per_s"] = 1.0 / results[p]["median_itl_s"]
-    split = {}
+    split: dict[str, Any] = {}
     if engines:
         which = "native" if "native" in engines else next(iter(engines))
         progress(f"decode split ({which}, an instrumented run of its own)", 1.0)
         split = {"path": which, **decode_split(engines[which], prompt_ids, args.new_tokens)}
     bandwidth = measure_memory_bandwidth(reference.device)
     mean_context = len(prompt_ids) + args.new_tokens / 2
-    mbu = {}
+    mbu: dict[str, dict[str, float]] = {}
     for path, loaded in loaded_by.items():
         if path in results:
             floor = (loaded.info.weight_bytes + mean_context * loaded.info.kv_bytes_per_token) / bandwidth
@@ -223,11 +252,11 @@ def bench_paths(args, progress) -> dict:
     }
 
 
-def _ratios(r: dict) -> dict:
+def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float | None]:
     """The issue's figures, each a ratio of two paths measured in this run (None when one is absent);
     decode rates are 1 / median ITL."""
 
-    def ratio(a: str, b: str, key: str, invert: bool = False):
+    def ratio(a: str, b: str, key: str, invert: bool = False) -> float | None:
         if a not in r or b not in r:
             return None
         x, y = r[a][key], r[b][key]
@@ -244,7 +273,7 @@ def _ratios(r: dict) -> dict:
     }
 
 
-def _table(r: dict) -> str:
+def _table(r: Report) -> str:
     lines = [
         f"{r['model']} on {r['device']}, {r['threads']} threads, prompt {r['prompt_tokens']} tokens, "
         f"{r['new_tokens']} new, {r['rounds']} rounds interleaved",

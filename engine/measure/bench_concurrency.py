@@ -4,16 +4,21 @@ system prompt. Everything printed is measured in this run."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFinished
+from engine.events import Event, RequestFinished
 from engine.request import Request
 from engine.units import milliseconds
+
+if TYPE_CHECKING:
+    from engine.model.loaded import LoadedModel
 
 TOPICS = [
     "the water cycle", "how a bicycle gear works", "why leaves change colour", "the history of paper",
@@ -36,7 +41,9 @@ def _requests(n: int, new_tokens: int) -> list[Request]:
     ]
 
 
-def _run(engine: LLMEngine, events: list, requests: list[Request]) -> tuple[float, list[RequestFinished]]:
+def _run(
+    engine: LLMEngine, events: list[Event], requests: list[Request]
+) -> tuple[float, list[RequestFinished]]:
     """Submit all requests at once and step until they end; returns wall time and results."""
     events.clear()
     start = time.perf_counter()
@@ -47,8 +54,10 @@ def _run(engine: LLMEngine, events: list, requests: list[Request]) -> tuple[floa
     return time.perf_counter() - start, [e for e in events if isinstance(e, RequestFinished)]
 
 
-def measure_levels(loaded, levels: list[int], new_tokens: int, block_size: int) -> list[dict]:
-    events: list = []
+def measure_levels(
+    loaded: LoadedModel, levels: list[int], new_tokens: int, block_size: int
+) -> list[dict[str, Any]]:
+    events: list[Event] = []
     config = EngineConfig(block_size=block_size, max_num_seqs=max(levels), enable_prefix_caching=False)
     engine = LLMEngine(loaded, config, events.append)
     _run(engine, events, _requests(1, 4))  # warm-up
@@ -74,8 +83,8 @@ def measure_levels(loaded, levels: list[int], new_tokens: int, block_size: int) 
     return out
 
 
-def measure_prefix_cache(loaded, block_size: int) -> dict:
-    events: list = []
+def measure_prefix_cache(loaded: LoadedModel, block_size: int) -> dict[str, Any]:
+    events: list[Event] = []
     engine = LLMEngine(loaded, EngineConfig(block_size=block_size, enable_prefix_caching=True), events.append)
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     results = []
@@ -92,9 +101,9 @@ def measure_prefix_cache(loaded, block_size: int) -> dict:
     }
 
 
-def run_concurrency_bench(args, loaded) -> int:
+def run_concurrency_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
-    report = {
+    report: dict[str, Any] = {
         "model": loaded.info.name,
         "dtype": loaded.info.dtype,
         "new_tokens": args.new_tokens,

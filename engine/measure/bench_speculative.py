@@ -5,14 +5,19 @@ it is: speculation costs a draft and a wider verify forward, and pays only when 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFinished
+from engine.events import Event, RequestFinished
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.model.loaded import LoadedModel
 
 PASSAGE = (
     "The lighthouse stood at the end of the long stone pier. Every night the keeper climbed "
@@ -33,8 +38,10 @@ def proposers(num_layers: int, num_draft: int) -> dict[str, SpeculativeConfig | 
     }
 
 
-def _one(loaded, spec, prompt: str, new_tokens: int, block_size: int) -> tuple[RequestFinished, float]:
-    events: list = []
+def _one(
+    loaded: LoadedModel, spec: SpeculativeConfig | None, prompt: str, new_tokens: int, block_size: int
+) -> tuple[RequestFinished, float]:
+    events: list[Event] = []
     engine = LLMEngine(loaded, EngineConfig(block_size=block_size, speculative=spec), events.append)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     engine.add_request(Request.chat(prompt, sampling=params))
@@ -45,17 +52,17 @@ def _one(loaded, spec, prompt: str, new_tokens: int, block_size: int) -> tuple[R
     return done, time.perf_counter() - start
 
 
-def run_speculative_bench(args, loaded) -> int:
+def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     configs = proposers(loaded.info.num_layers, args.num_draft)
     _one(loaded, None, "Hello", 4, args.block_size)  # warm-up
-    report = {
+    report: dict[str, Any] = {
         "model": loaded.info.name,
         "dtype": loaded.info.dtype,
         "new_tokens": args.new_tokens,
         "tasks": {},
     }
     for task, prompt in TASKS.items():
-        rows = {}
+        rows: dict[str, dict[str, Any]] = {}
         for name, spec in configs.items():
             print(f"{task}: {name}", file=sys.stderr)
             done, seconds = _one(loaded, spec, prompt, args.new_tokens, args.block_size)

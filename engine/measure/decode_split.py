@@ -13,18 +13,24 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.events import StepStats
+from engine.events import Event, StepStats
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
 class _Clock:
     totals: dict[str, float] = field(default_factory=dict)
 
-    def wrap(self, name: str, fn: Callable) -> Callable:
+    def wrap(self, name: str, fn: Callable[..., R]) -> Callable[..., R]:
         totals = self.totals
 
-        def timed(*args, **kwargs):
+        def timed(*args: Any, **kwargs: Any) -> R:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -39,7 +45,7 @@ class _Clock:
         return out
 
 
-def decode_split(engine, prompt_ids: list[int], new_tokens: int) -> dict[str, float]:
+def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> dict[str, float]:
     """Median milliseconds per decode step (one sequence, so per token) in each part."""
     import engine.kv.attention as attention_module
     import engine.model.llama_forward as forward_module
@@ -50,7 +56,7 @@ def decode_split(engine, prompt_ids: list[int], new_tokens: int) -> dict[str, fl
     clock = _Clock()
     restore: list[tuple[object, str, object]] = []
 
-    def patch(owner, name: str, part: str) -> None:
+    def patch(owner: object, name: str, part: str) -> None:
         original = getattr(owner, name)
         restore.append((owner, name, original))
         setattr(owner, name, clock.wrap(part, original))
@@ -65,7 +71,7 @@ def decode_split(engine, prompt_ids: list[int], new_tokens: int) -> dict[str, fl
     emit = engine.emit
     events_s = [0.0]
 
-    def timed_emit(event):
+    def timed_emit(event: Event) -> None:
         start = time.perf_counter()
         emit(event)
         events_s[0] += time.perf_counter() - start

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class DeviceLimits:
         """FLOP per byte at which the compute roof meets the bandwidth slope."""
         return self.peak_flops / self.bandwidth
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ridge_flops_per_byte": self.ridge}
 
 

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from engine.resources import resource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EVAL_TEXT_PATH = resource("engine/data/eval_text.txt")
 # Positions compared per slice: bounds the float32 temporaries to ~ROWS x vocab at a time.
@@ -65,13 +69,15 @@ def eval_text() -> str:
     return EVAL_TEXT_PATH.read_text(encoding="utf-8")
 
 
-def eval_token_ids(tokenizer) -> list[int]:
+def eval_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The shipped evaluation text as plain prose tokens (no chat template, no special tokens)."""
     return list(tokenizer(eval_text(), add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
-def teacher_forced_logits(model, token_ids: list[int], kv_dtype: str = "auto") -> torch.Tensor:
+def teacher_forced_logits(
+    model: PreTrainedModel, token_ids: list[int], kv_dtype: str = "auto"
+) -> torch.Tensor:
     """float32 logits [len(token_ids), vocab] of one forward over `token_ids`.
 
     kv_dtype 'auto' is a plain transformers forward; 'int8' runs through kvscope's paged
@@ -82,11 +88,12 @@ def teacher_forced_logits(model, token_ids: list[int], kv_dtype: str = "auto") -
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     if kv_dtype == "auto":
-        return model(input_ids=ids).logits[0].float()
+        logits: torch.Tensor = model(input_ids=ids).logits
+        return logits[0].float()
     return _paged_logits(model, ids, kv_dtype)
 
 
-def _paged_logits(model, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+def _paged_logits(model: PreTrainedModel, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
     from engine.kv.storage import PagedKVStorage
     from engine.model.layer_attention import probe_attention
@@ -112,7 +119,8 @@ def _paged_logits(model, ids: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     batch = PagedBatch(storage, positions, [SeqSlice(0, n, n, slice(0, num_blocks))])
     with paged_attention(model, batch):
         out = model(input_ids=ids, position_ids=positions[None], cache=PagedCache(), paged_batch=batch)
-    return out.logits[0].float()
+    logits: torch.Tensor = out.logits
+    return logits[0].float()
 
 
 def compare_logits(reference: torch.Tensor, quantized: torch.Tensor, token_ids: list[int]) -> QualityReport:
@@ -139,7 +147,10 @@ def compare_logits(reference: torch.Tensor, quantized: torch.Tensor, token_ids: 
 
 
 def compare_models(
-    reference_model, quantized_model, token_ids: list[int], kv_dtype: str = "auto"
+    reference_model: PreTrainedModel,
+    quantized_model: PreTrainedModel,
+    token_ids: list[int],
+    kv_dtype: str = "auto",
 ) -> QualityReport:
     """Teacher-forced comparison of two models on `token_ids` (e.g. the current conversation);
     `kv_dtype` applies to the quantized model only, the reference always runs in full precision."""
@@ -149,7 +160,9 @@ def compare_models(
 
 
 @torch.no_grad()
-def layer_output_errors(reference_model, quantized_model, rows: int = 8, seed: int = 0) -> dict[str, float]:
+def layer_output_errors(
+    reference_model: torch.nn.Module, quantized_model: torch.nn.Module, rows: int = 8, seed: int = 0
+) -> dict[str, float]:
     """Per decoder linear (by name): the relative L2 error of the quantized model's layer output
     against the reference model's layer, on one fixed standard-normal input per layer.
 
@@ -161,10 +174,12 @@ def layer_output_errors(reference_model, quantized_model, rows: int = 8, seed: i
 
     generator = torch.Generator().manual_seed(seed)
     param = next(reference_model.parameters())
-    errors = {}
+    errors: dict[str, float] = {}
     for name, reference in decoder_linears(reference_model):
         layer = quantized_model.get_submodule(name)
-        x = torch.randn(rows, reference.in_features, generator=generator).to(param.device, param.dtype)
+        # a plain int attribute of every linear-like layer (nn.Module's typing says Tensor | Module)
+        width = cast(int, reference.in_features)
+        x = torch.randn(rows, width, generator=generator).to(param.device, param.dtype)
         want = reference(x).float()
         errors[name] = ((layer(x).float() - want).norm() / want.norm()).item()
     return errors

@@ -10,16 +10,22 @@ beside the timings, so a panel can plot both without recomputing anything.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFailed, RequestFinished, StepStats
+from engine.events import Event, RequestFailed, RequestFinished, StepCost, StepStats
 from engine.measure.device_limits import DeviceLimits
 from engine.measure.roofline import bound, step_cost
 from engine.model.shapes import ModelShapes
 from engine.request import Request
 from engine.units import mbu, mfu
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.model.loaded import LoadedModel
 
 # Real text, tokenized and repeated to the length a sweep asks for: token identities do not change
 # the cost of a step, but a prompt of real text keeps the run what a user would send.
@@ -30,11 +36,14 @@ FILLER_TEXT = (
 )
 BLOCK_SIZE = 16
 Progress = Callable[[str], None]
+Row = dict[str, Any]  # one JSON-ready row of a sweep
+Steps = list[tuple[StepStats, int]]  # a phase's steps with their LM-head rows
+T = TypeVar("T")
 
 
-def prompt_ids(tokenizer, length: int) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, length: int) -> list[int]:
     """`length` token ids of FILLER_TEXT, repeated as often as needed."""
-    base = tokenizer(FILLER_TEXT, add_special_tokens=False)["input_ids"]
+    base: list[int] = tokenizer(FILLER_TEXT, add_special_tokens=False)["input_ids"]
     return (base * (length // len(base) + 1))[:length]
 
 
@@ -50,7 +59,7 @@ def _check_lengths(lengths: list[int], what: str) -> list[int]:
 class _Bench:
     """One loaded model and an engine sized to hold the longest run of a sweep."""
 
-    def __init__(self, loaded, max_tokens: int, max_seqs: int = 1):
+    def __init__(self, loaded: LoadedModel, max_tokens: int, max_seqs: int = 1):
         limit = loaded.info.max_position_embeddings
         if max_tokens > limit:
             raise ConfigError(
@@ -70,7 +79,7 @@ class _Bench:
             max_num_batched_tokens=max(2048, max_tokens * max_seqs),
             enable_prefix_caching=False,
         )
-        self.events: list = []
+        self.events: list[Event] = []
         self.engine = LLMEngine(loaded, config, self.events.append)
 
     def run(self, prompt: list[int], new_tokens: int, copies: int = 1) -> list[RequestFinished]:
@@ -90,14 +99,20 @@ class _Bench:
         """The first forwards pay one-off costs (allocator, kernel selection) no length should carry."""
         self.run(prompt_ids(self.loaded.tokenizer, 16), 3)
 
-    def cost(self, seq_shapes, logit_rows=None):
+    def cost(self, seq_shapes: Iterable[tuple[int, int]], logit_rows: int | None = None) -> StepCost:
         return step_cost(self.shapes, seq_shapes, self.dtype_bytes, self.dtype_bytes, logit_rows)
 
 
-def _interleaved(benches: dict[str, _Bench], lengths: list[int], repeats: int, measure, progress):
+def _interleaved(
+    benches: dict[str, _Bench],
+    lengths: list[int],
+    repeats: int,
+    measure: Callable[[_Bench, int], T],
+    progress: Progress,
+) -> dict[tuple[str, int], list[T]]:
     """samples[(dtype, length)] = `repeats` measurements, with the dtypes alternating order every
     repeat so that drift (thermal, other processes) falls on all of them alike."""
-    samples: dict[tuple[str, int], list] = {}
+    samples: dict[tuple[str, int], list[T]] = {}
     names = list(benches)
     for n in lengths:
         for r in range(repeats):
@@ -108,14 +123,16 @@ def _interleaved(benches: dict[str, _Bench], lengths: list[int], repeats: int, m
     return samples
 
 
-def _add_ratios(rows: list[dict], key: str, length_key: str, baseline: str) -> None:
+def _add_ratios(rows: list[Row], key: str, length_key: str, baseline: str) -> None:
     """Each row's `key` relative to the baseline dtype's at the same length."""
     base = {row[length_key]: row[key] for row in rows if row["dtype"] == baseline}
     for row in rows:
         row[f"{key}_vs_{baseline}"] = row[key] / base[row[length_key]]
 
 
-def _prompt_rows(benches, lengths, repeats, progress) -> list[dict]:
+def _prompt_rows(
+    benches: dict[str, _Bench], lengths: list[int], repeats: int, progress: Progress
+) -> list[Row]:
     def measure(bench: _Bench, n: int) -> float:
         (finished,) = bench.run(prompt_ids(bench.loaded.tokenizer, n), 1)
         return finished.stats.ttft_s
@@ -141,7 +158,9 @@ def _prompt_rows(benches, lengths, repeats, progress) -> list[dict]:
     return rows
 
 
-def _context_rows(benches, contexts, decode_tokens, repeats, progress) -> list[dict]:
+def _context_rows(
+    benches: dict[str, _Bench], contexts: list[int], decode_tokens: int, repeats: int, progress: Progress
+) -> list[Row]:
     def measure(bench: _Bench, n: int) -> list[float]:
         # decode_tokens + 1 new tokens: the first comes from the prefill, then decode_tokens gaps.
         (finished,) = bench.run(prompt_ids(bench.loaded.tokenizer, n), decode_tokens + 1)
@@ -177,8 +196,8 @@ def _progress(progress: Progress | None) -> Progress:
 
 
 def sweep_prompt_lengths(
-    loaded, lengths: list[int], repeats: int = 3, progress: Progress | None = None
-) -> list[dict]:
+    loaded: LoadedModel, lengths: list[int], repeats: int = 3, progress: Progress | None = None
+) -> list[Row]:
     """TTFT per prompt length (median of `repeats`), one row per length, in the order given."""
     lengths = _check_lengths(lengths, "prompt length")
     bench = _Bench(loaded, max(lengths) + 1)
@@ -187,8 +206,12 @@ def sweep_prompt_lengths(
 
 
 def sweep_context_lengths(
-    loaded, contexts: list[int], decode_tokens: int = 8, repeats: int = 2, progress: Progress | None = None
-) -> list[dict]:
+    loaded: LoadedModel,
+    contexts: list[int],
+    decode_tokens: int = 8,
+    repeats: int = 2,
+    progress: Progress | None = None,
+) -> list[Row]:
     """Median ITL of `decode_tokens` decode steps after a prompt of each context length."""
     contexts = _check_lengths(contexts, "context length")
     if decode_tokens < 1:
@@ -207,7 +230,7 @@ def compare_dtypes(
     decode_tokens: int = 8,
     repeats: int = 2,
     progress: Progress | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Both sweeps for `source` loaded in each of `dtypes` (all held at once and measured
     interleaved), each row with its ratio to the first dtype's figure at the same length.
 
@@ -219,7 +242,7 @@ def compare_dtypes(
         raise ConfigError(f"give one or more different dtypes, got {dtypes}")
     prompt_lengths = _check_lengths(prompt_lengths, "prompt length")
     context_lengths = _check_lengths(context_lengths, "context length")
-    benches = {}
+    benches: dict[str, _Bench] = {}
     for dtype in dtypes:
         report(f"loading {source} in {dtype}")
         # dense weights in each dtype: what the sweep compares (a GGUF's own bits would not change)
@@ -243,14 +266,14 @@ def compare_dtypes(
 
 # ---- roofline points ---------------------------------------------------------------------------
 def measure_roofline_points(
-    loaded,
+    loaded: LoadedModel,
     limits: DeviceLimits,
     prompt_tokens: int = 256,
     decode_steps: int = 16,
-    batch_sizes: list[int] = (1, 4),
+    batch_sizes: Sequence[int] = (1, 4),
     rounds: int = 2,
     progress: Progress | None = None,
-) -> list[dict]:
+) -> list[Row]:
     """For each batch size: `batch` requests of `prompt_tokens` prefilled together in one step,
     then `decode_steps` decode steps of all of them. Each phase becomes one roofline point:
     counted FLOPs and bytes per step, measured forward time per step, MFU, MBU, and which side
@@ -268,7 +291,7 @@ def measure_roofline_points(
     prompt = prompt_ids(loaded.tokenizer, prompt_tokens)
     points = []
     for batch in batch_sizes:
-        fastest: dict[str, list] = {}
+        fastest: dict[str, Steps] = {}
         for r in range(rounds):
             report(
                 f"batch {batch}, round {r + 1}/{rounds}: prefill {prompt_tokens} tokens x {batch}, "
@@ -283,7 +306,7 @@ def measure_roofline_points(
     return points
 
 
-def _phases(steps, batch: int) -> dict[str, list]:
+def _phases(steps: Steps, batch: int) -> dict[str, Steps]:
     """The scheduler prefills all prompts in one step and then decodes them together; a step
     that mixes both (none in this scenario) would belong to neither phase."""
     return {
@@ -294,11 +317,11 @@ def _phases(steps, batch: int) -> dict[str, list]:
     }
 
 
-def _forward_s(group) -> float:
+def _forward_s(group: Steps) -> float:
     return sum(stats.forward_s for stats, _ in group)
 
 
-def _point(bench: _Bench, limits: DeviceLimits, phase: str, batch: int, group, rounds: int) -> dict:
+def _point(bench: _Bench, limits: DeviceLimits, phase: str, batch: int, group: Steps, rounds: int) -> Row:
     """One roofline point from steps of one phase: totals over the steps, reported per step.
     The time is the model forward's (forward_s), the part the FLOP and byte counts describe."""
     costs = [bench.cost(stats.seq_shapes, rows) for stats, rows in group]

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.model.errors import ModelLoadError
@@ -56,7 +57,7 @@ def is_converted(folder: Path, fingerprint: str) -> bool:
     return marker.is_file() and marker.read_text() == fingerprint
 
 
-def publish_atomically(folder: Path, fingerprint: str, write) -> Path:
+def publish_atomically(folder: Path, fingerprint: str, write: Callable[[Path], object]) -> Path:
     """Run `write(tmp_dir)` into a fresh temp folder beside `folder`, stamp it with the source
     marker, then swap it into place with a rename. A conversion killed half-way leaves only a
     temp folder (never a folder that looks converted); a stale folder is replaced whole."""
@@ -83,7 +84,7 @@ def publish_atomically(folder: Path, fingerprint: str, write) -> Path:
 
 # ---- the packaged default, converted once ----------------------------------------------------
 @contextlib.contextmanager
-def exclusive(name: str):
+def exclusive(name: str) -> Iterator[None]:
     """Serialize conversions between processes (two test runs, the app and the CLI): the second
     waits, then finds the folder already converted. No-op where fcntl is missing (Windows)."""
     root = writable_cache_dir(cache_root())

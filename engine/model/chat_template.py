@@ -12,6 +12,14 @@ Three cases, each said to the user rather than hidden:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.request import Request
+
+Message = dict[str, str]  # {"role": ..., "content": ...}, as chat templates take them
 
 NOTE_SYSTEM_MERGED = (
     "This model's chat template has no system role: the system prompt is put at the start of the "
@@ -31,15 +39,17 @@ class ChatPrompt:
     note: str = ""  # what kvscope changed about the conversation, for the user; "" when nothing
 
 
-def has_chat_template(tokenizer) -> bool:
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str), "a template applied with tokenize=False renders text"
+    return text
 
 
-def merge_system(messages: list[dict]) -> list[dict]:
+def merge_system(messages: list[Message]) -> list[Message]:
     """The system messages folded into the first user message (or one made for them)."""
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])
     rest = [dict(m) for m in messages if m["role"] != "system"]
@@ -52,7 +62,7 @@ def merge_system(messages: list[dict]) -> list[dict]:
     return [{"role": "user", "content": system}, *rest]
 
 
-def plain_text(messages: list[dict]) -> str:
+def plain_text(messages: list[Message]) -> str:
     lines = []
     for m in messages:
         if m["role"] == "system":
@@ -67,7 +77,7 @@ class ChatTemplateError(ValueError):
     """The model's template refuses the conversation even with the system prompt merged."""
 
 
-def _render_or_refuse(tokenizer, messages: list[dict]) -> str:
+def _render_or_refuse(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
     from jinja2.exceptions import TemplateError
 
     try:
@@ -76,7 +86,7 @@ def _render_or_refuse(tokenizer, messages: list[dict]) -> str:
         raise ChatTemplateError(f"The model's chat template refuses this conversation: {exc}") from None
 
 
-def render_chat(tokenizer, messages: list[dict]) -> ChatPrompt:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> ChatPrompt:
     """`messages` ({'role', 'content'} dicts) as the model's prompt, ending where its reply starts."""
     from jinja2.exceptions import TemplateError
 
@@ -99,7 +109,7 @@ def render_chat(tokenizer, messages: list[dict]) -> ChatPrompt:
     return ChatPrompt(list(tokenizer(text, add_special_tokens=False)["input_ids"]), text, note)
 
 
-def prompt_ids(tokenizer, request) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
     """The token ids of a Request: its own ids, or its conversation rendered, then its reply prefix."""
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
@@ -107,7 +117,7 @@ def prompt_ids(tokenizer, request) -> list[int]:
     return render_chat(tokenizer, messages).ids + list(request.reply_prefix_ids)
 
 
-def chat_note(tokenizer) -> str:
+def chat_note(tokenizer: PreTrainedTokenizerBase) -> str:
     """What kvscope does to this tokenizer's conversations, said once when the model loads."""
     if not has_chat_template(tokenizer):
         return NOTE_PLAIN_TEXT

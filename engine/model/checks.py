@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.measure.memory import available_memory_bytes
 from engine.model.errors import ModelLoadError
 from engine.model.shapes import ModelShapes
 from engine.units import format_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # ---- device, dtype, memory -------------------------------------------------------------------
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +45,7 @@ def check_dtype_on_device(dtype: str, device: torch.device) -> None:
 
 
 def check_fits(
-    config,
+    config: PreTrainedConfig,
     dtype: str,
     device: torch.device,
     name: str,

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.model.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PreTrainedConfig
+
     from engine.model.sources import ModelSource
 
 
 # ---- reading configs without weights ---------------------------------------------------------
-def causal_lm_problem(raw: dict) -> str | None:
+def causal_lm_problem(raw: dict[str, Any]) -> str | None:
     """Why a config (as a plain dict) is not a text-generating model transformers can load,
     or None when it is one. Cheap: no config class is built, no weights are read."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -48,7 +52,7 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def read_folder_config(folder: Path):
+def read_folder_config(folder: Path) -> PreTrainedConfig:
     """The transformers config of an HF model folder, checked to be a loadable causal LM."""
     from transformers import AutoConfig
 
@@ -71,7 +75,8 @@ def read_folder_config(folder: Path):
     if problem:
         raise ModelLoadError(f"{folder} cannot be loaded as a chat model: {problem}.")
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        config: PreTrainedConfig = AutoConfig.from_pretrained(folder, local_files_only=True)
+        return config
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ModelLoadError(
             f"The configuration in {config_path} could not be read: {first_line(exc)}."
@@ -90,7 +95,7 @@ _GGUF_ARCH_RENAMES = {
 _GGUF_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
-def open_gguf(path: Path):
+def open_gguf(path: Path) -> GGUFReader:
     """A gguf.GGUFReader over `path`, with header and tensor extents checked: a truncated or
     garbage file becomes a ModelLoadError, not a numpy error half-way through loading.
 
@@ -106,7 +111,7 @@ def open_gguf(path: Path):
     return reader
 
 
-_READER_CACHE: dict[str, tuple] = {}
+_READER_CACHE: dict[str, tuple[tuple[str, int, int], GGUFReader]] = {}
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -117,7 +122,7 @@ def _stamp(path: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def _open_gguf(path: Path):
+def _open_gguf(path: Path) -> GGUFReader:
     import gguf
 
     broken = (
@@ -134,12 +139,12 @@ def _open_gguf(path: Path):
     return reader
 
 
-def _gguf_value(reader, key: str):
+def _gguf_value(reader: GGUFReader, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 
 
-def read_gguf_config(path: Path):
+def read_gguf_config(path: Path) -> PreTrainedConfig:
     """A transformers config built from a GGUF file's metadata only (its tensors stay on disk),
     with the key mapping transformers itself uses when it loads the file."""
     reader = open_gguf(path)
@@ -152,7 +157,9 @@ def read_gguf_config(path: Path):
     )
 
 
-def gguf_metadata_config(value_of, tensor_names: set[str], vocab_len: int | None, name: str):
+def gguf_metadata_config(
+    value_of: Callable[[str], Any], tensor_names: set[str], vocab_len: int | None, name: str
+) -> PreTrainedConfig:
     """The config transformers would build from GGUF metadata: `value_of(key)` reads a metadata
     value (None when absent), `tensor_names` are the file's tensors (an untied head has
     'output.weight'), `vocab_len` is the tokenizer's token count. Shared by local files and the
@@ -169,11 +176,14 @@ def gguf_metadata_config(value_of, tensor_names: set[str], vocab_len: int | None
             "cannot load from GGUF. Choose a GGUF of a supported family (Llama, Mistral, Qwen, Gemma, Phi-3, ...) "
             "or the model's Hugging Face folder."
         )
-    mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
-    kwargs = {}
+    # GGUF key -> config key, None or -1 for keys transformers drops (its table mixes value types)
+    mapping = cast(
+        "dict[str, str | int | None]", GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[arch]
+    )
+    kwargs: dict[str, Any] = {}
     for gguf_key, config_key in mapping.items():
         value = value_of(f"{arch}.{gguf_key}")
-        if value is None or config_key is None or config_key == -1:
+        if value is None or not isinstance(config_key, str):  # None or -1: a key transformers drops
             continue
         # Per-layer lists (hybrid models) size the cache by their largest entry.
         kwargs[config_key] = max(value) if isinstance(value, list) else value
@@ -197,6 +207,6 @@ def gguf_metadata_config(value_of, tensor_names: set[str], vocab_len: int | None
     return config
 
 
-def read_config(src: ModelSource):
+def read_config(src: ModelSource) -> PreTrainedConfig:
     """The config of any source, reading metadata only (never the weights)."""
     return read_gguf_config(src.path) if src.is_gguf else read_folder_config(src.path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,8 +25,11 @@ from engine.model.sources import (
     default_tokenizer_folder,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def load_default_tokenizer():
+
+def load_default_tokenizer() -> PreTrainedTokenizerBase:
     """The SmolLM2 tokenizer (with its chat template) of the packaged default model.
 
     Fast paths: the converted model folder, then the cached tokenizer folder. Otherwise the
@@ -53,8 +57,9 @@ def _convert_gguf_to_folder(gguf: Path, target: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     # The weights are plain float32 now; the GGUF quantization config only blocks saving.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     model.save_pretrained(target)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).save_pretrained(
         target

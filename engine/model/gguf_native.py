@@ -15,9 +15,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine.kernels import gguf_blocks
@@ -27,6 +29,11 @@ from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
 from engine.model.configs import open_gguf, read_gguf_config
 from engine.model.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
+    from transformers import PreTrainedConfig, PreTrainedModel
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
 NATIVE = "native"
 
 
@@ -34,8 +41,8 @@ NATIVE = "native"
 class NativeReport:
     """What native loading kept and what it had to dequantize, for the load message."""
 
-    kept: Counter = field(default_factory=Counter)  # GGUF type name -> tensors kept in it
-    dequantized: Counter = field(default_factory=Counter)  # GGUF type name -> tensors dequantized
+    kept: Counter[str] = field(default_factory=Counter)  # GGUF type name -> tensors kept in it
+    dequantized: Counter[str] = field(default_factory=Counter)  # GGUF type name -> tensors dequantized
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -66,7 +73,7 @@ class QuantEmbedding(nn.Module):
 
 def load_native(
     path: Path, dtype: torch.dtype, policy: KernelPolicy, report: Callable[[str, float], None]
-) -> tuple[nn.Module, NativeReport]:
+) -> tuple[PreTrainedModel, NativeReport]:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -77,9 +84,11 @@ def load_native(
     reader = open_gguf(path)
     config = read_gguf_config(path)
     arch = str(reader.fields["general.architecture"].contents())
+    model: PreTrainedModel
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    processor = processor_class(config=config.to_dict())
     names = _name_map(model, arch, reader)
     if names is None:  # transformers' own (slower, recursive) mapping handles the unusual layouts
         try:
@@ -110,7 +119,7 @@ def load_native(
             _set_module(model, module_name, KernelLinear(storage, module.bias, policy))
             result.kept[qtype.name] += 1
             continue
-        if keep and qtype == gguf_blocks.Q.Q8_0 and isinstance(module, nn.Embedding):
+        if keep and qtype == GGMLQuantizationType.Q8_0 and isinstance(module, nn.Embedding):
             storage = gguf_blocks.q8_storage(np.asarray(tensor.data), cols)
             _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
             embedding_storage = storage
@@ -123,7 +132,7 @@ def load_native(
     return model.eval(), result
 
 
-def _name_map(model: nn.Module, arch: str, reader) -> dict[str, str] | None:
+def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str, str] | None:
     """GGUF tensor name -> the model's parameter name, with one gguf-py name table (transformers
     builds one per submodule); None when some tensor of the file is left unmapped."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
@@ -132,7 +141,7 @@ def _name_map(model: nn.Module, arch: str, reader) -> dict[str, str] | None:
     if not archs:
         return None
     table = get_tensor_name_map(archs[0], model.config.num_hidden_layers)
-    names = {}
+    names: dict[str, str] = {}
     for hf_name in model.state_dict():
         base, dot, suffix = hf_name.rpartition(".")
         gguf = table.get_name(base)
@@ -145,14 +154,16 @@ def _name_map(model: nn.Module, arch: str, reader) -> dict[str, str] | None:
     return names
 
 
-def _storage(tensor, qtype, cols: int, order: np.ndarray | None) -> WeightStorage:
+def _storage(
+    tensor: ReaderTensor, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
+) -> WeightStorage:
     raw = np.asarray(tensor.data)
     if qtype in gguf_blocks.INT4_TYPES:
         return gguf_blocks.int4_storage(raw, qtype, cols, order)
     return gguf_blocks.q8_storage(raw, cols, order)
 
 
-def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+def _row_order(processor: TensorProcessor, name: str, rows: int) -> np.ndarray | None:
     """The row permutation the processor applies to this tensor, found by running it on the row
     numbers; None when it leaves rows alone. A processor that changes values is refused here
     (such tensors are not linear weights kvscope keeps)."""
@@ -166,7 +177,15 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
     return order.astype(np.int64)
 
 
-def _assign_dense(model, module, attr, hf_name, tensor, processor, dtype) -> None:
+def _assign_dense(
+    model: nn.Module,
+    module: nn.Module,
+    attr: str,
+    hf_name: str,
+    tensor: ReaderTensor,
+    processor: TensorProcessor,
+    dtype: torch.dtype,
+) -> None:
     from gguf.quants import dequantize
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)
@@ -183,7 +202,12 @@ def _assign_dense(model, module, attr, hf_name, tensor, processor, dtype) -> Non
     setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
 
-def _tie_head(model, config, embedding_storage: WeightStorage | None, policy: KernelPolicy) -> None:
+def _tie_head(
+    model: PreTrainedModel,
+    config: PreTrainedConfig,
+    embedding_storage: WeightStorage | None,
+    policy: KernelPolicy,
+) -> None:
     head = model.get_output_embeddings()
     if isinstance(head, KernelLinear):  # the file has its own output weights
         model.lm_head = KernelHead(head.storage, head.bias, policy)
@@ -193,10 +217,12 @@ def _tie_head(model, config, embedding_storage: WeightStorage | None, policy: Ke
         return
     embed = model.get_input_embeddings()
     if isinstance(head, nn.Linear) and head.weight.is_meta:
-        model.lm_head = KernelHead(DenseWeight(embed.weight, columns=False), None, policy)  # tied: one tensor
+        weight = embed.weight
+        assert isinstance(weight, torch.Tensor), "an input embedding holds its table as a weight"
+        model.lm_head = KernelHead(DenseWeight(weight, columns=False), None, policy)  # tied: one tensor
 
 
-def _materialize_rest(model, config, dtype) -> None:
+def _materialize_rest(model: PreTrainedModel, config: PreTrainedConfig, dtype: torch.dtype) -> None:
     """Buffers computed at construction (rotary frequencies) were made on the meta device: build
     those modules again for real; any parameter still on meta means the file lacks a tensor."""
     for name, module in list(model.named_modules()):

@@ -7,6 +7,8 @@ whose KV fits in a memory budget next to the weights.
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.config import DTYPES, ConfigError
 from engine.measure.memory import available_memory_bytes
 from engine.model.checks import resolve_device
@@ -19,7 +21,7 @@ from engine.model.support import support_for
 
 def inspect_model(
     source: str, dtype: str = "float32", context: int | None = None, budget_gib: float | None = None
-) -> dict:
+) -> dict[str, Any]:
     """Shapes and memory figures of `source` ('default', a folder, a .gguf file or a cached repo
     id) in `dtype`. `context` defaults to the model's maximum; `budget_gib` defaults to the memory
     available now on the device a load would pick.
@@ -40,7 +42,7 @@ def inspect_model(
     except Exception:  # noqa: BLE001 - per-layer shapes (heterogeneous configs), missing fields
         why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
         raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
-    report = {"name": src.name, "source": source, "path": str(src.path)}
+    report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib)))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
@@ -62,7 +64,7 @@ def memory_estimate(
     context: int | None,
     budget: tuple[int, str],
     weight_bytes: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Weights + KV for `context` tokens (the model's maximum when None) against `budget`, the
     figures inspect-model prints and the Hub's file list shows before a download. `weight_bytes`
     overrides the estimate from the shapes (a GGUF loaded as stored)."""

@@ -25,11 +25,24 @@ hands it a mask of another shape (chunks, bidirectional spans) or a position bia
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.model.errors import first_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from engine.model.shapes import ModelShapes
+
+# transformers' mask function: (batch, head, q_idx, kv_idx) -> whether the key is visible
+MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+# One recorded attention call: what it asked for, the mask it was handed, the keyword arguments
+# the paged attention would not apply, and (K heads, K width, V heads, V width)
+Call = tuple["AttentionSpec", object, list[str], tuple[int, int, int, int]]
 
 PROBE_IMPLEMENTATION = "kvscope_probe"
 
@@ -63,7 +76,7 @@ class AttentionSpec:
         return self.softcap is None and not self.sinks
 
     @staticmethod
-    def of_call(kwargs: dict) -> AttentionSpec:
+    def of_call(kwargs: dict[str, Any]) -> AttentionSpec:
         window = kwargs.get("sliding_window")
         softcap = kwargs.get("softcap")
         return AttentionSpec(
@@ -91,12 +104,12 @@ class MaskShape:
 _MASK_PROBE_QUERIES = (0, 1, 5, 1000, 123_457, 1_000_003)
 
 
-def _visible(mask_function, q: int, kv: torch.Tensor) -> torch.Tensor:
+def _visible(mask_function: MaskFunction, q: int, kv: torch.Tensor) -> torch.Tensor:
     zero = torch.tensor(0)
     return torch.as_tensor(mask_function(zero, zero, torch.tensor(q), kv)).expand(kv.shape).bool()
 
 
-def _span(mask_function, q: int) -> int | None:
+def _span(mask_function: MaskFunction, q: int) -> int | None:
     """How many keys up to and including q the query at q sees, when they are the last ones
     before it (a causal window); None for any other pattern (a later key, a gap)."""
     if _visible(mask_function, q, torch.tensor([q + 1, q + 2])).any():
@@ -117,13 +130,14 @@ def _span(mask_function, q: int) -> int | None:
     return hi
 
 
-def mask_shape(mask_function) -> MaskShape:
+def mask_shape(mask_function: MaskFunction) -> MaskShape:
     """Read a transformers mask function (batch, head, q_idx, kv_idx) -> bool at a few positions."""
     try:
-        spans = [_span(mask_function, q) for q in _MASK_PROBE_QUERIES]
+        found = [_span(mask_function, q) for q in _MASK_PROBE_QUERIES]
     except Exception:  # noqa: BLE001 - a mask that needs more than positions (padding, chunks)
         return MaskShape("other")
-    if None in spans:
+    spans = [span for span in found if span is not None]
+    if len(spans) != len(found):
         return MaskShape("other")
     if all(span == q + 1 for span, q in zip(spans, _MASK_PROBE_QUERIES)):
         return MaskShape("causal")
@@ -133,11 +147,20 @@ def mask_shape(mask_function) -> MaskShape:
     return MaskShape("other")
 
 
-def _record_calls(model, calls: dict[int, list]) -> None:
+def _record_calls(model: PreTrainedModel, calls: dict[int | None, list[Call]]) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def record(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: object,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         unknown = sorted(
             k for k, v in kwargs.items() if k not in INERT_KWARGS | HANDLED_KWARGS and v is not None
         )
@@ -148,7 +171,7 @@ def _record_calls(model, calls: dict[int, list]) -> None:
         # The output is never used: zeros of the shape attention returns ([batch, T, heads, d]).
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
-    def record_mask(*args, mask_function=None, **kwargs):
+    def record_mask(*args: Any, mask_function: MaskFunction | None = None, **kwargs: Any) -> MaskShape:
         return MaskShape("causal") if mask_function is None else mask_shape(mask_function)
 
     AttentionInterface.register(PROBE_IMPLEMENTATION, record)
@@ -168,12 +191,12 @@ def _record_calls(model, calls: dict[int, list]) -> None:
         config._attn_implementation = previous
 
 
-def probe_attention(model, shapes) -> tuple[AttentionSpec, ...]:
+def probe_attention(model: PreTrainedModel, shapes: ModelShapes) -> tuple[AttentionSpec, ...]:
     """One AttentionSpec per layer, from one two-token forward. Raises AttentionProbeError.
     `shapes` (ModelShapes) is what the paged KV pool will hold per layer: the K and V each layer
     attends with must be exactly that (not heads tiled after the cache, not V of another width)."""
     num_layers = shapes.num_layers
-    calls: dict[int, list] = {}
+    calls: dict[int | None, list[Call]] = {}  # by the module's layer_idx
     try:
         _record_calls(model, calls)
     except AttentionProbeError:
@@ -218,7 +241,7 @@ def probe_attention(model, shapes) -> tuple[AttentionSpec, ...]:
     return tuple(layers)
 
 
-def _with_mask(i: int, layer: AttentionSpec, mask) -> AttentionSpec:
+def _with_mask(i: int, layer: AttentionSpec, mask: object) -> AttentionSpec:
     """The layer's attention once its mask is taken into account: a sliding mask gives the window
     (a family may pass none to the attention function); anything but a causal or sliding mask is
     refused, and so is a mask that disagrees with the window the call passes."""

@@ -19,6 +19,7 @@ rest, which then run through transformers' code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,23 +29,33 @@ from engine.kernels.linear import FusedProjection
 from engine.kv.attention import LayerAttention, PagedBatch, attend
 from engine.kv.storage import PagedKVStorage
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class _RMSNorm(Protocol):
+    """What the forward reads of a family's RMSNorm (unsupported_reason checks both are there)."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
 
 
 @dataclass(slots=True)
 class _Layer:
-    input_norm: nn.Module
+    input_norm: _RMSNorm
     qkv: FusedProjection
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     o_proj: nn.Module
-    post_norm: nn.Module
+    post_norm: _RMSNorm
     gate_up: FusedProjection
     down_proj: nn.Module
     how: LayerAttention
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why this forward cannot run `model` exactly (it then runs through transformers), or None."""
     config = model.config
     if config.model_type not in FAMILIES:
@@ -69,7 +80,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 class LlamaForward:
-    def __init__(self, model: nn.Module, windows: tuple[int | None, ...]):
+    def __init__(self, model: PreTrainedModel, windows: tuple[int | None, ...]):
         """`windows[i]`: layer i's sliding window as the load-time probe read it from the
         family's own attention (engine/model/layer_attention.py), None for full attention."""
         reason = unsupported_reason(model)
@@ -78,12 +89,14 @@ class LlamaForward:
         inner = model.model
         config = model.config
         self.model = model
-        self.embed = inner.embed_tokens
-        self.rotary = inner.rotary_emb
-        self.norm = inner.norm
-        self.head = model.lm_head
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.layers = []
+        self.embed: nn.Module = inner.embed_tokens
+        self.rotary: nn.Module = inner.rotary_emb
+        self.norm: _RMSNorm = inner.norm
+        self.head: nn.Module = model.lm_head
+        self.head_dim: int = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.layers: list[_Layer] = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
@@ -110,7 +123,7 @@ class LlamaForward:
     ) -> torch.Tensor:
         storage: PagedKVStorage = batch.storage
         d = self.head_dim
-        x = self.embed(input_ids)  # [T, hidden]
+        x: torch.Tensor = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
         slots = batch.slot_mapping
@@ -121,6 +134,7 @@ class LlamaForward:
             q_width, k_width, _ = layer.qkv.sizes
             qk = qkv[:, : q_width + k_width].view(tokens, -1, d)  # q's heads, then k's
             if layer.q_norm is not None:
+                assert layer.k_norm is not None, "q and k norms come together (Qwen3)"
                 heads = q_width // d
                 qk[:, :heads] = layer.q_norm(qk[:, :heads])
                 qk[:, heads:] = layer.k_norm(qk[:, heads:])
@@ -133,12 +147,14 @@ class LlamaForward:
             gate, up = layer.gate_up.linear(h).split(layer.gate_up.sizes, dim=-1)
             x = x + layer.down_proj(F.silu(gate) * up)
         if logit_rows.numel() == 0:  # a prefill chunk that does not finish its prompt samples nothing
-            return x.new_zeros((0, self.head.out_features))
+            width = cast(int, self.head.out_features)  # a linear head's vocabulary size
+            return x.new_zeros((0, width))
         x = _rms_norm(self.norm, x.index_select(0, logit_rows))
-        return self.head(x)
+        logits: torch.Tensor = self.head(x)
+        return logits
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm: _RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """transformers' Llama RMSNorm (float32 inside, weight applied in the input dtype)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)

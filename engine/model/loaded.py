@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,11 +16,18 @@ from engine.model.shapes import ModelShapes
 from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+# Set on a served model: its kernel table, so a model wrapped twice is fused once.
+POLICY_ATTRIBUTE = "kvscope_policy"
+
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
-    tokenizer: object  # a transformers tokenizer with a chat template
+    model: PreTrainedModel  # a transformers *ForCausalLM in eval mode
+    tokenizer: PreTrainedTokenizerBase  # with a chat template
     info: ModelInfo
     device: torch.device
     dtype: torch.dtype
@@ -30,17 +38,23 @@ class LoadedModel:
 
     @staticmethod
     def from_model(
-        model, tokenizer, *, name: str, source: str, load_seconds: float = 0.0, scheme: str | None = None
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str,
+        source: str,
+        load_seconds: float = 0.0,
+        scheme: str | None = None,
     ) -> LoadedModel:
         """Wrap a loaded transformers model for serving: its linear layers become kernel-choosing
         layers with q/k/v and gate/up fused (once; the model stays a working transformers model)."""
         model.eval()
-        policy = getattr(model, "kvscope_policy", None)
+        policy = getattr(model, POLICY_ATTRIBUTE, None)
         if policy is None:
             policy = KernelPolicy()
             fuse_projections(model, policy)
             policy.prepare([m.storage for m in model.modules() if isinstance(m, KernelLinear)])
-            model.kvscope_policy = policy
+            setattr(model, POLICY_ATTRIBUTE, policy)
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")
         shapes = ModelShapes.from_config(model.config)
@@ -75,7 +89,7 @@ class LoadedModel:
         return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy, attention)
 
 
-def _notes(model, policy: KernelPolicy) -> tuple[str, ...]:
+def _notes(model: PreTrainedModel, policy: KernelPolicy) -> tuple[str, ...]:
     """How the model runs, in the words the app and the CLI show."""
     from engine.model.llama_forward import unsupported_reason
 

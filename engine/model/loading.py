@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,14 +22,22 @@ from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import check_support
 from engine.quant.schemes import QuantizationError, check_scheme, get_scheme, quantize_model
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+Progress = Callable[[str, float], None]
+
 # ---- loading ---------------------------------------------------------------------------------
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-def _load_weights(src: ModelSource, torch_dtype: torch.dtype):
+def _load_weights(src: ModelSource, torch_dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=torch_dtype, local_files_only=True)
+    kwargs: dict[str, Any] = dict(dtype=torch_dtype, local_files_only=True)
+    where: Path
     if src.is_gguf:
         kwargs["gguf_file"] = src.path.name
         where = src.path.parent
@@ -39,14 +48,16 @@ def _load_weights(src: ModelSource, torch_dtype: torch.dtype):
                 "may be incomplete. Download the weights too, or choose another model."
             )
         where = src.path
+    model: PreTrainedModel
     try:
         try:
-            return AutoModelForCausalLM.from_pretrained(where, attn_implementation="sdpa", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, attn_implementation="sdpa", **kwargs)
         except ValueError as exc:
             if "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc):
                 raise
             # An architecture without an SDPA kernel still works with the reference attention.
-            return AutoModelForCausalLM.from_pretrained(where, attn_implementation="eager", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, attn_implementation="eager", **kwargs)
+        return model
     except (torch.OutOfMemoryError, MemoryError):
         raise ModelLoadError(
             f"Ran out of memory while loading {src.name}. Choose a smaller model or dtype, or free memory."
@@ -60,15 +71,18 @@ def _load_weights(src: ModelSource, torch_dtype: torch.dtype):
         ) from None
 
 
-def _load_tokenizer(src: ModelSource):
+def _load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    tokenizer: PreTrainedTokenizerBase
     try:
         if src.is_gguf:
-            return AutoTokenizer.from_pretrained(
+            tokenizer = AutoTokenizer.from_pretrained(
                 src.path.parent, gguf_file=src.path.name, local_files_only=True
             )
-        return AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+        return tokenizer
     except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the model cannot chat
         raise ModelLoadError(
             f"The tokenizer of {src.name} could not be loaded from {src.path} ({first_line(exc)}). "
@@ -92,18 +106,20 @@ def resolve_scheme(quantization: str, src: ModelSource, device: torch.device = C
     return quantization
 
 
-def load_transformers_model(source: str, dtype: str = "float32"):
+def load_transformers_model(source: str, dtype: str = "float32") -> PreTrainedModel:
     """The source's weights in a plain transformers model, as transformers alone would serve them
     (no kernel layers, no fused projections): the baseline `engine bench` runs generate() on."""
     src = resolve_source(source)
     if src.kind == "default" and src.is_gguf:
         src = ModelSource("default", default_model_dir(), src.name, src.gguf)
-    return _load_weights(src, TORCH_DTYPES[dtype]).eval()
+    model = _load_weights(src, TORCH_DTYPES[dtype])
+    model.eval()
+    return model
 
 
 def load_model(
     spec: ModelSpec,
-    progress: Callable[[str, float], None] | None = None,
+    progress: Progress | None = None,
     *,
     available_bytes: int | None = None,
 ) -> LoadedModel:
@@ -123,6 +139,7 @@ def load_model(
     if scheme == NATIVE:
         from engine.model.configs import read_gguf_config
 
+        assert src.gguf is not None, "resolve_scheme gives 'native' to GGUF sources only"
         config = read_gguf_config(src.gguf)
         check_support(config, src.name)
         return _load_native(spec, src, config, report, start, available_bytes)
@@ -136,7 +153,9 @@ def load_model(
     if device.type != "cpu":
         report(f"moving weights to {device}", 0.75)
         try:
-            model = model.to(device)
+            # transformers wraps .to with functools.wraps, whose type keeps Module.to's unbound
+            # signature (self first), so a bound call looks wrong to mypy
+            model = model.to(device)  # type: ignore[arg-type]
         except torch.OutOfMemoryError:
             raise ModelLoadError(f"{src.name} does not fit in the memory of {device}.") from None
     report("loading tokenizer", 0.8)
@@ -158,7 +177,14 @@ def load_model(
     return loaded
 
 
-def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: float, available_bytes):
+def _load_native(
+    spec: ModelSpec,
+    original: ModelSource,
+    config: PreTrainedConfig,
+    report: Progress,
+    start: float,
+    available_bytes: int | None,
+) -> LoadedModel:
     """The GGUF's own blocks, read straight from the file (engine/model/gguf_native.py)."""
     from engine.kernels.policy import KernelPolicy
     from engine.model.gguf_native import load_native
@@ -202,7 +228,7 @@ def _load_native(spec: ModelSpec, original: ModelSource, config, report, start: 
     return loaded
 
 
-def _served(make, name: str) -> LoadedModel:
+def _served(make: Callable[[], LoadedModel], name: str) -> LoadedModel:
     """The LoadedModel `make` builds, or the one-line refusal of its attention probe."""
     try:
         return make()
@@ -210,7 +236,9 @@ def _served(make, name: str) -> LoadedModel:
         raise ModelLoadError(f"{name} cannot be served: {exc}.") from None
 
 
-def _quantize(model, scheme: str, tokenizer, name: str):
+def _quantize(
+    model: PreTrainedModel, scheme: str, tokenizer: PreTrainedTokenizerBase, name: str
+) -> PreTrainedModel:
     try:
         return quantize_model(model, scheme, tokenizer)
     except QuantizationError:

@@ -4,6 +4,7 @@ counts and the KV-cache memory formula (used by inspect-model, the KV pool sizin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
 # int8 KV keeps one float16 scale per (token, head) beside the codes (engine/kv/storage.py).
@@ -37,8 +38,9 @@ class ModelShapes:
     tie_word_embeddings: bool
 
     @staticmethod
-    def from_config(config) -> ModelShapes:
-        """`config` is a transformers PretrainedConfig (or anything with the same attributes)."""
+    def from_config(config: Any) -> ModelShapes:
+        """`config` is a transformers PreTrainedConfig (or anything with the same attributes; typed
+        Any because this module stays free of transformers, and a config's fields are dynamic)."""
         archs = getattr(config, "architectures", None) or [
             type(config).__name__.replace("Config", "ForCausalLM")
         ]

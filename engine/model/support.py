@@ -14,6 +14,8 @@ the other side, on the real model: what each layer's attention is called with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 from engine.model.errors import ModelLoadError
 
@@ -161,7 +163,7 @@ class Support:
         return self.refusal is None
 
 
-def _attr(config, name: str):
+def _attr(config: object, name: str) -> Any:
     """config.name, or None; heterogeneous (per-layer) configs raise on ambiguous global reads."""
     try:
         return getattr(config, name, None)
@@ -169,20 +171,21 @@ def _attr(config, name: str):
         return None
 
 
-def _text_config(config):
+def _text_config(config: Any) -> Any:
+    """The text part of a config (its own fields are dynamic: Any)."""
     try:
         return config.get_text_config()
     except Exception:  # noqa: BLE001 - several text configs (audio models): use the top one
         return config
 
 
-def _auto_mappings():
+def _auto_mappings() -> ModuleType:
     from transformers.models.auto import modeling_auto as m
 
     return m
 
 
-def _architecture_refusal(model_type: str, config) -> str | None:
+def _architecture_refusal(model_type: str, config: object) -> str | None:
     """What the architecture does that paged attention does not, read from the config."""
     m = _auto_mappings()
     text = _text_config(config)
@@ -241,8 +244,9 @@ def _architecture_refusal(model_type: str, config) -> str | None:
     return None
 
 
-def support_for(config) -> Support:
-    """Whether kvscope serves this config's model, and if not why (config only, no weights)."""
+def support_for(config: object) -> Support:
+    """Whether kvscope serves this config's model, and if not why (config only, no weights).
+    `config`: a transformers config, or anything with its attributes (the Hub's config excerpt)."""
     model_type = _attr(config, "model_type") or "?"
     family = SUPPORTED.get(model_type)
     if family is not None:
@@ -256,7 +260,7 @@ def support_for(config) -> Support:
     return Support(model_type, None, reason)
 
 
-def _checkpoint_refusal(config) -> str | None:
+def _checkpoint_refusal(config: object) -> str | None:
     """A served family's checkpoint can still switch on what paged attention lacks."""
     text = _text_config(config)
     kinds = sorted(set(_attr(text, "layer_types") or ()) - ATTENTION_LAYER_TYPES)
@@ -265,7 +269,7 @@ def _checkpoint_refusal(config) -> str | None:
     return None
 
 
-def check_support(config, name: str) -> Support:
+def check_support(config: object, name: str) -> Support:
     """Raise ModelLoadError with the one-line reason when kvscope does not serve `config`."""
     support = support_for(config)
     if not support.ok:

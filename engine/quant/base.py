@@ -4,11 +4,19 @@ quantized, kernel availability probes and the byte count of a (possibly quantize
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
 from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+# A model quantized in place comes back as itself: the same object, its type kept.
+M = TypeVar("M", bound=nn.Module)
 
 
 class QuantizationError(ConfigError):
@@ -38,7 +46,7 @@ class QuantScheme:
         """The scheme's own requirements on a usable device (kernels, packages, dtypes)."""
         raise NotImplementedError
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise NotImplementedError
 
     def require(self, device: torch.device) -> None:
@@ -79,9 +87,15 @@ def missing_kernels(ops: tuple[str, ...], device: torch.device) -> str | None:
     return f"this PyTorch build ({torch.__version__}) has no {device.type} kernel for {names}"
 
 
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's LM head, for a transformers model (others have none)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if get_head is not None else None
+
+
 def target_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The decoder's linear layers: every nn.Linear except the output embedding (LM head)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
 
 
@@ -91,7 +105,7 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     The LM head and the fused wholes are left out (their slices stand for them)."""
     from engine.kernels.linear import FusedProjection, KernelLinear
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     inside_fused = {id(m.linear) for m in model.modules() if isinstance(m, FusedProjection)}
     out = []
     for name, module in model.named_modules():
@@ -118,7 +132,7 @@ def quantized_layer_count(model: nn.Module) -> int:
     return count
 
 
-def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> nn.Module:
+def replace_linears(model: M, make: Callable[[str, nn.Linear], nn.Module]) -> M:
     """Swap each target linear for `make(name, linear)`, in place; the old weights are freed."""
     targets = target_linears(model)
     if not targets:
@@ -141,7 +155,7 @@ def model_weight_bytes(model: nn.Module) -> int:
         nonlocal total
         if t.device.type == "meta":
             return
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()

@@ -8,11 +8,15 @@ import importlib.metadata
 import importlib.util
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.quant.base import QuantScheme, replace_linears
+from engine.quant.base import M, QuantScheme, replace_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # LLM.int8()'s outlier threshold: input columns with any |x| above it run in 16-bit.
 INT8_OUTLIER_THRESHOLD = 6.0
@@ -56,7 +60,7 @@ class BnbInt8(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _bnb_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         import bitsandbytes as bnb
 
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CAST_NOTICE_FILTER)
@@ -77,7 +81,8 @@ class BnbInt8(QuantScheme):
             )
             if linear.bias is not None:
                 layer.bias = nn.Parameter(linear.bias.detach().cpu(), requires_grad=False)
-            return layer.to(device)
+            moved: nn.Module = layer.to(device)
+            return moved
 
         return replace_linears(model, make)
 
@@ -95,7 +100,7 @@ class Bnb4bit(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _bnb_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         import bitsandbytes as bnb
 
         def make(name: str, linear: nn.Linear) -> nn.Module:
@@ -114,6 +119,7 @@ class Bnb4bit(QuantScheme):
             )
             if linear.bias is not None:
                 layer.bias = nn.Parameter(linear.bias.detach().cpu(), requires_grad=False)
-            return layer.to(device)
+            moved: nn.Module = layer.to(device)
+            return moved
 
         return replace_linears(model, make)

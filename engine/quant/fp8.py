@@ -5,17 +5,26 @@ load dtype, because a true fp8 GEMM (torch._scaled_mm) needs an sm89+ GPU and fp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.base import QuantScheme, replace_linears
+from engine.quant.base import M, QuantScheme, replace_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
 
 class Fp8WeightLinear(nn.Module):
+    weight_fp8: torch.Tensor  # buffers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -52,5 +61,5 @@ class Fp8Weight(QuantScheme):
             return False, f"float8_e4m3fn conversion on {device.type} does not round-trip"
         return True, f"float8_e4m3fn storage on {device.type}, dequantized per matmul"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return replace_linears(model, lambda name, linear: Fp8WeightLinear(linear))

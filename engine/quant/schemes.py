@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.quant.base import (
+    M,
     QuantizationError,
     QuantScheme,
     missing_kernels,
@@ -29,6 +31,9 @@ from engine.quant.bnb import Bnb4bit, BnbInt8
 from engine.quant.fp8 import Fp8Weight
 from engine.quant.w8a8 import W8A8, W8A8SmoothQuant
 from engine.quant.weight_only import Int4WeightOnly, Int8WeightOnly
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "NONE",
@@ -55,7 +60,7 @@ class FullPrecision(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return True, f"plain matmuls on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return model
 
 
@@ -77,7 +82,7 @@ class NativeGguf(QuantScheme):
             return False, problem
         return True, "torch's packed int4/int8 CPU kernels for decode rows, dense matmuls for prefill"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise QuantizationError("'native' applies while a GGUF file is read; load the file with it instead.")
 
 
@@ -92,7 +97,7 @@ class Automatic(QuantScheme):
             return True, "native for GGUF sources, none otherwise"
         return True, "none (a GGUF is dequantized on a GPU)"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise QuantizationError("'auto' is resolved when the model is loaded, from its source.")
 
 
@@ -159,15 +164,16 @@ def check_scheme(name: str, device: torch.device | str) -> QuantScheme:
     return scheme
 
 
-def quantize_model(model: nn.Module, name: str, tokenizer=None) -> nn.Module:
+def quantize_model(model: M, name: str, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
     """Quantize `model` in place with scheme `name` on the device it already lives on, record a
     QuantizedWeights on it and return it. 'none' returns the model untouched (and unrecorded)."""
     device = next(model.parameters()).device
     scheme = check_scheme(name, device)
     if name == NONE:
         return model
-    if quantization_of(model) is not None:
-        raise QuantizationError(f"The model is already quantized ({quantization_of(model).scheme}).")
+    already = quantization_of(model)
+    if already is not None:
+        raise QuantizationError(f"The model is already quantized ({already.scheme}).")
     before = model_weight_bytes(model)
     start = time.perf_counter()
     plain_before = len(target_linears(model))

@@ -8,10 +8,16 @@ carry the largest outliers, so every linear is smoothed the same explicit way.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.quant.base import target_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Varied, everyday requests (not the evaluation text, which would flatter the figures).
 CALIBRATION_PROMPTS = (
@@ -28,14 +34,14 @@ MIN_FACTOR = 1e-5
 
 @torch.no_grad()
 def calibrate_input_absmax(
-    model: nn.Module, tokenizer, prompts: tuple[str, ...] = CALIBRATION_PROMPTS
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: tuple[str, ...] = CALIBRATION_PROMPTS
 ) -> dict[str, torch.Tensor]:
     """Per target linear, the largest |activation| seen on each input channel over `prompts`
     (each wrapped in the model's chat template, as the engine will feed it)."""
     absmax: dict[str, torch.Tensor] = {}
 
-    def hook_for(name: str):
-        def hook(module, inputs, output):
+    def hook_for(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...], object], None]:
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: object) -> None:
             seen = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
             absmax[name] = seen if name not in absmax else torch.maximum(absmax[name], seen)
 

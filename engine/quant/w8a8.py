@@ -7,11 +7,16 @@ which is exactly the failure SmoothQuant was invented to fix."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.quant import packing
-from engine.quant.base import QuantizationError, QuantScheme, has_aten_kernel, replace_linears
+from engine.quant.base import M, QuantizationError, QuantScheme, has_aten_kernel, replace_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # torch._int_mm's CUDA kernel refuses fewer than 17 rows; a decode step has one per sequence.
 CUDA_INT_MM_MIN_ROWS = 17
@@ -38,6 +43,11 @@ def int8_matmul(a: torch.Tensor, b_t: torch.Tensor, use_int_mm: bool) -> torch.T
 
 
 class W8A8Linear(nn.Module):
+    weight_int8: torch.Tensor  # buffers
+    weight_scales: torch.Tensor
+    inv_smoothing: torch.Tensor | None
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, smoothing: torch.Tensor | None = None):
         """`smoothing` (per input channel, > 0) migrates activation range into the weights:
         the weight columns are multiplied by it before quantization and each activation is
@@ -85,7 +95,7 @@ class W8A8(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _int_mm_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         return replace_linears(model, lambda name, linear: W8A8Linear(linear))
 
 
@@ -102,7 +112,7 @@ class W8A8SmoothQuant(QuantScheme):
     def check(self, device: torch.device) -> tuple[bool, str]:
         return _int_mm_status(device)
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
 
         if tokenizer is None:

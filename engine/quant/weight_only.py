@@ -4,6 +4,8 @@ and the kernel dequantizes inside the matmul."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +14,10 @@ from engine.kernels.linear import KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import Int4GroupWeight, Int8RowWeight
 from engine.quant import packing
-from engine.quant.base import QuantizationError, QuantScheme, missing_kernels, replace_linears
+from engine.quant.base import M, QuantizationError, QuantScheme, missing_kernels, replace_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 INT8_OPS = ("_weight_int8pack_mm",)
 INT4_CPU_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
@@ -34,6 +39,10 @@ CPU_INT4_ROW_MULTIPLE, CUDA_INT4_ROW_MULTIPLE = 16, 8
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (codes * scale).T + b with int8 codes, one scale per output channel."""
 
+    weight_int8: torch.Tensor  # buffers
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -45,7 +54,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -55,6 +64,10 @@ class Int8WeightOnlyLinear(nn.Module):
 
 class Int4WeightOnlyLinear(nn.Module):
     """Group-wise asymmetric int4 weights in torch's packed (tinygemm) layout."""
+
+    weight_int4: torch.Tensor  # buffers
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, group_size: int = DEFAULT_INT4_GROUP_SIZE, name: str = ""):
         super().__init__()
@@ -86,13 +99,16 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor
         if self.on_cuda:
-            return torch.ops.aten._weight_int4pack_mm(
+            y = torch.ops.aten._weight_int4pack_mm(
                 flat, self.weight_int4, self.group_size, self.scales_and_zeros
             )
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.weight_int4, self.group_size, self.scales_and_zeros
-        )
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.weight_int4, self.group_size, self.scales_and_zeros
+            )
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
@@ -129,7 +145,7 @@ class Int8WeightOnly(QuantScheme):
             return False, problem
         return True, f"torch.ops.aten._weight_int8pack_mm on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         def make(name: str, linear: nn.Linear) -> nn.Module:
             if linear.weight.device.type != "cpu":
                 return Int8WeightOnlyLinear(linear)
@@ -162,7 +178,7 @@ class Int4WeightOnly(QuantScheme):
             return False, problem
         return True, f"torch.ops.aten._weight_int4pack_mm_for_cpu on {device.type}"
 
-    def quantize(self, model: nn.Module, tokenizer=None) -> nn.Module:
+    def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         def make(name: str, linear: nn.Linear) -> nn.Module:
             if linear.weight.device.type != "cpu" or self.group_size != DEFAULT_INT4_GROUP_SIZE:
                 return Int4WeightOnlyLinear(linear, self.group_size, name)
@@ -177,7 +193,16 @@ class Int4WeightOnly(QuantScheme):
         return replace_linears(model, make)
 
 
-def reference_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+class DequantizingLayer(Protocol):
+    """A quantized linear that can give back the weight its kernel multiplies by."""
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+    def dequantized_weight(self) -> torch.Tensor: ...
+
+
+def reference_linear(x: torch.Tensor, layer: DequantizingLayer) -> torch.Tensor:
     """The layer's output recomputed from its dequantized weight in float32 (tests, debugging)."""
-    bias = None if getattr(layer, "bias", None) is None else layer.bias.float()
+    bias = None if layer.bias is None else layer.bias.float()
     return F.linear(x.float(), layer.dequantized_weight().float(), bias)

@@ -29,7 +29,7 @@ class SampleResult:
     snapshot: TokenSnapshot | None
 
 
-def _history_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.LongTensor:
+def _history_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(list(ids), dtype=torch.long, device=device).reshape(1, -1)
     # Embedding tables can be larger than the LM head; ids the head cannot produce need no penalty.
     return t[t < vocab].reshape(1, -1)
@@ -115,18 +115,21 @@ class Sampler:
         )
         return self._result(scores, trace, penalized, token)
 
-    def _process(self, scores, prompt_ids, output_ids, want_trace: bool):
+    def _process(
+        self, scores: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], want_trace: bool
+    ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]] | None, torch.Tensor]:
         """Run the stages; returns the final scores [1, V], the per-stage trace (or None) and
         the scores after the penalty stages."""
         trace = [("raw", scores)] if want_trace else None
         penalized = scores
-        histories: dict[str, torch.LongTensor] = {}
+        histories: dict[str, torch.Tensor] = {}
         for stage in self.stages:
+            ids: torch.Tensor | None
             if stage.history == "none":
                 ids = None
             elif stage.history not in histories:
-                ids = [*prompt_ids, *output_ids] if stage.history == "prompt+output" else output_ids
-                ids = histories[stage.history] = _history_tensor(ids, scores.shape[1], scores.device)
+                history = [*prompt_ids, *output_ids] if stage.history == "prompt+output" else output_ids
+                ids = histories[stage.history] = _history_tensor(history, scores.shape[1], scores.device)
             else:
                 ids = histories[stage.history]
             scores = stage.processor(ids, scores)
@@ -136,7 +139,13 @@ class Sampler:
                 trace.append((stage.name, scores))
         return scores, trace, penalized
 
-    def _result(self, scores, trace, penalized, token: int) -> SampleResult:
+    def _result(
+        self,
+        scores: torch.Tensor,
+        trace: list[tuple[str, torch.Tensor]] | None,
+        penalized: torch.Tensor,
+        token: int,
+    ) -> SampleResult:
         logprob = self._checked(float(scores[0, token] - scores[0].logsumexp(0)))
         snapshot = None
         if trace is not None:

@@ -31,15 +31,19 @@ def take_snapshot(
 
     # Build every number as a tensor first and move them to Python in one go: on a GPU each
     # separate .item() would be a device sync.
-    probs_rows, removed_rows, kept_counts, kept_masses = [], [], [], []
-    prev_probs = prev_alive = None
+    probs_rows: list[torch.Tensor] = []
+    removed_rows: list[torch.Tensor] = []
+    kept_counts: list[torch.Tensor] = []
+    kept_masses: list[torch.Tensor] = []
+    prev_probs: torch.Tensor | None = None
+    prev_alive: torch.Tensor | None = None
     for _, scores in trace:
         s = scores[0]
         alive = s > -math.inf
         probs = torch.softmax(s, dim=0)
         probs_rows.append(probs[candidates])
         kept_counts.append(alive.sum())
-        if prev_probs is None:
+        if prev_probs is None or prev_alive is None:
             removed_rows.append(torch.zeros_like(candidates, dtype=torch.bool))
             kept_masses.append(probs.new_ones(()))
         else:
@@ -47,6 +51,7 @@ def take_snapshot(
             kept_masses.append(prev_probs[alive].sum())
         prev_probs, prev_alive = probs, alive
     final_probs = prev_probs
+    assert final_probs is not None, "a trace starts with the raw scores"
     raw_probs = torch.softmax(raw, dim=0)
     summary = torch.stack(
         [
@@ -60,13 +65,13 @@ def take_snapshot(
     ).tolist()
 
     ids = candidates.tolist()
-    probs_rows = torch.stack(probs_rows).tolist()
-    removed_rows = torch.stack(removed_rows).tolist()
-    kept_counts = torch.stack(kept_counts).tolist()
-    kept_masses = torch.stack(kept_masses).tolist()
+    probs_of: list[list[float]] = torch.stack(probs_rows).tolist()
+    removed_of: list[list[bool]] = torch.stack(removed_rows).tolist()
+    count_of: list[int] = torch.stack(kept_counts).tolist()
+    mass_of: list[float] = torch.stack(kept_masses).tolist()
     stages = tuple(
         StageSnapshot(name, tuple(p), tuple(r), int(n), float(m))
-        for (name, _), p, r, n, m in zip(trace, probs_rows, removed_rows, kept_counts, kept_masses)
+        for (name, _), p, r, n, m in zip(trace, probs_of, removed_of, count_of, mass_of)
     )
     return TokenSnapshot(
         candidate_ids=tuple(ids),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -173,7 +174,9 @@ def exclude_top_choices(scores: torch.Tensor, threshold: float) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Stage:
     name: str
-    processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [1, L], scores [1, V])
+    # (ids, scores [1, V]) -> scores: ids is the history below as a long tensor [1, L], or None
+    # for a stage that reads none (transformers' processors annotate it LongTensor all the same)
+    processor: Callable[[Any, torch.Tensor], torch.Tensor]
     # Which token history the stage reads: the CTRL repetition penalty counts the prompt too,
     # the OpenAI penalties only what the model generated; warpers read none (XTC reads the
     # output's length, the position its coin belongs to).
@@ -203,7 +206,7 @@ def build_stages(
 ) -> list[Stage]:
     """The pipeline for `params`. `decode_token` tells DRY which tokens hold a sequence breaker;
     `uniform` is XTC's coin (the request's generator)."""
-    stages = []
+    stages: list[Stage] = []
     if params.repetition_penalty != 1.0:
         rep = RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))
         stages.append(Stage("repetition_penalty", rep, "prompt+output"))

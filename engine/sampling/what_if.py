@@ -30,6 +30,8 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.stages import ExcludeTopChoices
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from engine.core.llm_engine import LLMEngine
 
 # How the app says what the numbers are (shown beside every what-if).
@@ -40,7 +42,7 @@ HOW = (
 
 
 @torch.inference_mode()
-def context_logits(model: torch.nn.Module, token_ids: Sequence[int], kv_dtype: str = "auto") -> torch.Tensor:
+def context_logits(model: PreTrainedModel, token_ids: Sequence[int], kv_dtype: str = "auto") -> torch.Tensor:
     """float32 logits [vocab] of the token that follows `token_ids`, from one forward."""
     if kv_dtype != "auto":
         from engine.measure.quality import teacher_forced_logits
@@ -48,7 +50,8 @@ def context_logits(model: torch.nn.Module, token_ids: Sequence[int], kv_dtype: s
         return teacher_forced_logits(model, list(token_ids), kv_dtype)[-1]
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-    return model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    logits: torch.Tensor = model(input_ids=ids, logits_to_keep=1).logits
+    return logits[0, -1].float()
 
 
 def what_if_notes(params: SamplingParams) -> tuple[str, ...]:
@@ -73,7 +76,7 @@ class WhatIf:
         # The last context, the model and KV dtype it ran through (weakly: a model the engine
         # has dropped is not kept alive here) and its logits.
         self._key: tuple[tuple[int, ...], str] | None = None
-        self._model: weakref.ref[torch.nn.Module] | None = None
+        self._model: weakref.ref[PreTrainedModel] | None = None
         self._logits: torch.Tensor | None = None
 
     def recompute(
@@ -90,7 +93,7 @@ class WhatIf:
         prompt = core.prompt_ids(request)
         logits = self._logits_for(core, [*prompt, *output_ids])
         shown = replace(params, snapshot_top_n=recorded_top_n(recorded))
-        sampler = Sampler(shown, decode_token=lambda i: core.tokenizer.decode([i], skip_special_tokens=False))
+        sampler = Sampler(shown, decode_token=core.text.text)
         # XTC as if its coin came up: a what-if shows what the setting does, not one coin's luck.
         sampler.stages = [
             replace(

@@ -14,12 +14,15 @@ import contextlib
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import ConfigError
 from engine.events import RequestFailed, RequestFinished, RequestStarted
@@ -29,6 +32,12 @@ from engine.serve.channel import Channel, ChannelOverflow
 from engine.serve.logprobs import TokenStrings
 from engine.serve.params import Plan, chat_plan, completion_plan
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+    from engine.serve.replies import Reply
+
+Json = dict[str, Any]  # a chunk or body as it is serialised
 
 # A non-streaming request checks this often whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -45,7 +54,7 @@ def error_response(
     )
 
 
-def sse(data: dict | str, event: str | None = None) -> bytes:
+def sse(data: Json | str, event: str | None = None) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {text}\n\n".encode()
@@ -55,11 +64,11 @@ class RequireKey:
     """`Authorization: Bearer KEY` on every /v1 route. A plain ASGI middleware: Starlette's
     BaseHTTPMiddleware would wrap `receive` and hide a client's disconnect from the routes."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
@@ -118,11 +127,13 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        assert bridge.metrics is not None, "the app is built on a started bridge"
         return Response(bridge.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> Json:
         info = bridge.info
+        assert info is not None, "the app is built on a started bridge"
         return {
             "object": "list",
             "data": [
@@ -188,10 +199,11 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             )
         return await _whole(channel, reply, first, started, request)
 
-    async def _opening(channel: Channel, reply) -> list[dict]:
+    async def _opening(channel: Channel, reply: Reply) -> list[Json]:
         """Waits for the engine's first word on every request (started, or failed: then the
         client gets a plain error status instead of a stream that breaks at once)."""
-        chunks, pending = [], set(reply.index_of)
+        chunks: list[Json] = []
+        pending = set(reply.index_of)
         while pending and reply.error is None:
             events = await channel.get()
             for event in events:
@@ -200,7 +212,9 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             chunks.extend(reply.fold(events))
         return chunks
 
-    async def _stream(channel: Channel, reply, first: list[dict], started: list[Started]):
+    async def _stream(
+        channel: Channel, reply: Reply, first: list[Json], started: list[Started]
+    ) -> AsyncIterator[bytes]:
         try:
             yield sse(reply.role_chunk() if reply.kind == "chat" else (reply.echo_chunk() or {"choices": []}))
             for chunk in first:
@@ -224,7 +238,7 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             _cancel(started)
 
     async def _whole(
-        channel: Channel, reply, first: list[dict], started: list[Started], request: Request
+        channel: Channel, reply: Reply, first: list[Json], started: list[Started], request: Request
     ) -> Response:
         try:
             checked = time.monotonic()
@@ -246,8 +260,8 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             bridge.cancel(s.request_id)  # a no-op for a request that has ended
             bridge.release(s.request_id)
 
-    def _capacity_check(plan: Plan, param: str):
-        def check(core, ids: list[int]) -> None:
+    def _capacity_check(plan: Plan, param: str) -> Callable[[LLMEngine, list[int]], None]:
+        def check(core: LLMEngine, ids: list[int]) -> None:
             capacity_check(core, ids, plan, param)
 
         return check
@@ -264,7 +278,7 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         }
         channel = await bridge.subscribe(loop)
 
-        async def body():
+        async def body() -> AsyncIterator[bytes]:
             try:
                 yield sse(hello, "hello")
                 while True:
@@ -293,14 +307,14 @@ def _message_of(exc: Exception) -> str:
     )
 
 
-def _planned(make) -> Plan:
+def _planned(make: Callable[[], Plan]) -> Plan:
     try:
         return make()
     except ConfigError as exc:
         raise ServeError(str(exc)) from exc
 
 
-def capacity_check(core, ids: list[int], plan: Plan, param: str) -> None:
+def capacity_check(core: LLMEngine, ids: list[int], plan: Plan, param: str) -> None:
     """Refuse what the model's context or the KV pool can never hold (before it starts)."""
     n_prompt, limit = len(ids), core.max_model_len
     if n_prompt == 0:

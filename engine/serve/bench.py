@@ -22,6 +22,13 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import SamplingParams
+    from engine.core.service import Engine
+    from engine.events import Event, RequestFailed, RequestFinished
 
 PROMPTS = (
     "Explain how a bicycle gear works.",
@@ -36,21 +43,21 @@ class Router:
     """The in-process engine's sink: hands events to whatever the current round listens with."""
 
     def __init__(self) -> None:
-        self.target = lambda event: None
+        self.target: Callable[[Event], None] = lambda event: None
 
-    def __call__(self, event) -> None:
+    def __call__(self, event: Event) -> None:
         self.target(event)
 
 
-def run_in_process(engine, router: Router, params) -> tuple[float, int]:
+def run_in_process(engine: Engine, router: Router, params: SamplingParams) -> tuple[float, int]:
     from engine.events import RequestFailed, RequestFinished
     from engine.request import Request
 
     done = threading.Event()
-    ended: list = []
+    ended: list[RequestFinished | RequestFailed] = []
     lock = threading.Lock()
 
-    def sink(event) -> None:
+    def sink(event: Event) -> None:
         if isinstance(event, (RequestFinished, RequestFailed)):
             with lock:
                 ended.append(event)
@@ -67,7 +74,7 @@ def run_in_process(engine, router: Router, params) -> tuple[float, int]:
     failed = [e for e in ended if isinstance(e, RequestFailed)]
     if failed:
         raise RuntimeError(failed[0].message)
-    return wall, sum(e.stats.generated_tokens for e in ended)
+    return wall, sum(e.stats.generated_tokens for e in ended if isinstance(e, RequestFinished))
 
 
 def run_http(url: str, model: str, new_tokens: int) -> tuple[float, int]:
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     local = Engine(config, sink=router, loaded=loaded)
     local.start()
     local.wait_until_loaded()
-    rows = []
+    rows: list[dict[str, Any]] = []
     clients = multiprocessing.get_context("spawn").Pool(1)  # started once, reused every round
     with clients, BackgroundServer(config, loaded=loaded) as server:
         model = server.bridge.model_name
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             in_s, in_tokens = run_in_process(local, router, params)
             http_s, http_tokens = clients.apply(run_http, (server.url, model, args.new_tokens))
-            row = {
+            row: dict[str, Any] = {
                 "round": i + 1,
                 "in_process_tokens_per_s": in_tokens / in_s,
                 "http_tokens_per_s": http_tokens / http_s,

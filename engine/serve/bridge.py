@@ -17,15 +17,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core.service import Engine
-from engine.events import BlockEvent
+from engine.events import BlockEvent, Event, ModelInfo
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
 from engine.serve.metrics import ServeMetrics
 from engine.serve.snapshot import BlockMirror, state_events
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+    from engine.model.loaded import LoadedModel
+
+T = TypeVar("T")
 
 # A subscriber more than this many events behind is cut off (it reconnects for a new snapshot):
 # minutes of a busy engine's events, and a bound on what a stalled client can cost the server.
@@ -47,7 +54,9 @@ class Started:
 
 
 class EngineBridge:
-    def __init__(self, config: EngineConfig, loaded=None, model_name: str | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, model_name: str | None = None
+    ) -> None:
         self.config = config
         self.engine = Engine(config, sink=self._on_event, loaded=loaded)
         self._model_name = model_name
@@ -79,13 +88,12 @@ class EngineBridge:
         self.engine.shutdown()
 
     @property
-    def info(self):
+    def info(self) -> ModelInfo | None:
         return self.engine.info
 
     # ---- the sink (engine thread) ----------------------------------------------------------
-    def _on_event(self, event) -> None:
-        kind = type(event)
-        if kind is BlockEvent:
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, BlockEvent):
             self.mirror.apply(event)
         if self.metrics is not None:
             self.metrics.observe(event)
@@ -101,10 +109,10 @@ class EngineBridge:
     # ---- requests --------------------------------------------------------------------------
     async def start_request(
         self,
-        prompt_ids: Callable[[object], list[int]],
+        prompt_ids: Callable[[LLMEngine], list[int]],
         sampling: SamplingParams,
         channel: Channel,
-        check: Callable[[object, list[int]], None],
+        check: Callable[[LLMEngine, list[int]], None],
         tag: str | None = None,
     ) -> Started:
         """Tokenize (`prompt_ids(core)`), check and start a request on the engine thread; its
@@ -112,14 +120,16 @@ class EngineBridge:
         request_id = next(self._ids)
         arrival = time.perf_counter()
 
-        def begin(core) -> Started:
+        def begin(core: LLMEngine) -> Started:
             ids = prompt_ids(core)
             check(core, ids)
             with self._lock:
                 self._channels[request_id] = channel
                 subscribers = tuple(self._subscribers) if tag else ()
-            for subscriber in subscribers:
-                subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
+            if tag:
+                for subscriber in subscribers:
+                    subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
+            assert self.metrics is not None, "requests are served after start()"
             self.metrics.arrived(request_id, arrival)
             core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
             return Started(request_id, len(ids))
@@ -134,7 +144,7 @@ class EngineBridge:
         with self._lock:
             self._channels.pop(request_id, None)
 
-    async def run(self, fn):
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(core)` on the engine thread, awaited."""
         return await asyncio.wrap_future(self.engine.call(fn))
 
@@ -145,7 +155,7 @@ class EngineBridge:
         so an attached app stops its own replies when its stream breaks.)"""
         channel = Channel(loop, SUBSCRIBER_LIMIT)
 
-        def attach(core) -> None:
+        def attach(core: LLMEngine) -> None:
             channel.push_many(state_events(core, self.mirror))
             with self._lock:
                 self._subscribers.add(channel)

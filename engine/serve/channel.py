@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterable
 
 
 class ChannelOverflow(RuntimeError):
@@ -21,15 +22,15 @@ class Channel:
         self._loop = loop
         self._limit = limit
         self._lock = threading.Lock()
-        self._items: list = []
+        self._items: list[object] = []
         self._wake = asyncio.Event()
         self._scheduled = False
         self.overflowed = False
 
-    def push(self, item) -> None:
+    def push(self, item: object) -> None:
         self.push_many((item,))
 
-    def push_many(self, items) -> None:
+    def push_many(self, items: Iterable[object]) -> None:
         """From any thread."""
         with self._lock:
             if self.overflowed:
@@ -51,7 +52,7 @@ class Channel:
             self._scheduled = False
         self._wake.set()
 
-    async def get(self) -> list:
+    async def get(self) -> list[object]:
         """Everything pushed since the last call (waits for at least one item)."""
         while True:
             with self._lock:

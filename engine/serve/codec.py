@@ -14,6 +14,7 @@ import functools
 import json
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,17 +50,17 @@ def event_types() -> dict[str, type]:
     return dict(_TYPES)
 
 
-def to_wire(event) -> dict[str, Any]:
+def to_wire(event: object) -> dict[str, Any]:
     return {"type": type(event).__name__, "data": _plain(event)}
 
 
-def encode(events) -> str:
+def encode(events: Iterable[object]) -> str:
     """A JSON array of events. Floats keep their exact value (JSON's shortest repr round-trips
     a double); infinities use Python's `Infinity`, which `decode` reads back."""
     return json.dumps([to_wire(e) for e in events], separators=(",", ":"))
 
 
-def _plain(value):
+def _plain(value: object) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (tuple, list)):
@@ -69,7 +70,7 @@ def _plain(value):
     return value
 
 
-def decode(text: str) -> list:
+def decode(text: str) -> list[Any]:
     """Events from a JSON array made by `encode`; unknown types are left out."""
     try:
         items = json.loads(text)
@@ -77,7 +78,7 @@ def decode(text: str) -> list:
         raise DecodeError(f"not JSON: {exc}") from exc
     if not isinstance(items, list):
         raise DecodeError("expected a JSON array of events")
-    out = []
+    out: list[Any] = []
     for item in items:
         event = from_wire(item)
         if event is not None:
@@ -85,7 +86,7 @@ def decode(text: str) -> list:
     return out
 
 
-def from_wire(item) -> Any | None:
+def from_wire(item: object) -> Any | None:
     if not isinstance(item, dict) or not isinstance(item.get("type"), str):
         raise DecodeError(f"an event must be an object with a type, got {item!r:.80}")
     cls = _TYPES.get(item["type"])
@@ -99,11 +100,11 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(_events) | _TYPES)
 
 
-def _build(cls: type, data: dict):
+def _build(cls: type, data: object) -> Any:
     if not isinstance(data, dict):
         raise DecodeError(f"{cls.__name__} must be an object, got {data!r:.80}")
     hints = _hints(cls)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
             kwargs[f.name] = _value(hints[f.name], data[f.name])
@@ -113,14 +114,14 @@ def _build(cls: type, data: dict):
         raise DecodeError(f"{cls.__name__}: {exc}") from exc
 
 
-def _value(hint, value):
+def _value(hint: Any, value: Any) -> Any:
     if value is None:
         return None
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         for option in options:  # a dataclass option wants an object; plain ones take anything
-            if dataclasses.is_dataclass(option) and isinstance(value, dict):
+            if isinstance(option, type) and dataclasses.is_dataclass(option) and isinstance(value, dict):
                 return _build(option, value)
         plain = [o for o in options if not dataclasses.is_dataclass(o)]
         return _value(plain[0], value) if len(plain) == 1 else value
@@ -131,7 +132,7 @@ def _value(hint, value):
         return tuple(_value(a, v) for a, v in zip(args, value))
     if origin is dict:
         return dict(value)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value)
     if hint is float and isinstance(value, int):
         return float(value)

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING, Any
 
 from engine.events import TokenSnapshot
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default cap
 LOG_ZERO = -9999.0  # what vLLM reports for a probability that underflowed to 0
@@ -61,7 +65,7 @@ class TokenStrings:
             return self.table[token_id].decode("utf-8", errors="replace")
         return ""
 
-    def chat_entry(self, token_id: int, text: str, snapshot: TokenSnapshot, k: int) -> dict:
+    def chat_entry(self, token_id: int, text: str, snapshot: TokenSnapshot, k: int) -> dict[str, Any]:
         """One `choices[].logprobs.content[]` entry of a chat completion."""
         return {
             "token": text,
@@ -74,7 +78,7 @@ class TokenStrings:
         }
 
 
-def token_bytes_table(tokenizer) -> list[bytes]:
+def token_bytes_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes]:
     """Every vocabulary entry's bytes (run once at start, on the engine thread).
 
     Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM2) spell bytes as printable characters:
@@ -119,7 +123,7 @@ def _gpt2_byte_chars() -> dict[int, str]:
     return chars
 
 
-def _is_byte_level(tokenizer) -> bool:
+def _is_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False

@@ -10,6 +10,8 @@ API server does.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -40,11 +42,11 @@ class ServeMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             metric = Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
             return metric if extra else metric.labels(model_name)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.model_name = model_name
@@ -102,7 +104,7 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
     # ---- the event feed (engine thread) -----------------------------------------------------
-    def observe(self, event) -> None:
+    def observe(self, event: object) -> None:
         handler = self._HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
@@ -172,7 +174,8 @@ class ServeMetrics:
         for position in range(event.accepted):
             self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc()
 
-    _HANDLERS = {
+    # event class -> its handler (each takes its own class of event)
+    _HANDLERS: ClassVar[dict[type, Callable[[ServeMetrics, Any], None]]] = {
         RequestStarted: _on_started,
         TokenGenerated: _on_token,
         BeamStep: _on_beam_step,

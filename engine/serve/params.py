@@ -8,12 +8,16 @@ OpenAI's and vLLM's APIs). vLLM's `top_k: -1` means off, like the engine's 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from engine.config import ConfigError, SamplingParams
 from engine.request import ChatMessage, Request
 from engine.serve.bridge import ServeError
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
-from engine.serve.protocol import ChatRequest, CompletionRequest, SamplingFields
+from engine.serve.protocol import ChatRequest, CompletionRequest, MessageIn, SamplingFields
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
 
 # SamplingParams' message prefixes -> the OpenAI parameter they are about.
 _PARAM_OF_MESSAGE = (
@@ -47,7 +51,7 @@ class Prompt:
     text: str | None = None  # a completion prompt, tokenized as the tokenizer does by default
     ids: tuple[int, ...] = ()
 
-    def token_ids(self, core) -> list[int]:
+    def token_ids(self, core: LLMEngine) -> list[int]:
         if self.chat is not None:
             return core.prompt_ids(self.chat)
         if self.text is not None:
@@ -168,18 +172,18 @@ def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
     return Plan(tuple(prompts), params, top, body.max_tokens is not None, _usage(body), _tag(body), echo)
 
 
-def _prompts(prompt) -> list:
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """str, [str, ...], [int, ...] or [[int, ...], ...] -> one entry per engine request."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise _refuse("prompt", "the prompt is empty")
     if all(isinstance(p, int) for p in prompt):
-        return [prompt]
-    return list(prompt)
+        return [cast("list[int]", prompt)]
+    return list(cast("list[str] | list[list[int]]", prompt))
 
 
-def _message(index: int, message) -> ChatMessage:
+def _message(index: int, message: MessageIn) -> ChatMessage:
     role = ROLE_ALIASES.get(message.role, message.role)
     if role not in ("system", "user", "assistant"):
         raise _refuse(

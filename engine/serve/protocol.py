@@ -14,7 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
     """`{"error": {"message", "type", "param", "code"}}`, as OpenAI's API returns it."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from engine.events import (
     RequestFailed,
@@ -24,16 +26,22 @@ from engine.serve.bridge import ServeError, Started
 from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
 from engine.serve.params import Plan, param_of
 
+Json = dict[str, Any]  # a chunk, a body or a part of one, as it is serialised
+# A token's logprobs entry: chat, `choices[].logprobs.content[]`'s object; completions, (token,
+# logprob, top logprobs by token, text offset)
+CompletionEntry = tuple[str, float, dict[str, float], int]
+LogprobEntry = Json | CompletionEntry
+
 
 @dataclass(slots=True)
 class Choice:
     text: str = ""
     finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)  # chat: content entries; completions: per-token tuples
+    logprobs: list[LogprobEntry] = field(default_factory=list)
     text_offset: int = 0  # completions: characters before the next token
 
 
-def usage(stats: list[RequestStats]) -> dict:
+def usage(stats: list[RequestStats]) -> Json:
     prompt = sum(s.prompt_tokens for s in stats)
     completion = sum(s.generated_tokens for s in stats)
     return {
@@ -45,7 +53,7 @@ def usage(stats: list[RequestStats]) -> dict:
     }
 
 
-def timings(stats: list[RequestStats]) -> dict:
+def timings(stats: list[RequestStats]) -> Json:
     """llama.cpp server's `timings`, from the engine's own clocks. prompt_*: the prompt tokens
     computed (cached ones are `cache_n`) over the time to the first token (queueing, prefill and
     the first sample); predicted_*: every generated token, the time from the first to the last
@@ -93,38 +101,39 @@ class Reply:
         return self.error is not None or len(self.stats) == len(self.index_of)
 
     # ---- folding events --------------------------------------------------------------------
-    def fold(self, events: list) -> list[dict]:
+    def fold(self, events: Iterable[object]) -> list[Json]:
         """Fold a batch; returns the streaming chunks it makes (without the usage chunk)."""
-        changed: dict[int, dict] = {}  # choice -> delta of this batch
+        changed: dict[int, Json] = {}  # choice -> delta of this batch
         for event in events:
-            kind = type(event)
-            request_index = self.index_of.get(getattr(event, "request_id", None))
+            request_id = getattr(event, "request_id", None)
+            request_index = self.index_of.get(request_id) if request_id is not None else None
             if request_index is None:
                 continue
-            if kind is TokenGenerated:
+            if isinstance(event, TokenGenerated):
                 self._token(request_index * self.n + event.branch, event, changed)
-            elif kind is SequenceFinished and event.finish_reason in ("stop", "length"):
+            elif isinstance(event, SequenceFinished) and event.finish_reason in ("stop", "length"):
                 self._finish(request_index * self.n + event.branch, event.finish_reason, changed)
-            elif kind is RequestFinished:
+            elif isinstance(event, RequestFinished):
                 self._request_finished(request_index, event, changed)
-            elif kind is RequestStarted:
+            elif isinstance(event, RequestStarted):
                 self.started.add(event.request_id)
-            elif kind is RequestFailed:
+            elif isinstance(event, RequestFailed):
                 if event.request_id in self.started:  # it ran and broke
                     self.error = ServeError(event.message, code="request_failed", status=500)
                 else:  # the engine refused it (n over the batch, a group with speculation, ...)
                     self.error = ServeError(event.message, param_of(event.message), "invalid_request")
         return [self._chunk(index, delta) for index, delta in sorted(changed.items())]
 
-    def _delta(self, changed: dict[int, dict], index: int) -> dict:
+    def _delta(self, changed: dict[int, Json], index: int) -> Json:
         return changed.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None})
 
-    def _token(self, index: int, token: TokenGenerated, changed: dict[int, dict]) -> None:
+    def _token(self, index: int, token: TokenGenerated, changed: dict[int, Json]) -> None:
         choice, delta = self.choices[index], self._delta(changed, index)
         choice.text += token.text_delta
         delta["text"] += token.text_delta
         if self.plan.top_logprobs is None or token.snapshot is None:
             return
+        entry: LogprobEntry
         if self.kind == "chat":
             entry = self.strings.chat_entry(
                 token.token_id, token.text, token.snapshot, self.plan.top_logprobs
@@ -139,13 +148,13 @@ class Reply:
         choice.logprobs.append(entry)
         delta["logprobs"].append(entry)
 
-    def _finish(self, index: int, reason: str, changed: dict[int, dict]) -> None:
+    def _finish(self, index: int, reason: str, changed: dict[int, Json]) -> None:
         choice = self.choices[index]
         if choice.finish_reason is None:
             choice.finish_reason = reason
             self._delta(changed, index)["finish_reason"] = reason
 
-    def _request_finished(self, request_index: int, event: RequestFinished, changed: dict[int, dict]) -> None:
+    def _request_finished(self, request_index: int, event: RequestFinished, changed: dict[int, Json]) -> None:
         if event.finish_reason == "cancelled":
             self.error = ServeError("The request was cancelled: the server is shutting down.", status=503)
             return
@@ -165,10 +174,10 @@ class Reply:
             self._finish(base, event.finish_reason, changed)
 
     # ---- chunks and bodies -----------------------------------------------------------------
-    def _head(self, obj: str) -> dict:
+    def _head(self, obj: str) -> Json:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def role_chunk(self) -> dict:
+    def role_chunk(self) -> Json:
         """Chat streams open with the assistant role for every choice."""
         chunk = self._head("chat.completion.chunk")
         chunk["choices"] = [
@@ -182,7 +191,7 @@ class Reply:
         ]
         return self._with_usage_slot(chunk)
 
-    def echo_chunk(self) -> dict | None:
+    def echo_chunk(self) -> Json | None:
         if not self.plan.echo_prompts:
             return None
         chunk = self._head("text_completion")
@@ -192,7 +201,7 @@ class Reply:
         ]
         return self._with_usage_slot(chunk)
 
-    def _chunk(self, index: int, delta: dict) -> dict:
+    def _chunk(self, index: int, delta: Json) -> Json:
         logprobs = None
         if self.plan.top_logprobs is not None and delta["logprobs"]:
             logprobs = self._logprobs_object(delta["logprobs"])
@@ -218,29 +227,30 @@ class Reply:
             chunk["timings"] = timings(list(self.stats.values()))
         return self._with_usage_slot(chunk)
 
-    def _with_usage_slot(self, chunk: dict) -> dict:
+    def _with_usage_slot(self, chunk: Json) -> Json:
         if self.plan.include_usage:
             chunk["usage"] = None  # as OpenAI streams it: null until the final usage chunk
         return chunk
 
-    def usage_chunk(self) -> dict:
+    def usage_chunk(self) -> Json:
         chunk = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         chunk["choices"] = []
         chunk["usage"] = usage(list(self.stats.values()))
         chunk["timings"] = timings(list(self.stats.values()))
         return chunk
 
-    def _logprobs_object(self, entries: list):
+    def _logprobs_object(self, entries: list[LogprobEntry]) -> Json:
         if self.kind == "chat":
             return {"content": list(entries)}
+        rows = cast("list[CompletionEntry]", entries)  # a completion's entries are all tuples
         return {
-            "tokens": [e[0] for e in entries],
-            "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [e[2] for e in entries],
-            "text_offset": [e[3] for e in entries],
+            "tokens": [e[0] for e in rows],
+            "token_logprobs": [e[1] for e in rows],
+            "top_logprobs": [e[2] for e in rows],
+            "text_offset": [e[3] for e in rows],
         }
 
-    def body(self) -> dict:
+    def body(self) -> Json:
         """The whole non-streaming response."""
         if self.kind == "chat":
             body = self._head("chat.completion")

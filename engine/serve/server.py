@@ -11,9 +11,15 @@ import ipaddress
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig
 from engine.serve.bridge import EngineBridge
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from engine.model.loaded import LoadedModel
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -53,7 +59,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_uvicorn(bridge: EngineBridge, api_key: str | None, log_level: str = "warning"):
+def make_uvicorn(bridge: EngineBridge, api_key: str | None, log_level: str = "warning") -> uvicorn.Server:
     import uvicorn
 
     from engine.serve.app import build_app
@@ -81,7 +87,7 @@ class BackgroundServer:
     def __init__(
         self,
         config: EngineConfig,
-        loaded=None,
+        loaded: LoadedModel | None = None,
         api_key: str | None = None,
         host: str = DEFAULT_HOST,
         port: int = 0,
@@ -91,7 +97,7 @@ class BackgroundServer:
         self.bridge = EngineBridge(config, loaded=loaded, model_name=model_name)
         self.api_key = api_key
         self._host, self._port = host, port
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
 
@@ -99,13 +105,13 @@ class BackgroundServer:
         self.bridge.start(timeout)
         sock = bind(self._host, self._port)
         self.url = url_of(sock)
-        self._server = make_uvicorn(self.bridge, self.api_key)
+        server = self._server = make_uvicorn(self.bridge, self.api_key)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="kvscope-http", daemon=True
+            target=server.run, kwargs={"sockets": [sock]}, name="kvscope-http", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.01)
@@ -121,5 +127,5 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -11,8 +11,12 @@ so the live stream that follows it continues from exactly this state.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from engine.events import BlockEvent, ModelLoaded, RequestStarted, SequenceForked
+from engine.events import BlockEvent, Event, ModelLoaded, RequestStarted, SequenceForked
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
 
 
 class BlockMirror:
@@ -36,11 +40,11 @@ class BlockMirror:
                 self.copied_from.pop(block, None)
 
 
-def state_events(core, mirror: BlockMirror) -> list:
+def state_events(core: LLMEngine, mirror: BlockMirror) -> list[Event]:
     """ModelLoaded, the live requests (and forks) and the pool's blocks, oldest holder first."""
     pool, bs = core.kv.pool, core.kv.block_size
     now = time.perf_counter()
-    out: list = [ModelLoaded(core.loaded.info, pool.num_blocks, bs, core.storage.total_bytes, now)]
+    out: list[Event] = [ModelLoaded(core.loaded.info, pool.num_blocks, bs, core.storage.total_bytes, now)]
     seqs = list(core.seqs.values())  # creation order: a block's first holder comes first
     for seq in seqs:
         group = seq.group

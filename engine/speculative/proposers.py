@@ -4,12 +4,39 @@ Their guesses are checked by engine.speculative.verify."""
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import DynamicCache
 
 from engine.core.sequence import Sequence
 from engine.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from engine.config import EngineConfig
+    from engine.model.loaded import LoadedModel
+
+
+class Proposer(Protocol):
+    """What the engine asks of a proposer (n-gram lookup or a draft model)."""
+
+    name: str
+
+    def propose(self, seq: Sequence, k: int) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Up to k draft tokens and, per draft, its distribution q (None: one-hot)."""
+        ...
+
+    def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
+        """Only the sequence's first `valid_tokens` tokens are still true."""
+        ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(own weights, own caches) in bytes."""
+        ...
 
 
 class NgramProposer:
@@ -48,7 +75,7 @@ class DraftModelProposer:
     sampled under the request's own sampling settings (its q). Each sequence keeps a draft-side
     DynamicCache, cropped back to the verified prefix after every round."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "draft", weights_bytes: int = 0):
+    def __init__(self, model: PreTrainedModel, name: str = "draft", weights_bytes: int = 0):
         self.model = model
         self.name = name
         # the draft's own weights (0 for a self-draft, which shares the target's)
@@ -76,7 +103,8 @@ class DraftModelProposer:
         new = seq.token_ids[cached:]
         prompt, output = seq.token_ids[: seq.num_prompt_tokens], list(seq.output_ids)
         logits = self._forward(new, cached, cache, device)
-        drafts, qs = [], []
+        drafts: list[int] = []
+        qs: list[torch.Tensor | None] = []
         for i in range(k):
             q = sampler.distribution(logits, prompt, output + drafts)
             x = int(q.argmax()) if seq.params.greedy else sampler.draw(q)
@@ -87,13 +115,14 @@ class DraftModelProposer:
         self._state[seq.seq_id] = (cache, len(seq.token_ids) + k - 1, sampler)
         return drafts, qs
 
-    def _forward(self, ids: list[int], start: int, cache: DynamicCache, device) -> torch.Tensor:
+    def _forward(self, ids: list[int], start: int, cache: DynamicCache, device: torch.device) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=device)
         positions = torch.arange(start, start + len(ids), device=device)[None]
         out = self.model(
             input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
         )
-        return out.logits[0, -1].float()
+        logits: torch.Tensor = out.logits
+        return logits[0, -1].float()
 
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         """Only the first `valid_tokens` of the sequence are still true; drop the rest."""
@@ -110,7 +139,7 @@ class DraftModelProposer:
         self._state.pop(seq.seq_id, None)
 
 
-def first_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+def first_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A self-draft: the target truncated to its first `num_layers` decoder layers (then its
     final norm and LM head), sharing the target's weights: no extra weight memory."""
     inner = model.model
@@ -129,9 +158,10 @@ def first_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     return draft
 
 
-def make_proposer(config, loaded):
+def make_proposer(config: EngineConfig, loaded: LoadedModel) -> Proposer:
     """The proposer named by `config.speculative` for the target `loaded`."""
     spec = config.speculative
+    assert spec is not None, "the engine makes a proposer only for a speculative config"
     if spec.method == "ngram":
         return NgramProposer()
     if spec.method == "self":
@@ -140,6 +170,7 @@ def make_proposer(config, loaded):
     from engine.config import ModelSpec
     from engine.model.loading import load_model
 
+    assert spec.draft_model, "SpeculativeConfig requires a draft model for 'draft'"
     draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
     return DraftModelProposer(
@@ -150,7 +181,9 @@ def make_proposer(config, loaded):
 PROBE_TEXT = "Speculative decoding checks drafts: 42 tokens, naïve café, 你好, 🙂."
 
 
-def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+def check_same_tokenizer(
+    target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase
+) -> None:
     """Draft tokens are target tokens: the two vocabularies must agree."""
     from engine.config import ConfigError
 

@@ -38,18 +38,19 @@ def verify(
     accept_probs, ps, qs = [], [], []
     for i, x in enumerate(draft):
         px = float(p[i, x])
-        qx = 1.0 if q[i] is None else float(q[i][x])
+        qi = q[i]
+        qx = 1.0 if qi is None else float(qi[x])
         a = min(1.0, px / qx) if qx > 0 else 0.0
         accept_probs.append(a)
         ps.append(px)
         qs.append(qx)
         if uniform() < a:
             continue
-        if q[i] is None:
+        if qi is None:
             residual = p[i].clone()
             residual[x] = 0.0
         else:
-            residual = (p[i] - q[i]).clamp_min(0.0)
+            residual = (p[i] - qi).clamp_min(0.0)
         total = float(residual.sum())
         # Rejection with zero residual mass needs p == q, where acceptance is certain; guard
         # against float dust all the same.

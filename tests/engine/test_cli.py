@@ -121,3 +121,30 @@ def test_generate_with_speculation_reports_its_figures(tmp_path, default_tokeniz
     assert 0.0 <= figures["acceptance_rate"] <= 1.0
     assert figures["target_forwards"] == 1 + figures["rounds"] + figures["token_kinds"].count("") - 1
     assert "speculative" not in plain_out
+
+
+def test_attention_kernels_prints_its_table(tmp_path, default_tokenizer):
+    """The text report (not only --json): its byte figures go through engine.units.si."""
+    from model_folders import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny", default_tokenizer)
+    args = [
+        "sweep",
+        "--attention-kernels",
+        "--model",
+        str(folder),
+        "--prompt-lengths",
+        "8,16",
+        "--repeats",
+        "1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    rows = [
+        row for row in lines if row[:2] in (["8", "math"], ["8", "flash"], ["16", "math"], ["16", "flash"])
+    ]
+    assert len(rows) == 4, proc.stdout
