@@ -99,7 +99,12 @@ class EngineHost(QObject):
         self.generation += 1
         # A fresh inbox per engine: nothing a previous engine pushed late can leak into this one.
         self.store = EventStore()
-        self.engine = Engine(config, sink=self.store.push, loaded=loaded)
+        self._run(Engine(config, sink=self.store.push, loaded=loaded))
+
+    def _run(self, engine) -> None:
+        """Start `engine` as this host's, loading until its first event: an in-process Engine, or
+        anything with its surface (app.remote's RemoteEngine)."""
+        self.engine = engine
         self._loading, self._ready = True, False
         self.model_name = ""
         self.engine.start()

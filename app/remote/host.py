@@ -55,13 +55,7 @@ class AttachableHost(EngineHost):
         self.metrics.clear()
         self.metrics_sample, self.metrics_family, self.metrics_error = None, "", None
         self.prefix_cache = None
-        self.engine = RemoteEngine(target, self.store.push, self._records.push, use_events=use_events)
-        self._loading, self._ready = True, False
-        self.model_name = ""
-        self.engine.start()
-        if not self._timer.isActive():
-            self._timer.start()
-        self.status_changed.emit()
+        self._run(RemoteEngine(target, self.store.push, self._records.push, use_events=use_events))
 
     def start(self, config: EngineConfig, loaded=None) -> None:
         self.target = None

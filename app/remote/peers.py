@@ -286,14 +286,19 @@ def run_vllm(out: Path) -> dict:
     finally:
         if subscriber is not None and subscriber.poll() is None:
             subscriber.kill()
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(60)
-        if server.poll() is None:
-            server.kill()
-        log.close()
+        _stop(server, log, grace_s=60)  # vLLM takes its time to wind down
     result["status"] = _status(result)
     return result
+
+
+def _stop(server: subprocess.Popen, log, grace_s: float) -> None:
+    """Ask a peer server to stop, kill it if it has not after `grace_s`, close its log."""
+    server.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(grace_s)
+    if server.poll() is None:
+        server.kill()
+    log.close()
 
 
 def zmq_summary(received: list[dict], checks: dict, folder: Path) -> dict:
@@ -340,12 +345,7 @@ def run_llamacpp(out: Path) -> dict:
     except Exception as exc:  # noqa: BLE001
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(30)
-        if server.poll() is None:
-            server.kill()
-        log.close()
+        _stop(server, log, grace_s=30)
     result["status"] = _status(result)
     return result
 

@@ -77,9 +77,7 @@ def dequantize_int4(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, qt
     weights: np.ndarray
     if qtype == Q.Q4_0:
         weights = scale[..., None] * (q - 8.0)
-    elif qtype == Q.Q4_K:
-        weights = scale[..., None] * q + offset[..., None]
-    else:
+    else:  # Q4_1 and Q4_K: a scale and an offset per group of 32
         weights = scale[..., None] * q + offset[..., None]
     return weights.reshape(n, cols)
 
