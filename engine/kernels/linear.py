@@ -211,5 +211,5 @@ def _wrap_remaining(model: nn.Module, policy: KernelPolicy) -> None:
         parent = model.get_submodule(parent_name) if parent_name else model
         kind = KernelHead if module is head else KernelLinear
         # a head tied to the embedding keeps its rows: the lookup reads the same tensor
-        columns = False if tied is not None and module.weight is tied else None
-        setattr(parent, child, kind(DenseWeight(module.weight, columns), module.bias, policy))
+        relayout = not (tied is not None and module.weight is tied)
+        setattr(parent, child, kind(DenseWeight(module.weight, relayout), module.bias, policy))

@@ -180,7 +180,7 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
         probe = Q8BlockWeight(codes.reshape(n, k).to(torch.int8), scales.half())
     else:
         assert isinstance(storage, DenseWeight)
-        probe = DenseWeight(w.to(storage.weight.dtype))
+        probe = DenseWeight(w.to(storage.dtype))
     count = max(1, min(64, PROBE_BYTES // max(1, probe.nbytes)))
     copies: list[WeightStorage] = [probe]
     return copies + [copy.deepcopy(probe) for _ in range(count - 1)]

@@ -219,7 +219,7 @@ def _tie_head(
     if isinstance(head, nn.Linear) and head.weight.is_meta:
         weight = embed.weight
         assert isinstance(weight, torch.Tensor), "an input embedding holds its table as a weight"
-        model.lm_head = KernelHead(DenseWeight(weight, columns=False), None, policy)  # tied: one tensor
+        model.lm_head = KernelHead(DenseWeight(weight, relayout=False), None, policy)  # tied: one tensor
 
 
 def _materialize_rest(model: PreTrainedModel, config: PreTrainedConfig, dtype: torch.dtype) -> None:

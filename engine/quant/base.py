@@ -155,7 +155,7 @@ def model_weight_bytes(model: nn.Module) -> int:
         nonlocal total
         if t.device.type == "meta":
             return
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
+        key = _tensor_key(t)
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -170,6 +170,14 @@ def model_weight_bytes(model: nn.Module) -> int:
     for p in model.parameters():
         total += _bnb_state_bytes(p)
     return total
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's bytes live, so that two views of them count once. An opaque tensor (a
+    oneDNN-packed weight) has no storage to point at: it is its own."""
+    if t.is_mkldnn:
+        return (id(t), 0)
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()))
 
 
 def model_param_count(model: nn.Module) -> int:
@@ -188,7 +196,7 @@ def model_param_count(model: nn.Module) -> int:
             continue
         seen_storages.add(id(storage))
         tensors = storage.tensors()
-        if len(tensors) == 1 and tensors[0].untyped_storage().data_ptr() in seen_tensors:
+        if len(tensors) == 1 and _tensor_key(tensors[0])[0] in seen_tensors:
             continue  # a dense layer sharing a parameter (tied LM head)
         count += storage.out_features * storage.in_features
     return count

@@ -32,10 +32,11 @@ def storages(n: int = 192, k: int = 96, seed: int = 0):
         "int4-g32": Int4GroupWeight(*quantize_int4_groups(w, 32)),
         "q8_0": Q8BlockWeight(q8.reshape(n, k), scales),
         "dense-bf16": DenseWeight(w.to(torch.bfloat16)),
+        "dense-fp32": DenseWeight(w),
     }
 
 
-@pytest.mark.parametrize("kind", ["int8-row", "int4-g32", "q8_0", "dense-bf16"])
+@pytest.mark.parametrize("kind", ["int8-row", "int4-g32", "q8_0", "dense-bf16", "dense-fp32"])
 def test_every_kernel_multiplies_by_the_storages_dequantized_weights(kind):
     storage = storages()[kind]
     x = torch.randn(5, storage.in_features, generator=torch.Generator().manual_seed(1))
@@ -84,6 +85,25 @@ def test_int4_zeros_take_up_the_mean_error_of_the_bfloat16_scales():
     dequantized = Int4GroupWeight(codes, scales, zeros).dequantize(torch.float32)
     naive_weights = Int4GroupWeight(codes, scales.to(torch.bfloat16).float(), naive).dequantize(torch.float32)
     assert relative_error(dequantized, exact) < relative_error(naive_weights, exact)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_float32_weights_in_either_layout_multiply_as_f_linear_and_count_once(monkeypatch, onednn):
+    from engine.kernels import weights
+    from engine.quant.base import model_weight_bytes
+
+    if onednn and not weights.onednn_linear_available():
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(weights, "onednn_linear_available", lambda: onednn)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2))
+    storage = DenseWeight(w)
+    assert storage.layout == ("onednn" if onednn else "columns")
+    assert torch.equal(storage.weight, w) and torch.equal(storage.rows(torch.tensor([5, 1])), w[[5, 1]])
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 64)
+        assert relative_error(storage.matmul("dense-fp32", x), torch.nn.functional.linear(x, w)) < 1e-6
+    layer = KernelLinear(storage, None, KernelPolicy())
+    assert model_weight_bytes(torch.nn.Sequential(layer, layer)) == w.numel() * 4  # one tensor, once
 
 
 def test_q8_rows_are_exactly_the_blocks_values():
