@@ -30,6 +30,10 @@ from engine.units import MIB, format_bytes
 DEFAULT_LABEL = "Packaged default: SmolLM2-135M-Instruct"
 
 
+def _weights_as(est: dict) -> str:
+    return "at the file's own bits" if est.get("weights_as") == "native" else f"in {est['dtype']}"
+
+
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
     """A few short lines from inspect_model's figures and the chosen KV budget."""
     per_token = est["kv_bytes_per_token"]
@@ -40,7 +44,7 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
         [
             f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
             f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {format_bytes(est['weight_bytes'])} in {est['dtype']}: {fit} in "
+            f"Weights ≈ {format_bytes(est['weight_bytes'])} {_weights_as(est)}: {fit} in "
             f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
             f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
             f"needs {format_bytes(est['kv_bytes_for_context'])}",
@@ -153,6 +157,7 @@ class ModelPicker(QWidget):
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
         self.dtype.currentIndexChanged.connect(self.refresh_estimate)
+        self.quantization.scheme.currentIndexChanged.connect(self.refresh_estimate)  # native or dtype bytes
         self.device.currentTextChanged.connect(self.quantization.set_device)
         self.kv_budget.valueChanged.connect(self._on_pool_changed)
         self.block_size.valueChanged.connect(self._on_pool_changed)
@@ -233,7 +238,7 @@ class ModelPicker(QWidget):
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).
-            return inspect_model(choice.source, dtype=choice.dtype)
+            return inspect_model(choice.source, dtype=choice.dtype, quantization=choice.quantization)
 
         self._worker = create_worker(
             inspect,

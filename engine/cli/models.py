@@ -120,7 +120,7 @@ def _files(args: argparse.Namespace) -> int:
             need = est["weight_bytes"] + est["kv_bytes_for_context"]
             verdict = "fits" if est["fits_with_context"] else "does NOT fit"
             fit = (
-                f"{_gib(est['weight_bytes'])} weights ({est['dtype']}) + {_gib(est['kv_bytes_for_context'])} KV "
+                f"{_gib(est['weight_bytes'])} weights ({est['weights_as']}) + {_gib(est['kv_bytes_for_context'])} KV "
                 f"for {est['context']:,} tokens = {_gib(need)}: {verdict} in {_gib(est['budget_bytes'])} "
                 f"({est['budget_source']})"
             )

@@ -4,8 +4,9 @@ weight downloads.
 Choices: the safetensors weights (all shards together; the repo's config.json and tokenizer come
 with them) and each GGUF quantization (Q4_K_M, Q8_0, ... read from the file name; a GGUF split
 into parts is listed, but kvscope loads single files only). The estimate is inspect-model's
-(engine.model.inspect.memory_estimate): weights in the chosen dtype plus KV for the chosen
-context against the memory free now. The shapes come from config.json (fetched alone, a few KB)
+(engine.model.inspect.memory_estimate): weights in the chosen dtype (a GGUF's at its own bits
+where a load keeps them so: on the CPU) plus KV for the chosen context against the memory free
+now. The shapes come from config.json (fetched alone, a few KB)
 or, for a GGUF, from the file's header read over range requests.
 """
 
@@ -131,7 +132,7 @@ def repo_files(
     """The repo's ways to load, each with its download size and the fit for this machine."""
     from engine.config import DTYPES
     from engine.model.errors import ModelLoadError
-    from engine.model.inspect import budget_bytes_for
+    from engine.model.inspect import budget_bytes_for, native_weight_bytes
     from engine.model.support import support_for
 
     if dtype not in DTYPES:
@@ -173,7 +174,8 @@ def repo_files(
             estimate: dict[str, Any] | None = None
             if cfg is not None:
                 try:
-                    estimate = _estimate(cfg, dtype, context, budget, None)
+                    native = native_weight_bytes(weight_bytes) if kind == GGUF else None
+                    estimate = _estimate(cfg, dtype, context, budget, native)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"
             elif not error:

@@ -20,11 +20,16 @@ from engine.model.support import support_for
 
 
 def inspect_model(
-    source: str, dtype: str = "float32", context: int | None = None, budget_gib: float | None = None
+    source: str,
+    dtype: str = "float32",
+    context: int | None = None,
+    budget_gib: float | None = None,
+    quantization: str = "auto",
 ) -> dict[str, Any]:
     """Shapes and memory figures of `source` ('default', a folder, a .gguf file or a cached repo
     id) in `dtype`. `context` defaults to the model's maximum; `budget_gib` defaults to the memory
-    available now on the device a load would pick.
+    available now on the device a load would pick. A GGUF's weights count at their own bits where
+    `quantization` keeps them so ('auto' or 'native', on the CPU), else in `dtype`.
 
     Raises ModelLoadError for a missing or unreadable source, ConfigError for bad numbers."""
     if dtype not in DTYPES:
@@ -43,7 +48,9 @@ def inspect_model(
         why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
         raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
-    report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib)))
+    kept = src.gguf is not None and quantization in ("auto", "native")
+    native = native_weight_bytes(src.gguf.stat().st_size if src.gguf is not None and kept else None)
+    report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
     return report
@@ -56,6 +63,15 @@ def budget_bytes_for(budget_gib: float | None) -> tuple[int, str]:
         return int(budget_gib * 2**30), "given"
     device = resolve_device("auto")
     return available_memory_bytes(device), f"available {'GPU memory' if device.type == 'cuda' else 'RAM'} now"
+
+
+def native_weight_bytes(gguf_file_bytes: int | None) -> int | None:
+    """What a GGUF's weights take once loaded, where a load keeps them at their own bits (the
+    'auto' scheme on the CPU): the file's size, its tensors plus a little metadata. None where
+    they would be dequantized to the chosen dtype (not a GGUF, or a GPU load)."""
+    if gguf_file_bytes is None or resolve_device("auto").type != "cpu":
+        return None
+    return gguf_file_bytes
 
 
 def memory_estimate(
@@ -74,6 +90,8 @@ def memory_estimate(
     kv_per_token = shapes.kv_bytes_per_token(dtype)
     return {
         "dtype": dtype,
+        # the weights' format: the chosen dtype, or a GGUF's own bits ("native")
+        "weights_as": dtype if weight_bytes is None else "native",
         "architecture": shapes.architecture,
         "num_layers": shapes.num_layers,
         "num_kv_heads": shapes.num_kv_heads,

@@ -42,8 +42,12 @@ def test_the_packaged_default_is_estimated_from_its_metadata(qtbot):
     picker.wait_for_estimate()
     text = picker.estimate.text()
     assert "LlamaForCausalLM" in text and "30 layers" in text, text
+    # the default loads at the GGUF's own bits, so that is what the estimate counts (~94 MiB)
+    assert "MiB at the file's own bits" in text, text
     picker.kv_budget.setValue(128)  # the pool line follows the budget without re-reading the file
     assert "KV budget 128 MiB" in picker.estimate.text()
+    picker.quantization.scheme.setCurrentIndex(picker.quantization.scheme.findData("none"))
+    qtbot.waitUntil(lambda: "MiB in float32" in picker.estimate.text(), timeout=60_000)  # dequantized
 
 
 def test_a_missing_model_says_why_it_cannot_be_estimated(qtbot, tmp_path):

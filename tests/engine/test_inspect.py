@@ -120,3 +120,12 @@ def test_corrupt_config(tmp_path):
 def test_bad_numbers(llama_8b, kwargs, expected):
     with pytest.raises(ConfigError, match=expected):
         inspect_model(str(llama_8b), **kwargs)
+
+
+def test_a_gguf_counts_its_own_bits_where_a_load_keeps_them():
+    native = inspect_model("default", dtype="float32")
+    dequantized = inspect_model("default", dtype="float32", quantization="none")
+    assert native["weights_as"] == "native" and dequantized["weights_as"] == "float32"
+    assert native["weight_bytes"] == default_gguf_path().stat().st_size  # ~94 MiB
+    assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB
+    assert native["kv_bytes_per_token"] == dequantized["kv_bytes_per_token"]  # KV in the dtype either way
