@@ -3,8 +3,9 @@
 For each weight format (and layer shape) every kernel is timed at row counts 1, 2, 4, ... 512
 (best of a few calls, weights larger than the caches as in a real model), and the fastest one per
 row count is kept in a table, cached on disk per CPU, torch version and thread count so a later
-load reuses it. On the 2-core AVX-512 machine this was written on, the packed int4 kernel wins
-up to about 4 rows and a bfloat16 dense matmul beyond; elsewhere the table says what it says.
+load reuses it. On the 2-core machine this was written on, the packed int4 kernel wins up to 256
+rows and a bfloat16 dense matmul of the dequantized layer at 512; elsewhere the table says what
+it says (the model's notes and `engine bench` print it).
 
 A step's rows are not one block: each sequence's rows take the kernel for *its own* row count
 (a decode row always the decode kernel, a prefill chunk the prefill kernel), so a request's tokens
