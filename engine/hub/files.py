@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError, api, describe, hub_call
@@ -101,7 +101,6 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     from engine.model.configs import read_folder_config
 
     path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint(), token=token())
-    from pathlib import Path
 
     return read_folder_config(Path(path).parent)
 
@@ -130,9 +129,10 @@ def repo_files(
     repo_id: str, dtype: str = "bfloat16", context: int | None = 4096, budget_gib: float | None = None
 ) -> RepoFiles:
     """The repo's ways to load, each with its download size and the fit for this machine."""
-    from engine.config import DTYPES
+    from engine.config import AUTO, DTYPES
     from engine.model.errors import ModelLoadError
-    from engine.model.inspect import budget_bytes_for, native_weight_bytes
+    from engine.model.inspect import budget_bytes_for, keeps_own_bits
+    from engine.model.sources import ModelSource
     from engine.model.support import support_for
 
     if dtype not in DTYPES:
@@ -174,7 +174,10 @@ def repo_files(
             estimate: dict[str, Any] | None = None
             if cfg is not None:
                 try:
-                    native = native_weight_bytes(weight_bytes) if kind == GGUF else None
+                    # loaded as a GGUF file is: at its own bits where the loader keeps them
+                    local = PurePosixPath(files[0])
+                    gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
+                    native = weight_bytes if kind == GGUF and keeps_own_bits(AUTO, gguf) else None
                     estimate = _estimate(cfg, dtype, context, budget, native)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"

@@ -14,8 +14,9 @@ from engine.measure.memory import available_memory_bytes
 from engine.model.checks import resolve_device
 from engine.model.configs import read_config
 from engine.model.errors import ModelLoadError
+from engine.model.gguf_native import NATIVE
 from engine.model.shapes import ModelShapes
-from engine.model.sources import resolve_source
+from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
 
 
@@ -48,8 +49,7 @@ def inspect_model(
         why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
         raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
-    kept = src.gguf is not None and quantization in ("auto", "native")
-    native = native_weight_bytes(src.gguf.stat().st_size if src.gguf is not None and kept else None)
+    native = src.gguf.stat().st_size if src.gguf is not None and keeps_own_bits(quantization, src) else None
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
@@ -65,13 +65,16 @@ def budget_bytes_for(budget_gib: float | None) -> tuple[int, str]:
     return available_memory_bytes(device), f"available {'GPU memory' if device.type == 'cuda' else 'RAM'} now"
 
 
-def native_weight_bytes(gguf_file_bytes: int | None) -> int | None:
-    """What a GGUF's weights take once loaded, where a load keeps them at their own bits (the
-    'auto' scheme on the CPU): the file's size, its tensors plus a little metadata. None where
-    they would be dequantized to the chosen dtype (not a GGUF, or a GPU load)."""
-    if gguf_file_bytes is None or resolve_device("auto").type != "cpu":
-        return None
-    return gguf_file_bytes
+def keeps_own_bits(quantization: str, src: ModelSource) -> bool:
+    """Whether loading `src` with `quantization` on the device a load picks keeps a GGUF's own
+    blocks (the loader's own rule), so that its weights take about the file's size: its tensors,
+    plus a little metadata. A choice the loader refuses counts as not kept."""
+    from engine.model.loading import resolve_scheme
+
+    try:
+        return resolve_scheme(quantization, src, resolve_device("auto")) == NATIVE
+    except ModelLoadError:
+        return False
 
 
 def memory_estimate(

@@ -70,11 +70,6 @@ class AttentionSpec:
     softcap: float | None = None  # attention-logit soft cap; None = none
     sinks: bool = False  # the call's `s_aux` (per-head sink logits) joins the softmax
 
-    @property
-    def plain(self) -> bool:
-        """Causal attention that SDPA computes as is (a window only narrows the keys and mask)."""
-        return self.softcap is None and not self.sinks
-
     @staticmethod
     def of_call(kwargs: dict[str, Any]) -> AttentionSpec:
         window = kwargs.get("sliding_window")

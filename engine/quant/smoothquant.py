@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.model.chat_template import render_chat
 from engine.quant.base import target_linears
 
 if TYPE_CHECKING:
@@ -51,10 +52,9 @@ def calibrate_input_absmax(
     device = next(model.parameters()).device
     try:
         for prompt in prompts:
-            messages = [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-            model(input_ids=ids)
+            # as the engine renders a chat (a model without a template gets plain text)
+            rendered = render_chat(tokenizer, [{"role": "user", "content": prompt}])
+            model(input_ids=torch.tensor([rendered.ids], device=device))
     finally:
         for handle in handles:
             handle.remove()

@@ -27,7 +27,7 @@ from engine.config import SamplingParams
 from engine.events import TokenSnapshot
 from engine.request import Request
 from engine.sampling.sampler import Sampler
-from engine.sampling.stages import ExcludeTopChoices
+from engine.sampling.stages import build_stages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,14 +95,7 @@ class WhatIf:
         shown = replace(params, snapshot_top_n=recorded_top_n(recorded))
         sampler = Sampler(shown, decode_token=core.text.text)
         # XTC as if its coin came up: a what-if shows what the setting does, not one coin's luck.
-        sampler.stages = [
-            replace(
-                stage, processor=ExcludeTopChoices(params.xtc_threshold, params.xtc_probability, lambda: 0.0)
-            )
-            if stage.name == "xtc"
-            else stage
-            for stage in sampler.stages
-        ]
+        sampler.stages = build_stages(shown, decode_token=core.text.text, uniform=lambda: 0.0)
         snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id).snapshot
         assert snapshot is not None  # snapshot_top_n > 0 always records one
         return snapshot

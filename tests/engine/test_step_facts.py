@@ -10,7 +10,6 @@ from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core import llm_engine as llm_engine_module
 from engine.core.llm_engine import LLMEngine
 from engine.events import StepStats
-from engine.measure.roofline import step_cost
 from engine.request import Request
 
 PROMPT = tuple(range(100, 130)) + tuple(range(100, 110))  # a repeat: n-gram drafts find matches
@@ -44,7 +43,8 @@ def run_recording_rows(loaded, params: SamplingParams, **config) -> tuple[list[S
 
     def recording(seqs, num_tokens, counts):
         result = forward(seqs, num_tokens, counts)
-        computed.append(result.logits.shape[0])  # the rows the LM head really ran
+        # the rows the LM head really ran, and the tokens the layers ran
+        computed.append((result.logits.shape[0], sum(num_tokens)))
         return result
 
     engine.runner.forward = recording
@@ -69,12 +69,25 @@ CASES = {
 def test_roofline_rows_and_flops_are_what_the_runner_computed(tiny_loaded, case):
     params, config = CASES[case]
     steps, computed = run_recording_rows(tiny_loaded, params, **config)
-    assert [s.logit_rows for s in steps] == computed
+    assert [s.logit_rows for s in steps] == [rows for rows, _ in computed]
     shapes = tiny_loaded.info.shapes
-    for s in steps:
-        want = step_cost(shapes, s.seq_shapes, 4, 4, logit_rows=s.logit_rows)
-        assert s.cost is not None and s.cost.flops == want.flops  # every term, from the runner's rows
-        assert s.cost.breakdown["logit_rows"] == s.logit_rows
+    h, vocab = shapes.hidden_size, shapes.vocab_size
+    per_token = (
+        2
+        * shapes.num_layers
+        * (  # q, k, v, o and the MLP's three, per layer
+            2 * h * shapes.num_heads * shapes.head_dim
+            + 2 * h * shapes.num_kv_heads * shapes.head_dim
+            + 3 * h * shapes.intermediate_size
+        )
+    )
+    for s, (rows, tokens) in zip(steps, computed, strict=True):
+        assert s.cost is not None and s.cost.breakdown["logit_rows"] == rows
+        # the FLOPs of what the runner ran, counted here by hand: the head's rows and the
+        # layers' tokens (attention's term depends on the contexts, which the runner owns)
+        assert s.cost.breakdown["flops_lm_head"] == 2 * rows * h * vocab
+        assert s.cost.breakdown["flops_qkvo"] + s.cost.breakdown["flops_mlp"] == per_token * tokens
+        assert s.cost.flops == per_token * tokens + 2 * rows * h * vocab + s.cost.breakdown["flops_attention"]
         assert s.kernel  # the kernels the linears ran
     if case == "speculation, 4 drafts":
         rounds = [s for s in steps if s.decode_tokens]
