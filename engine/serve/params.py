@@ -38,6 +38,8 @@ _PARAM_OF_MESSAGE = (
     ("choose either n", "n"),
     ("early_stopping", "kvscope.early_stopping"),
     ("length_penalty", "kvscope.length_penalty"),
+    ("logit bias", "logit_bias"),
+    ("a logit bias", "logit_bias"),
 )
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -84,11 +86,17 @@ def _refuse(param: str, message: str) -> ServeError:
     return ServeError(message, param=param, code="invalid_value")
 
 
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map as the engine's pairs (SamplingParams checks the range)."""
+    try:
+        return tuple((int(token), float(bias)) for token, bias in (raw or {}).items())
+    except ValueError:
+        raise _refuse("logit_bias", f"logit_bias keys must be token ids, got {list(raw or {})}") from None
+
+
 def sampling_params(
     body: SamplingFields, max_tokens: int | None, default_max: int, top_n: int
 ) -> SamplingParams:
-    if body.logit_bias:
-        raise _refuse("logit_bias", "logit_bias is not supported by this server")
     if body.n < 1:
         raise _refuse("n", f"n must be >= 1, got {body.n}")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -114,6 +122,7 @@ def sampling_params(
             num_beams=ext.num_beams if ext else 1,
             length_penalty=ext.length_penalty if ext else 1.0,
             early_stopping=ext.early_stopping if ext else False,
+            logit_bias=_logit_bias(body.logit_bias),
         )
     except ConfigError as exc:
         message = str(exc).replace("max_new_tokens", "max_tokens")

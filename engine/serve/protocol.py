@@ -4,7 +4,7 @@ Fields OpenAI and vLLM clients send are accepted by name; the range checks that 
 (temperature, penalties, n with greedy...) stay in `SamplingParams`, whose messages become the
 400s, so the server and the engine can never disagree on what is valid. Unknown fields are
 ignored, as vLLM and OpenAI-compatible servers generally do; fields the engine cannot honour
-(tools, logit_bias, non-text content, ...) are refused with a 400 naming them.
+(tools, non-text content, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def assert_openai_shape(body: dict, param=None, code=None) -> dict:
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [""]}, "stop"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 500}}, "logit_bias"),  # OpenAI's range is [-100, 100]
+        ({"logit_bias": {"forty-two": 5}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),

@@ -80,6 +80,20 @@ def test_non_streaming_matches_streaming_with_usage_and_timings(client):
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
 
 
+def test_logit_bias_forces_and_bans_tokens(client, default_tokenizer):
+    args = dict(messages=chat("Name three rivers."), temperature=0, max_tokens=4, logprobs=True)
+    args["extra_body"] = {"ignore_eos": True}
+
+    def tokens(**bias) -> list[str]:
+        reply = client.chat.completions.create(model=MODEL, **args, **bias)
+        return [entry.token for entry in reply.choices[0].logprobs.content]
+
+    assert tokens(logit_bias={"42": 100}) == [default_tokenizer.decode([42])] * 4  # +100 forces it
+    first = tokens()[0]
+    (first_id,) = default_tokenizer.encode(first, add_special_tokens=False)
+    assert tokens(logit_bias={str(first_id): -100})[0] != first  # -100 bans greedy's own first token
+
+
 # ---- logprobs --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference_model(default_tokenizer):
