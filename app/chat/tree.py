@@ -83,16 +83,6 @@ class Conversation:
         self.nodes[message.id] = message
         self.show(message.id)
 
-    def remove_subtree(self, message_id: int) -> list[int]:
-        """Forget a message and everything under it (the database cascades the same way)."""
-        gone, todo = [], [message_id]
-        while todo:
-            current = todo.pop()
-            if self.nodes.pop(current, None) is not None:
-                gone.append(current)
-                todo.extend(m.id for m in self.nodes.values() if m.parent_id == current)
-        return gone
-
 
 def default_leaf(conv: Conversation, wanted: int | None) -> int | None:
     """The leaf to show on opening: the stored current leaf when it still exists, else the

@@ -47,9 +47,10 @@ class CacheTab(QWidget):
 
     @Slot()
     def refresh(self) -> None:
-        from engine.hub.cache import cache_dir, list_cached
+        from engine.hub.cache import list_cached
         from engine.hub.online import HubError
         from engine.model.local_models import gpt4all_models, lmstudio_models, ollama_models
+        from engine.model.sources import hf_cache_dir
 
         try:
             cached = list_cached()
@@ -62,7 +63,7 @@ class CacheTab(QWidget):
             partial = sum(c.partial_bytes for c in cached)
             resumable = f", {format_bytes(partial)} of partial downloads that resume" if partial else ""
             self.summary.setText(
-                f"Hugging Face cache {cache_dir()}: {len(cached)} models, {format_bytes(total)}{resumable}"
+                f"Hugging Face cache {hf_cache_dir()}: {len(cached)} models, {format_bytes(total)}{resumable}"
             )
             self.summary.setProperty("kind", "")
         others = lmstudio_models() + gpt4all_models() + ollama_models()

@@ -11,6 +11,7 @@ import os
 import sys
 
 from engine.cli.args import add_engine_args, engine_config_from
+from engine.serve.server import DEFAULT_HOST, DEFAULT_PORT
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
@@ -21,8 +22,8 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="serve the model over an OpenAI-compatible HTTP API (chat, completions, logprobs, metrics)",
     )
     add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
     s.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),

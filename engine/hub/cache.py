@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError
+from engine.model.sources import hf_cache_dir
 
 if TYPE_CHECKING:
     from huggingface_hub import HFCacheInfo
@@ -34,22 +35,16 @@ class CachedModel:
         return asdict(self)
 
 
-def cache_dir() -> Path:
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
-
-
 def _scan() -> HFCacheInfo | None:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
-        return scan_cache_dir(cache_dir())
+        return scan_cache_dir(hf_cache_dir())
     except CacheNotFound:
         return None
     except OSError as exc:
-        raise HubError(f"The Hugging Face cache at {cache_dir()} cannot be read: {exc}") from None
+        raise HubError(f"The Hugging Face cache at {hf_cache_dir()} cannot be read: {exc}") from None
 
 
 def _partial_bytes(repo_path: Path) -> int:
@@ -101,7 +96,7 @@ def delete_cached(repo_id: str) -> int:
     )
     if repo is None:
         raise HubError(
-            f"{repo_id} is not in the Hugging Face cache at {cache_dir()}; `models list` shows what is."
+            f"{repo_id} is not in the Hugging Face cache at {hf_cache_dir()}; `models list` shows what is."
         )
     repo_path = Path(repo.repo_path)
     freed = _partial_bytes(repo_path)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.cache_dirs import cache_root, is_converted, source_fingerprint
-from engine.model.configs import causal_lm_problem
 from engine.model.errors import ModelLoadError
 from engine.resources import resource
 
@@ -111,34 +109,6 @@ def _cached_repo_folder(repo_id: str) -> Path:
             f"Download it first (`python -m engine models download {repo_id}`, or Hub… in the model picker), "
             f"or choose a folder or .gguf file. (No local path named {repo_id!r} exists either.)"
         ) from None
-
-
-def find_cached_hf_models() -> list[str]:
-    """Repo ids of text-generating models, with weights, in the local Hugging Face cache."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    try:
-        cache = scan_cache_dir(hf_cache_dir())
-    except (CacheNotFound, OSError):
-        return []
-    found = []
-    for repo in cache.repos:
-        if repo.repo_type != "model":
-            continue
-        for revision in repo.revisions:
-            names = {f.file_name: f.file_path for f in revision.files}
-            has_weights = any(n.endswith((".safetensors", ".bin")) for n in names)
-            if "config.json" not in names or not has_weights:
-                continue
-            try:
-                raw = json.loads(Path(names["config.json"]).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if isinstance(raw, dict) and causal_lm_problem(raw) is None:
-                found.append(repo.repo_id)
-                break
-    return sorted(found)
 
 
 def default_model_folder() -> Path:

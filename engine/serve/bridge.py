@@ -144,10 +144,6 @@ class EngineBridge:
         with self._lock:
             self._channels.pop(request_id, None)
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
-        """`fn(core)` on the engine thread, awaited."""
-        return await asyncio.wrap_future(self.engine.call(fn))
-
     # ---- the events stream -----------------------------------------------------------------
     async def subscribe(self, loop: asyncio.AbstractEventLoop) -> Channel:
         """A channel that starts with the engine's current state, then every event. (A client

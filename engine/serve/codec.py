@@ -46,10 +46,6 @@ class DecodeError(ValueError):
     """A wire object that cannot become an event; the message says what was wrong."""
 
 
-def event_types() -> dict[str, type]:
-    return dict(_TYPES)
-
-
 def to_wire(event: object) -> dict[str, Any]:
     return {"type": type(event).__name__, "data": _plain(event)}
 

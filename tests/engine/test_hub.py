@@ -130,6 +130,9 @@ def test_gguf_files_are_listed_by_quantization_with_shapes_from_the_remote_heade
     # only the header was read, in ranges: a few MB of a ~100 MB file
     ranges = hub.ranges_for("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert ranges and all(r.startswith("bytes=") for r in ranges)
+    spans = [r.removeprefix("bytes=").split("-") for r in ranges]
+    read = sum(int(stop) - int(start) + 1 for start, stop in spans)
+    assert read < default_gguf_path().stat().st_size / 10, f"{read} bytes read for the header"
     assert files.supported and files.support == "Llama"
 
 
@@ -199,9 +202,9 @@ def test_a_dropped_connection_resumes_within_the_download(hub, tiny_folder):
 
 def partial_path(hub, name, repo_id=TINY):
     """Where a stopped download of `name` keeps its bytes: blobs/<sha256 ETag>.incomplete."""
-    from engine.hub.cache import cache_dir
+    from engine.model.sources import hf_cache_dir
 
-    folder = cache_dir() / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    folder = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "blobs"
     return folder / f"{hub.repos[repo_id].etag(name)}.incomplete"
 
 

@@ -16,7 +16,8 @@ from engine.model import default_model
 from engine.model.cache_dirs import SOURCE_MARKER, is_converted, publish_atomically, source_fingerprint
 from engine.model.errors import ModelLoadError, describe_load_error
 from engine.model.loading import load_model
-from engine.model.sources import default_gguf_path, find_cached_hf_models
+from engine.model.local_models import hf_cache_models
+from engine.model.sources import default_gguf_path
 
 
 @pytest.fixture
@@ -115,14 +116,14 @@ def test_cached_repo_is_listed_and_loads_offline(hf_cache, tiny_folder):
         {"config.json": BERT_CONFIG, "model.safetensors": files["model.safetensors"]},
     )
     _fake_hf_cache(hf_cache, "someone/config-only", {"config.json": LLAMA_8B_CONFIG})
-    assert find_cached_hf_models() == ["tiny-org/tiny-llama"]
+    assert [m.source for m in hf_cache_models()] == ["tiny-org/tiny-llama"]  # what the picker lists
     loaded = load_model(ModelSpec("tiny-org/tiny-llama", device="cpu"))
     assert loaded.info.name == "tiny-org/tiny-llama" and loaded.info.num_layers == 2
 
 
 def test_no_hf_cache_means_no_cached_models(hf_cache):
     shutil.rmtree(hf_cache)
-    assert find_cached_hf_models() == []
+    assert hf_cache_models() == []
 
 
 # ---- refusals --------------------------------------------------------------------------------

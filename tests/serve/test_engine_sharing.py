@@ -83,6 +83,7 @@ def test_a_disconnect_mid_stream_cancels_and_frees_the_blocks(server, client):
 
 
 def test_a_disconnect_while_waiting_for_a_whole_response_cancels_it(server):
+    before = metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.url + "/v1/chat/completions",
@@ -90,6 +91,13 @@ def test_a_disconnect_while_waiting_for_a_whole_response_cancels_it(server):
             timeout=httpx.Timeout(30, read=0.5),
         )
     wait_for(lambda: pool_used(server) == 0, what="the blocks of the abandoned request to be freed")
+    # cancelled, not run to its 1500 tokens: the server noticed the client had gone
+    wait_for(
+        lambda: (
+            metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0) == before + 1
+        ),
+        what="the cancellation to be counted",
+    )
 
 
 def test_metrics_parse_and_count_what_the_engine_did(server, client):
