@@ -94,14 +94,18 @@ def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def _summary(ttfts: list[float], itls: list[float]) -> dict[str, float]:
+def _summary(ttfts: list[float], itls: list[float], per_token: bool = True) -> dict[str, float | None]:
+    """Median TTFT; median and p99 ITL, and the decode rate of a typical token (1 / median ITL:
+    one stall, a page fault or the OS, does not move it). `per_token` False: `itls` repeat one
+    mean per run (llama-bench reports no token times), so there is no p99 to give."""
     itls_sorted = sorted(itls)
     p99 = itls_sorted[min(len(itls_sorted) - 1, int(0.99 * len(itls_sorted)))]
+    median = statistics.median(itls)
     return {
         "ttft_s": statistics.median(ttfts),
-        "median_itl_s": statistics.median(itls),
-        "p99_itl_s": p99,
-        "tokens_per_s": len(itls) / sum(itls),
+        "median_itl_s": median,
+        "p99_itl_s": p99 if per_token else None,
+        "decode_tokens_per_s": 1.0 / median,
     }
 
 
@@ -214,11 +218,11 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
             samples[path][1].extend(itl)
             if ids is not None:
                 outputs[path] = ids
-    results = {p: _summary(*samples[p]) for p in wanted}
+    results = {p: _summary(*samples[p], per_token=p != "llama.cpp") for p in wanted}
     for p in results:
-        results[p]["prefill_tokens_per_s"] = len(prompt_ids) / results[p]["ttft_s"]
-        # the decode rate of a typical token: one stall (a page fault, the OS) does not move it
-        results[p]["decode_tokens_per_s"] = 1.0 / results[p]["median_itl_s"]
+        results[p]["prefill_tokens_per_s"] = len(prompt_ids) / statistics.median(samples[p][0])
+    if "llama.cpp" in results:
+        notes["llama.cpp"] = "llama-bench reports one mean rate per run: its ITL is the median of those means"
     split: dict[str, Any] = {}
     if engines:
         which = "native" if "native" in engines else next(iter(engines))
@@ -252,7 +256,7 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
     }
 
 
-def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float | None]:
+def _ratios(r: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
     """The issue's figures, each a ratio of two paths measured in this run (None when one is absent);
     decode rates are 1 / median ITL."""
 
@@ -260,6 +264,8 @@ def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float | None]:
         if a not in r or b not in r:
             return None
         x, y = r[a][key], r[b][key]
+        if x is None or y is None:
+            return None
         return y / x if invert else x / y
 
     return {
@@ -273,6 +279,10 @@ def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float | None]:
     }
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def _table(r: Report) -> str:
     lines = [
         f"{r['model']} on {r['device']}, {r['threads']} threads, prompt {r['prompt_tokens']} tokens, "
@@ -282,7 +292,7 @@ def _table(r: Report) -> str:
     for path, s in r["paths"].items():
         lines.append(
             f"{path:12}{s['ttft_s'] * 1e3:>10.1f}{s['prefill_tokens_per_s']:>15.1f}"
-            f"{s['median_itl_s'] * 1e3:>15.2f}{s['p99_itl_s'] * 1e3:>12.2f}{s['tokens_per_s']:>14.1f}"
+            f"{s['median_itl_s'] * 1e3:>15.2f}{_ms(s['p99_itl_s']):>12}{s['decode_tokens_per_s']:>14.1f}"
         )
     lines.append(
         "ratios (this run): " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items() if v is not None)
