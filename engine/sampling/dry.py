@@ -16,7 +16,7 @@ token `encode("a" + s)[-1]`, which misses the many tokens that merely contain th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -81,8 +81,8 @@ class DryPenalty:
             if length >= self.allowed_length
         }
 
-    def __call__(self, ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        found = self.penalties(ids[0].tolist())
+    def __call__(self, ids: Sequence[int], scores: torch.Tensor) -> torch.Tensor:
+        found = self.penalties(list(ids))
         if not found:
             return scores
         vocab = scores.shape[-1]

@@ -124,9 +124,13 @@ class Sampler:
         penalized = scores
         histories: dict[str, torch.Tensor] = {}
         for stage in self.stages:
-            ids: torch.Tensor | None
+            ids: torch.Tensor | Sequence[int] | None
             if stage.history == "none":
                 ids = None
+            elif stage.history == "prompt+output tokens":  # our own stages read the ids as they are
+                ids = [*prompt_ids, *output_ids]
+            elif stage.history == "output tokens":
+                ids = output_ids
             elif stage.history not in histories:
                 history = [*prompt_ids, *output_ids] if stage.history == "prompt+output" else output_ids
                 ids = histories[stage.history] = _history_tensor(history, scores.shape[1], scores.device)

@@ -7,7 +7,7 @@ here. A stage the params leave neutral is not in the pipeline at all."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +153,8 @@ class ExcludeTopChoices:
                 del self._coins[old]
         return fired
 
-    def __call__(self, output_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if not self.fires(output_ids.shape[-1]):
+    def __call__(self, output_ids: Sequence[int], scores: torch.Tensor) -> torch.Tensor:
+        if not self.fires(len(output_ids)):
             return scores
         return exclude_top_choices(scores, self.threshold)
 
@@ -174,13 +174,15 @@ def exclude_top_choices(scores: torch.Tensor, threshold: float) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Stage:
     name: str
-    # (ids, scores [1, V]) -> scores: ids is the history below as a long tensor [1, L], or None
-    # for a stage that reads none (transformers' processors annotate it LongTensor all the same)
+    # (ids, scores [1, V]) -> scores: ids is the history below as a long tensor [1, L] (what
+    # transformers' processors take), as the token ids themselves for the "... tokens" forms (our
+    # own stages, which read Python ints: no tensor built and read back each token), or None for
+    # a stage that reads none (transformers' processors annotate it LongTensor all the same)
     processor: Callable[[Any, torch.Tensor], torch.Tensor]
     # Which token history the stage reads: the CTRL repetition penalty counts the prompt too,
     # the OpenAI penalties only what the model generated; warpers read none (XTC reads the
     # output's length, the position its coin belongs to).
-    history: str  # "prompt+output" | "output" | "none"
+    history: str  # "prompt+output" | "output" | "prompt+output tokens" | "output tokens" | "none"
 
 
 def enabled_warpers(params: SamplingParams) -> list[tuple[str, float]]:
@@ -223,7 +225,7 @@ def build_stages(
             params.dry_penalty_last_n,
             decode_token,
         )
-        stages.append(Stage("dry", dry, "prompt+output"))
+        stages.append(Stage("dry", dry, "prompt+output tokens"))
     if params.logit_bias:
         stages.append(Stage("logit_bias", LogitBias(params.logit_bias), "none"))
     if params.banned_token_ids:
@@ -238,7 +240,9 @@ def build_stages(
     for name, value in enabled_warpers(params):
         if name == "xtc":
             coin = uniform or _unseeded_uniform
-            stages.append(Stage("xtc", ExcludeTopChoices(value, params.xtc_probability, coin), "output"))
+            stages.append(
+                Stage("xtc", ExcludeTopChoices(value, params.xtc_probability, coin), "output tokens")
+            )
         else:
             stages.append(Stage(name, warper_classes[name](value), "none"))
     return stages
