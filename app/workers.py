@@ -94,7 +94,7 @@ class Job(QObject):
     """One piece of work and its news. Signals are emitted on the GUI thread, in order: any number
     of `progress`, then exactly one of `returned`, `errored`, `cancelled`, then `finished`."""
 
-    progress = Signal(str)
+    progress = Signal(object)  # the work's words (str), or what it posts as progress (a download's bytes)
     returned = Signal(object)  # the work's return value
     errored = Signal(str)  # why it failed, in words
     cancelled = Signal()

@@ -1,5 +1,7 @@
-"""The model browser's Hub calls (engine.hub: search, files, download) on short-lived worker
-threads, their results carried back to the GUI thread by queued signals.
+"""The model browser's Hub calls (engine.hub: search, files, download) as the app's workers
+(app.workers.create_worker): the call runs on a thread of its own, and its progress and outcome
+reach the browser on the GUI thread, where this object emits its signals. No Hub thread ever
+touches Qt, so a browser closed while a call still runs is never signalled from that thread.
 
 Each call gets a ticket; a result for a ticket the browser no longer waits for (the user typed a
 new search, chose another repo) is dropped. A download reports its bytes at most every 100 ms,
@@ -10,8 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from PySide6.QtCore import QObject, Signal
+
+from app.workers import Channel, UserFacingError, Worker, create_worker
 
 PROGRESS_INTERVAL_S = 0.1
 
@@ -26,66 +32,71 @@ class HubWorker(QObject):
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
         self._ticket = 0
-        self._threads: list[threading.Thread] = []
+        self._jobs: list[Worker] = []
         self._cancel: threading.Event | None = None
 
-    def _start(self, what: str, fn, done: Signal) -> int:
+    def _start(self, what: str, fn: Callable[[Channel], Any], done: Signal) -> int:
         self._ticket += 1
         ticket = self._ticket
 
-        def run() -> None:
+        def run(channel: Channel) -> Any:
             from engine.hub.online import HubError
 
             try:
-                result = fn()
-            except HubError as exc:
-                self.failed.emit(ticket, what, str(exc))
-            except Exception as exc:  # noqa: BLE001 - a bug must still reach the user as a line
-                self.failed.emit(ticket, what, f"{type(exc).__name__}: {exc}")
-            else:
-                done.emit(ticket, result)
+                return fn(channel)
+            except HubError as exc:  # written for the user: shown as it is
+                raise UserFacingError(str(exc)) from exc
 
-        thread = threading.Thread(target=run, name=f"kvscope-hub-{what}", daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+        job = create_worker(
+            run,
+            name=f"kvscope-hub-{what}",
+            progress=True,
+            parent=self,
+            on_progress=lambda payload: self.progressed.emit(ticket, payload),
+            on_returned=lambda result: done.emit(ticket, result),
+            on_errored=lambda message: self.failed.emit(ticket, what, message),
+        )
+        self._jobs = [j for j in self._jobs if j.running] + [job]
         return ticket
 
     def search(self, query: str, sort: str = "downloads", limit: int = 30) -> int:
         from engine.hub.search import search_models
 
-        return self._start("search", lambda: search_models(query, limit=limit, sort=sort), self.searched)
+        return self._start("search", lambda _: search_models(query, limit=limit, sort=sort), self.searched)
 
     def files(self, repo_id: str, dtype: str, context: int) -> int:
         from engine.hub.files import repo_files
 
-        return self._start("files", lambda: repo_files(repo_id, dtype=dtype, context=context), self.listed)
+        return self._start("files", lambda _: repo_files(repo_id, dtype=dtype, context=context), self.listed)
 
     def download(self, repo_id: str, files: tuple[str, ...]) -> int:
         from engine.hub.download import download_files
 
         cancel = self._cancel = threading.Event()
-        last = [0.0]
-        ticket_box = [0]
 
-        def report(progress) -> None:
-            now = time.monotonic()
-            if now - last[0] >= PROGRESS_INTERVAL_S or progress.done_bytes >= progress.total_bytes:
-                last[0] = now
-                self.progressed.emit(ticket_box[0], progress)
+        def fetch(channel: Channel) -> Any:
+            last = 0.0
 
-        ticket_box[0] = self._ticket + 1  # the ticket _start is about to hand out
-        return self._start(
-            "download",
-            lambda: download_files(repo_id, files, progress=report, cancel=cancel),
-            self.downloaded,
-        )
+            def report(progress: Any) -> None:
+                nonlocal last
+                now = time.monotonic()
+                if now - last >= PROGRESS_INTERVAL_S or progress.done_bytes >= progress.total_bytes:
+                    last = now
+                    channel.post("progress", progress)  # to the GUI thread, as the job's progress
+
+            return download_files(repo_id, files, progress=report, cancel=cancel)
+
+        return self._start("download", fetch, self.downloaded)
 
     def cancel(self) -> None:
         if self._cancel is not None:
             self._cancel.set()
 
     def wait(self, timeout: float = 10.0) -> None:
-        """Join the calls in flight (window close, tests): no thread outlives the browser."""
+        """Join the calls in flight and deliver their news now (window close, tests): no thread
+        outlives the browser."""
         self.cancel()
-        for thread in self._threads:
-            thread.join(timeout)
+        for job in self._jobs:
+            job.wait(timeout)
+            if job.running:
+                job.drain()
