@@ -187,13 +187,21 @@ class ModelPicker(QWidget):
         )
 
     def add_cached_models(self) -> None:
-        """List the models already on this machine with their size (directory scans; called once
-        at startup), then mark each with whether it fits, read from its metadata on a worker."""
-        try:
-            entries = cached_model_entries()
-        except Exception as exc:  # noqa: BLE001 - a broken cache must not break the picker
-            self.source.setToolTip(f"The models on this machine could not be listed: {exc}")
-            return
+        """List the models already on this machine with their size, then mark each with whether
+        it fits (called once at startup). Both run on workers: the scan walks the HF cache, LM
+        Studio, GPT4All and Ollama folders and reads configs, the marks read each model's metadata."""
+        create_worker(
+            cached_model_entries,
+            name="kvscope-local-models",
+            parent=self,
+            on_returned=self._on_local_models,
+            on_errored=lambda message: self.source.setToolTip(
+                f"The models on this machine could not be listed: {message}"
+            ),
+        )
+
+    @Slot(object)
+    def _on_local_models(self, entries: list[tuple[str, str]]) -> None:
         added = []
         for label, source in entries:
             if self.source.findData(source) < 0:
@@ -279,9 +287,10 @@ class ModelPicker(QWidget):
     def wait_for_estimate(self, timeout: float = 5.0) -> None:
         """Join the inspections still reading (window close, tests) and deliver the latest, so no
         worker outlives the picker."""
-        for worker in self.findChildren(Worker):
-            worker.wait(timeout)
-            worker.drain()
+        for _ in range(2):  # the local models' scan, then the fit marks it started
+            for worker in [w for w in self.findChildren(Worker) if w.running]:
+                worker.wait(timeout)
+                worker.drain()
         if self._browser is not None:
             self._browser.worker.wait(timeout)
 

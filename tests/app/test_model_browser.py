@@ -185,8 +185,13 @@ def test_the_picker_lists_models_on_this_machine_with_size_and_fit(qtbot, hub, t
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     picker = ModelPicker(ModelChoice(), default_budget_bytes=256 * MIB)
     qtbot.addWidget(picker)
-    picker.add_cached_models()
-    labels = [picker.source.itemText(i) for i in range(picker.source.count())]
+    picker.add_cached_models()  # scanned on a worker: the entry arrives on the GUI thread
+
+    def shown() -> list[str]:
+        return [picker.source.itemText(i) for i in range(picker.source.count())]
+
+    qtbot.waitUntil(lambda: any(label.startswith("LM Studio: ") for label in shown()), timeout=60_000)
+    labels = shown()
     (entry,) = [label for label in labels if label.startswith("LM Studio: ")]
     assert "SmolLM2-135M-Instruct-Q4_1.gguf · 93.8 MiB" in entry
     index = labels.index(entry)
