@@ -4,18 +4,17 @@ A forward packs every scheduled token of every sequence into one row with explic
 step's metadata (`PagedBatch`) is built once per step (the slot of every new token, each
 sequence's blocks as a view or an index, the causal masks of prefill chunks), not once per layer.
 
-Each sequence attends over exactly its own keys: a decoding sequence (one query) reads its
-context as a view of the pool when its blocks are consecutive, with its query heads folded onto
-their KV head (GQA without repeating K/V, and no mask: measured faster than SDPA's enable_gqa
-and than a padded, masked batch); a prefill chunk is causal after its cached tokens. A batched
-call over padded keys would copy every sequence's K/V (all of it, per layer) and, measured,
-change the rounding by 1e-7 with the padded length: enough to flip a greedy near-tie, so a
-request's tokens would depend on its neighbours. Per sequence, they never do.
+Each sequence attends over exactly its own keys. The step's decoding sequences (one query each)
+go through one batched computation per layer (engine/kv/decode_attention: one gather of their
+blocks, fixed-shape products per block, a sequential sum over blocks), which is batch invariant by
+construction: a request's tokens never depend on its neighbours. Each prefill chunk (and each
+speculative verification, several rows) is causal after its cached tokens, one SDPA per chunk.
 
 Per layer the attention honours what the family's own attention does: a sliding window (keys in
 (position - window, position]), logit soft-capping (Gemma 2), attention sinks (gpt-oss: one extra
-logit per head in the softmax), and the module's scaling. Soft-capping and sinks have no fused
-kernel and take an explicit matmul-softmax path.
+logit per head in the softmax), and the module's scaling. In a prefill chunk, soft-capping and
+sinks have no fused kernel and take an explicit matmul-softmax path; the decode computation has
+both built in.
 
 Two callers: kvscope's own forward (engine/model/forward) calls `attend`; transformers' modeling
 code reaches it through `paged_attention_forward`, registered with AttentionInterface, with the
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from engine.kv.decode_attention import DecodeGroup, decode_attention
 from engine.kv.storage import Blocks, PagedKVStorage
 
 if TYPE_CHECKING:
@@ -64,11 +64,26 @@ class PagedBatch:
     storage: PagedKVStorage
     slot_mapping: torch.Tensor  # [T] flat slot id (block * block_size + offset) of each new token
     seqs: list[SeqSlice]
-    # (seq index, window) -> mask, once per step
+    # (seq index, window) -> mask, and window -> the decoding sequences' layout: once per step
     _causal: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+    _decode: dict[int | None, DecodeGroup | None] = field(default_factory=dict)
+    _rows: torch.Tensor | None = None
     # transformers' layers that wrote K/V and that attended through the pool, this forward
     written: list[int] = field(default_factory=list)
     attended: list[int] = field(default_factory=list)
+
+    def slot_rows(self) -> torch.Tensor:
+        """Where the new tokens' K/V go in every layer's pool (storage.slot_rows), once per step."""
+        if self._rows is None:
+            self._rows = self.storage.slot_rows(self.slot_mapping)
+        return self._rows
+
+    def decode_group(self, window: int | None) -> DecodeGroup | None:
+        """The sequences with one query row this step (None: there are none)."""
+        if window not in self._decode:
+            decoding = [seq for seq in self.seqs if seq.q_len == 1]
+            self._decode[window] = DecodeGroup.build(self.storage, decoding, window) if decoding else None
+        return self._decode[window]
 
     def causal_mask(self, index: int, seq: SeqSlice, window: int | None) -> torch.Tensor | None:
         """Mask [q_len, context] of a prefill chunk after `past` cached tokens (None: plain causal
@@ -103,30 +118,25 @@ def attend(
     storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
 ) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
-    [T, heads, head_dim]."""
-    single = len(batch.seqs) == 1
-    out = None if single else torch.empty_like(q)  # one sequence: its own output is the result
+    [T, heads, head_dim]. The decoding sequences in one batched call (decode_attention), each
+    prefill chunk by itself."""
+    group = batch.decode_group(how.window)
+    if group is not None and group.count == len(batch.seqs):  # a decode-only step, the common one
+        return decode_attention(storage, layer, q[group.rows], group, how)
+    out = torch.empty_like(q)
+    if group is not None:
+        out[group.rows] = decode_attention(storage, layer, q[group.rows], group, how)
     for index, seq in enumerate(batch.seqs):
+        if seq.q_len == 1:
+            continue
         start = 0 if how.window is None else max(0, seq.context_len - seq.q_len - how.window + 1)
         k, v = storage.read(layer, seq.blocks, start, seq.context_len, q.dtype)  # [kv_heads, L, d]
         rows = q[seq.q_start : seq.q_start + seq.q_len]
-        if seq.q_len == 1 and how.softcap is None and how.sinks is None:
-            # decode: the query heads of each KV head as that head's queries (GQA without a copy)
-            folded = rows.view(1, k.shape[0], -1, k.shape[-1])  # [1, kv_heads, group, d]: the flash kernel
-            o = F.scaled_dot_product_attention(folded, k[None], v[None], scale=how.scaling)
-            o = o.reshape(1, -1, k.shape[-1])  # [1, heads, d]
-        else:
-            mask = batch.causal_mask(index, seq, how.window) if seq.q_len > 1 else None
-            causal = seq.q_len > 1 and mask is None
-            if mask is not None and start:
-                mask = mask[:, start:]
-            o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=causal)[0].transpose(
-                0, 1
-            )
-        if out is None:
-            return o
-        out[seq.q_start : seq.q_start + seq.q_len] = o
-    assert out is not None, "a batch of one sequence returned inside the loop"
+        mask = batch.causal_mask(index, seq, how.window)
+        if mask is not None and start:
+            mask = mask[:, start:]
+        o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=mask is None)
+        out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out
 
 
@@ -223,7 +233,7 @@ class PagedCache(Cache):
         batch.written.append(layer_idx)
         # [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim], scattered into the slots
         batch.storage.write(
-            layer_idx, batch.slot_mapping, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            layer_idx, batch.slot_rows(), key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
         )
         return key_states, value_states  # unused: attention reads the pool
 

@@ -1,9 +1,13 @@
-"""The real KV storage: per layer, K and V in `[kv_heads, num_blocks, block_size, head_dim]`.
+"""The real KV storage: per layer, K and V in `[num_blocks, kv_heads, block_size, head_dim]`.
 
-Heads outermost so that a sequence whose blocks are consecutive (a fresh pool hands out ids in
-order: the common case of one conversation) reads its keys as a plain view `[kv_heads, L,
-head_dim]`, contiguous per head, which is what attention wants: no gather, no transposed view. A
-scattered block table is gathered with one index_select per layer.
+Blocks outermost, then heads: a block's keys for one KV head are one contiguous [block_size,
+head_dim] matrix, and a run of blocks is a uniform batch of them. Decode attention
+(engine/kv/decode_attention) multiplies exactly those matrices, so a sequence whose blocks are
+consecutive (a fresh pool hands out ids in order: the common case of one conversation) is read
+as a plain view of the pool, and a scattered block table is gathered with one index_select per
+layer. A prefill chunk's attention wants [kv_heads, tokens, head_dim], which `read` assembles.
+A new token's K/V is written with one index_copy per layer through `slot_rows`, the flat row of
+each of its heads, computed once per step.
 
 int8 KV: one scale per (token, head), not per block.
 - A token's K/V is written once and never rewritten. A per-block scale would have to be fixed
@@ -51,16 +55,16 @@ class PagedKVStorage:
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
         self.quantized = kv_dtype == "int8"
-        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
-        # K and V of a layer in one tensor, so one index_copy writes both (k and v are its views)
+        # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views)
         self.kv = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
         self.k = [pair[0] for pair in self.kv]
         self.v = [pair[1] for pair in self.kv]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:
-            scale_shape = (num_kv_heads, num_blocks, block_size)
+            scale_shape = (num_blocks, num_kv_heads, block_size)
             for scales in (self.k_scale, self.v_scale):
                 scales.extend(
                     torch.zeros(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device)
@@ -100,61 +104,87 @@ class PagedKVStorage:
         return self.bytes_per_block * self.num_blocks
 
     def copy_block(self, src: int, dst: int) -> None:
-        for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
-            pool[:, dst].copy_(pool[:, src])
-
-    def write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """K and V together, kv [T, 2, kv_heads, head_dim] (as a fused projection lays them out):
-        one index_copy into the layer's pool (or, int8, the per-token quantizing write)."""
-        if self.quantized:
-            self._write_int8(layer, slots, kv[:, 0], kv[:, 1])
-            return
-        flat = self.kv[layer].view(2, self.num_kv_heads, -1, self.head_dim)
-        flat.index_copy_(2, slots, kv.permute(1, 2, 0, 3).to(self.dtype))
+        for pair in self.kv:
+            pair[:, dst].copy_(pair[:, src])
+        for scales in (*self.k_scale, *self.v_scale):
+            scales[dst].copy_(scales[src])
 
     # ---- writing ---------------------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """key/value [T, kv_heads, head_dim] into flat slots (block * block_size + offset)."""
-        if self.quantized:
-            self._write_int8(layer, slots, key, value)
-            return
-        flat = (self.num_kv_heads, -1, self.head_dim)
-        self.k[layer].view(flat).index_copy_(1, slots, key.transpose(0, 1).to(self.dtype))
-        self.v[layer].view(flat).index_copy_(1, slots, value.transpose(0, 1).to(self.dtype))
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows the new tokens' heads occupy in a layer's pool seen as [num_blocks * kv_heads
+        * block_size, head_dim]: [T * kv_heads], token by token, head by head. Built once per
+        step from the flat slot ids (block * block_size + offset) and used by every layer."""
+        block, offset = slots // self.block_size, slots % self.block_size
+        heads = torch.arange(self.num_kv_heads, device=slots.device)
+        return ((block[:, None] * self.num_kv_heads + heads) * self.block_size + offset[:, None]).flatten()
 
-    def _write_int8(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        heads, dim = self.num_kv_heads, self.head_dim
+    def write_kv(self, layer: int, rows: torch.Tensor, kv: torch.Tensor) -> None:
+        """K and V together, kv [T, 2, kv_heads, head_dim] (as a fused projection lays them out),
+        into `slot_rows`: one index_copy into the layer's pool (or, int8, the quantizing write)."""
+        if self.quantized:
+            self._write_int8(layer, rows, kv[:, 0], kv[:, 1])
+            return
+        pair = self.kv[layer].view(2, -1, self.head_dim)
+        pair.index_copy_(1, rows, kv.transpose(0, 1).reshape(2, -1, self.head_dim).to(self.dtype))
+
+    def write(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [T, kv_heads, head_dim] into `slot_rows`."""
+        if self.quantized:
+            self._write_int8(layer, rows, key, value)
+            return
+        for pool, states in ((self.k[layer], key), (self.v[layer], value)):
+            pool.view(-1, self.head_dim).index_copy_(
+                0, rows, states.reshape(-1, self.head_dim).to(self.dtype)
+            )
+
+    def _write_int8(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         for states, pools, scales in ((key, self.k, self.k_scale), (value, self.v, self.v_scale)):
             scale = (states.abs().amax(dim=-1).float() / _INT8_MAX).clamp(_SCALE_MIN, _SCALE_MAX)
             scale = scale.to(KV_INT8_SCALE_DTYPE)
             # quantize with the float16-rounded scale, the one dequantization will multiply by
             codes = torch.round(states.float() / scale.float()[..., None]).clamp(-_INT8_MAX, _INT8_MAX)
-            pools[layer].view(heads, -1, dim).index_copy_(1, slots, codes.to(torch.int8).transpose(0, 1))
-            scales[layer].view(heads, -1).index_copy_(1, slots, scale.t())
+            pools[layer].view(-1, self.head_dim).index_copy_(
+                0, rows, codes.to(torch.int8).reshape(-1, self.head_dim)
+            )
+            scales[layer].view(-1).index_copy_(0, rows, scale.reshape(-1))
 
     # ---- reading ---------------------------------------------------------------------------
+    def gather_blocks(
+        self, layer: int, blocks: Blocks, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks, in the order `blocks` names them (an index may repeat ids): K and V as
+        [len(blocks), kv_heads, block_size, head_dim] each, in `dtype`. A view of the pool for
+        consecutive blocks (a slice) in the pool's dtype; else one index_select for both."""
+        if isinstance(blocks, slice):
+            pair = self.kv[layer][:, blocks]  # [2, n, kv_heads, block_size, head_dim]
+        else:  # one index_select over the rows of K then V: dim 0 is the fast (memcpy) path
+            rows = torch.cat([blocks, blocks + self.num_blocks])
+            pair = self.kv[layer].view(2 * self.num_blocks, *self.kv[layer].shape[2:]).index_select(0, rows)
+            pair = pair.view(2, -1, *pair.shape[1:])
+        if not self.quantized:
+            pair = pair if pair.dtype == dtype else pair.to(dtype)
+            return pair[0], pair[1]
+        k_scale = _pick(self.k_scale[layer], 0, blocks)[..., None].to(dtype)
+        v_scale = _pick(self.v_scale[layer], 0, blocks)[..., None].to(dtype)
+        return pair[0].to(dtype) * k_scale, pair[1].to(dtype) * v_scale
+
     def read(
         self, layer: int, blocks: Blocks, start: int, stop: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V at positions [start, stop), through its blocks (a `block_index`
-        result covering at least `stop` tokens): two [kv_heads, stop - start, head_dim] tensors,
-        dequantized to `dtype` when stored as int8. A view of the pool when the blocks are
-        consecutive and the pool holds `dtype` already."""
+        result covering at least `stop` tokens): two [kv_heads, stop - start, head_dim] tensors
+        in `dtype` (dequantized when stored as int8)."""
         skip = start // self.block_size  # blocks wholly before the window are not read at all
-        if skip:
-            blocks = (
-                blocks[skip:] if not isinstance(blocks, slice) else slice(blocks.start + skip, blocks.stop)
-            )
-            start, stop = start - skip * self.block_size, stop - skip * self.block_size
-        out = []
-        for pools, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            codes = _tokens(pools[layer], blocks)[:, start:stop]
-            if not self.quantized:
-                out.append(codes if codes.dtype == dtype else codes.to(dtype))
-                continue
-            scale = _tokens(scales[layer], blocks)[:, start:stop]
-            out.append(codes.to(dtype) * scale[..., None].to(dtype))
-        return out[0], out[1]
+        last = -(-stop // self.block_size)
+        blocks = (
+            blocks[skip:last]
+            if not isinstance(blocks, slice)
+            else slice(blocks.start + skip, blocks.start + last)
+        )
+        start, stop = start - skip * self.block_size, stop - skip * self.block_size
+        k, v = self.gather_blocks(layer, blocks, dtype)
+        # [n, kv_heads, block_size, head_dim] -> [kv_heads, n * block_size, head_dim]
+        return tuple(t.transpose(0, 1).flatten(1, 2)[:, start:stop] for t in (k, v))  # type: ignore[return-value]
 
     def gather(
         self, layer: int, blocks: Blocks, context_len: int, dtype: torch.dtype
@@ -163,15 +193,16 @@ class PagedKVStorage:
         return self.read(layer, blocks, 0, context_len, dtype)
 
 
-def _tokens(pool: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """pool [heads, blocks, block_size, ...] at `blocks`, flattened to [heads, tokens, ...].
-    index_select, not pool[tensor]: advanced indexing takes a slow generic path on CPU (~300x
-    slower for a decode-sized gather, measured)."""
-    picked = pool[:, blocks] if isinstance(blocks, slice) else pool.index_select(1, blocks)
-    return picked.flatten(1, 2)
+def _pick(pool: torch.Tensor, dim: int, blocks: Blocks) -> torch.Tensor:
+    """`pool` at `blocks` along its block dimension `dim`. index_select, not pool[tensor]:
+    advanced indexing takes a slow generic path on CPU (~300x slower for a decode-sized gather,
+    measured)."""
+    if isinstance(blocks, slice):
+        return pool[(slice(None),) * dim + (blocks,)]
+    return pool.index_select(dim, blocks)
 
 
-def block_index(block_ids: list[int], device: torch.device) -> Blocks:
+def block_index(block_ids: list[int], device: torch.device | str) -> Blocks:
     """How to reach a sequence's blocks in a pool: a slice when the ids are consecutive (the
     blocks are then one view of the pool, nothing is copied), else an index tensor."""
     first = block_ids[0] if block_ids else 0

@@ -126,7 +126,7 @@ class LlamaForward:
         x: torch.Tensor = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
-        slots = batch.slot_mapping
+        slots = batch.slot_rows()  # where each layer writes the new tokens' K/V
         tokens = x.shape[0]
         for index, layer in enumerate(self.layers):
             h = _rms_norm(layer.input_norm, x)

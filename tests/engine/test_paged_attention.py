@@ -119,8 +119,8 @@ def test_kv_is_stored_in_the_pool_blocks(model):
     """The pool tensors hold the K of exactly the slots the block table names, nothing else."""
     storage = make_storage(model, 6, 4)
     paged_forward(model, storage, [(list(range(10)), 0, [5, 2, 4])])
-    k = storage.k[0]  # [kv_heads, blocks, block_size, head_dim]
-    assert k[:, 5].abs().sum() > 0 and k[:, 2].abs().sum() > 0
-    assert k[:, 4, :2].abs().sum() > 0 and k[:, 4, 2:].abs().sum() == 0  # 10 tokens = 4 + 4 + 2
+    k = storage.k[0]  # [blocks, kv_heads, block_size, head_dim]
+    assert k[5].abs().sum() > 0 and k[2].abs().sum() > 0
+    assert k[4, :, :2].abs().sum() > 0 and k[4, :, 2:].abs().sum() == 0  # 10 tokens = 4 + 4 + 2
     for unused in (0, 1, 3):
-        assert k[:, unused].abs().sum() == 0
+        assert k[unused].abs().sum() == 0

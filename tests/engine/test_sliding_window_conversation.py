@@ -13,7 +13,7 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, StepStats
-from engine.kv.storage import PagedKVStorage
+from engine.kv.decode_attention import DecodeGroup
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from live.page_map import PageMap
@@ -40,14 +40,17 @@ def reference(model, prompt: list[int]) -> list[int]:
 
 def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees(mistral, monkeypatch):
     model, loaded = mistral
-    reads = []  # (first position read, context length) of every layer's K/V read
-    real_read = PagedKVStorage.read
+    reads = []  # (context length, blocks gathered, keys attended) of each decode's sliding layers
+    real_build = DecodeGroup.build.__func__
 
-    def read(self, layer, blocks, start, stop, dtype):
-        reads.append((start, stop))
-        return real_read(self, layer, blocks, start, stop, dtype)
+    def build(cls, storage, seqs, window):
+        group = real_build(cls, storage, seqs, window)
+        attended = torch.isfinite(group.bias.view(len(seqs), -1, storage.num_kv_heads, BLOCK)[:, :, 0])
+        for seq, keys in zip(seqs, attended.sum(dim=(1, 2)).tolist()):
+            reads.append((seq.context_len, group.blocks_per_row, keys))
+        return group
 
-    monkeypatch.setattr(PagedKVStorage, "read", read)
+    monkeypatch.setattr(DecodeGroup, "build", classmethod(build))
     events = []
     page_map = PageMap(num_blocks=64, block_size=BLOCK)
 
@@ -79,9 +82,13 @@ def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK)
         (done,) = [e for e in events if isinstance(e, RequestFinished) and e.request_id == rid]
         assert list(done.token_ids) == expected, f"turn {turn}: {len(history)} tokens of history"
-        # each decode of a sliding layer read only the last WINDOW keys, never the whole history
-        decodes = [(s, n) for s, n in reads if n > len(history)]
-        assert decodes and all(s == max(0, n - WINDOW) for s, n in decodes)
+        # each decode of a sliding layer gathered only the blocks of its window and attended to
+        # its last WINDOW keys, never the whole history
+        decodes = [r for r in reads if r[0] > len(history)]
+        assert decodes and all(
+            blocks == (n - 1) // BLOCK - max(0, n - WINDOW) // BLOCK + 1 and keys == min(n, WINDOW)
+            for n, blocks, keys in decodes
+        )
         history += list(done.token_ids)
         assert len(history) > (turn + 1) * 2 * WINDOW
     # everything released, and the page map agrees: the conversation's full blocks stay cached
