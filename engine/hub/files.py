@@ -105,11 +105,12 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     return read_folder_config(Path(path).parent)
 
 
-def _gguf_config(repo_id: str, revision: str, filename: str) -> PreTrainedConfig:
+def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, dict[str, int]]:
+    """The config a GGUF's header describes, and its tensors' GGML types."""
     from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
-    return config_from_header(header, PurePosixPath(filename).name)
+    return config_from_header(header, PurePosixPath(filename).name), header.tensor_types
 
 
 def _estimate(
@@ -131,7 +132,9 @@ def repo_files(
     """The repo's ways to load, each with its download size and the fit for this machine."""
     from engine.config import AUTO, DTYPES
     from engine.model.errors import ModelLoadError
+    from engine.model.gguf_native import scout_bytes
     from engine.model.inspect import budget_bytes_for, keeps_own_bits
+    from engine.model.shapes import ModelShapes
     from engine.model.sources import ModelSource
     from engine.model.support import support_for
 
@@ -165,9 +168,10 @@ def repo_files(
         configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
+            tensor_types: dict[str, int] = {}
             if kind == GGUF and loadable:
                 try:
-                    cfg, error = _gguf_config(repo_id, revision, files[0]), ""
+                    (cfg, tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
@@ -177,7 +181,10 @@ def repo_files(
                     # loaded as a GGUF file is: at its own bits where the loader keeps them
                     local = PurePosixPath(files[0])
                     gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
-                    native = weight_bytes if kind == GGUF and keeps_own_bits(AUTO, gguf) else None
+                    native = None
+                    if kind == GGUF and keeps_own_bits(AUTO, gguf):
+                        shape = ModelShapes.from_config(cfg)
+                        native = weight_bytes + scout_bytes(tensor_types, shape.vocab_size, shape.hidden_size)
                     estimate = _estimate(cfg, dtype, context, budget, native)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"

@@ -102,8 +102,12 @@ class _Skipped:
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
     fields: dict[str, Any]  # metadata key -> value (the token list only as its length)
-    tensor_names: frozenset[str]
+    tensor_types: dict[str, int]  # tensor name -> GGML type id
     params: int  # elements over all tensors, the model's parameter count
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(self.tensor_types)
 
 
 def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
@@ -119,16 +123,17 @@ def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
     for _ in range(n_kv):
         key = s.string()
         fields[key] = _value(s, s.unpack("<I"), keep_strings=not key.startswith("tokenizer."))
-    names: set[str] = set()
+    types: dict[str, int] = {}
     params = 0
     for _ in range(n_tensors):
-        names.add(s.string())
+        name = s.string()
         count = 1
         for _ in range(s.unpack("<I")):
             count *= s.unpack("<Q")
         params += count
-        s.read(4 + 8)  # type, offset
-    return GGUFHeader(fields, frozenset(names), params)
+        types[name] = s.unpack("<I")
+        s.read(8)  # offset
+    return GGUFHeader(fields, types, params)
 
 
 def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:

@@ -323,6 +323,19 @@ class Q8BlockWeight(WeightStorage):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.block_codes, self.block_scales)
 
+    def per_row_int8(self, chunk_rows: int = 4096) -> Int8RowWeight:
+        """The same weights requantized with one scale per row (an approximation: a row's blocks
+        share its largest scale), a few thousand rows at a time so no float copy of the whole
+        layer is ever held."""
+        from engine.quant.packing import quantize_int8_per_row
+
+        codes = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scales = torch.empty(self.out_features)
+        for start in range(0, self.out_features, chunk_rows):
+            ids = torch.arange(start, min(start + chunk_rows, self.out_features))
+            codes[ids], scales[ids] = quantize_int8_per_row(self.rows(ids))
+        return Int8RowWeight(codes, scales)
+
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

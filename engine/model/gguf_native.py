@@ -12,7 +12,7 @@ dequantized to the load dtype, with a note naming it. Row permutations transform
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine.kernels import gguf_blocks
-from engine.kernels.linear import KernelHead, KernelLinear
+from engine.kernels.linear import REFINED_CANDIDATES, KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
 from engine.model.configs import open_gguf, read_gguf_config
@@ -128,6 +128,12 @@ def load_native(
         _assign_dense(model, module, attr, hf_name, tensor, processor, dtype)
         result.dequantized[qtype.name] += 1
     _tie_head(model, config, embedding_storage, policy)
+    head = model.get_output_embeddings()
+    if isinstance(head, KernelHead) and head.scout is not None:
+        result.notes.append(
+            f"LM head: the pass over the vocabulary on a per-row int8 copy ({head.scout.nbytes / 2**20:.0f} MiB, "
+            f"faster than the Q8_0 blocks' per-block kernel), its top {REFINED_CANDIDATES} recomputed from the blocks"
+        )
     _materialize_rest(model, config, dtype)
     return model.eval(), result
 
@@ -210,16 +216,30 @@ def _tie_head(
 ) -> None:
     head = model.get_output_embeddings()
     if isinstance(head, KernelLinear):  # the file has its own output weights
-        model.lm_head = KernelHead(head.storage, head.bias, policy)
+        model.lm_head = KernelHead(head.storage, head.bias, policy, _scout(head.storage))
         return
     if embedding_storage is not None:
-        model.lm_head = KernelHead(embedding_storage, None, policy)
+        model.lm_head = KernelHead(embedding_storage, None, policy, _scout(embedding_storage))
         return
     embed = model.get_input_embeddings()
     if isinstance(head, nn.Linear) and head.weight.is_meta:
         weight = embed.weight
         assert isinstance(weight, torch.Tensor), "an input embedding holds its table as a weight"
         model.lm_head = KernelHead(DenseWeight(weight, relayout=False), None, policy)  # tied: one tensor
+
+
+def scout_bytes(tensor_types: Mapping[str, int], vocab_size: int, hidden_size: int) -> int:
+    """Bytes a native load holds beyond the file's tensors: the per-row int8 copy of a Q8_0 head
+    (the output tensor, or the token embedding it is tied to when the file has none), codes plus
+    one bfloat16 scale per row. The fit estimates (inspect, the Hub's file list) add this."""
+    head = tensor_types.get("output.weight", tensor_types.get("token_embd.weight"))
+    return vocab_size * (hidden_size + 2) if head == GGMLQuantizationType.Q8_0 else 0
+
+
+def _scout(storage: WeightStorage) -> WeightStorage | None:
+    """A Q8_0 head's full-vocabulary pass runs on a per-row int8 copy (see KernelHead); the
+    blocks stay the exact weights (the embedding's rows, the recomputed top candidates)."""
+    return storage.per_row_int8() if isinstance(storage, Q8BlockWeight) else None
 
 
 def _materialize_rest(model: PreTrainedModel, config: PreTrainedConfig, dtype: torch.dtype) -> None:

@@ -49,7 +49,13 @@ def inspect_model(
         why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
         raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
-    native = src.gguf.stat().st_size if src.gguf is not None and keeps_own_bits(quantization, src) else None
+    native = None
+    if src.gguf is not None and keeps_own_bits(quantization, src):
+        from engine.model.configs import open_gguf
+        from engine.model.gguf_native import scout_bytes
+
+        types = {t.name: int(t.tensor_type) for t in open_gguf(src.gguf).tensors}
+        native = src.gguf.stat().st_size + scout_bytes(types, shapes.vocab_size, shapes.hidden_size)
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal

@@ -126,6 +126,10 @@ class LlamaForward:
         x: torch.Tensor = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated), exactly: one
+        # roll per layer instead of a negation and a concatenation
+        half = d // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         slots = batch.slot_rows()  # where each layer writes the new tokens' K/V
         tokens = x.shape[0]
         for index, layer in enumerate(self.layers):
@@ -138,7 +142,7 @@ class LlamaForward:
                 heads = q_width // d
                 qk[:, :heads] = layer.q_norm(qk[:, :heads])
                 qk[:, heads:] = layer.k_norm(qk[:, heads:])
-            rotated = _rotate_half(qk)
+            rotated = qk.roll(half, -1)
             qk.mul_(cos).addcmul_(rotated, sin)
             storage.write_kv(index, slots, qkv[:, q_width:].view(tokens, 2, -1, d))
             o = attend(storage, index, qkv[:, :q_width].view(tokens, -1, d), batch, layer.how)
@@ -160,8 +164,3 @@ def _rms_norm(norm: _RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     y = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return norm.weight * y.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -53,7 +53,7 @@ class LoadedModel:
         if policy is None:
             policy = KernelPolicy()
             fuse_projections(model, policy)
-            policy.prepare([m.storage for m in model.modules() if isinstance(m, KernelLinear)])
+            policy.prepare([s for m in model.modules() if isinstance(m, KernelLinear) for s in m.storages()])
             setattr(model, POLICY_ATTRIBUTE, policy)
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")

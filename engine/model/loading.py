@@ -222,7 +222,7 @@ def _load_native(
     shapes = loaded.info.shapes
     before = shapes.params * 4 if shapes is not None else loaded.info.weight_bytes  # the float32 twin
     loaded.info = dataclasses.replace(
-        loaded.info, weight_bytes_before=before, notes=(kept.summary(), *loaded.info.notes)
+        loaded.info, weight_bytes_before=before, notes=(kept.summary(), *kept.notes, *loaded.info.notes)
     )
     report("ready", 1.0)
     return loaded

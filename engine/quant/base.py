@@ -148,6 +148,8 @@ def model_weight_bytes(model: nn.Module) -> int:
     """Bytes the weights occupy: parameters, buffers, the storages of kernel layers (packed codes
     and scales), bitsandbytes' quantization state, which hangs off its parameters. A tensor
     reachable twice (a tied embedding and LM head) counts once."""
+    from engine.kernels.linear import KernelLinear
+
     seen: set[tuple[int, int]] = set()
     total = 0
 
@@ -163,10 +165,13 @@ def model_weight_bytes(model: nn.Module) -> int:
     for t in (*model.parameters(), *model.buffers()):
         add(t)
     for module in model.modules():
-        storage = getattr(module, "storage", None)
-        if storage is not None and hasattr(storage, "tensors"):
-            for t in storage.tensors():
-                add(t)
+        storages = (
+            module.storages() if isinstance(module, KernelLinear) else (getattr(module, "storage", None),)
+        )
+        for storage in storages:
+            if storage is not None and hasattr(storage, "tensors"):
+                for t in storage.tensors():
+                    add(t)
     for p in model.parameters():
         total += _bnb_state_bytes(p)
     return total

@@ -158,8 +158,11 @@ def test_step_stats_name_the_kernels_and_count_the_bytes_they_read(tiny_gguf):
 
     decode = [e for e in events if isinstance(e, StepStats) and e.decode_tokens][-1]
     assert "int4-g32/" in decode.kernel and "q8_0/" in decode.kernel
-    storages = {id(m.storage): m.storage for m in loaded.model.modules() if isinstance(m, KernelLinear)}
-    packed_bytes = sum(s.nbytes for s in storages.values())
+    # what each layer's matmul reads: its storage, or for the head its per-row scout
+    read = [
+        getattr(m, "scout", None) or m.storage for m in loaded.model.modules() if isinstance(m, KernelLinear)
+    ]
+    packed_bytes = sum({id(s): s.nbytes for s in read}.values())
     assert decode.cost is not None and decode.logit_rows == 1
     assert decode.cost.breakdown["bytes_layer_weights"] >= packed_bytes
 
