@@ -16,6 +16,8 @@ the accumulation only, never the weights. Dense float32 weights have one kernel:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,9 @@ class WeightStorage:
         """Every tensor the storage holds (the model's weight-byte count walks them)."""
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The stored bytes (fixed once built; read on every matmul for the step's byte count)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def bytes_read(self, kernel: str) -> int:

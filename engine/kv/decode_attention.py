@@ -103,10 +103,14 @@ def decode_attention(
     kv_heads, d = storage.num_kv_heads, storage.head_dim
     heads = q.shape[1]
     g = heads // kv_heads  # query heads per KV head (GQA), each KV head's keys read once
-    k, v = storage.gather_blocks(layer, group.blocks, torch.float32)  # [n*width, kv_heads, bs, d]
-    k, v = k.view(-1, bs, d), v.view(-1, bs, d)  # one [bs, d] matrix per (sequence, block, KV head)
+    # one [bs, d] matrix per (sequence, block, KV head), K and V
+    k, v = storage.gather_blocks(layer, group.blocks, torch.float32).view(2, -1, bs, d).unbind(0)
     rows = q if q.dtype == torch.float32 else q.float()
-    queries = rows.view(n, 1, kv_heads, g, d).expand(n, width, kv_heads, g, d).reshape(-1, g, d)
+    # every block's queries [n * width * kv_heads, g, d]
+    if n == 1:
+        queries = rows.expand(width, heads, d).reshape(-1, g, d)
+    else:
+        queries = rows[:, None].expand(n, width, heads, d).reshape(-1, g, d)
     scale = how.scaling if how.scaling is not None else d**-0.5
     if how.softcap is None:
         scores = torch.baddbmm(group.bias, queries, k.mT, alpha=scale)

@@ -149,12 +149,10 @@ class PagedKVStorage:
             scales[layer].view(-1).index_copy_(0, rows, scale.reshape(-1))
 
     # ---- reading ---------------------------------------------------------------------------
-    def gather_blocks(
-        self, layer: int, blocks: Blocks, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_blocks(self, layer: int, blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
         """Whole blocks, in the order `blocks` names them (an index may repeat ids): K and V as
-        [len(blocks), kv_heads, block_size, head_dim] each, in `dtype`. A view of the pool for
-        consecutive blocks (a slice) in the pool's dtype; else one index_select for both."""
+        one [2, len(blocks), kv_heads, block_size, head_dim] tensor in `dtype`. A view of the pool
+        for consecutive blocks (a slice) in the pool's dtype; else one index_select for both."""
         if isinstance(blocks, slice):
             pair = self.kv[layer][:, blocks]  # [2, n, kv_heads, block_size, head_dim]
         else:  # one index_select over the rows of K then V: dim 0 is the fast (memcpy) path
@@ -162,11 +160,9 @@ class PagedKVStorage:
             pair = self.kv[layer].view(2 * self.num_blocks, *self.kv[layer].shape[2:]).index_select(0, rows)
             pair = pair.view(2, -1, *pair.shape[1:])
         if not self.quantized:
-            pair = pair if pair.dtype == dtype else pair.to(dtype)
-            return pair[0], pair[1]
-        k_scale = _pick(self.k_scale[layer], 0, blocks)[..., None].to(dtype)
-        v_scale = _pick(self.v_scale[layer], 0, blocks)[..., None].to(dtype)
-        return pair[0].to(dtype) * k_scale, pair[1].to(dtype) * v_scale
+            return pair if pair.dtype == dtype else pair.to(dtype)
+        scales = torch.stack([_pick(self.k_scale[layer], 0, blocks), _pick(self.v_scale[layer], 0, blocks)])
+        return pair.to(dtype) * scales[..., None].to(dtype)
 
     def read(
         self, layer: int, blocks: Blocks, start: int, stop: int, dtype: torch.dtype
@@ -182,9 +178,9 @@ class PagedKVStorage:
             else slice(blocks.start + skip, blocks.start + last)
         )
         start, stop = start - skip * self.block_size, stop - skip * self.block_size
-        k, v = self.gather_blocks(layer, blocks, dtype)
-        # [n, kv_heads, block_size, head_dim] -> [kv_heads, n * block_size, head_dim]
-        return tuple(t.transpose(0, 1).flatten(1, 2)[:, start:stop] for t in (k, v))  # type: ignore[return-value]
+        # [2, n, kv_heads, block_size, head_dim] -> [2, kv_heads, n * block_size, head_dim]
+        k, v = self.gather_blocks(layer, blocks, dtype).transpose(1, 2).flatten(2, 3)[:, :, start:stop]
+        return k, v
 
     def gather(
         self, layer: int, blocks: Blocks, context_len: int, dtype: torch.dtype

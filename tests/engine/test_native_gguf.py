@@ -190,3 +190,18 @@ def test_auto_means_native_for_gguf_sources_and_none_for_folders(tiny_gguf, tmp_
     assert resolve_scheme("auto", resolve_source(str(folder))) == "none"
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         resolve_scheme("native", resolve_source(str(folder)))
+
+
+def test_the_own_forward_still_runs_the_hooks_someone_registered(tiny_gguf):
+    """kvscope's forward skips nn.Module's call machinery for speed only while nothing hooks a
+    layer: a registered hook still sees every call."""
+    loaded = native_loaded(tiny_gguf)
+    o_proj = loaded.model.model.layers[0].self_attn.o_proj
+    seen = []
+    handle = o_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    try:
+        tokens, engine = run(loaded, [list(range(5, 12))])
+    finally:
+        handle.remove()
+    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert seen == [7] + [1] * (len(tokens[0]) - 1)  # the prefill's 7 rows, then one per decode
