@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from app.chat.schema import SchemaError, prepare, probe
 from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
@@ -68,6 +69,21 @@ def title_from(text: str) -> str:
     return cut + "…"
 
 
+T = TypeVar("T")
+
+
+def _when_unlocked(action: Callable[[], T], wait_s: float = BUSY_TIMEOUT_S) -> T:
+    """`action()`, tried again while SQLite says the database is locked, up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return action()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class ConversationStore:
     def __init__(self, path: Path | str, clock: Callable[[], float] = time.time):
         self.path = Path(path)
@@ -82,13 +98,16 @@ class ConversationStore:
         except (OSError, sqlite3.Error, SchemaError) as exc:
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
+            # Switching to WAL takes an exclusive lock, and SQLite answers "database is locked" at
+            # once, without its busy wait, when another instance is opening the same new file
+            # (waiting could deadlock the two): retry for as long as a write would wait.
+            _when_unlocked(lambda: self._db.execute("PRAGMA journal_mode=WAL"))
             # In WAL mode NORMAL still survives an application crash (every commit is in the
             # log before execute() returns); it only skips the fsync per commit, which on a
             # busy disk can stall the GUI thread for a visible fraction of a second.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self.full_text_search = prepare(self._db)
+            self.full_text_search = _when_unlocked(lambda: prepare(self._db))
         except (sqlite3.Error, SchemaError) as exc:
             self._db.close()
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc

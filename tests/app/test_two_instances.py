@@ -92,3 +92,39 @@ def test_a_writer_waits_for_another_instances_lock(tmp_path):
     assert store.load(conv.id).messages[-1].id == message.id
     assert {s.title for s in store.summaries()} >= {"other"}
     store.close()
+
+
+def test_opening_waits_out_another_instance_that_is_creating_the_same_database(tmp_path):
+    """Two instances starting together on a new file: while one holds the write lock, the other's
+    switch to WAL gets "database is locked" at once from SQLite (no busy wait, which could
+    deadlock); the store retries it instead of refusing to open."""
+    db = tmp_path / "conversations.sqlite3"
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # the other instance, mid-way through creating the schema
+    other.execute("CREATE TABLE IF NOT EXISTS being_created (x)")
+    plain = sqlite3.connect(db, isolation_level=None, timeout=5.0)
+    try:
+        plain.execute("PRAGMA journal_mode=WAL")
+        raise AssertionError("SQLite waited: the case this test stands for no longer arises")
+    except sqlite3.OperationalError as exc:
+        assert "locked" in str(exc)  # at once, though the connection would wait 5 s for a write
+    finally:
+        plain.close()
+    released = threading.Event()
+
+    def release_soon():
+        released.wait(0.3)
+        other.execute("COMMIT")
+
+    releaser = threading.Thread(target=release_soon)
+    releaser.start()
+    try:
+        store = ConversationStore(db)
+    finally:
+        releaser.join()
+        other.close()
+    try:
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store.create(title="opened").title == "opened"
+    finally:
+        store.close()
