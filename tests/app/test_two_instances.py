@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from app.chat.conversations import ConversationStore
@@ -67,6 +69,19 @@ def test_two_instances_write_one_database_at_the_same_time(tmp_path):
         store.close()
 
 
+@contextlib.contextmanager
+def committed_soon(other: sqlite3.Connection, after_s: float) -> Iterator[None]:
+    """Another instance's open write transaction, committed (and its connection closed) from a
+    thread `after_s` seconds into the block."""
+    releaser = threading.Timer(after_s, lambda: other.execute("COMMIT"))
+    releaser.start()
+    try:
+        yield
+    finally:
+        releaser.join()
+        other.close()
+
+
 def test_a_writer_waits_for_another_instances_lock(tmp_path):
     db = tmp_path / "conversations.sqlite3"
     store = ConversationStore(db)
@@ -75,20 +90,9 @@ def test_a_writer_waits_for_another_instances_lock(tmp_path):
     other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")
     other.execute("INSERT INTO conversations (title, created_at, updated_at) VALUES ('other', 0, 0)")
-    released = threading.Event()
-
-    def release_soon():
-        released.wait(0.5)
-        other.execute("COMMIT")
-
-    releaser = threading.Thread(target=release_soon)
-    releaser.start()
-    try:
+    with committed_soon(other, after_s=0.5):
         # Without a busy timeout this raises StorageError("database is locked") at once.
         message = store.add_message(conv.id, "user", "written after the other's commit")
-    finally:
-        releaser.join()
-        other.close()
     assert store.load(conv.id).messages[-1].id == message.id
     assert {s.title for s in store.summaries()} >= {"other"}
     store.close()
@@ -110,19 +114,8 @@ def test_opening_waits_out_another_instance_that_is_creating_the_same_database(t
         assert "locked" in str(exc)  # at once, though the connection would wait 5 s for a write
     finally:
         plain.close()
-    released = threading.Event()
-
-    def release_soon():
-        released.wait(0.3)
-        other.execute("COMMIT")
-
-    releaser = threading.Thread(target=release_soon)
-    releaser.start()
-    try:
+    with committed_soon(other, after_s=0.3):
         store = ConversationStore(db)
-    finally:
-        releaser.join()
-        other.close()
     try:
         assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert store.create(title="opened").title == "opened"
