@@ -96,6 +96,24 @@ class StageSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarSnapshot:
+    """What the grammar's token mask (the sampler's first stage, "grammar") did at one token."""
+
+    allowed: int  # tokens of the vocabulary the grammar permitted here
+    vocab_size: int
+    removed_mass: float  # raw probability mass of the tokens it did not permit
+    forced: bool  # exactly one token was permitted
+    accepting: bool  # the text so far was complete (ending here was allowed)
+    # What the grammar forces from here on (llguidance's fast-forward tokens), when any.
+    forced_ids: tuple[int, ...] = ()
+    forced_texts: tuple[str, ...] = ()
+    # The likeliest tokens (by raw probability) the mask removed, with that probability.
+    cut_ids: tuple[int, ...] = ()
+    cut_texts: tuple[str, ...] = ()
+    cut_probs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenSnapshot:
     candidate_ids: tuple[int, ...]
     candidate_texts: tuple[str, ...]
@@ -110,6 +128,8 @@ class TokenSnapshot:
     raw_top_logits: tuple[float, ...] = ()
     raw_logsumexp: float = 0.0
     penalized_top_logits: tuple[float, ...] = ()  # the same ids after penalties (before temperature)
+    # Constrained decoding: the grammar stage's own record (its StageSnapshot is stages[1]).
+    grammar: GrammarSnapshot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +217,9 @@ class GroupStats:
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
     request_id: int
-    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    # "stop" (EOS, a stop string, or the grammar's end), "length", "cancelled", "grammar" (the
+    # grammar permitted no next token: `note` says so)
+    finish_reason: str
     text: str  # for n samples / beams: of the first entry of `sequences`
     token_ids: tuple[int, ...]
     stats: RequestStats
@@ -206,6 +228,7 @@ class RequestFinished:
     # the group's memory figures. Empty / None for a plain request.
     sequences: tuple[SequenceResult, ...] = ()
     group: GroupStats | None = None
+    note: str = ""  # why it ended, when the reason needs words (finish_reason "grammar")
 
 
 @dataclass(frozen=True, slots=True)

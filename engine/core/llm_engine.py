@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.group_driver import GroupDriver, GroupError, GroupLimits
 from engine.core.postprocess import Postprocessor
 from engine.core.runner import ForwardResult, ModelRunner
@@ -33,6 +33,9 @@ from engine.events import (
     RequestStarted,
     StepStats,
 )
+from engine.grammar.compile import GrammarError
+from engine.grammar.grammars import Grammars
+from engine.grammar.state import GrammarDeadEnd, GrammarState
 from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
@@ -105,6 +108,7 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
         self.eos_ids = self.text.eos_ids
+        self.grammars = Grammars(self.tokenizer, info.vocab_size, self.eos_ids)
         limits = GroupLimits(
             self.max_model_len,
             config.max_num_seqs,
@@ -126,7 +130,10 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
             message = (
                 str(exc)
-                if isinstance(exc, (RequestError, GroupError, ConfigError, chat_template.ChatTemplateError))
+                if isinstance(
+                    exc,
+                    (RequestError, GroupError, ConfigError, GrammarError, chat_template.ChatTemplateError),
+                )
                 else f"{type(exc).__name__}: {exc}"
             )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
@@ -160,9 +167,31 @@ class LLMEngine:
         if params.group_size > 1:
             self.groups.check(params)
         seq = Sequence(request_id, ids, len(ids), params)
+        if params.grammar is not None:
+            seq.grammar = self.start_grammar(params, request.reply_prefix_ids)
         seq.sampler = Sampler(params, decode_token=self.text.text)
         seq.detokenizer = self.text.detokenizer(ids, params.stop)
         return seq
+
+    def start_grammar(self, params: SamplingParams, reply_prefix: tuple[int, ...] = ()) -> GrammarState:
+        """A matcher for `params.grammar` replayed over a branch's reply prefix (the tokens the
+        reply already has), checked to permit a first token (RequestError: why not)."""
+        assert params.grammar is not None
+        state = self.grammars.start(params.grammar)
+        taken = state.replay(reply_prefix)
+        if taken < len(reply_prefix):
+            token = reply_prefix[taken]
+            raise RequestError(
+                f"The reply cannot continue under its {params.grammar.label}: its token {taken} "
+                f"({self.text.text(token)!r}) does not follow the grammar."
+            )
+        if state.finished:
+            raise RequestError(f"The reply is already complete under its {params.grammar.label}.")
+        try:
+            state.mask()
+        except GrammarDeadEnd as exc:
+            raise RequestError(f"The {params.grammar.label} permits no text here: {exc}.") from None
+        return state
 
     def abort(self, request_id: int) -> None:
         if request_id in self.groups.active:
@@ -194,14 +223,20 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, note: str = "") -> None:
         self.release(seq)
         seq.finish_reason = reason
         seq.detokenizer.flush()
         stats = request_stats(seq, seq.token_times, seq.num_output_tokens)
         self.emit(
             RequestFinished(
-                seq.seq_id, reason, seq.detokenizer.text, tuple(seq.output_ids), stats, time.perf_counter()
+                seq.seq_id,
+                reason,
+                seq.detokenizer.text,
+                tuple(seq.output_ids),
+                stats,
+                time.perf_counter(),
+                note=note,
             )
         )
 

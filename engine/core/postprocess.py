@@ -7,6 +7,10 @@ handler of its kind, and stream what they choose.
   samples      the first time a group's prompt is in: fork n ways (shared blocks), each sample
                draws from the same logits with its own generator; then each on its own, as plain
   beams        all of a group's beams at once: rank, re-fork, prune (engine.core.group_driver)
+
+Under a grammar each sequence's mask comes from its own matcher (engine.grammar.state), which
+consumes every token as it is committed here; a token that completes the grammar ends the reply
+("stop"), one after which the grammar permits nothing ends it with the reason ("grammar").
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.events import SpecRound, TokenGenerated
+from engine.grammar.state import GrammarDeadEnd
+from engine.sampling.mask import TokenMask
 from engine.sampling.sampler import SampleResult
 from engine.speculative.verify import Verdict, verify
 
@@ -64,8 +70,26 @@ class Postprocessor:
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        result = seq.sampler.sample(logits, prompt, seq.output_ids, mask_of(seq))
         self.emit_token(seq, result)
+
+    def _grammar_end(self, seq: Sequence, token: int) -> tuple[str | None, str]:
+        """Consume the committed `token` in the sequence's grammar: (reason the reply ends, why)."""
+        grammar = seq.grammar
+        if grammar is None:
+            return None, ""
+        if not grammar.consume(token):
+            # Only a token chosen outside the mask gets here (a beam forced onto an impossible
+            # candidate): the reply stops rather than leave its grammar.
+            return "grammar", f"token {self.engine.text.text(token)!r} does not follow the grammar"
+        if grammar.finished:
+            return "stop", ""
+        try:
+            grammar.mask()  # the next position's mask, now: a dead end ends the reply here
+        except GrammarDeadEnd as exc:
+            return "grammar", str(exc)
+        return None, ""
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
@@ -79,8 +103,11 @@ class Postprocessor:
             seq.group.mark_token_step(engine.step_count, now)
         is_eos = engine.text.stops(token, seq.params.ignore_eos)
         delta = "" if is_eos else seq.detokenizer.push(token)
+        grammar_reason, note = (None, "") if is_eos else self._grammar_end(seq, token)
         if is_eos or seq.detokenizer.stopped:
             reason = "stop"
+        elif grammar_reason is not None:
+            reason = grammar_reason
         elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= engine.max_model_len:
             reason = "length"
         else:
@@ -104,9 +131,9 @@ class Postprocessor:
         )
         if reason is not None:
             if seq.group is not None:
-                engine.groups.end_sample(seq, reason)
+                engine.groups.end_sample(seq, reason, note)
             else:
-                engine.finish(seq, reason)
+                engine.finish(seq, reason, note)
         return reason is not None
 
     # ---- speculative ---------------------------------------------------------------------
@@ -115,8 +142,15 @@ class Postprocessor:
         drafts = seq.token_ids[-d:]
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids[:-d]
+        # Under a grammar: each position's mask, the matcher walked through the drafts and back.
+        masks: list[TokenMask | None] = [None] * (d + 1)
+        if seq.grammar is not None:
+            masks = seq.grammar.masks_along(drafts)
         p = torch.stack(
-            [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
+            [
+                seq.sampler.distribution(logits[i], prompt, history + drafts[:i], masks[i])
+                for i in range(d + 1)
+            ]
         )
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
@@ -158,6 +192,14 @@ class Postprocessor:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
-            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
+            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token, mask_of(seq))
             if self.emit_token(seq, result, kind, seq.spec_rounds):
                 return  # finished: the rest of the round is dropped
+
+
+def mask_of(seq: Sequence) -> TokenMask | None:
+    """The sequence's grammar mask at its next token (with what it forces, when a snapshot will
+    show it), or None without a grammar."""
+    if seq.grammar is None:
+        return None
+    return seq.grammar.mask(with_forced=seq.params.snapshot_top_n > 0)

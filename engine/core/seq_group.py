@@ -38,6 +38,7 @@ class SequenceGroup:
         self.peak_unshared = 0
         self.token_times: list[float] = []
         self._last_token_step = -1
+        self.note = ""  # why it ended, when the reason needs words (a grammar's dead end)
         first.group = self
 
     @property

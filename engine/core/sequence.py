@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from engine.core.detokenize import IncrementalDetokenizer
     from engine.core.seq_group import SequenceGroup
+    from engine.grammar.state import GrammarState
     from engine.kv.block_pool import Block
     from engine.sampling.sampler import Sampler
 
@@ -60,6 +61,11 @@ class Sequence:
     branch: int = 0
     cumulative_logprob: float = 0.0
     cow_copies: int = 0
+    # Constrained decoding: where the sequence is in its grammar (None without one). It holds
+    # exactly the generated tokens (and a branch's reply prefix); `grammar_dead_end` says why a
+    # beam can no longer go on under it.
+    grammar: GrammarState | None = None
+    grammar_dead_end: str = ""
 
     @property
     def sampler(self) -> Sampler:
