@@ -76,6 +76,16 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
         help="speculative decoding (n-gram, self-draft) vs plain decoding on a repeat task and free chat",
     )
     b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
+    b.add_argument(
+        "--grammar",
+        action="store_true",
+        help="constrained decoding: the grammar stage's time per token against ITL, with and without a schema",
+    )
+    b.add_argument(
+        "--grammar-libraries",
+        action="store_true",
+        help="with --grammar: llguidance against xgrammar (if installed) on the model's vocabulary",
+    )
     b.add_argument("--json", action="store_true")
 
     from engine.cli import quant as cli_quant

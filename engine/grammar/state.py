@@ -56,10 +56,9 @@ class GrammarState:
             if self._matcher.is_error():
                 raise GrammarDeadEnd(self._dead_end_message())
             bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little")[: self.width]
-            count = int(bits.sum())
-            if count == 0:
+            if not bits.any():
                 raise GrammarDeadEnd(self._dead_end_message())
-            cached = TokenMask(torch.from_numpy(bits.astype(np.bool_)), count, self._matcher.is_accepting())
+            cached = TokenMask.from_bits(bits, self._matcher.is_accepting())
             self._masks[self.position] = cached
         if with_forced and cached.forced is None:
             cached = replace(cached, forced=tuple(self._matcher.compute_ff_tokens()))

@@ -121,9 +121,13 @@ def run_bench(args: argparse.Namespace) -> int:
     def progress(stage: str, f: float) -> None:
         print(f"[{f:4.0%}] {stage}", file=sys.stderr)
 
-    if args.speculation or args.concurrency:
+    if args.speculation or args.concurrency or args.grammar or args.grammar_libraries:
         spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
         loaded = load_model(spec, progress=progress)
+        if args.grammar or args.grammar_libraries:
+            from engine.measure.bench_grammar import run_grammar_bench
+
+            return run_grammar_bench(args, loaded)
         if args.speculation:
             from engine.measure.bench_speculative import run_speculative_bench
 

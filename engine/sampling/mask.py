@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from engine.events import GrammarSnapshot
@@ -26,19 +28,38 @@ class TokenMask:
     allowed: torch.Tensor  # bool [V]: True where the grammar permits the token next
     count: int  # allowed tokens
     accepting: bool  # the text so far is complete: the grammar allows ending here
+    # The shorter list of ids: the permitted ones (`ids_permitted`), or the refused ones. Applying
+    # the mask is then one index op over that list: a boolean masked_fill over the whole
+    # vocabulary measured 0.2 ms on one thread of this machine and up to 12 ms on two busy ones,
+    # the index op 7-12 us.
+    ids: torch.Tensor
+    ids_permitted: bool
     forced: tuple[int, ...] | None = None  # tokens the grammar forces from here (for snapshots)
+
+    @staticmethod
+    def from_bits(bits: np.ndarray[Any, np.dtype[np.uint8]], accepting: bool) -> TokenMask:
+        """From one 0/1 byte per token (numpy: its counts and index lists cost a fifth of
+        torch's on one small vector)."""
+        count = int(bits.sum())
+        permitted = count <= bits.size // 2
+        ids = np.flatnonzero(bits if permitted else bits == 0)
+        allowed = torch.from_numpy(bits.astype(np.bool_))
+        return TokenMask(allowed, count, accepting, torch.from_numpy(ids), permitted)
 
 
 def apply_mask(scores: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     """scores [1, V] with every token the grammar does not permit at -inf. A mask narrower than
     the scores (a head wider than the tokenizer) permits none of the extra ids."""
-    allowed = mask.allowed
     vocab = scores.shape[-1]
-    if allowed.numel() < vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
-    elif allowed.numel() > vocab:
-        allowed = allowed[:vocab]
-    return scores.masked_fill(~allowed.to(scores.device), -math.inf)
+    width = mask.allowed.numel()
+    ids = mask.ids.to(scores.device)
+    if mask.ids_permitted:
+        ids = ids[ids < vocab]
+        return torch.full_like(scores, -math.inf).index_copy_(1, ids, scores.index_select(1, ids))
+    out = scores.clone()
+    if width < vocab:
+        out[:, width:] = -math.inf
+    return out.index_fill_(1, ids[ids < vocab], -math.inf)
 
 
 def grammar_snapshot(

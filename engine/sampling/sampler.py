@@ -69,8 +69,11 @@ class Sampler:
     ) -> SampleResult:
         scores = logits.detach().to(torch.float32).reshape(1, -1)
         want_snapshot = self.params.snapshot_top_n > 0
-        if self.params.greedy and not self.stages and not want_snapshot and mask is None:
-            # The hot path of plain greedy decoding: an argmax and one log-sum-exp.
+        if self.params.greedy and not self.stages and not want_snapshot:
+            # The hot path of plain greedy decoding: an argmax and one log-sum-exp (after the
+            # grammar's mask, when there is one).
+            if mask is not None:
+                scores = apply_mask(scores, mask)
             token = int(scores[0].argmax())
             return SampleResult(token, self._checked(float(scores[0, token] - scores[0].logsumexp(0))), None)
 
