@@ -20,6 +20,7 @@ from engine.kernels.linear import KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import QuantEmbedding, load_native
+from engine.model.llama_forward import EXECUTOR
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model, resolve_scheme
 from engine.model.sources import resolve_source
@@ -138,7 +139,7 @@ def test_batched_native_decoding_equals_lone_native_decoding(tiny_gguf):
     loaded = native_loaded(tiny_gguf)
     prompts = [list(range(5, 30)), [7, 8, 9], list(range(60, 71))]
     together, engine = run(loaded, prompts)
-    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert engine.runner.executor == EXECUTOR
     alone = [run(loaded, [p])[0][0] for p in prompts]
     assert together == alone
 
@@ -203,5 +204,5 @@ def test_the_own_forward_still_runs_the_hooks_someone_registered(tiny_gguf):
         tokens, engine = run(loaded, [list(range(5, 12))])
     finally:
         handle.remove()
-    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert engine.runner.executor == EXECUTOR
     assert seen == [7] + [1] * (len(tokens[0]) - 1)  # the prefill's 7 rows, then one per decode
