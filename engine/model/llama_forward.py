@@ -300,6 +300,7 @@ class LlamaForward:
         self.head = plan.head
         self.head_dim = plan.head_dim
         self.heads = plan.heads
+        self.kv_heads = plan.kv_heads
         self.layers = plan.layers
         self.final_norm = plan.final_norm
         self.embedding_multiplier = plan.embedding_multiplier
@@ -333,34 +334,32 @@ class LlamaForward:
             observer(0, x.index_select(0, logit_rows))
         for index, layer in enumerate(self.layers):
             h = x if layer.before_attention is None else layer.before_attention(x)
-            # qk [T, heads + kv_heads, d], a tensor of our own: RoPE applies in place. K and V go to
-            # the pool in one write when they lie side by side in one matmul's output (kv)
-            kv: Tensor | None = None
-            if layer.qkv is not None:
+            # qk [T, heads + kv_heads, d], a tensor of our own: RoPE applies in place; K and V lie
+            # side by side after it (kv [T, 2, kv_heads, d]) and go to the pool in one write
+            if layer.qkv is not None and layer.q_norm is None:  # one matmul's output as it is
                 qkv = _call(layer.qkv, h)
-                if layer.q_norm is None:
-                    q_width, k_width, _ = layer.qkv_sizes
-                    qk = qkv[:, : q_width + k_width].view(tokens, -1, d)  # q's heads, then k's
-                    kv = qkv[:, q_width:].view(tokens, 2, -1, d)
-                else:
-                    q, k, v = qkv.split_with_sizes(layer.qkv_sizes, dim=-1)
+                q_width, k_width, _ = layer.qkv_sizes
+                qk = qkv[:, : q_width + k_width].view(tokens, -1, d)  # q's heads, then k's
+                kv = qkv[:, q_width:].view(tokens, 2, -1, d)
             else:
-                assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
-                q, k, v = _call(layer.q_proj, h), _call(layer.k_proj, h), _call(layer.v_proj, h)
-            if kv is None:
+                if layer.qkv is not None:
+                    q, k, v = _call(layer.qkv, h).split_with_sizes(layer.qkv_sizes, dim=-1)
+                else:  # their weight formats differ: three matmuls
+                    assert layer.q_proj is not None and layer.k_proj is not None and layer.v_proj is not None
+                    q, k, v = _call(layer.q_proj, h), _call(layer.k_proj, h), _call(layer.v_proj, h)
                 if layer.q_norm is not None:
                     assert layer.k_norm is not None, "q and k norms come together"
                     if layer.qk_norm_per_head:
                         q, k = layer.q_norm(q.view(tokens, -1, d)), layer.k_norm(k.view(tokens, -1, d))
                     else:
                         q, k = layer.q_norm(q), layer.k_norm(k)
-                qk = torch.cat((q.view(tokens, -1, d), k.view(tokens, -1, d)), dim=1)
+                # one tensor in the fused layout: one op, as a concatenation of q and k alone would be
+                joined = torch.cat((q.view(tokens, -1, d), k.view(tokens, -1, d), v.view(tokens, -1, d)), 1)
+                qk = joined[:, : heads + self.kv_heads]
+                kv = joined[:, heads:].view(tokens, 2, -1, d)
             if layer.rope is not None:
                 _rotate(qk, ropes[layer.rope], d)
-            if kv is not None:
-                storage.write_kv(index, slots, kv)
-            else:
-                storage.write(index, slots, qk[:, heads:], v.view(tokens, -1, d))
+            storage.write_kv(index, slots, kv)
             o = attend(storage, index, qk[:, :heads], batch, layer.how)
             a = _call(layer.o_proj, o.reshape(tokens, -1))
             if layer.after_attention is not None:
