@@ -64,6 +64,8 @@ _SANDWICH_AFTER_ATTENTION = "post_attention_layernorm"  # Gemma 2/3 and OLMo 2 u
 FAMILIES: dict[str, ForwardFamily] = {
     "llama": ForwardFamily("LlamaDecoderLayer"),
     "mistral": ForwardFamily("MistralDecoderLayer"),
+    "ministral": ForwardFamily("MinistralDecoderLayer"),
+    "seed_oss": ForwardFamily("SeedOssDecoderLayer"),
     "qwen2": ForwardFamily("Qwen2DecoderLayer"),
     "qwen3": ForwardFamily("Qwen3DecoderLayer", qk_norm=True),
     "phi3": ForwardFamily("Phi3DecoderLayer", qkv_module="qkv_proj", gate_up_module="gate_up_proj"),
@@ -100,6 +102,16 @@ FAMILIES: dict[str, ForwardFamily] = {
         before_mlp=None,
         after_mlp="post_feedforward_layernorm",
         qk_norm=True,
+    ),
+    "olmo3": ForwardFamily(
+        "Olmo3DecoderLayer",
+        norm="olmo",
+        before_attention=None,
+        after_attention=_SANDWICH_AFTER_ATTENTION,
+        before_mlp=None,
+        after_mlp="post_feedforward_layernorm",
+        qk_norm=True,
+        rope_by_layer_type=True,
     ),
     "smollm3": ForwardFamily("SmolLM3DecoderLayer", rope_switch="use_rope"),
 }

@@ -1,5 +1,5 @@
 """kvscope's own forward for the Llama-shaped families (engine/model/forward_families.py: Llama,
-Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 1/2/3, Granite, OLMo 2, SmolLM3).
+Mistral, Ministral, Qwen2/2.5, Qwen3, Phi-3, Gemma 1/2/3, Granite, OLMo 2/3, SmolLM3, Seed-OSS).
 
 transformers' modeling code is exact for every family, and the engine runs it for every family
 (engine/core/runner.py) through the paged attention. For the Llama-shaped families this module

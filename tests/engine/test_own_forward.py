@@ -307,3 +307,33 @@ def test_what_the_forward_cannot_run_goes_to_transformers_with_the_reason(monkey
         == "model type 'gpt2' is not one of kvscope's own forward's families"
     )
     assert AttentionSpec().sinks is False
+
+
+def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projections(tmp_path):
+    """As in a Q4_K_M file (Q4_K and Q6_K in one layer): here v and up in Q8_0, the rest Q4_1, all
+    kept at their bits. q/k/v and gate/up cannot be one matmul; the own forward runs them apart and
+    gives the logits of transformers' code over the same kernels."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_files import write_tiny_llama
+
+    from engine.kernels.policy import KernelPolicy
+    from engine.model.gguf_native import load_native
+
+    path = write_tiny_llama(tmp_path / "mixed.gguf", {"attn_v": Q.Q8_0, "ffn_up": Q.Q8_0})
+    model, report = load_native(path, torch.float32, KernelPolicy(), lambda stage, fraction: None)
+    assert report.kept == {"Q4_1": 10, "Q8_0": 1 + 4} and set(report.dequantized) == {"F32"}  # the norms
+    loaded = LoadedModel.from_model(model, IdTokenizer(256), name="mixed", source=str(path), scheme="native")
+    note = loaded.info.notes[0]
+    assert note == (
+        f"forward: {EXECUTOR} (Llama; q/k/v unfused in 2 of 2 layers: their weight formats differ; "
+        "gate/up unfused in 2 of 2 layers: their weight formats differ)"
+    )
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 4, 12)]
+    config = SETTINGS["chunk 7, block 5"]
+    tokens, logits, engine = run(loaded, config, prompts)
+    assert engine.runner.executor == EXECUTOR
+    their_tokens, theirs, _ = run(loaded, config, prompts, own=False)
+    assert tokens == their_tokens
+    for key in logits:
+        torch.testing.assert_close(logits[key], theirs[key], atol=ATOL, rtol=RTOL)
