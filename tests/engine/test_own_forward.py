@@ -337,3 +337,32 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     assert tokens == their_tokens
     for key in logits:
         torch.testing.assert_close(logits[key], theirs[key], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_every_norm_equals_the_family_s_own_module_bit_for_bit(dtype):
+    """Llama's, OLMo's and Gemma's RMSNorms differ in where the weight meets the cast: in half
+    precision too, each norm the forward computes (its placed norms, q/k norms, the final norm) is
+    the module's output exactly."""
+    from engine.model.llama_forward import _Plan
+
+    g = torch.Generator().manual_seed(0)
+    for model_type, family in FAMILIES.items():
+        model = tiny_model(model_type).to(dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:  # norm weights away from their 1 (or Gemma's 0)
+                    p.add_((torch.randn(p.shape, generator=g) * 0.3).to(dtype))
+        plan = _Plan(model, None)
+        pairs = [(plan.final_norm, model.model.norm)]
+        for layer, module in zip(plan.layers, model.model.layers):
+            places = ("before_attention", "after_attention", "before_mlp", "after_mlp")
+            pairs += [
+                (getattr(layer, p), getattr(module, getattr(family, p))) for p in places if getattr(family, p)
+            ]
+            if layer.q_norm is not None:
+                pairs += [(layer.q_norm, module.self_attn.q_norm), (layer.k_norm, module.self_attn.k_norm)]
+        for norm, module in pairs:
+            x = (torch.randn(5, module.weight.numel(), generator=g) * 3).to(dtype)
+            with torch.inference_mode():
+                assert torch.equal(norm(x), module(x)), (model_type, dtype, type(module).__name__)
