@@ -214,6 +214,9 @@ class _Plan:
         down, o_proj = getattr(mlp, "down_proj", None), getattr(attn, "o_proj", None)
         if not isinstance(down, nn.Module) or not isinstance(o_proj, nn.Module):
             raise Unsupported("no down_proj or o_proj where the family keeps them")
+        scaling = getattr(attn, "scaling", None)
+        if not isinstance(scaling, float):
+            raise Unsupported("its attention has no scaling of its own")
         return _Layer(
             norm_at(family.before_attention),
             norm_at(family.after_attention),
@@ -235,7 +238,7 @@ class _Plan:
             up_proj,
             down,
             _activation(act),
-            LayerAttention(scaling=attn.scaling, window=spec.window, softcap=spec.softcap),
+            LayerAttention(scaling=scaling, window=spec.window, softcap=spec.softcap),
         )
 
     @staticmethod
@@ -275,17 +278,30 @@ class _Plan:
         return _rms_norm(weight, eps, self.family.norm, self.dtype)
 
     def describe(self) -> str:
-        """The note's parenthesis: the family, and the projections that run unfused."""
+        """The note's parenthesis: the family, and where projections run as separate matmuls
+        (with their weights' formats: mixed formats, or one without a fused storage)."""
         parts = [self.family.decoder_layer.removesuffix("DecoderLayer")]
-        for name, count in (
-            ("q/k/v", sum(layer.qkv is None for layer in self.layers)),
-            ("gate/up", sum(layer.gate_up is None for layer in self.layers)),
+        for name, split in (
+            (
+                "q/k/v",
+                [(layer.q_proj, layer.k_proj, layer.v_proj) for layer in self.layers if layer.qkv is None],
+            ),
+            ("gate/up", [(layer.gate_proj, layer.up_proj) for layer in self.layers if layer.gate_up is None]),
         ):
-            if count:
+            if split:
+                formats = sorted({_format(module) for modules in split for module in modules})
                 parts.append(
-                    f"{name} unfused in {count} of {len(self.layers)} layers: their weight formats differ"
+                    f"{name} as separate matmuls in {len(split)} of {len(self.layers)} layers "
+                    f"({', '.join(formats)})"
                 )
         return "; ".join(parts)
+
+
+def _format(module: nn.Module | None) -> str:
+    """A projection's weight format as the kernel table names it (its class for other layers)."""
+    storage = getattr(module, "storage", None)
+    kind = getattr(storage, "kind", None)
+    return kind if isinstance(kind, str) and kind else type(module).__name__
 
 
 class LlamaForward:

@@ -149,10 +149,11 @@ def test_mixed_formats_run_split_projections_and_the_notes_say_so(case):
     if variant == "mixed":
         assert [layer.qkv is None for layer in layers] == [True, False]
         assert [layer.gate_up is None for layer in layers] == [False, True]
-        assert "q/k/v unfused in 1 of 2 layers" in note and "gate/up unfused in 1 of 2 layers" in note
+        assert "q/k/v as separate matmuls in 1 of 2 layers (dense-fp32)" in note
+        assert "gate/up as separate matmuls in 1 of 2 layers (dense-fp32)" in note
     else:
         assert all(layer.qkv is not None and layer.gate_up is not None for layer in layers)
-        assert "unfused" not in note
+        assert "separate matmuls" not in note
 
 
 # What each switched-on part of a description is turned off to. The OLMo norm is absent: in float32
@@ -325,8 +326,8 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     loaded = LoadedModel.from_model(model, IdTokenizer(256), name="mixed", source=str(path), scheme="native")
     note = loaded.info.notes[0]
     assert note == (
-        f"forward: {EXECUTOR} (Llama; q/k/v unfused in 2 of 2 layers: their weight formats differ; "
-        "gate/up unfused in 2 of 2 layers: their weight formats differ)"
+        f"forward: {EXECUTOR} (Llama; q/k/v as separate matmuls in 2 of 2 layers (int4-g32, q8_0); "
+        "gate/up as separate matmuls in 2 of 2 layers (int4-g32, q8_0))"
     )
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 4, 12)]
