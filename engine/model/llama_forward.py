@@ -3,9 +3,10 @@ Mistral, Ministral, Qwen2/2.5, Qwen3, Phi-3, Gemma 1/2/3, Granite, OLMo 2/3, Smo
 
 transformers' modeling code is exact for every family, and the engine runs it for every family
 (engine/core/runner.py) through the paged attention. For the Llama-shaped families this module
-runs the same arithmetic with a fraction of the per-op overhead: on a 135M-parameter model a
-decode step is ~120 small ops per layer in the generic code and ~25 here, which at 30 layers is
-several milliseconds a token. What it does per step:
+runs the same arithmetic with less per-op overhead: on the packaged 135M model a decode step
+dispatches 66 aten ops per layer here (kernels and attention included) against 105 through
+transformers' code on the same engine, each a few microseconds on a small CPU, at 30 layers;
+and none of nn.Module's call machinery per layer. What it does per step:
   - RoPE cos/sin computed once per kind of layer (the model's own rotary module, so every rope
     scaling type holds; Gemma 3's local and global bases; none for SmolLM3's NoPE layers),
   - per layer: the family's norms, q/k/v (one matmul where the loader fused them or the family
