@@ -84,6 +84,22 @@ class Kvk:
             raise RuntimeError(f"kvk_dequantize_rows refused GGML type {ggml_type}")
         return out
 
+    def dequantize_bf16(
+        self, ggml_type: int, blocks: np.ndarray, k: int, row_map: np.ndarray | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The weights [N, k] rounded to bfloat16 (a dense kernel's temporary copy of a layer)."""
+        rows = blocks.shape[0] if row_map is None else row_map.shape[0]
+        if out is None:
+            out = torch.empty(rows, k, dtype=torch.bfloat16)
+        status = self.lib.kvk_dequantize_bf16(
+            ggml_type, blocks.ctypes.data, blocks.strides[0], rows, k,
+            None if row_map is None else row_map.ctypes.data, out.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
+        return out
+
     def unpack_block(self, ggml_type: int, block: np.ndarray, weights: int, subs: int) -> tuple[np.ndarray, ...]:
         """One block's codes and per-sub-block (a, b): w = a * code + b (tests)."""
         codes = np.zeros(weights, dtype=np.uint8)
@@ -104,6 +120,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes, fn.restype = matmul, _c_int
     lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr]
     lib.kvk_dequantize_rows.restype = _c_int
+    lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr]
+    lib.kvk_dequantize_bf16.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
 
 
