@@ -85,7 +85,6 @@ class QuantEmbedding(nn.Module):
 def load_native(
     path: Path, dtype: torch.dtype, policy: KernelPolicy, report: Callable[[str, float], None]
 ) -> tuple[PreTrainedModel, NativeReport]:
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -93,10 +92,9 @@ def load_native(
         get_gguf_hf_weights_map,
     )
 
-    open_gguf(path)  # the header and tensor extents checked (a truncated file is refused here)
-    # A mapping of our own, copy-on-write: the tensors' views stay valid for the model's life and
-    # writable for torch (nothing writes them; the file is never modified).
-    reader = GGUFReader(path, mode="c")
+    # the one parse of the header (shared with the config and the tokenizer), its tensor extents
+    # checked; its tensors are views of the file's copy-on-write mapping, valid for the model's life
+    reader = open_gguf(path)
     config = read_gguf_config(path)
     arch = str(reader.fields["general.architecture"].contents())
     model: PreTrainedModel

@@ -253,3 +253,29 @@ def test_the_own_forward_still_runs_the_hooks_someone_registered(tiny_gguf):
         handle.remove()
     assert engine.runner.executor == "kvscope Llama-family forward"
     assert seen == [7] + [1] * (len(tokens[0]) - 1)  # the prefill's 7 rows, then one per decode
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The conversion reads kvscope's own parse of the header, and its result is kept: the second
+    load does not convert again, and both tokenize as transformers does (the packaged GGUF)."""
+    from transformers import AutoTokenizer
+
+    from engine.model import gguf_tokenizer
+    from engine.model.sources import default_gguf_path
+
+    tiny_chat_gguf = default_gguf_path()
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    first = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
+    converted = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k)
+    )
+    second = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
+    assert converted == [None]  # read from the cached folder, not converted from the GGUF
+    reference = real(tiny_chat_gguf.parent, gguf_file=tiny_chat_gguf.name)
+    for text in ("Hello, world!", "two  spaces\tand a tab"):
+        assert first(text)["input_ids"] == second(text)["input_ids"] == reference(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
