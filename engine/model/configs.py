@@ -4,7 +4,6 @@ refusing what is not a text-generating model transformers can load."""
 from __future__ import annotations
 
 import functools
-
 import json
 import struct
 from collections.abc import Callable
