@@ -110,6 +110,7 @@ class StackedLinear(nn.Module):
     def __init__(self, parts: list[KernelLinear]):
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self._linears = tuple(parts)  # the same modules, typed (the ModuleList registers them)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self._offsets = [0]
@@ -119,15 +120,15 @@ class StackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         out = flat.new_empty((flat.shape[0], self.out_features))
-        for part, start, stop in zip(self.parts, self._offsets, self._offsets[1:]):
+        for part, start, stop in zip(self._linears, self._offsets, self._offsets[1:]):
             out[:, start:stop] = part.forward(flat)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def storages(self) -> tuple[WeightStorage, ...]:
-        return tuple(s for p in self.parts for s in p.storages())
+        return tuple(s for p in self._linears for s in p.storages())
 
     def dequantized_weight(self) -> torch.Tensor:
-        return torch.cat([p.dequantized_weight() for p in self.parts])
+        return torch.cat([p.dequantized_weight() for p in self._linears])
 
 
 def as_kernel_linear(module: nn.Module, policy: KernelPolicy) -> KernelLinear | None:

@@ -144,7 +144,7 @@ def load_native(
                 continue
         if matrix and isinstance(module, nn.Embedding):
             storage = _kept_storage(tensor, qtype, cols, None, kvk)
-            if storage is not None and hasattr(storage, "rows"):
+            if isinstance(storage, (GGUFWeight, Q8BlockWeight)):  # the types whose rows it can read
                 _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
                 embedding_storage = storage
                 result.kept[qtype.name] += 1

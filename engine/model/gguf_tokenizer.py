@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.model.cache_dirs import cache_root, is_converted, publish_atomically, source_fingerprint
 from engine.model.configs import open_gguf
@@ -52,7 +52,7 @@ def _parsed_header(path: Path) -> Iterator[None]:
     original = gguf.GGUFReader
     resolved = path.resolve()
 
-    def reuse(target: Any, mode: str = "r") -> Any:
+    def reuse(target: Any, mode: Literal["r", "r+", "c"] = "r") -> Any:
         return reader if Path(target).resolve() == resolved else original(target, mode)
 
     gguf.GGUFReader = reuse  # type: ignore[misc,assignment]

@@ -19,6 +19,7 @@ import platform
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_isa.restype = _c_int
     lib.kvk_supported.argtypes, lib.kvk_supported.restype = [_c_int], _c_int
     lib.kvk_row_bytes.argtypes, lib.kvk_row_bytes.restype = [_c_int, _c_i64], _c_i64
-    matmul = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
+    matmul: list[Any] = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
     for fn in (lib.kvk_matmul, lib.kvk_matmul_f32):
         fn.argtypes, fn.restype = matmul, _c_int
     lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr]
