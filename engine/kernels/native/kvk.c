@@ -939,28 +939,70 @@ static inline __attribute__((always_inline)) int decode_group(const int t, const
     return 256;
 }
 
+// Float activations times weights decoded to float32 chunk by chunk in registers (the exact head).
+// Up to F32R activation rows at a time share each decoded chunk.
+enum { F32R = 4 };
+
+static inline __attribute__((always_inline)) void f32_fma(const int RTc, __m512 w, const float *x, int64_t xs,
+                                                          __m512 *acc) {
+    for (int r = 0; r < RTc; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * xs), acc[r]);
+}
+
+static inline __attribute__((always_inline)) void f32_row(const int t, const int bytes, const int act, const int sub,
+                                                          const int RTc, const uint8_t *row, int64_t k, const float *x,
+                                                          int64_t xs, float *y, int64_t ys) {
+    const int mid = symmetric_mid(t);
+    __m512 acc[F32R];
+    for (int r = 0; r < RTc; r++) acc[r] = _mm512_setzero_ps();
+    if (t == T_Q8_0) {  // signed codes as stored: d * q, one rounding (exact: 11 x 8 bits)
+        for (int64_t j = 0; j < k / 32; j++) {
+            const uint8_t *A = row + j * bytes;
+            const __m512 d = _mm512_set1_ps(rd_f16(A));
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(A + 2 + 16 * h)));
+                f32_fma(RTc, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d), x + 32 * j + 16 * h, xs, acc);
+            }
+        }
+    } else if (act == 32) {
+        const int64_t blocks = k / 32;
+        for (int64_t j = 0; j < blocks; j += 2) {
+            const uint8_t *A = row + j * bytes;
+            const uint8_t *B = j + 1 < blocks ? A + bytes : ZERO_BLOCK;
+            const __m512i c = codes32_natural(t, A, B);  // [A's 32 | B's 32] in weight order
+            float aA, oA, aB, oB;
+            scales32(t, A, &aA, &oA);
+            scales32(t, B, &aB, &oB);
+            const int parts = j + 1 < blocks ? 4 : 2;
+            for (int q = 0; q < parts; q++)
+                f32_fma(RTc, decode_part(c, q, q < 2 ? aA : aB, q < 2 ? oA : oB, mid), x + 32 * j + 16 * q, xs, acc);
+        }
+    } else {
+        for (int64_t g = 0; g < k / 256; g++) {
+            group_t G;
+            float o[16], a[16];
+            const uint8_t *b = row + g * bytes;
+            group256(t, b, &G, o);
+            block_scales(t, b, a, o);  // the float a and b, as gguf rounds them
+            for (int ch = 0; ch < 4; ch++)
+                for (int q = 0; q < 4; q++) {
+                    const int j = (ch * 64 + q * 16) / sub;
+                    f32_fma(RTc, decode_part(G.codes[ch], q, a[j], o[j], mid), x + 256 * g + 64 * ch + 16 * q, xs, acc);
+                }
+        }
+    }
+    for (int r = 0; r < RTc; r++) y[r * ys] = _mm512_reduce_add_ps(acc[r]);
+}
+
 static inline __attribute__((always_inline)) void rows_f32_typed(const int t, const int bytes, const int act,
                                                                  const int sub, const uint8_t *wts, int64_t rb,
                                                                  const int32_t *map, int64_t i0, int64_t i1, int64_t k,
                                                                  const float *x, int64_t xs, int64_t nr, float *y,
                                                                  int64_t ys) {
-    enum { MAXR = 8 };
-    const int64_t groups = (k + 255) / 256, blocks = k / 32;
     for (int64_t i = i0; i < i1; i++) {
         const uint8_t *row = wts + (map ? map[i] : i) * rb;
-        for (int64_t r0 = 0; r0 < nr; r0 += MAXR) {
-            const int64_t rn = nr - r0 < MAXR ? nr - r0 : MAXR;
-            __m512 acc[MAXR];
-            for (int r = 0; r < rn; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 w[16];
-                const int n = decode_group(t, bytes, act, sub, row, blocks, g, w);
-                for (int q = 0; q < n / 16; q++)
-                    for (int r = 0; r < rn; r++)
-                        acc[r] = _mm512_fmadd_ps(w[q], _mm512_loadu_ps(x + (r0 + r) * xs + 256 * g + 16 * q), acc[r]);
-            }
-            for (int r = 0; r < rn; r++) y[(r0 + r) * ys + i] = _mm512_reduce_add_ps(acc[r]);
-        }
+        int64_t r0 = 0;
+        for (; r0 + F32R <= nr; r0 += F32R) f32_row(t, bytes, act, sub, F32R, row, k, x + r0 * xs, xs, y + r0 * ys + i, ys);
+        for (; r0 < nr; r0++) f32_row(t, bytes, act, sub, 1, row, k, x + r0 * xs, xs, y + r0 * ys + i, ys);
     }
 }
 
