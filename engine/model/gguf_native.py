@@ -112,8 +112,7 @@ def load_native(
             ) from None
     kvk = native.kernels()
     result = NativeReport()
-    if kvk is None:
-        result.notes.append(f"slower path: {native.status()}")
+    result.notes.append(f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}")
     tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):

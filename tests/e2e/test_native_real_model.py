@@ -26,6 +26,7 @@ def native():
 def test_native_is_the_default_for_the_packaged_gguf_and_keeps_its_blocks(native):
     assert native.info.quantization == "native"
     assert native.info.notes[0] == "kept at their own bits: Q4_1 x210, Q8_0 x1"
+    assert native.info.notes[1].startswith("GGUF kernels: kvk ")
     # ~92 MiB against 513: the file's blocks, the head reading the embedding's (one copy)
     assert native.info.weight_bytes < native.info.weight_bytes_before / 5
     head = native.model.lm_head

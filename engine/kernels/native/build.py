@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if not old.name.endswith(f"-{source_hash()}.so"):
             old.unlink(missing_ok=True)
     for variant in args.variants.split(","):
+        if (args.out / library_name(variant.strip())).exists():
+            continue  # this source's build is there (./dev setup runs this every time)
         path = build(variant.strip(), args.out)
         print(f"kvk: built {path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path}")
     return 0
