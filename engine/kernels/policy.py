@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -167,7 +168,11 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     n, k = PROBE_SHAPE
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     probe: WeightStorage
-    if isinstance(storage, Int4GroupWeight):
+    if isinstance(storage, GGUFWeight):
+        from engine.kernels.gguf_weight import random_blocks
+
+        probe = GGUFWeight(storage.ggml_type, random_blocks(storage.ggml_type, n, k), k, lib=storage.lib)
+    elif isinstance(storage, Int4GroupWeight):
         from engine.quant.packing import quantize_int4_groups
 
         probe = Int4GroupWeight(*quantize_int4_groups(w, 32))

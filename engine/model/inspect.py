@@ -51,11 +51,7 @@ def inspect_model(
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
     native = None
     if src.gguf is not None and keeps_own_bits(quantization, src):
-        from engine.model.configs import open_gguf
-        from engine.model.gguf_native import scout_bytes
-
-        types = {t.name: int(t.tensor_type) for t in open_gguf(src.gguf).tensors}
-        native = src.gguf.stat().st_size + scout_bytes(types, shapes.vocab_size, shapes.hidden_size)
+        native = src.gguf.stat().st_size  # the file's tensors, memory-mapped as they are
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal

@@ -77,9 +77,9 @@ def _load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     tokenizer: PreTrainedTokenizerBase
     try:
         if src.is_gguf:
-            tokenizer = AutoTokenizer.from_pretrained(
-                src.path.parent, gguf_file=src.path.name, local_files_only=True
-            )
+            from engine.model.gguf_tokenizer import load_gguf_tokenizer
+
+            tokenizer = load_gguf_tokenizer(src.path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
         return tokenizer
