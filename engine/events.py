@@ -284,6 +284,35 @@ class BeamStep:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call: the tool's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str = "{}"
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallsParsed:
+    """The reply of a request that offered tools, read in the model family's tool-call format
+    (engine.tools.formats), just before its RequestFinished. `calls` empty and `error` empty:
+    the model answered in words. `error`: the model wrote a call that does not parse; `raw`
+    keeps what it wrote, and no call is made from it."""
+
+    request_id: int
+    format: str  # "hermes", "llama3_json", "mistral"
+    content: str  # the reply's text outside its calls
+    calls: tuple[ToolCall, ...] = ()
+    raw: str = ""  # the calls' text as the model wrote it (markers included)
+    # The reply tokens that hold the calls: output_ids[token_start:token_end]
+    token_start: int = 0
+    token_end: int = 0
+    error: str = ""
+    branch: int = 0  # the sample (n > 1) or beam rank whose reply this is
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFailed:
     request_id: int
     message: str
@@ -456,6 +485,7 @@ Event = (
     | TokenGenerated
     | RequestFinished
     | RequestFailed
+    | ToolCallsParsed
     | SequenceForked
     | SequenceFinished
     | BeamStep

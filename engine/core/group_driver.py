@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from engine.events import (
 from engine.grammar.state import GrammarDeadEnd
 from engine.kv.manager import KVCacheManager
 from engine.sampling.sampler import Sampler
+
+if TYPE_CHECKING:
+    from engine.tools.use import ToolUse
 
 # Forked sequences get ids from here up, so they never equal a request id (the service counts
 # from 1, direct engine callers from 1_000_000).
@@ -74,6 +78,8 @@ class GroupDriver:
         self.text, self.limits = text, limits
         self.active: dict[int, SequenceGroup] = {}
         self._next_seq_id = FORK_SEQ_ID_BASE
+        # A request that offered tools: each of its sequences' replies is read for calls.
+        self.tool_reply: Callable[[ToolUse, int, tuple[int, ...], int], None] | None = None
 
     # ---- start -----------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
@@ -316,6 +322,9 @@ class GroupDriver:
         self._release(group)
         best = results[0] if results else None
         first = group.every_seq[0]
+        if first.tool_use is not None and self.tool_reply is not None and reason != "cancelled":
+            for result in results:
+                self.tool_reply(first.tool_use, group.request_id, result.token_ids, result.branch)
         stats = request_stats(
             first,
             group.token_times,

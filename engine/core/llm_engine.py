@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.group_driver import GroupDriver, GroupError, GroupLimits
@@ -47,6 +48,7 @@ from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import Proposer, make_proposer
+from engine.tools.use import ToolUse, parsed, tool_use
 
 # Without an explicit size the KV pool gets this much memory: room for several thousand tokens
 # of a small model, and few enough blocks that every one is visible in the page map.
@@ -116,6 +118,7 @@ class LLMEngine:
             config.speculative is not None,
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, limits)
+        self.groups.tool_reply = self.tool_reply
         self.post = Postprocessor(self)
         self.step_count = 0
         self.peak_blocks_used = 0
@@ -166,7 +169,11 @@ class LLMEngine:
         params = request.sampling
         if params.group_size > 1:
             self.groups.check(params)
+        use, grammar = tool_use(self.tokenizer, request, params.grammar)
+        if grammar is not params.grammar:
+            params = replace(params, grammar=grammar)  # the calls' grammar
         seq = Sequence(request_id, ids, len(ids), params)
+        seq.tool_use = use
         if params.grammar is not None:
             seq.grammar = self.start_grammar(params, request.reply_prefix_ids)
         seq.sampler = Sampler(params, decode_token=self.text.text)
@@ -223,10 +230,16 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(seq)
 
+    def tool_reply(self, use: ToolUse, request_id: int, token_ids: tuple[int, ...], branch: int = 0) -> None:
+        """A reply of a request that offered tools, read for calls (ToolCallsParsed)."""
+        self.emit(parsed(use, self.tokenizer, request_id, token_ids, self.eos_ids, branch))
+
     def finish(self, seq: Sequence, reason: str, note: str = "") -> None:
         self.release(seq)
         seq.finish_reason = reason
         seq.detokenizer.flush()
+        if seq.tool_use is not None and reason != "cancelled":
+            self.tool_reply(seq.tool_use, seq.seq_id, tuple(seq.output_ids))
         stats = request_stats(seq, seq.token_times, seq.num_output_tokens)
         self.emit(
             RequestFinished(

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from engine.grammar.state import GrammarState
     from engine.kv.block_pool import Block
     from engine.sampling.sampler import Sampler
+    from engine.tools.use import ToolUse
 
 
 class SeqStatus(enum.Enum):
@@ -66,6 +67,8 @@ class Sequence:
     # beam can no longer go on under it.
     grammar: GrammarState | None = None
     grammar_dead_end: str = ""
+    # A request that offered tools: how its reply is read for calls when it ends.
+    tool_use: ToolUse | None = None
 
     @property
     def sampler(self) -> Sampler:

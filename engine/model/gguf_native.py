@@ -70,7 +70,9 @@ class QuantEmbedding(nn.Module):
     """An embedding lookup over quantized blocks: each row dequantized exactly (as gguf does) when
     looked up."""
 
-    def __init__(self, storage: GGUFWeight | Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None):
+    def __init__(
+        self, storage: GGUFWeight | Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None
+    ):
         super().__init__()
         self.storage = storage
         self.dtype = dtype
@@ -112,7 +114,9 @@ def load_native(
             ) from None
     kvk = native.kernels()
     result = NativeReport()
-    result.notes.append(f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}")
+    result.notes.append(
+        f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}"
+    )
     tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):
@@ -167,7 +171,11 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 
 def _kept_storage(
-    tensor: ReaderTensor, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None, kvk: native.Kvk | None
+    tensor: ReaderTensor,
+    qtype: GGMLQuantizationType,
+    cols: int,
+    order: np.ndarray | None,
+    kvk: native.Kvk | None,
 ) -> WeightStorage | None:
     """The tensor at its own bits, or None when no kernel here keeps its type."""
     raw = np.asarray(tensor.data)
@@ -188,7 +196,9 @@ def _dequantized(
     from gguf.quants import dequantize
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    weights = processor.process(weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={}).weights
+    weights = processor.process(
+        weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={}
+    ).weights
     value = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).to(dtype)
     current = getattr(module, "weight", None)
     if current is not None and tuple(current.shape) != tuple(value.shape):
