@@ -55,8 +55,8 @@ class Request:
     # so the prefix cache shares their blocks with the reply they came from. The request streams
     # only what comes after them.
     reply_prefix_ids: tuple[int, ...] = ()
-    # Tools the model may call (rendered by the model's chat template; engine.tools reads its
-    # reply for calls). tool_choice: "auto" (the model decides), "none" (no tools offered),
+    # Tools the model may call (rendered by the model's chat template, or already in the prompt
+    # ids of a server's request; engine.tools reads the reply for calls). tool_choice: "auto" (the model decides), "none" (no tools offered),
     # "required" (at least one call) or "named" (a call of `tool_name`): the last two are held
     # to the call format by a grammar.
     tools: tuple[ToolSpec, ...] = ()
@@ -74,8 +74,6 @@ class Request:
             raise ConfigError(
                 f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}"
             )
-        if self.tools and not self.messages:
-            raise ConfigError("tools are offered in a chat: they need chat messages")
         names = [t.name for t in self.tools]
         if len(set(names)) != len(names):
             raise ConfigError("two tools have the same name")

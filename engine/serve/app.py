@@ -173,7 +173,9 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             for prompt in plan.prompts:
                 check = _capacity_check(plan, "messages" if kind == "chat" else "prompt")
                 started.append(
-                    await bridge.start_request(prompt.token_ids, plan.sampling, channel, check, plan.tag)
+                    await bridge.start_request(
+                        prompt.token_ids, plan.sampling, channel, check, plan.tag, tools=plan.tools
+                    )
                 )
         except ServeError:
             _cancel(started)
@@ -184,7 +186,7 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         except BaseException:
             _cancel(started)
             raise
-        reply = Reply(kind, plan, started, strings, model)
+        reply = Reply(kind, plan, started, strings, model, tool_format=bridge.tool_format)
         try:
             first = await _opening(channel, reply)
         except BaseException:

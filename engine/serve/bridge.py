@@ -31,6 +31,8 @@ from engine.serve.snapshot import BlockMirror, state_events
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
     from engine.model.loaded import LoadedModel
+    from engine.serve.structured import ToolRequest
+    from engine.tools.formats import ToolFormat
 
 T = TypeVar("T")
 
@@ -68,6 +70,7 @@ class EngineBridge:
         self._ids = itertools.count(1)
         self.max_model_len = 0
         self.token_bytes: list[bytes] = []
+        self.tool_format: ToolFormat | None = None  # how the model writes calls (read at start)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
@@ -80,8 +83,14 @@ class EngineBridge:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
         self.metrics = ServeMetrics(self.model_name)
-        self.max_model_len, self.token_bytes = self.engine.call(
-            lambda core: (core.max_model_len, token_bytes_table(core.tokenizer))
+        from engine.tools.render import tool_template
+
+        self.max_model_len, self.token_bytes, self.tool_format = self.engine.call(
+            lambda core: (
+                core.max_model_len,
+                token_bytes_table(core.tokenizer),
+                tool_template(core.tokenizer).format,
+            )
         ).result()
 
     def shutdown(self) -> None:
@@ -114,6 +123,7 @@ class EngineBridge:
         channel: Channel,
         check: Callable[[LLMEngine, list[int]], None],
         tag: str | None = None,
+        tools: ToolRequest | None = None,
     ) -> Started:
         """Tokenize (`prompt_ids(core)`), check and start a request on the engine thread; its
         events go to `channel`. `check(core, ids)` raises ServeError to refuse it first."""
@@ -131,7 +141,17 @@ class EngineBridge:
                     subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
             assert self.metrics is not None, "requests are served after start()"
             self.metrics.arrived(request_id, arrival)
-            core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
+            request = Request(prompt_token_ids=tuple(ids), sampling=sampling)
+            if tools is not None:  # the prompt renders them; the reply is read for calls
+                request = Request(
+                    prompt_token_ids=tuple(ids),
+                    sampling=sampling,
+                    tools=tools.tools,
+                    tool_choice=tools.tool_choice,
+                    tool_name=tools.tool_name,
+                    parallel_tool_calls=tools.parallel_tool_calls,
+                )
+            core.add_request(request, request_id)
             return Started(request_id, len(ids))
 
         return await asyncio.wrap_future(self.engine.call(begin))
