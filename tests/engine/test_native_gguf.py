@@ -220,7 +220,7 @@ def test_a_k_quant_file_is_kept_whole_with_mixed_fused_projections(tmp_path):
     assert float((got - want).norm() / want.norm()) < 3e-2
     prompts = [list(range(5, 30)), [7, 8, 9], list(range(60, 71))]
     together, engine = run(loaded, prompts)
-    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert engine.runner.executor == "kvscope's own forward"
     assert together == [run(loaded, [p])[0][0] for p in prompts]
 
 
