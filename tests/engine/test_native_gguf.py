@@ -14,11 +14,11 @@ from tiny_models import IdTokenizer
 
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
+from engine.errors import ModelLoadError
 from engine.events import RequestFinished
 from engine.kernels import gguf_blocks
 from engine.kernels.linear import KernelLinear
 from engine.kernels.policy import KernelPolicy
-from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import QuantEmbedding, load_native
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model, resolve_scheme
