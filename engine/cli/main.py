@@ -66,6 +66,13 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
     add_model_args(b)
     b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a synthetic prompt of N tokens (llama-bench's -p N) instead of the chat prompt",
+    )
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument(

@@ -23,7 +23,6 @@ from engine.errors import ModelLoadError
 from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 from engine.hub.online import HubError, api, describe, endpoint, hub_call, token
 from engine.model.configs import read_folder_config
-from engine.model.gguf_native import scout_bytes
 from engine.model.inspect import budget_bytes_for, keeps_own_bits, memory_estimate
 from engine.model.sources import ModelSource
 from engine.model.support import support_for
@@ -165,10 +164,9 @@ def repo_files(
         configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
-            tensor_types: dict[str, int] = {}
             if kind == GGUF and loadable:
                 try:
-                    (cfg, tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
+                    (cfg, _tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
@@ -180,8 +178,7 @@ def repo_files(
                     gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
                     native = None
                     if kind == GGUF and keeps_own_bits(AUTO, gguf):
-                        shape = ModelShapes.from_config(cfg)
-                        native = weight_bytes + scout_bytes(tensor_types, shape.vocab_size, shape.hidden_size)
+                        native = weight_bytes
                     estimate = _estimate(cfg, dtype, context, budget, native)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"

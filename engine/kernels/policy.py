@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.cache_dirs import cache_root
+from engine.kernels.gguf_weight import GGUFWeight, random_blocks
 from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
 from engine.measure.memory import device_name
@@ -171,7 +172,9 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     n, k = PROBE_SHAPE
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     probe: WeightStorage
-    if isinstance(storage, Int4GroupWeight):
+    if isinstance(storage, GGUFWeight):
+        probe = GGUFWeight(storage.ggml_type, random_blocks(storage.ggml_type, n, k), k, lib=storage.lib)
+    elif isinstance(storage, Int4GroupWeight):
         probe = Int4GroupWeight(*quantize_int4_groups(w, 32))
     elif isinstance(storage, Int8RowWeight):
         probe = Int8RowWeight(*quantize_int8_per_row(w))

@@ -13,8 +13,8 @@ from engine.config import DTYPES, ConfigError
 from engine.errors import ModelLoadError
 from engine.measure.device import resolve_device
 from engine.measure.memory import available_memory_bytes
-from engine.model.configs import open_gguf, read_config
-from engine.model.gguf_native import NATIVE, scout_bytes
+from engine.model.configs import read_config
+from engine.model.gguf_native import NATIVE
 from engine.model.loading import resolve_scheme
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
@@ -52,8 +52,7 @@ def inspect_model(
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
     native = None
     if src.gguf is not None and keeps_own_bits(quantization, src):
-        types = {t.name: int(t.tensor_type) for t in open_gguf(src.gguf).tensors}
-        native = src.gguf.stat().st_size + scout_bytes(types, shapes.vocab_size, shapes.hidden_size)
+        native = src.gguf.stat().st_size  # the file's tensors, memory-mapped as they are
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal

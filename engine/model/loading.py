@@ -18,6 +18,7 @@ from engine.model.checks import check_fits
 from engine.model.configs import read_config, read_gguf_config
 from engine.model.default_model import default_model_dir, load_default_tokenizer
 from engine.model.gguf_native import NATIVE, load_native
+from engine.model.gguf_tokenizer import load_gguf_tokenizer
 from engine.model.layer_attention import AttentionProbeError
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
@@ -81,9 +82,7 @@ def _load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     tokenizer: PreTrainedTokenizerBase
     try:
         if src.is_gguf:
-            tokenizer = AutoTokenizer.from_pretrained(
-                src.path.parent, gguf_file=src.path.name, local_files_only=True
-            )
+            tokenizer = load_gguf_tokenizer(src.path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
         return tokenizer
