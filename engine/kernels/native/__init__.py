@@ -86,7 +86,11 @@ class Kvk:
         return out
 
     def dequantize_bf16(
-        self, ggml_type: int, blocks: np.ndarray, k: int, row_map: np.ndarray | None = None,
+        self,
+        ggml_type: int,
+        blocks: np.ndarray,
+        k: int,
+        row_map: np.ndarray | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weights [N, k] rounded to bfloat16 (a dense kernel's temporary copy of a layer)."""
@@ -94,20 +98,29 @@ class Kvk:
         if out is None:
             out = torch.empty(rows, k, dtype=torch.bfloat16)
         status = self.lib.kvk_dequantize_bf16(
-            ggml_type, blocks.ctypes.data, blocks.strides[0], rows, k,
-            None if row_map is None else row_map.ctypes.data, out.data_ptr(),
+            ggml_type,
+            blocks.ctypes.data,
+            blocks.strides[0],
+            rows,
+            k,
+            None if row_map is None else row_map.ctypes.data,
+            out.data_ptr(),
         )
         if status != 0:
             raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
         return out
 
-    def unpack_block(self, ggml_type: int, block: np.ndarray, weights: int, subs: int) -> tuple[np.ndarray, ...]:
+    def unpack_block(
+        self, ggml_type: int, block: np.ndarray, weights: int, subs: int
+    ) -> tuple[np.ndarray, ...]:
         """One block's codes and per-sub-block (a, b): w = a * code + b (tests)."""
         codes = np.zeros(weights, dtype=np.uint8)
         a = np.zeros(subs, dtype=np.float32)
         b = np.zeros(subs, dtype=np.float32)
         block = np.ascontiguousarray(block)
-        if self.lib.kvk_unpack_block(ggml_type, block.ctypes.data, codes.ctypes.data, a.ctypes.data, b.ctypes.data):
+        if self.lib.kvk_unpack_block(
+            ggml_type, block.ctypes.data, codes.ctypes.data, a.ctypes.data, b.ctypes.data
+        ):
             raise RuntimeError(f"kvk_unpack_block refused GGML type {ggml_type}")
         return codes, a, b
 
@@ -148,7 +161,7 @@ def cpu_variants() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from engine.model.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
+    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
 
     return cache_root() / "kvk"
 

@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(variants_for_machine()))
     args = parser.parse_args(argv)
     if compiler() is None:
-        print("kvk: no C compiler found; the engine will run GGUF weights on its slower torch path", file=sys.stderr)
+        print(
+            "kvk: no C compiler found; the engine will run GGUF weights on its slower torch path",
+            file=sys.stderr,
+        )
         return 0
     for old in args.out.glob("kvk-*.so"):  # builds of older sources
         if not old.name.endswith(f"-{source_hash()}.so"):
@@ -100,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         if (args.out / library_name(variant.strip())).exists():
             continue  # this source's build is there (./dev setup runs this every time)
         path = build(variant.strip(), args.out)
-        print(f"kvk: built {path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path}")
+        print(
+            f"kvk: built {path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path}"
+        )
     return 0
 
 
