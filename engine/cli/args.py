@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import json
 
-if TYPE_CHECKING:
-    from engine.config import EngineConfig, GrammarSpec, SamplingParams, SpeculativeConfig
+from engine.config import (
+    DRY_DEFAULT_BREAKERS,
+    ConfigError,
+    EngineConfig,
+    GrammarSpec,
+    ModelSpec,
+    SamplingParams,
+    SpeculativeConfig,
+)
+from engine.grammar.compile import GrammarError, check
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -134,8 +142,6 @@ def add_grammar_args(p: argparse.ArgumentParser) -> None:
 
 
 def _read(path: str, flag: str) -> str:
-    from engine.config import ConfigError
-
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -154,11 +160,6 @@ def grammar_kind_of(path: str, text: str) -> str:
 def grammar_from(args: argparse.Namespace) -> GrammarSpec | None:
     """The grammar the flags ask for, compiled once here so that a bad one is refused before
     the model loads (ConfigError with the flag and the reason)."""
-    import json
-
-    from engine.config import ConfigError, GrammarSpec
-    from engine.grammar.compile import GrammarError, check
-
     if getattr(args, "json_schema", None):
         flag, spec = "--json-schema", GrammarSpec("json_schema", _read(args.json_schema, "--json-schema"))
     elif getattr(args, "json_object", False):
@@ -181,7 +182,6 @@ def grammar_from(args: argparse.Namespace) -> GrammarSpec | None:
 
 def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
     """['42=5', '7=-100'] -> ((42, 5.0), (7, -100.0)); a malformed item is a ConfigError."""
-    from engine.config import ConfigError
 
     pairs = []
     for item in items:
@@ -196,8 +196,6 @@ def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 def sampling_from(args: argparse.Namespace, snapshot_top_n: int = 0) -> SamplingParams:
-    from engine.config import DRY_DEFAULT_BREAKERS, SamplingParams
-
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -251,8 +249,6 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    from engine.config import EngineConfig, ModelSpec
-
     budget = int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None
     return EngineConfig(
         model=ModelSpec(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
@@ -267,8 +263,6 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 
 def speculative_from(args: argparse.Namespace) -> SpeculativeConfig | None:
-    from engine.config import SpeculativeConfig
-
     if not args.speculative:
         return None
     return SpeculativeConfig(

@@ -1,7 +1,7 @@
 """Grammar specs -> llguidance grammars, with a one-line message for anything that cannot compile.
 
 Why llguidance and not xgrammar (measured on this 2-core machine over the packaged SmolLM2's
-49,152-token vocabulary, `python -m engine.measure.bench_grammar --libraries`): llguidance
+49,152-token vocabulary, `python -m engine bench --grammar --grammar-libraries`): llguidance
 compiles a schema in ~1 ms against xgrammar's 5-11 ms, and computes a mask in a median of
 15-100 us a token against xgrammar's 2-20 us; both are under 1% of a decode step here (~20 ms),
 so speed does not decide. Correctness does: xgrammar's JSON masks allowed the tokenizer's special
@@ -23,7 +23,9 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+import jsonschema
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.config import GrammarSpec
 
@@ -67,8 +69,6 @@ def _json(text: str, what: str) -> Any:
 
 def check_schema(schema: Any) -> None:
     """A JSON Schema checked against its own meta-schema (the draft it names, else 2020-12)."""
-    import jsonschema
-
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"a JSON Schema is an object (or true/false), not {type(schema).__name__}")
     if isinstance(schema, bool):
@@ -98,8 +98,6 @@ def grammar_text(spec: GrammarSpec) -> str:
             raise GrammarError("this is JSON, not a Lark grammar: a JSON Schema goes in as a schema")
         return llguidance.LLMatcher.grammar_from_lark(spec.text)
     if spec.kind == "gbnf":
-        from llguidance.gbnf_to_lark import any_to_lark
-
         try:
             lark = any_to_lark(spec.text)
         except Exception as exc:  # noqa: BLE001 - the converter raises its own and plain errors

@@ -7,6 +7,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import llguidance
+from llguidance.hf import from_tokenizer
 
 from engine.grammar.compile import GrammarError
 
@@ -21,8 +22,6 @@ def grammar_tokenizer(
 ) -> llguidance.LLTokenizer:
     """llguidance's tokenizer for `tokenizer`: masks `vocab_width` wide (the LM head's rows;
     ids past the tokenizer's are never allowed), EOS = every token the engine stops on."""
-    from llguidance.hf import from_tokenizer
-
     eos = tuple(sorted(i for i in eos_ids if i < vocab_width))
     key = (id(tokenizer), vocab_width, eos)
     hit = _cache.get(key)

@@ -25,13 +25,15 @@ from engine.events import BlockEvent, Event, ModelInfo
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
+from engine.serve.logprobs import token_bytes_table
 from engine.serve.metrics import ServeMetrics
 from engine.serve.snapshot import BlockMirror, state_events
+from engine.tools.render import tool_template
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
     from engine.model.loaded import LoadedModel
-    from engine.serve.structured import ToolRequest
+    from engine.serve.tool_request import ToolRequest
     from engine.tools.formats import ToolFormat
 
 T = TypeVar("T")
@@ -75,19 +77,16 @@ class EngineBridge:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Load the model (on the engine thread) and wait for it; raises with the load error."""
-        from engine.serve.logprobs import token_bytes_table
 
         self.engine.start()
-        info = self.engine.wait_until_loaded(timeout)
+        info = self.engine.info if self.engine.wait_until_loaded(timeout) else None
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
         self.metrics = ServeMetrics(self.model_name)
-        from engine.tools.render import tool_template
-
-        self.max_model_len, self.token_bytes, self.tool_format = self.engine.call(
+        self.max_model_len, self.token_bytes, self.tool_format = self.engine._call(
             lambda core: (
-                core.max_model_len,
+                core.limits.context_window,
                 token_bytes_table(core.tokenizer),
                 tool_template(core.tokenizer).format,
             )
@@ -154,7 +153,7 @@ class EngineBridge:
             core.add_request(request, request_id)
             return Started(request_id, len(ids))
 
-        return await asyncio.wrap_future(self.engine.call(begin))
+        return await asyncio.wrap_future(self.engine._call(begin))
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
@@ -176,7 +175,7 @@ class EngineBridge:
             with self._lock:
                 self._subscribers.add(channel)
 
-        await asyncio.wrap_future(self.engine.call(attach))
+        await asyncio.wrap_future(self.engine._call(attach))
         return channel
 
     def unsubscribe(self, channel: Channel) -> None:

@@ -15,7 +15,8 @@ from engine.request import ChatMessage, Request
 from engine.serve.bridge import ServeError
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
 from engine.serve.protocol import ChatRequest, CompletionRequest, MessageIn, SamplingFields
-from engine.serve.structured import ToolRequest, check_together, grammar_of, tool_calls_of, tools_of
+from engine.serve.structured import check_together, grammar_of, tool_calls_of, tools_of
+from engine.serve.tool_request import ToolRequest
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine

@@ -10,7 +10,6 @@ naming the field, before the engine sees it. `tools` and `tool_choice` become th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from engine.config import ConfigError, GrammarSpec
 from engine.events import ToolCall
@@ -18,21 +17,7 @@ from engine.grammar.compile import GrammarError, check
 from engine.request import ToolSpec
 from engine.serve.bridge import ServeError
 from engine.serve.protocol import ChatRequest, NamedToolChoice, SamplingFields, ToolCallIn
-
-
-@dataclass(frozen=True, slots=True)
-class ToolRequest:
-    """What a chat request asks of tools (engine.request.Request's tool fields)."""
-
-    tools: tuple[ToolSpec, ...]
-    tool_choice: str  # auto, none, required, named
-    tool_name: str = ""
-    parallel_tool_calls: bool = True
-
-    @property
-    def constrained(self) -> bool:
-        """The reply is held to the call format by a grammar (its calls stream as written)."""
-        return self.tool_choice in ("required", "named")
+from engine.serve.tool_request import ToolRequest
 
 
 def _refuse(param: str, message: str) -> ServeError:

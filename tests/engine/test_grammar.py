@@ -34,11 +34,20 @@ def schema(value) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(value))
 
 
+class Sink(list):
+    """Every event of the engine it is given to (the tests clear it between requests)."""
+
+
+def make_engine(loaded, config):
+    sink = Sink()
+    engine = LLMEngine(loaded, config, sink.append)
+    engine.test_events = sink
+    return engine
+
+
 def run(engine, request):
-    events = []
-    engine.emit = events.append
-    engine.groups.emit = events.append
-    engine.kv.pool.emit = events.append
+    events = engine.test_events
+    events.clear()
     engine.add_request(request)
     while engine.has_work():
         engine.step()
@@ -49,7 +58,7 @@ def run(engine, request):
 
 @pytest.fixture(scope="module")
 def engine(tiny_loaded):
-    return LLMEngine(tiny_loaded, EngineConfig(block_size=8, num_blocks=400))
+    return make_engine(tiny_loaded, EngineConfig(block_size=8, num_blocks=400))
 
 
 # ---- compiling --------------------------------------------------------------------------------
@@ -239,9 +248,9 @@ def test_speculative_decoding_under_a_schema_equals_plain_greedy(tiny_loaded):
         'Repeat: {"items": ["alpha beta", "alpha beta", "alpha beta"]}',
         sampling=SamplingParams(temperature=0.0, max_new_tokens=80, grammar=spec),
     )
-    plain, _ = run(LLMEngine(tiny_loaded, EngineConfig(block_size=8, num_blocks=400)), request)
+    plain, _ = run(make_engine(tiny_loaded, EngineConfig(block_size=8, num_blocks=400)), request)
     config = EngineConfig(block_size=8, num_blocks=400, speculative=SpeculativeConfig("ngram", num_draft=4))
-    spec_end, events = run(LLMEngine(tiny_loaded, config), request)
+    spec_end, events = run(make_engine(tiny_loaded, config), request)
     assert spec_end.token_ids == plain.token_ids
     rounds = [e for e in events if isinstance(e, SpecRound)]
     assert rounds and sum(r.accepted for r in rounds) > 0
@@ -256,7 +265,7 @@ def test_a_draft_the_grammar_refuses_is_rejected(tiny_loaded):
         temperature=1.0, seed=2, max_new_tokens=24, grammar=GrammarSpec("regex", "12[0-9]{8,18}")
     )
     # the reply starts with "12", which the prompt follows with " x": the n-gram drafts that
-    end, events = run(LLMEngine(tiny_loaded, config), Request.chat("12 x 12 x 12 x 12 x", sampling=params))
+    end, events = run(make_engine(tiny_loaded, config), Request.chat("12 x 12 x 12 x 12 x", sampling=params))
     assert end.text.isdigit() and 10 <= len(end.text) <= 20
     refused = 0
     for r in [e for e in events if isinstance(e, SpecRound)]:

@@ -142,7 +142,9 @@ def test_a_row_map_reads_the_rows_it_names(kvk, qtype):
     blocks = random_blocks(qtype, 48, cols, seed=5)
     order = np.random.default_rng(6).permutation(48).astype(np.int32)
     x = torch.randn(4, cols)
-    assert torch.equal(kvk.matmul(qtype, blocks, cols, x, order), kvk.matmul(qtype, blocks, cols, x)[:, order])
+    assert torch.equal(
+        kvk.matmul(qtype, blocks, cols, x, order), kvk.matmul(qtype, blocks, cols, x)[:, order]
+    )
     bf16 = kvk.dequantize_bf16(qtype, blocks, cols, order)
     assert torch.equal(bf16, kvk.dequantize_bf16(qtype, blocks, cols)[order])
 
@@ -171,7 +173,9 @@ def test_the_storage_multiplies_embeds_and_counts_as_the_file():
     storage = GGUFWeight(Q.Q6_K, blocks, 256)
     x = torch.randn(2, 256)
     want = x.double() @ torch.from_numpy(dequantize(blocks, Q.Q6_K).reshape(32, 256)).double().T
-    assert torch.allclose(storage.matmul("kvk", x).double(), want, rtol=0, atol=2e-4 * float(want.abs().max()))
+    assert torch.allclose(
+        storage.matmul("kvk", x).double(), want, rtol=0, atol=2e-4 * float(want.abs().max())
+    )
     assert torch.allclose(storage.exact_matmul(x).double(), want, rtol=1e-5, atol=1e-6)
     dense = storage.matmul("dense-bf16", x).double()
     assert torch.allclose(dense, want, rtol=0, atol=2e-2 * float(want.abs().max()))

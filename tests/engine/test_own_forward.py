@@ -42,8 +42,10 @@ SETTINGS = {
     "prefix cache off": EngineConfig(block_size=4, num_blocks=150, enable_prefix_caching=False),
     "preemption": EngineConfig(block_size=4, num_blocks=20),
 }
-# "mixed": layer 0's q/k/v and layer 1's gate/up stay separate matmuls, as when a GGUF file keeps
-# them in different formats (Q4_K_M's Q4_K and Q6_K); Phi-3 fuses its own projections.
+# "mixed": layer 0's q/k/v and layer 1's gate/up stay separate matmuls, as when one of them is not
+# a kernel layer (a bitsandbytes or fp8 projection; projections in different GGUF formats, Q4_K_M's
+# Q4_K and Q6_K, are stacked side by side instead: engine.kernels.linear.StackedLinear); Phi-3
+# fuses its own projections.
 CASES = [
     (f, v)
     for f in sorted(FAMILIES)
@@ -63,14 +65,16 @@ def one_thread():
 def load(model, mixed: bool) -> LoadedModel:
     if not mixed:
         return LoadedModel.from_model(model, IdTokenizer(VOCAB), name="tiny", source="test")
-    real, calls = linear_module.cat_storages, []
+    real, calls = linear_module.as_kernel_linear, []
 
-    def cat_some(parts):  # fuse_projections asks per group: L0 q/k/v, L0 gate/up, L1 q/k/v, L1 gate/up
+    def some_not_kernel_layers(module, policy):
+        # fuse_projections asks per projection, group by group: L0 q/k/v (calls 0-2), L0 gate/up
+        # (3-4), L1 q/k/v (5-7), L1 gate/up (8-9); a group with one refusal stays apart
         calls.append(len(calls))
-        return None if calls[-1] in (0, 3) else real(parts)
+        return None if calls[-1] in (0, 8) else real(module, policy)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(linear_module, "cat_storages", cat_some)
+        m.setattr(linear_module, "as_kernel_linear", some_not_kernel_layers)
         return LoadedModel.from_model(model, IdTokenizer(VOCAB), name="tiny", source="test")
 
 
@@ -312,8 +316,9 @@ def test_what_the_forward_cannot_run_goes_to_transformers_with_the_reason(monkey
 
 def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projections(tmp_path):
     """As in a Q4_K_M file (Q4_K and Q6_K in one layer): here v and up in Q8_0, the rest Q4_1, all
-    kept at their bits. q/k/v and gate/up cannot be one matmul; the own forward runs them apart and
-    gives the logits of transformers' code over the same kernels."""
+    kept at their bits. q/k/v and gate/up cannot be one matmul: each is a stack of the formats'
+    matmuls (StackedLinear), and the own forward gives the logits of transformers' code over the same
+    kernels."""
     from gguf import GGMLQuantizationType as Q
     from gguf_files import write_tiny_llama
 
@@ -324,11 +329,13 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     model, report = load_native(path, torch.float32, KernelPolicy(), lambda stage, fraction: None)
     assert report.kept == {"Q4_1": 10, "Q8_0": 1 + 4} and set(report.dequantized) == {"F32"}  # the norms
     loaded = LoadedModel.from_model(model, IdTokenizer(256), name="mixed", source=str(path), scheme="native")
+    # the forward's structure is the subject: both codes on kvk at every row count (a dense bfloat16
+    # matmul, which the measured table may pick for a prefill chunk, would add its own rounding)
+    loaded.policy.choose = lambda storage, rows: "kvk" if "kvk" in storage.kernels() else storage.kernels()[0]
     note = loaded.info.notes[0]
-    assert note == (
-        f"forward: {EXECUTOR} (Llama; q/k/v as separate matmuls in 2 of 2 layers (int4-g32, q8_0); "
-        "gate/up as separate matmuls in 2 of 2 layers (int4-g32, q8_0))"
-    )
+    assert note == f"forward: {EXECUTOR} (Llama)"
+    attn = loaded.model.model.layers[0].self_attn
+    assert [p.storage.kind for p in attn.qkv_proj.linear.parts] == ["q4_1", "q4_1", "q8_0"]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 4, 12)]
     config = SETTINGS["chunk 7, block 5"]
@@ -336,8 +343,11 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     assert engine.runner.executor == EXECUTOR
     their_tokens, theirs, _ = run(loaded, config, prompts, own=False)
     assert tokens == their_tokens
+    # kvk rounds each layer's input to two 8-bit planes: the two codes' inputs differ in their last
+    # float32 bits (their norms and RoPE round differently), which can move one activation across a
+    # rounding boundary, one step of its block's 16-bit range: a few 1e-5 on these logits
     for key in logits:
-        torch.testing.assert_close(logits[key], theirs[key], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(logits[key], theirs[key], atol=1e-4, rtol=RTOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

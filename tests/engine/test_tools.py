@@ -13,8 +13,8 @@ from engine.config import EngineConfig, GrammarSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished, ToolCall, ToolCallsParsed
 from engine.grammar.compile import check
-from engine.model.chat_template import prompt_ids
 from engine.request import ChatMessage, Request, ToolSpec
+from engine.text.chat_template import prompt_ids
 from engine.tools.formats import Hermes, Llama3Json, Mistral
 from engine.tools.render import NOTE_TOOLS_IN_PROMPT, tool_template
 
@@ -199,10 +199,20 @@ def test_the_format_is_read_off_the_template(default_tokenizer):
 
 
 # ---- generation ---------------------------------------------------------------------------------
+class Sink(list):
+    """Every event of the engine it is given to (the tests clear it between requests)."""
+
+
+def make_engine(loaded, config):
+    sink = Sink()
+    engine = LLMEngine(loaded, config, sink.append)
+    engine.test_events = sink
+    return engine
+
+
 def run(engine, request):
-    events = []
-    engine.emit = events.append
-    engine.groups.emit = events.append
+    events = engine.test_events
+    events.clear()
     engine.add_request(request)
     while engine.has_work():
         engine.step()
@@ -211,7 +221,7 @@ def run(engine, request):
 
 @pytest.fixture(scope="module")
 def engine(tiny_loaded):
-    return LLMEngine(tiny_loaded, EngineConfig(block_size=16, num_blocks=300))
+    return make_engine(tiny_loaded, EngineConfig(block_size=16, num_blocks=300))
 
 
 @pytest.mark.parametrize(("choice", "name"), [("required", ""), ("named", "add")])

@@ -267,7 +267,7 @@ def test_a_malformed_call_comes_back_as_content_with_its_error():
     from engine.serve.logprobs import TokenStrings
     from engine.serve.params import Plan, Prompt
     from engine.serve.replies import Reply
-    from engine.serve.structured import ToolRequest
+    from engine.serve.tool_request import ToolRequest
     from engine.tools.formats import Hermes
 
     pieces = [

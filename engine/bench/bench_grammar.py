@@ -22,11 +22,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import numpy as np
+
+import engine.sampling.sampler as sampler_module
 from engine.config import EngineConfig, GrammarSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, RequestFinished
+from engine.grammar.compile import JSON_OPTIONS
+from engine.grammar.state import GrammarState
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -139,8 +148,6 @@ def _run(engine: LLMEngine, events: list[Event], params: SamplingParams) -> Requ
 
 def bench_stage(loaded: LoadedModel, new_tokens: int, rounds: int, block_size: int) -> dict[str, Any]:
     """ITL with and without the grammar, interleaved, and the grammar's own time per token."""
-    import engine.sampling.sampler as sampler_module
-    from engine.grammar.state import GrammarState
 
     events: list[Event] = []
     engine = LLMEngine(loaded, EngineConfig(block_size=block_size), events.append)
@@ -192,7 +199,6 @@ def _document_ids(tokenizer: PreTrainedTokenizerBase, doc: Any) -> list[int]:
 
 
 def _bits(words: Any, vocab: int) -> Any:
-    import numpy as np
 
     return np.unpackbits(words[0].numpy().view(np.uint8), bitorder="little")[:vocab].astype(bool)
 
@@ -209,11 +215,6 @@ def _stats(seconds: list[float]) -> dict[str, float]:
 
 def bench_libraries(tokenizer: PreTrainedTokenizerBase, vocab: int, repeats: int = 3) -> dict[str, Any]:
     """llguidance and (when installed) xgrammar over the same vocabulary and documents."""
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch
-
-    from engine.grammar.compile import JSON_OPTIONS
 
     report: dict[str, Any] = {"vocab_size": vocab, "libraries": {}, "differences": {}}
     start = time.perf_counter()
@@ -221,7 +222,7 @@ def bench_libraries(tokenizer: PreTrainedTokenizerBase, vocab: int, repeats: int
     ll: dict[str, Any] = {"version": llguidance.__version__, "vocabulary_s": time.perf_counter() - start}
     xgr: Any
     try:
-        import xgrammar
+        import xgrammar  # optional: only this comparison uses it, kvscope does not depend on it
 
         xgr = xgrammar
     except ImportError:
@@ -233,8 +234,6 @@ def bench_libraries(tokenizer: PreTrainedTokenizerBase, vocab: int, repeats: int
     }
     xg: dict[str, Any] = {}
     if xgr is not None:
-        from importlib.metadata import version
-
         start = time.perf_counter()
         xg_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
         xg = {"version": version("xgrammar"), "vocabulary_s": time.perf_counter() - start}

@@ -15,6 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jinja2.exceptions import TemplateError
+
+from engine.tools.render import conversation
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -85,8 +89,6 @@ class ChatTemplateError(ValueError):
 def _render_or_refuse(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None = None
 ) -> str:
-    from jinja2.exceptions import TemplateError
-
     try:
         return _render(tokenizer, messages, tools)
     except TemplateError as exc:
@@ -98,7 +100,6 @@ def render_chat(
 ) -> ChatPrompt:
     """`messages` ({'role', 'content'} dicts) as the model's prompt, ending where its reply starts;
     `tools` (OpenAI's function shape) for a template that renders them."""
-    from jinja2.exceptions import TemplateError
 
     if not has_chat_template(tokenizer):
         text = plain_text(messages)
@@ -123,8 +124,6 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int
     """The token ids of a Request: its own ids, or its conversation rendered, then its reply prefix."""
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
-    from engine.tools.render import conversation
-
     messages, tools = conversation(tokenizer, request)
     return render_chat(tokenizer, messages, tools).ids + list(request.reply_prefix_ids)
 
