@@ -33,6 +33,7 @@ from app.sampling_presets import PresetStore
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
+from app.tools.registry import ToolRegistry
 from app.what_if import WhatIfController
 from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
@@ -82,6 +83,9 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         # Replies a crash or a kill cut off mid-stream: marked before anything shows them as finished.
         self.interrupted_replies = mark_interrupted(conversations)
+        # MCP servers and their tools, shared by every chat tab (each chooses whether to use them).
+        self.tools = ToolRegistry(settings, parent=self)
+        self.tools.load()
         self.controller = ChatController(
             self.chat,
             self.sidebar,
@@ -90,11 +94,19 @@ class MainWindow(QMainWindow):
             self.controls.sampling.params,
             parent=self,
             context_policy=settings.context_policy,
+            tools=self.tools,
         )
         # The chat is the first of the chat tabs; more tabs generate at the same time.
         self.chat_tabs = ChatTabs(
-            self.chat, self.controller, conversations, self.host, self.controls.sampling.params
+            self.chat,
+            self.controller,
+            conversations,
+            self.host,
+            self.controls.sampling.params,
+            tools=self.tools,
         )
+        self.controller.servers_wanted.connect(self.show_mcp_servers)
+        self.chat_tabs.servers_wanted.connect(self.show_mcp_servers)
         self.setCentralWidget(self.chat_tabs)
         self.quality = QualityController(
             self.host, self.controller, self.panels, self.controls.model, parent=self
@@ -211,6 +223,9 @@ class MainWindow(QMainWindow):
         self._action(chat_menu, "&Regenerate reply", self.controller.regenerate, "Ctrl+R")
         self._action(chat_menu, "&Edit last message", self.controller.edit_last, "Ctrl+E")
         self.chat_actions.fill_chat_menu(chat_menu)
+        chat_menu.addSeparator()
+        self._action(chat_menu, "Structured &output…", self.controller.edit_structured_output)
+        self._action(chat_menu, "&MCP servers…", self.show_mcp_servers)
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -344,6 +359,14 @@ class MainWindow(QMainWindow):
         self.settings.set("chat/view", [token_view, colour])
 
     @Slot()
+    def show_mcp_servers(self) -> None:
+        from app.tools.servers_dialog import ServersDialog
+
+        dialog = ServersDialog(self.tools, self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+
+    @Slot()
     def _about(self) -> None:
         QMessageBox.about(
             self,
@@ -365,6 +388,7 @@ class MainWindow(QMainWindow):
             self.physics.shutdown()  # a sweep stops at its next run; a limits measurement finishes
             self.speculation.shutdown()  # a speedup measurement stops at its next run
             self.controls.model.wait_for_estimate()
+            self.tools.close()  # every MCP server's session left (stdio servers stop)
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()
         super().closeEvent(event)

@@ -313,10 +313,15 @@ class ProbabilityPanel(QWidget):
             return
         g = shown.grammar
         stage = next((s for s in shown.stages if s.name == "grammar"), None)
-        head = stage_summary(stage, g.vocab_size) if stage is not None else "grammar"
         detail = grammar_detail(g)
-        self.grammar_note.setText(f"{head} · {detail}" if detail else head)
-        self.grammar_note.show()
+        if self.stage_name == "grammar" or stage is None:
+            # its counts are the summary line just above: only what else it did
+            text = f"grammar: {detail}" if detail else ""
+        else:
+            head = stage_summary(stage, g.vocab_size)
+            text = f"{head} · {detail}" if detail else head
+        self.grammar_note.setText(text)
+        self.grammar_note.setVisible(bool(text))
 
     def _clear(self, message: str) -> None:
         self.grammar_note.hide()

@@ -39,7 +39,10 @@ class Branching:
             history = list(conv.messages) if conv else []
             parent = history[-1].id if history else None
         plan = ReplyPlan("send", history, self._sampling(), user_text=text, parent_id=parent)
-        return self._prepare(plan)
+        started = self._prepare(plan)
+        if started:
+            self._skip_pending_calls()  # calls still waiting for approval are not run now
+        return started
 
     def regenerate(self) -> bool:
         """A new version of the last reply (current settings); the old one stays as a sibling."""

@@ -162,14 +162,30 @@ class MessageBubble(QFrame):
         footer.addWidget(self._context_note)
         footer.addStretch(1)
         footer.addWidget(self.continue_button)
+        # Cards under the text: the reply's tool calls (app.chat.tool_card).
+        self.cards: list[QWidget] = []
+        self._cards = QVBoxLayout()
+        self._cards.setContentsMargins(0, 2, 0, 0)
+        self._cards.setSpacing(4)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 10)
         layout.setSpacing(4)
         layout.addLayout(header)
         layout.addWidget(self._body)
+        layout.addLayout(self._cards)
         layout.addLayout(footer)
 
     # ---- content ---------------------------------------------------------------------------
+    def add_card(self, card: QWidget) -> None:
+        self.cards.append(card)
+        self._cards.addWidget(card)
+
+    def clear_cards(self) -> None:
+        for card in self.cards:
+            self._cards.removeWidget(card)
+            card.deleteLater()
+        self.cards = []
+
     def set_text(self, text: str) -> None:
         self.text = text
         self._render()

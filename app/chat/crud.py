@@ -28,6 +28,7 @@ class ConversationActions:
             return
         self.conversation = None
         self.pane.transcript.clear()
+        self._load_chat_settings()  # a new chat keeps the settings shown until it is saved
         self._set_editing(None)
         self.pane.input.clear()
         self.refresh_sidebar()
@@ -48,6 +49,7 @@ class ConversationActions:
         if leaf_id is not None and leaf_id in conv.nodes:
             self.show_leaf(leaf_id)
         self.pane.set_system_prompt(conv.system_prompt)
+        self._load_chat_settings()
         self._set_editing(None)
         self._render_transcript()
         self.refresh_sidebar()
@@ -184,6 +186,8 @@ class ConversationActions:
             lambda _i: self.status_message.emit("Code copied to the clipboard", "info")
         )
         self._decorate(bubble, msg)
+        if msg.role == "assistant" and live_group is None and stored_group is None:
+            self._show_tool_cards(bubble, msg)
         return bubble
 
     def _decorate(self, bubble: MessageBubble, msg: StoredMessage) -> None:

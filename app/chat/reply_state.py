@@ -11,11 +11,12 @@ from app.chat.group_reply_view import GroupReplyCard
 from app.chat.rich_text import ReplyToken
 from app.chat.view import MessageBubble
 from engine.config import SamplingParams
-from engine.events import RequestStats
+from engine.events import RequestStats, ToolCallsParsed
 
 # What starts a reply: a sent message, a new version of a reply (regenerate), a reply cut at a
-# token with another candidate put there (branch), or more of an existing reply (continue).
-PLAN_KINDS = ("send", "regenerate", "branch", "continue")
+# token with another candidate put there (branch), more of an existing reply (continue), or the
+# reply that reads the results of a reply's tool calls (tool_results: it answers that reply).
+PLAN_KINDS = ("send", "regenerate", "branch", "continue", "tool_results")
 
 
 @dataclass(slots=True)
@@ -63,3 +64,7 @@ class ActiveReply:
     group: GroupReplyCard | None = None
     sample_texts: dict[int, str] = field(default_factory=dict)
     sample_tokens: dict[int, int] = field(default_factory=dict)
+    # A request that offered tools: the engine's reading of the reply (just before its end), and
+    # whether the blocks of the results it reads were looked up (a tool_results reply).
+    tool_calls: ToolCallsParsed | None = None
+    blocks_asked: bool = False

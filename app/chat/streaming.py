@@ -17,6 +17,7 @@ from app.chat.group_reply import GroupReply
 from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord
 from app.chat.reply_stats import KeptStats, with_reply_facts
 from app.chat.rich_text import ReplyToken
+from app.chat.tool_rounds import expand
 from app.chat.tree import StoredMessage
 from app.workers import gather
 from engine.api import ContextFit
@@ -33,21 +34,39 @@ class ReplyStreaming:
 
     # ---- a plan, measured -------------------------------------------------------------------
     def _prompt_parts(self, plan: ReplyPlan):
-        """(head, history, tail) as ChatMessages, and the stored messages behind `history`."""
+        """(head, history, tail) as ChatMessages, and the stored messages behind `history`. A
+        reply that called tools is its call and its results (app.chat.tool_rounds.expand)."""
         system = self.pane.system_prompt.toPlainText().strip()
         head = (ChatMessage("system", system),) if system else ()
         sent = [m for m in plan.history if m.content]
         if plan.kind == "send":
             tail_messages, before = [ChatMessage("user", plan.user_text)], sent
         else:
-            tail_messages = [ChatMessage(m.role, m.content) for m in sent[-1:]]
+            tail_messages = [turn for m in sent[-1:] for turn in expand(m)]
             before = sent[:-1]
-        history = [ChatMessage(m.role, m.content) for m in before]
+        history = [turn for m in before for turn in expand(m)]
         return head, history, tail_messages, before
+
+    @staticmethod
+    def _kept_after(before: list, dropped: int) -> list:
+        """The stored messages left once the context limit dropped `dropped` of their turns: a
+        reply whose call or results were cut goes whole (a result without its call means nothing)."""
+        if dropped <= 0:
+            return list(before)
+        owners = [i for i, m in enumerate(before) for _ in expand(m)]
+        if dropped >= len(owners):
+            return []
+        first = owners[dropped]
+        if owners[dropped - 1] == first:
+            first += 1
+        return list(before[first:])
 
     def _prepare(self, plan: ReplyPlan) -> bool:
         if self.busy:
             return False
+        if plan.sampling.group_size > 1 and self._tool_offer(plan)[0]:
+            plan.sampling = self._single(plan.sampling)[0]
+            plan.note = "One reply at a time while tools are on: n samples and beams do not call tools"
         if not self.host.status().ready:
             self._refuse("No model is loaded: load one in the Controls panel first.")
             return False
@@ -60,8 +79,10 @@ class ReplyStreaming:
 
         tail_is_new = plan.kind == "send"
 
+        tools = self._tool_offer(plan)[0]
+
         def ask(engine):
-            fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new)
+            fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new, tools)
             return gather(fit, engine.decode(chosen, after=before)) if chosen else gather(fit)
 
         self.preparing = plan
@@ -113,9 +134,10 @@ class ReplyStreaming:
         """Store and submit the plan; `fit` None: not measured (a remote server's engine)."""
         head, _, tail, before = self._prompt_parts(plan)
         dropped = fit.dropped if fit is not None else 0
-        kept = before[dropped:]
+        kept = self._kept_after(before, dropped)
         first_kept = plan.history.index(kept[0]) if kept else len(plan.history) - (plan.kind != "send")
-        messages = head + tuple(ChatMessage(m.role, m.content) for m in kept) + tuple(tail)
+        messages = head + tuple(turn for m in kept for turn in expand(m)) + tuple(tail)
+        tools, tool_choice, tool_name = self._tool_offer(plan)
         context = None
         if dropped:
             context = {"first_kept": first_kept, "prompt_tokens": fit.prompt_tokens, "limit": fit.limit}
@@ -127,7 +149,14 @@ class ReplyStreaming:
             else:
                 answered = plan.history[-1]
             request_id = self.host.submit(
-                Request(messages=messages, sampling=plan.sampling, reply_prefix_ids=plan.prefix_ids)
+                Request(
+                    messages=messages,
+                    sampling=plan.sampling,
+                    reply_prefix_ids=plan.prefix_ids,
+                    tools=tools,
+                    tool_choice=tool_choice,
+                    tool_name=tool_name,
+                )
             )
             if plan.target is not None:
                 msg = plan.target
@@ -183,6 +212,7 @@ class ReplyStreaming:
     def _conversation_for(self, plan: ReplyPlan):
         if self.conversation is None:
             self.conversation = self.store.create(self.pane.system_prompt.toPlainText())
+            self._save_chat_settings()
         return self.conversation
 
     def _store_user_message(self, conv, plan: ReplyPlan) -> StoredMessage:
@@ -226,6 +256,8 @@ class ReplyStreaming:
         if a.group is not None:
             self._on_sample_tokens(a, events)
             return
+        if a.plan.kind == "tool_results" and not a.blocks_asked:
+            self._measure_result_blocks(a)  # its prompt, the results among it, is in the cache now
         new = [ReplyToken(e.index, e.text_delta, e.logprob, e.request_id) for e in events]
         a.record.tokens.extend(new)
         a.record.token_ids.extend(e.token_id for e in events)
@@ -259,13 +291,18 @@ class ReplyStreaming:
             return
         a = self.active
         a.record.stats = event.stats
+        if event.note:  # why it ended, when that needs words (the grammar's dead end)
+            self.status_message.emit(f"The reply ended: {event.note}", "info")
         loaded = self.host.live.loaded
         kept = KeptStats.from_engine(event.stats, loaded.info if loaded else None, self.host.config)
         if a.group is None:
             text = a.plan.prefix_text + event.text
             ids = [*a.plan.prefix_ids, *event.token_ids]
-            meta = with_reply_facts(self._own_meta(a), kept, a.plan.sampling, a.context)
+            meta = self._with_tool_calls(
+                a, with_reply_facts(self._own_meta(a), kept, a.plan.sampling, a.context)
+            )
             self._end_reply(text, event.finish_reason, meta, ids)
+            self._start_tool_round(a.message)
             return
         a.group.refresh({"groups"})
         reply = GroupReply.from_finished(event, a.group.kind)
@@ -293,6 +330,7 @@ class ReplyStreaming:
         a.bubble.set_text(text)
         self._write(lambda: a.checkpoint.finish(text, finish_reason, meta, token_ids))
         self._decorate(a.bubble, a.message)
+        self._show_tool_cards(a.bubble, a.message)
         self._mark_context()
         self.refresh_sidebar()
         self.sync_state()

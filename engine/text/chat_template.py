@@ -137,3 +137,31 @@ def chat_note(tokenizer: PreTrainedTokenizerBase) -> str:
         return render_chat(tokenizer, probe).note
     except ChatTemplateError:  # a template that fails even this is reported per request
         return ""
+
+
+def message_spans(
+    tokenizer: PreTrainedTokenizerBase, request: Request, role: str = "tool"
+) -> list[tuple[int, int]]:
+    """Where the content of each `role` message of the request sits in its prompt, as token
+    positions [start, end): found in the rendered text in order, mapped through the tokenizer's
+    offsets. (-1, -1) for one the template left out (or wrote differently)."""
+    messages, tools = conversation(tokenizer, request)
+    prompt = render_chat(tokenizer, messages, tools)
+    encoded = tokenizer(
+        prompt.text, add_special_tokens=not has_chat_template(tokenizer), return_offsets_mapping=True
+    )
+    offsets = [tuple(o) for o in encoded["offset_mapping"]]
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for message in request.messages:
+        if message.role != role:
+            continue
+        at = prompt.text.find(message.content, cursor) if message.content else -1
+        if at < 0:
+            spans.append((-1, -1))
+            continue
+        end_char = at + len(message.content)
+        cursor = end_char
+        tokens = [i for i, (a, b) in enumerate(offsets) if b > at and a < end_char and b > a]
+        spans.append((tokens[0], tokens[-1] + 1) if tokens else (-1, -1))
+    return spans

@@ -1,0 +1,101 @@
+"""Structured output in the app: a chat's schema or grammar is checked as it is typed, kept with
+the conversation, and every reply follows it, its mask the first stage in the probability
+panel; a bad one never starts a reply."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+from app_windows import REPLY_TIMEOUT_MS
+from PySide6.QtWidgets import QDialogButtonBox
+
+from app.chat.chat_settings import ChatSettings
+from app.chat.structured_dialog import VALID, StructuredOutputDialog
+from engine.config import GrammarSpec, SamplingParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def ok_button(dialog):
+    return dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+
+
+def test_the_dialog_checks_as_you_type(qtbot, tmp_path):
+    dialog = StructuredOutputDialog(None)
+    qtbot.addWidget(dialog)
+    assert dialog.chosen_kind == "off" and ok_button(dialog).isEnabled()
+    dialog.kind.setCurrentIndex(dialog.kind.findData("json_schema"))
+    assert not ok_button(dialog).isEnabled() and "needs its text" in dialog.status.text()
+    dialog.editor.setPlainText('{"type": "frob"}')
+    qtbot.waitUntil(lambda: "is invalid" in dialog.status.text(), timeout=5000)  # after the typing pause
+    assert not ok_button(dialog).isEnabled()
+    dialog.editor.setPlainText('{"type": "string", "format": "nope"}')
+    assert "cannot be compiled" in dialog.check_now() and not ok_button(dialog).isEnabled()
+    dialog.editor.setPlainText(json.dumps(PERSON))
+    assert dialog.check_now() == "" and dialog.status.text() == VALID and ok_button(dialog).isEnabled()
+    assert dialog.spec() == GrammarSpec("json_schema", json.dumps(PERSON))
+    # choices one per line; a regex that does not parse
+    dialog.kind.setCurrentIndex(dialog.kind.findData("choice"))
+    dialog.editor.setPlainText("yes\n\nno\n")
+    assert dialog.check_now() == "" and dialog.spec() == GrammarSpec("choice", '["yes", "no"]')
+    dialog.kind.setCurrentIndex(dialog.kind.findData("regex"))
+    dialog.editor.setPlainText("a(b")
+    assert "cannot be compiled" in dialog.check_now()
+    # a file: its kind from its name; one that cannot be read says so and changes nothing
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    assert dialog.load_file(str(grammar)) and dialog.chosen_kind == "gbnf" and dialog.check_now() == ""
+    assert not dialog.load_file(str(tmp_path / "missing.json"))
+    assert "cannot read missing.json" in dialog.status.text() and dialog.chosen_kind == "gbnf"
+
+
+def test_a_chat_under_a_schema_replies_in_it_and_keeps_it(make_window, qtbot):
+    window = make_window()
+    window.controls.sampling.set_params(
+        SamplingParams(temperature=1.0, seed=4, max_new_tokens=60, snapshot_top_n=6)
+    )
+    controller = window.controller
+    spec = GrammarSpec("json_schema", json.dumps(PERSON))
+    controller.set_chat_settings(ChatSettings(grammar=spec))
+    assert window.chat.structured_label.text() == "replies follow a JSON Schema"
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as finished:
+        controller.send("Describe someone")
+    event = finished.args[0]
+    assert event.finish_reason == "stop"
+    jsonschema.validate(json.loads(event.text), PERSON)
+    # the probability panel shows the mask as the first stage of a token
+    token = window.host.live.token(event.request_id, 4)
+    controller.inspect_token(event.request_id, 4)
+    panel = window.panels.probabilities
+    assert [b.property("stage") for b in panel.stage_buttons.buttons()][:2] == ["raw", "grammar"]
+    panel.select_stage("grammar")
+    grammar = token.snapshot.grammar
+    assert panel.summary.text().startswith(f"grammar: {grammar.allowed:,} of 49,152 tokens allowed")
+    # kept with the conversation, and in the reply's settings
+    stored = window.conversations.load(controller.conversation.id)
+    assert ChatSettings.from_dict(stored.settings).grammar == spec
+    assert stored.messages[-1].meta["sampling"]["grammar"] == {"kind": "json_schema", "text": spec.text}
+    controller.new_conversation()
+    controller.open_conversation(stored.id)
+    assert controller.chat_settings.grammar == spec
+
+
+def test_a_grammar_with_no_next_token_ends_the_reply_with_its_reason(make_window, qtbot):
+    window = make_window()
+    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=1, max_new_tokens=10))
+    controller = window.controller
+    controller.set_chat_settings(ChatSettings(grammar=GrammarSpec("lark", 'start: "ab" /[b&&c]/')))
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as finished:
+        controller.send("x")
+    assert finished.args[0].finish_reason == "grammar" and finished.args[0].text == "ab"
+    bubble = window.chat.transcript.bubbles[-1]
+    assert "the grammar permitted no next token" in bubble._meta.text()
