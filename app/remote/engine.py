@@ -476,6 +476,8 @@ class RemoteEngine:
                 )
             )
         else:
+            for event in adapter.tool_calls(time.perf_counter()):  # read by the server, before the end
+                self._sink(event)
             self._sink(adapter.finished(time.perf_counter()))
 
     async def _stream_reply(self, body: dict, adapter: ReplyAdapter) -> None:
