@@ -35,8 +35,20 @@ from engine.kernels.weights import WeightStorage
 KVK_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
     )
 )
 
@@ -79,7 +91,9 @@ class GGUFWeight(WeightStorage):
 
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         if kernel == "kvk":
-            y = self.lib.matmul(self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map)
+            y = self.lib.matmul(
+                self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map
+            )
         else:
             weight = self.lib.dequantize_bf16(
                 self.ggml_type, self.blocks, self.in_features, self.row_map, out=_bf16_scratch(self)

@@ -238,7 +238,10 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
                 bias = None
                 if any(b is not None for b in biases):
                     bias = torch.cat(
-                        [b if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
+                        [
+                            b if b is not None else torch.zeros(lin.out_features)
+                            for b, lin in zip(biases, linears)
+                        ]
                     )
                 fused_linear = KernelLinear(storage, bias, policy)
             group = FusedProjection(fused_linear, sizes)

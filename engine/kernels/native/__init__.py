@@ -86,7 +86,11 @@ class Kvk:
         return out
 
     def dequantize_bf16(
-        self, ggml_type: int, blocks: np.ndarray, k: int, row_map: np.ndarray | None = None,
+        self,
+        ggml_type: int,
+        blocks: np.ndarray,
+        k: int,
+        row_map: np.ndarray | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The weights [N, k] rounded to bfloat16 (a dense kernel's temporary copy of a layer)."""
@@ -94,20 +98,91 @@ class Kvk:
         if out is None:
             out = torch.empty(rows, k, dtype=torch.bfloat16)
         status = self.lib.kvk_dequantize_bf16(
-            ggml_type, blocks.ctypes.data, blocks.strides[0], rows, k,
-            None if row_map is None else row_map.ctypes.data, out.data_ptr(),
+            ggml_type,
+            blocks.ctypes.data,
+            blocks.strides[0],
+            rows,
+            k,
+            None if row_map is None else row_map.ctypes.data,
+            out.data_ptr(),
         )
         if status != 0:
             raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
         return out
 
-    def unpack_block(self, ggml_type: int, block: np.ndarray, weights: int, subs: int) -> tuple[np.ndarray, ...]:
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: list[list[int]],
+        starts: list[int],
+        stops: list[int],
+        scale: float,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+        probs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [R, heads, d] float32; pools [num_blocks, kv_heads, block_size, d] (float32, float16,
+        bfloat16, or int8 with float16 scales [num_blocks, kv_heads, block_size]). Row r attends
+        positions [starts[r], stops[r]) through tables[r]. -> (out [R, heads, d] float32, the
+        probabilities [R, heads, longest] when asked)."""
+        rows, heads, d = q.shape
+        kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+        kinds = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+        if k_pool.dtype not in kinds or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"a KV pool of {k_pool.dtype} (contiguous float32/16, bfloat16 or int8)")
+        q = q.float().contiguous()
+        flat = [b for t in tables for b in t]
+        offsets = np.cumsum([0, *map(len, tables)])[:-1].astype(np.int64)
+        table_arr = np.asarray(flat or [0], dtype=np.int32)
+        start_arr, stop_arr = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        out = torch.empty(rows, heads, d, dtype=torch.float32)
+        width = int((stop_arr - start_arr).max()) if rows else 0
+        prob_out = torch.empty(rows, heads, width, dtype=torch.float32) if probs else None
+        sink_arr = None if sinks is None else sinks.float().contiguous()
+        status = self.lib.kvk_paged_attention(
+            q.data_ptr(),
+            heads * d,
+            rows,
+            heads,
+            d,
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            kinds[k_pool.dtype],
+            None if k_scales is None else k_scales.data_ptr(),
+            None if v_scales is None else v_scales.data_ptr(),
+            block_size,
+            kv_heads,
+            table_arr.ctypes.data,
+            offsets.ctypes.data,
+            start_arr.ctypes.data,
+            stop_arr.ctypes.data,
+            scale,
+            softcap or 0.0,
+            None if sink_arr is None else sink_arr.data_ptr(),
+            out.data_ptr(),
+            heads * d,
+            None if prob_out is None else prob_out.data_ptr(),
+            width,
+        )
+        if status != 0:
+            raise ValueError("kvk_paged_attention refused its arguments (a row with no position?)")
+        return out, prob_out
+
+    def unpack_block(
+        self, ggml_type: int, block: np.ndarray, weights: int, subs: int
+    ) -> tuple[np.ndarray, ...]:
         """One block's codes and per-sub-block (a, b): w = a * code + b (tests)."""
         codes = np.zeros(weights, dtype=np.uint8)
         a = np.zeros(subs, dtype=np.float32)
         b = np.zeros(subs, dtype=np.float32)
         block = np.ascontiguousarray(block)
-        if self.lib.kvk_unpack_block(ggml_type, block.ctypes.data, codes.ctypes.data, a.ctypes.data, b.ctypes.data):
+        if self.lib.kvk_unpack_block(
+            ggml_type, block.ctypes.data, codes.ctypes.data, a.ctypes.data, b.ctypes.data
+        ):
             raise RuntimeError(f"kvk_unpack_block refused GGML type {ggml_type}")
         return codes, a, b
 
@@ -123,6 +198,32 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_dequantize_rows.restype = _c_int
     lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr]
     lib.kvk_dequantize_bf16.restype = _c_int
+    lib.kvk_paged_attention.argtypes = [
+        _ptr,
+        _c_i64,
+        _c_i64,
+        _c_int,
+        _c_int,
+        _ptr,
+        _ptr,
+        _c_int,
+        _ptr,
+        _ptr,
+        _c_i64,
+        _c_int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        ctypes.c_float,
+        ctypes.c_float,
+        _ptr,
+        _ptr,
+        _c_i64,
+        _ptr,
+        _c_i64,
+    ]
+    lib.kvk_paged_attention.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
 
 

@@ -1,4 +1,5 @@
-"""Build kvscope's C kernels (kvk.c) into one shared library per instruction set.
+"""Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention) into one
+shared library per instruction set.
 
     python -m engine.kernels.native.build [--out DIR] [--variants avx512,avx2,portable]
 
@@ -31,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "kvk.c"
+SOURCES = (HERE / "kvk.c", HERE / "attention.c")
 PACKAGE_LIB = HERE / "lib"
 
 # Compiler flags per variant. -ffp-contract=off: the dequantization must round where gguf-py does
@@ -46,7 +47,10 @@ ARM_VARIANTS = {"portable": ["-march=armv8-a"]}
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def variants_for_machine() -> dict[str, list[str]]:
@@ -75,7 +79,7 @@ def build(variant: str, out_dir: Path, cc: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        cmd = [cc, *COMMON, *flags, str(SOURCE), "-o", str(tmp_path), "-lm"]
+        cmd = [cc, *COMMON, *flags, *map(str, SOURCES), "-o", str(tmp_path), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -91,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(variants_for_machine()))
     args = parser.parse_args(argv)
     if compiler() is None:
-        print("kvk: no C compiler found; the engine will run GGUF weights on its slower torch path", file=sys.stderr)
+        print(
+            "kvk: no C compiler found; the engine will run GGUF weights on its slower torch path",
+            file=sys.stderr,
+        )
         return 0
     for old in args.out.glob("kvk-*.so"):  # builds of older sources
         if not old.name.endswith(f"-{source_hash()}.so"):
@@ -100,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         if (args.out / library_name(variant.strip())).exists():
             continue  # this source's build is there (./dev setup runs this every time)
         path = build(variant.strip(), args.out)
-        print(f"kvk: built {path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path}")
+        print(
+            f"kvk: built {path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path}"
+        )
     return 0
 
 
