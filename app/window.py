@@ -34,8 +34,7 @@ from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from app.what_if import WhatIfController
-from engine.config import ConfigError, EngineConfig
-from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
+from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333

@@ -17,10 +17,10 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.kernels.policy import KernelPolicy, StepRecord
-from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
 from engine.kv.manager import KVCacheManager
-from engine.kv.storage import PagedKVStorage, block_index
+from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
 from engine.model.llama_forward import EXECUTOR, LlamaForward, ResidualObserver, unsupported_reason
+from engine.model.paged_attention import PagedBatch, PagedCache, paged_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -29,13 +29,13 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from engine.errors import ModelLoadError
 from engine.kernels import gguf_blocks, native
 from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight
 from engine.kernels.linear import KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
 from engine.model.configs import open_gguf, read_gguf_config
-from engine.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
@@ -70,7 +70,9 @@ class QuantEmbedding(nn.Module):
     """An embedding lookup over quantized blocks: each row dequantized exactly (as gguf does) when
     looked up."""
 
-    def __init__(self, storage: GGUFWeight | Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None):
+    def __init__(
+        self, storage: GGUFWeight | Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None
+    ):
         super().__init__()
         self.storage = storage
         self.dtype = dtype
@@ -85,6 +87,7 @@ class QuantEmbedding(nn.Module):
 def load_native(
     path: Path, dtype: torch.dtype, policy: KernelPolicy, report: Callable[[str, float], None]
 ) -> tuple[PreTrainedModel, NativeReport]:
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -112,7 +115,9 @@ def load_native(
             ) from None
     kvk = native.kernels()
     result = NativeReport()
-    result.notes.append(f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}")
+    result.notes.append(
+        f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}"
+    )
     tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):
@@ -167,7 +172,11 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 
 def _kept_storage(
-    tensor: ReaderTensor, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None, kvk: native.Kvk | None
+    tensor: ReaderTensor,
+    qtype: GGMLQuantizationType,
+    cols: int,
+    order: np.ndarray | None,
+    kvk: native.Kvk | None,
 ) -> WeightStorage | None:
     """The tensor at its own bits, or None when no kernel here keeps its type."""
     raw = np.asarray(tensor.data)
@@ -185,10 +194,12 @@ def _dequantized(
     tensor: ReaderTensor, processor: TensorProcessor, dtype: torch.dtype, module: nn.Module
 ) -> torch.Tensor:
     """A tensor no kernel keeps, dequantized by gguf and processed as transformers does."""
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize  # gguf's dequantizers: only for a type no kernel keeps
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    weights = processor.process(weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={}).weights
+    weights = processor.process(
+        weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={}
+    ).weights
     value = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).to(dtype)
     current = getattr(module, "weight", None)
     if current is not None and tuple(current.shape) != tuple(value.shape):
@@ -202,6 +213,7 @@ def _dequantized(
 def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str, str] | None:
     """GGUF tensor name -> the model's parameter name, with one gguf-py name table (transformers
     builds one per submodule); None when some tensor of the file is left unmapped."""
+    # gguf: only once a GGUF file is read
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     archs = [key for key, value in MODEL_ARCH_NAMES.items() if value == arch]
@@ -244,6 +256,7 @@ def _assign_dense(
     processor: TensorProcessor,
     dtype: torch.dtype,
 ) -> None:
+    # gguf: only once a GGUF file is read
     from gguf.quants import dequantize
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)

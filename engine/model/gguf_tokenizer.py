@@ -16,16 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine.model.cache_dirs import cache_root, is_converted, publish_atomically, source_fingerprint
+from engine.cache_dirs import cache_root, is_converted, publish_atomically, source_fingerprint
+from engine.errors import ModelLoadError
 from engine.model.configs import open_gguf
-from engine.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers takes seconds to import: only once a model is read
 
     fingerprint = source_fingerprint(path)
     folder = cache_root() / "tokenizers" / hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
@@ -46,7 +46,7 @@ def _parsed_header(path: Path) -> Iterator[None]:
     """While transformers loads this file's tokenizer, its `gguf.GGUFReader(path)` is the reader
     kvscope already parsed (transformers imports the class from gguf inside the call); other
     files still get a reader of their own."""
-    import gguf
+    import gguf  # gguf: only once a GGUF file is read
 
     reader = open_gguf(path)
     original = gguf.GGUFReader

@@ -47,10 +47,10 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from engine.kernels.linear import FusedProjection
-from engine.kv.attention import LayerAttention, PagedBatch, attend
-from engine.kv.storage import PagedKVStorage
 from engine.model.forward_families import FAMILIES, NormKind
-from engine.model.layer_attention import AttentionSpec
+from engine.model.kv_storage import PagedKVStorage
+from engine.model.layer_attention import AttentionSpec, LayerAttention
+from engine.model.paged_attention import PagedBatch, attend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -10,11 +10,12 @@ import torch
 from engine.events import ModelInfo
 from engine.kernels.linear import KernelLinear, fuse_projections
 from engine.kernels.policy import KernelPolicy
-from engine.model.chat_template import chat_note
 from engine.model.layer_attention import AttentionSpec, probe_attention
-from engine.model.shapes import ModelShapes
+from engine.model.llama_forward import forward_note
 from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
+from engine.shapes import ModelShapes
+from engine.text.chat_template import chat_note
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -93,7 +94,6 @@ def _notes(
     model: PreTrainedModel, policy: KernelPolicy, attention: tuple[AttentionSpec, ...]
 ) -> tuple[str, ...]:
     """How the model runs, in the words the app and the CLI show."""
-    from engine.model.llama_forward import forward_note
 
     forward = forward_note(model, attention)
     threads = f"{torch.get_num_threads()} engine threads (torch intra-op)"

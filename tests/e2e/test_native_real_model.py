@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from engine.bench.quality import compare_logits, eval_token_ids
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
-from engine.measure.quality import compare_logits, eval_token_ids, teacher_forced_logits
 from engine.model.inspect import inspect_model
 from engine.model.loading import load_model
+from engine.model.logits import teacher_forced_logits
 from engine.request import Request
 
 pytestmark = pytest.mark.slow

@@ -16,13 +16,13 @@ from model_folders import save_tiny_model
 
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
+from engine.errors import ModelLoadError
 from engine.events import RequestFinished
 from engine.hub.cache import delete_cached, list_cached
 from engine.hub.download import DownloadCancelled, download_files
 from engine.hub.files import quant_of, repo_files
 from engine.hub.online import OFFLINE_IS_DEFAULT, OFFLINE_MESSAGE, HubError
 from engine.hub.search import search_models
-from engine.model.errors import ModelLoadError
 from engine.model.loading import load_model
 from engine.model.sources import default_gguf_path
 from engine.request import Request

@@ -6,8 +6,8 @@ import pytest
 from model_folders import LLAMA_8B_CONFIG, write_config
 
 from engine.config import ConfigError
+from engine.errors import ModelLoadError
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
-from engine.model.errors import ModelLoadError
 from engine.model.inspect import inspect_model
 from engine.model.sources import default_gguf_path
 

@@ -15,12 +15,12 @@ from tiny_models import IdTokenizer
 
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
+from engine.errors import ModelLoadError
 from engine.events import RequestFinished
 from engine.kernels import gguf_blocks, native
 from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import FusedProjection, KernelHead, KernelLinear, StackedLinear
 from engine.kernels.policy import KernelPolicy
-from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import QuantEmbedding, load_native
 from engine.model.llama_forward import EXECUTOR
 from engine.model.loaded import LoadedModel

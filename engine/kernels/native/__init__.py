@@ -249,7 +249,7 @@ def cpu_variants() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from engine.model.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
+    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
 
     return cache_root() / "kvk"
 

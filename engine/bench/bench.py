@@ -23,7 +23,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
+from engine.bench.bench_concurrency import run_concurrency_bench
+from engine.bench.bench_speculative import run_speculative_bench
+from engine.bench.decode_split import decode_split
+from engine.bench.llama_bench import BUILD_HINT, find_llama_bench, llama_load_seconds, run_llama_bench
+from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import Event, TokenGenerated
+from engine.measure.memory import device_name, measure_memory_bandwidth
+from engine.model.loading import load_model, load_transformers_model
+from engine.model.sources import resolve_source
+from engine.request import Request
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,8 +91,6 @@ def run_hf(
 def run_engine(
     engine: LLMEngine, prompt_ids: list[int], new_tokens: int, events: list[Event]
 ) -> tuple[float, list[float], list[int]]:
-    from engine.config import SamplingParams
-    from engine.request import Request
 
     events.clear()
     start = time.perf_counter()
@@ -139,9 +147,6 @@ def synthetic_prompt(vocab_size: int, length: int) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from engine.config import ModelSpec
-    from engine.model.loading import load_model
-
     def progress(stage: str, f: float) -> None:
         print(f"[{f:4.0%}] {stage}", file=sys.stderr)
 
@@ -149,10 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
         spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
         loaded = load_model(spec, progress=progress)
         if args.speculation:
-            from engine.measure.bench_speculative import run_speculative_bench
-
             return run_speculative_bench(args, loaded)
-        from engine.measure.bench_concurrency import run_concurrency_bench
 
         return run_concurrency_bench(args, loaded)
     report = bench_paths(args, progress)
@@ -162,13 +164,6 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]) -> Report:
     """Every path on the same prompt, new tokens and threads, interleaved round by round."""
-    from engine.config import EngineConfig, ModelSpec
-    from engine.core.llm_engine import LLMEngine
-    from engine.measure.decode_split import decode_split
-    from engine.measure.llama_bench import BUILD_HINT, find_llama_bench, llama_load_seconds, run_llama_bench
-    from engine.measure.memory import device_name, measure_memory_bandwidth
-    from engine.model.loading import load_model
-    from engine.model.sources import resolve_source
 
     gguf = resolve_source(args.model).gguf
     file_mode = gguf is not None and args.model != "default"
@@ -176,8 +171,6 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
     wanted = [p.strip() for p in (args.paths or default_paths).split(",") if p.strip()]
     unknown = [p for p in wanted if p not in PATHS]
     if unknown:
-        from engine.config import ConfigError
-
         raise ConfigError(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     notes: dict[str, str] = {}
     if gguf is None:
@@ -195,8 +188,6 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
     sinks: dict[str, list[Event]] = {}
     baseline: PreTrainedModel | None = None
     if "generate" in wanted:  # stock transformers: its own modules, not the engine's kernel layers
-        from engine.model.loading import load_transformers_model
-
         progress("loading transformers' own model for generate()", 0.0)
         baseline = load_transformers_model(args.model, "float32")
     load_s: dict[str, float] = {}
