@@ -157,7 +157,9 @@ static inline __m512 hsum16(__m512 v[16]) {
 #endif
 
 // The lane order hsum16 leaves its 16 sums in (found once, by summing vectors that name themselves).
+#ifdef ATT_AVX512
 static int hsum_order[16];
+#endif
 static int hsum_order_ready = 0;
 
 // One (row, KV head): the G query heads that share it. scratch: G * n floats (scores) + 16 * d.
