@@ -500,15 +500,15 @@ static inline uint16_t ld16(const uint8_t *p) {
     return h;
 }
 
-// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register.
+// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register: a
+// masked gather of 32-bit words (each reads its field and the 2 bytes after it, inside its block),
+// then their low halves. Building the vector from scalars went through the stack (the compiler's
+// choice) and stalled store forwarding at every group.
 static inline __m128i halves8(const uint8_t *p, int stride, int n) {
-    if (n == 8)
-        return _mm_setr_epi16((short)ld16(p), (short)ld16(p + stride), (short)ld16(p + 2 * stride),
-                              (short)ld16(p + 3 * stride), (short)ld16(p + 4 * stride), (short)ld16(p + 5 * stride),
-                              (short)ld16(p + 6 * stride), (short)ld16(p + 7 * stride));
-    uint16_t h[8] = {0};  // a row's last, partial group: once a row
-    for (int j = 0; j < n; j++) h[j] = ld16(p + j * stride);
-    return _mm_loadu_si128((const __m128i *)h);
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    const __mmask8 m = n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << n) - 1);
+    const __m256i w = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), m, idx, (const void *)p, 1);
+    return _mm256_cvtepi32_epi16(w);
 }
 
 // Group g (chunks 4g.. of the row; blocks 8g..) of a 32-weight-type row: codes, lane scales, and
