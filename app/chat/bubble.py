@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -132,12 +132,12 @@ class MessageBubble(QFrame):
         self.actions_button.setToolTip("What to do with this message")
         self.actions_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._menu = QMenu(self)
-        self.actions: dict = {}
+        self.menu_actions: dict[str, QAction] = {}
         for name, label, tip in MESSAGE_ACTIONS["user" if role == "user" else "assistant"]:
             action = self._menu.addAction(label)
             action.setToolTip(tip)
             action.triggered.connect(lambda _=False, n=name: self.action_requested.emit(n))
-            self.actions[name] = action
+            self.menu_actions[name] = action
         self._menu.setToolTipsVisible(True)
         self.actions_button.setMenu(self._menu)
         self.continue_button = QPushButton("Continue")
@@ -163,28 +163,28 @@ class MessageBubble(QFrame):
         footer.addStretch(1)
         footer.addWidget(self.continue_button)
         # Cards under the text: the reply's tool calls (app.chat.tool_card).
-        self.cards: list[QWidget] = []
-        self._cards = QVBoxLayout()
-        self._cards.setContentsMargins(0, 2, 0, 0)
-        self._cards.setSpacing(4)
-        layout = QVBoxLayout(self)
+        self.tool_cards: list[QWidget] = []
+        self._tool_cards = QVBoxLayout()
+        self._tool_cards.setContentsMargins(0, 2, 0, 0)
+        self._tool_cards.setSpacing(4)
+        layout = self._layout = QVBoxLayout(self)  # kept: subclasses add to it
         layout.setContentsMargins(12, 8, 12, 10)
         layout.setSpacing(4)
         layout.addLayout(header)
         layout.addWidget(self._body)
-        layout.addLayout(self._cards)
+        layout.addLayout(self._tool_cards)
         layout.addLayout(footer)
 
     # ---- content ---------------------------------------------------------------------------
-    def add_card(self, card: QWidget) -> None:
-        self.cards.append(card)
-        self._cards.addWidget(card)
+    def add_tool_card(self, card: QWidget) -> None:
+        self.tool_cards.append(card)
+        self._tool_cards.addWidget(card)
 
-    def clear_cards(self) -> None:
-        for card in self.cards:
-            self._cards.removeWidget(card)
+    def clear_tool_cards(self) -> None:
+        for card in self.tool_cards:
+            self._tool_cards.removeWidget(card)
             card.deleteLater()
-        self.cards = []
+        self.tool_cards = []
 
     def set_text(self, text: str) -> None:
         self.text = text
@@ -221,7 +221,7 @@ class MessageBubble(QFrame):
         self.continue_button.setEnabled(not busy)
 
     def set_action_enabled(self, name: str, enabled: bool, reason: str = "") -> None:
-        action = self.actions.get(name)
+        action = self.menu_actions.get(name)
         if action is not None:
             action.setEnabled(enabled)
             tip = next(t for n, _, t in MESSAGE_ACTIONS[self._role_key()] if n == name)
@@ -286,10 +286,13 @@ class MessageBubble(QFrame):
         if self.role == "user":
             html = plain_html(self.text)
         elif self.shows_tokens and self._spec_marks is not None and self.request_id is not None:
-            source, tokens = self._spec_marks, self.tokens
-            html = spec_token_html(
-                tokens, lambda i: source(*self.token_key(i)), self._selected, self._colour, self.token_lead
-            )
+            source, tokens, own = self._spec_marks, self.tokens, self.request_id
+
+            def mark(i: int) -> str:
+                request_id, index = self.token_key(i)
+                return source(own if request_id is None else request_id, index)
+
+            html = spec_token_html(tokens, mark, self._selected, self._colour, self.token_lead)
         elif self.shows_tokens:
             html = token_html(self.tokens, self._selected, self._colour, self.token_lead)
         else:

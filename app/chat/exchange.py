@@ -45,12 +45,12 @@ def export_markdown(conv: Conversation) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _tool_calls_markdown(meta: dict | None) -> list[str]:
+def _tool_calls_markdown(meta: dict[str, Any] | None) -> list[str]:
     """A reply's tool calls and what came back, under it."""
     record = (meta or {}).get("tool_calls")
     if not isinstance(record, dict):
         return []
-    lines = []
+    lines: list[str] = []
     if record.get("error"):
         lines += [f"*Tool call that did not parse: {record['error']}*", ""]
     for call in record.get("calls") or []:
@@ -83,7 +83,7 @@ def export_json(conv: Conversation, scope: str = "tree") -> str:
         "system_prompt": conv.system_prompt,
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
-        "current": local.get(leaf),
+        "current": local.get(leaf) if leaf is not None else None,
         "settings": conv.settings,
         "messages": [
             {
@@ -121,7 +121,8 @@ def import_json(store: ConversationStore, text: str) -> int:
             f"This export was written by a newer kvscope (version {data['version']}); update kvscope to import it."
         )
     linear = "format" not in data  # the first release's export: a flat list, each after the last
-    messages, previous = [], None
+    messages: list[StoredMessage] = []
+    previous: int | None = None
     for i, raw in enumerate(data["messages"]):
         message = _message(raw, i + 1, linear, previous, {m.id for m in messages})
         messages.append(message)
@@ -150,9 +151,10 @@ def _message(raw: Any, position: int, linear: bool, previous: int | None, seen: 
     if linear:
         message_id, parent = position, previous
     else:
-        message_id, parent = raw.get("id"), raw.get("parent")
-        if not isinstance(message_id, int) or message_id in seen:
+        raw_id, parent = raw.get("id"), raw.get("parent")
+        if not isinstance(raw_id, int) or raw_id in seen:
             raise ImportFailed(f"Not a kvscope conversation: {where} has a missing or repeated id.")
+        message_id = raw_id
         if parent is not None and parent not in seen:
             raise ImportFailed(
                 f"Not a kvscope conversation: {where} answers a message that comes later or not at all."
@@ -178,14 +180,14 @@ def _message(raw: Any, position: int, linear: bool, previous: int | None, seen: 
     )
 
 
-def _text(data: dict, key: str, where: str) -> str:
+def _text(data: dict[str, Any], key: str, where: str) -> str:
     value = data.get(key, "")
     if not isinstance(value, str):
         raise ImportFailed(f"Not a kvscope conversation: the {key} of {where} is not text.")
     return value
 
 
-def _number(data: dict, key: str, where: str) -> float:
+def _number(data: dict[str, Any], key: str, where: str) -> float:
     value = data.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ImportFailed(f"Not a kvscope conversation: the {key} of {where} is not a time.")

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.chat.bubble import MessageBubble
 from app.chat.conversations import ReplyCheckpoint, StoredMessage
 from app.chat.group_reply_view import GroupReplyCard
 from app.chat.rich_text import ReplyToken
-from app.chat.view import MessageBubble
+from app.chat.tool_turns import expand
 from engine.config import SamplingParams
 from engine.events import RequestStats, ToolCallsParsed
+from engine.request import ChatMessage
 
 # What starts a reply: a sent message, a new version of a reply (regenerate), a reply cut at a
 # token with another candidate put there (branch), more of an existing reply (continue), or the
@@ -59,7 +61,7 @@ class ActiveReply:
     record: ReplyRecord
     plan: ReplyPlan
     text: str = ""  # everything the message holds so far (a prefix's text included)
-    context: dict | None = None  # what the context limit left out of its prompt
+    context: dict[str, int] | None = None  # what the context limit left out of its prompt
     # n samples or beams: the card they stream into, and each sample's text and token count.
     group: GroupReplyCard | None = None
     sample_texts: dict[int, str] = field(default_factory=dict)
@@ -68,3 +70,37 @@ class ActiveReply:
     # whether the blocks of the results it reads were looked up (a tool_results reply).
     tool_calls: ToolCallsParsed | None = None
     blocks_asked: bool = False
+
+
+PromptParts = tuple[tuple[ChatMessage, ...], list[ChatMessage], list[ChatMessage], list[StoredMessage]]
+
+
+def prompt_parts(system: str, plan: ReplyPlan) -> PromptParts:
+    """(head, history, tail) of the plan's prompt as ChatMessages, and the stored messages behind
+    `history`: the system prompt, the messages before, and the new message (a send) or the
+    message the reply answers. A reply that called tools is its call and its results
+    (app.chat.tool_turns.expand)."""
+    head = (ChatMessage("system", system),) if system else ()
+    sent = [m for m in plan.history if m.content]
+    if plan.kind == "send":
+        tail, before = [ChatMessage("user", plan.user_text or "")], sent
+    else:
+        tail = [turn for m in sent[-1:] for turn in expand(m)]
+        before = sent[:-1]
+    history = [turn for m in before for turn in expand(m)]
+    return head, history, tail, before
+
+
+def kept_after(before: list[StoredMessage], dropped: int) -> list[StoredMessage]:
+    """The stored messages left once the context limit dropped `dropped` of their turns (the
+    fit counts turns): a reply whose call or results were cut goes whole (a result without its
+    call means nothing)."""
+    if dropped <= 0:
+        return list(before)
+    owners = [i for i, m in enumerate(before) for _ in expand(m)]
+    if dropped >= len(owners):
+        return []
+    first = owners[dropped]
+    if owners[dropped - 1] == first:
+        first += 1
+    return list(before[first:])

@@ -8,6 +8,7 @@ decides."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
@@ -44,7 +45,9 @@ class ToolCallCard(QFrame):
     allow_requested = Signal(str)  # call id: run it, and every call of that tool in this chat
     deny_requested = Signal(str)
 
-    def __init__(self, call: dict | None, raw_html: str, parent: QWidget | None = None, error: str = ""):
+    def __init__(
+        self, call: dict[str, Any] | None, raw_html: str, parent: QWidget | None = None, error: str = ""
+    ):
         super().__init__(parent)
         self.setObjectName("toolCallCard")
         self.setStyleSheet(
@@ -96,7 +99,7 @@ class ToolCallCard(QFrame):
         for widget in (self.title, self.raw, self.arguments, self.status, self.result, self.blocks):
             layout.addWidget(widget)
         layout.addLayout(buttons)
-        self._call: dict = {}
+        self._call: dict[str, Any] = {}
         if call is None:
             self._show_parse_error(error)
         else:
@@ -118,7 +121,7 @@ class ToolCallCard(QFrame):
         ):
             widget.hide()
 
-    def show_call(self, call: dict) -> None:
+    def show_call(self, call: dict[str, Any]) -> None:
         self._call = dict(call)
         name = str(call.get("name", "?"))
         server = call.get("server")

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.bubble import MessageBubble, SpecMarkSource
+from app.chat.chat_settings import ChatSettings
 from app.chat.context_meter import ContextMeter
 from app.chat.rich_text import probability_legend_html
 from app.chat.spec_marks import spec_legend_html
@@ -257,7 +258,7 @@ class ChatPane(QWidget):
     # ---- state the controller sets ----------------------------------------------------------
     def set_state(
         self, *, model_ready: bool, loading: bool, generating: bool, can_regenerate: bool, can_edit: bool
-    ):
+    ) -> None:
         if generating:
             label = "Generating…"
         elif loading:
@@ -291,7 +292,9 @@ class ChatPane(QWidget):
         self.system_prompt.setPlainText(text)
         self.system_prompt.blockSignals(False)
 
-    def show_chat_settings(self, settings, tools_summary: str, tool_names: tuple[str, ...] = ()) -> None:
+    def show_chat_settings(
+        self, settings: ChatSettings, tools_summary: str, tool_names: tuple[str, ...] = ()
+    ) -> None:
         """The chat's structured output and tools as the controller keeps them."""
         grammar = settings.grammar
         self.structured_label.setText("free text" if grammar is None else f"replies follow a {grammar.label}")

@@ -146,7 +146,7 @@ def test_a_tool_call_in_the_chat_is_approved_run_and_read_by_the_next_reply(make
     assert set(arguments) == {"a", "b"} and first.args[0].finish_reason == "stop"
     # the card: the tokens the model wrote, the call read from them, the approval it waits for
     bubble = window.chat.transcript.bubbles[-1]
-    (card,) = bubble.cards
+    (card,) = bubble.tool_cards
     raw = card.raw.text()
     assert raw.count("·") > 10 and "tool" in raw and "call" in raw and "add" in raw  # token by token
     assert "add" in card.title.text() and '"a"' in card.arguments.text()
@@ -176,14 +176,16 @@ def test_a_tool_call_in_the_chat_is_approved_run_and_read_by_the_next_reply(make
     start, end = call["result_tokens"]
     block_size = window.host.live.page_map.block_size
     assert call["blocks"] and len(call["blocks"]) == len({p // block_size for p in range(start, end)})
-    card = next(c for b in window.chat.transcript.bubbles if b.message_id == call_reply.id for c in b.cards)
+    card = next(
+        c for b in window.chat.transcript.bubbles if b.message_id == call_reply.id for c in b.tool_cards
+    )
     assert "KV block" in card.blocks.text() and f"#{call['blocks'][0]}" in card.blocks.text()
 
     # reopened, the conversation shows the same cards from what it stored
     controller.new_conversation()
     controller.open_conversation(stored.id)
     shown = next(b for b in window.chat.transcript.bubbles if b.message_id == call_reply.id)
-    assert len(shown.cards) == 1 and "done" in shown.cards[0].status.text()
+    assert len(shown.tool_cards) == 1 and "done" in shown.tool_cards[0].status.text()
 
 
 def test_a_denied_call_is_told_to_the_model(make_window, qtbot):
@@ -195,7 +197,7 @@ def test_a_denied_call_is_told_to_the_model(make_window, qtbot):
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
         controller.send("Say hi")
     call_reply = controller.conversation.messages[-1]
-    (card,) = window.chat.transcript.bubbles[-1].cards
+    (card,) = window.chat.transcript.bubbles[-1].tool_cards
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as answered:
         card.deny_button.click()
     assert call_reply.meta["tool_calls"]["calls"][0]["status"] == "denied"
@@ -219,14 +221,14 @@ def test_a_call_that_does_not_parse_is_shown_raw_with_its_error(make_window, qtb
     class Finished:
         tool_calls = broken
 
-    reply.meta = controller._with_tool_calls(Finished, reply.meta)
+    reply.meta = controller.tool_rounds.with_tool_calls(Finished, reply.meta)
     bubble = window.chat.transcript.bubbles[-1]
-    controller._show_tool_cards(bubble, reply)
-    (card,) = bubble.cards
+    controller.tool_rounds.show_cards(bubble, reply)
+    (card,) = bubble.tool_cards
     assert "does not parse" in card.title.text() and "no closing" in card.status.text()
     assert "tool_call" in card.raw.text() and card.run_button.isHidden()
     with qtbot.waitSignal(controller.status_message) as said:
-        controller._start_tool_round(reply)
+        controller.tool_rounds.start_round(reply)
     assert "does not parse" in said.args[0] and controller.active is None  # nothing runs, nothing is lost
 
 
