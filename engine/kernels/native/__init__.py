@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache_dirs import cache_root
+
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
@@ -244,8 +246,7 @@ def cpu_variants() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
-
+    """Where kernels built on this machine go: the user cache dir (KVSCOPE_CACHE_DIR)."""
     return cache_root() / "kvk"
 
 
