@@ -75,7 +75,8 @@ class GGUFWeight(WeightStorage):
             )
         self.lib = kvk
         self.ggml_type = ggml_type
-        self.parts = (blocks,)  # the tensors whose rows the table points into (kept alive here)
+        # the tensors whose rows the table points into (kept alive here)
+        self.parts: tuple[np.ndarray, ...] = (blocks,)
         self.row_table = native.row_addresses(blocks, row_map)  # output row -> its weights' address
         self.in_features = in_features
         self.out_features = self.row_table.shape[0]

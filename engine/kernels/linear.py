@@ -112,8 +112,8 @@ class StackedLinear(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self._linears = tuple(parts)  # the same modules, typed (the ModuleList registers them)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
+        self.in_features: int = parts[0].in_features
+        self.out_features: int = sum(p.out_features for p in parts)
         self._offsets = [0]
         for p in parts:
             self._offsets.append(self._offsets[-1] + p.out_features)

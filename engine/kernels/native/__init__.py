@@ -199,7 +199,8 @@ def row_addresses(blocks: np.ndarray, order: np.ndarray | None = None) -> np.nda
     index = (
         np.arange(blocks.shape[0], dtype=np.uint64) if order is None else np.asarray(order, dtype=np.uint64)
     )
-    return (np.uint64(base) + index * np.uint64(blocks.strides[0])).astype(np.uint64)
+    table: np.ndarray = (np.uint64(base) + index * np.uint64(blocks.strides[0])).astype(np.uint64)
+    return table
 
 
 def _declare(lib: ctypes.CDLL) -> None:
