@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from engine.errors import ModelLoadError
@@ -101,8 +101,6 @@ def mapped_tensors(path: Path, header: GGUFHeader) -> list[MappedTensor]:
     """Every tensor of the file as a view of one copy-on-write mapping of it: nothing is read
     until a kernel touches it, nothing is copied, and torch may take the views as writable (the
     file is never written). The views keep the mapping alive for the model's life."""
-    from gguf import GGML_QUANT_SIZES
-
     mapping = np.memmap(path, mode="c").view(np.ndarray)
     floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
     out = []
