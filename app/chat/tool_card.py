@@ -99,7 +99,7 @@ class ToolCallCard(QFrame):
         for widget in (self.title, self.raw, self.arguments, self.status, self.result, self.blocks):
             layout.addWidget(widget)
         layout.addLayout(buttons)
-        self._call: dict[str, Any] = {}
+        self._shown: dict[str, Any] = {}
         if call is None:
             self._show_parse_error(error)
         else:
@@ -122,7 +122,7 @@ class ToolCallCard(QFrame):
             widget.hide()
 
     def show_call(self, call: dict[str, Any]) -> None:
-        self._call = dict(call)
+        self._shown = dict(call)
         name = str(call.get("name", "?"))
         server = call.get("server")
         where = f" <span style='color:{theme.MUTED}'>({_html(str(server))})</span>" if server else ""
@@ -160,7 +160,7 @@ class ToolCallCard(QFrame):
             self.blocks.hide()
 
     def _show_result(self) -> None:
-        text = str(self._call.get("result") or "")
+        text = str(self._shown.get("result") or "")
         if not text:
             self.result.hide()
             self.more.hide()

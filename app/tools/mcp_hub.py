@@ -189,7 +189,7 @@ class McpHub:
     def call(
         self, server: str, tool: str, arguments: dict[str, Any], timeout: float = CALL_TIMEOUT_S
     ) -> Future[ToolOutcome]:
-        return self._submit(self._call(server, tool, arguments, timeout))
+        return self._submit(self._call_tool(server, tool, arguments, timeout))
 
     async def _connect(self, config: McpServerConfig, timeout: float) -> list[McpTool]:
         await self._disconnect(config.name)
@@ -267,7 +267,7 @@ class McpHub:
             await self._disconnect(name)
 
     # ---- calls -----------------------------------------------------------------------------
-    async def _call(self, server: str, tool: str, arguments: dict[str, Any], timeout: float) -> ToolOutcome:
+    async def _call_tool(self, server: str, tool: str, arguments: dict[str, Any], timeout: float) -> ToolOutcome:
         loop = asyncio.get_running_loop()
         started = loop.time()
         session = self._sessions.get(server)

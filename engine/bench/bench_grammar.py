@@ -33,7 +33,7 @@ import numpy as np
 import engine.sampling.sampler as sampler_module
 from engine.config import EngineConfig, GrammarSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import Event, RequestFinished
+from engine.events import RequestFinished
 from engine.grammar.compile import JSON_OPTIONS
 from engine.grammar.state import GrammarState
 from engine.request import Request
@@ -137,40 +137,37 @@ def timed(owner: Any, name: str, spent: list[float]) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def _run(engine: LLMEngine, events: list[Event], params: SamplingParams) -> RequestFinished:
-    events.clear()
-    engine.add_request(Request.chat(PROMPT, sampling=params))
-    while engine.has_work():
-        engine.step()
-    (done,) = [e for e in events if isinstance(e, RequestFinished)]
+def _run(engine: LLMEngine, params: SamplingParams) -> RequestFinished:
+    (done,) = engine.run([Request.chat(PROMPT, sampling=params)])
+    if not isinstance(done, RequestFinished):
+        raise RuntimeError(f"the benchmark's request failed: {done.message}")
     return done
 
 
 def bench_stage(loaded: LoadedModel, new_tokens: int, rounds: int, block_size: int) -> dict[str, Any]:
     """ITL with and without the grammar, interleaved, and the grammar's own time per token."""
 
-    events: list[Event] = []
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size), events.append)
+    engine = LLMEngine(loaded, EngineConfig(block_size=block_size))
     grammar = GrammarSpec("json_schema", json.dumps(PEOPLE))
     plain = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, grammar=grammar)
     start = time.perf_counter()
     engine.grammars.compiled(grammar)  # the vocabulary, built once per model
     vocabulary_s = time.perf_counter() - start
-    _run(engine, events, plain)  # warm-up of both paths
-    _run(engine, events, constrained)
+    _run(engine, plain)  # warm-up of both paths
+    _run(engine, constrained)
     itl: dict[str, list[float]] = {"plain": [], "grammar": []}
     spent: list[float] = []
     tokens = 0
     texts = []
     for _ in range(rounds):
-        itl["plain"] += _run(engine, events, plain).stats.itl_s
+        itl["plain"] += _run(engine, plain).stats.itl_s
         with (
             timed(GrammarState, "mask", spent),
             timed(GrammarState, "consume", spent),
             timed(sampler_module, "apply_mask", spent),
         ):
-            done = _run(engine, events, constrained)
+            done = _run(engine, constrained)
         itl["grammar"] += done.stats.itl_s
         tokens += done.stats.generated_tokens
         texts.append(done.text)

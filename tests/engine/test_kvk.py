@@ -198,3 +198,14 @@ def test_tensors_of_one_type_fuse_into_one_table_of_their_rows():
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert fused.nbytes == sum(p.nbytes for p in parts) and fused.out_features == 48
     assert np.array_equal(fused.dequantizable_copy(), np.concatenate([p.parts[0] for p in parts]))
+
+
+def test_anything_but_a_row_table_is_refused_not_read_as_addresses():
+    blocks = random_blocks(Q.Q4_0, 8, 64)
+    kvk = native.kernels()
+    with pytest.raises(TypeError, match="row addresses"):
+        kvk.matmul(Q.Q4_0, blocks, 64, torch.randn(1, 64))  # the blocks themselves
+    with pytest.raises(ValueError, match="float32"):
+        kvk.matmul(Q.Q4_0, row_addresses(blocks), 64, torch.randn(1, 64, dtype=torch.float64))
+    with pytest.raises(IndexError):
+        kvk.dequantize_rows(Q.Q4_0, row_addresses(blocks), 64, torch.tensor([8]))
