@@ -103,7 +103,16 @@ class ChatController(QObject):
             on_keep=self.keeping.keep,
             cards=self.tool_rounds.show_cards,
         )
-        self.context = ContextTracking(pane, host, calls, session, options.sampling, context_policy, self)
+        self.context = ContextTracking(
+            pane,
+            host,
+            calls,
+            session,
+            options.sampling,
+            context_policy,
+            self,
+            tools=lambda plan: options.tool_offer(plan)[0],
+        )
         self.streaming = ReplyStreaming(
             pane,
             store,

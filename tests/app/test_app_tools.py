@@ -97,6 +97,66 @@ def test_a_bad_server_entry_is_refused_before_it_starts(registry):
     assert "does not parse" in registry.add(McpServerConfig("x", command='python "unclosed'))
 
 
+class MemorySettings:
+    """AppSettings' get/set, in memory: what the registry saves for the next start."""
+
+    def __init__(self) -> None:
+        self.values: dict = {}
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set(self, key, value) -> None:
+        self.values[key] = value
+
+
+def test_the_servers_dialog_adds_a_server_and_lists_its_tools(qtbot):
+    from app.tools.registry import ToolRegistry
+    from app.tools.servers_dialog import ServersDialog
+
+    settings = MemorySettings()
+    registry = ToolRegistry(settings, call_timeout_s=2.0)
+    try:
+        dialog = ServersDialog(registry)
+        qtbot.addWidget(dialog)
+        assert "No MCP servers yet" in dialog.message.text()
+        # a bad entry is refused in the dialog, and nothing is started or saved
+        dialog.name.setText("broken")
+        dialog.add_button.click()
+        assert dialog.message.text().startswith("✗") and "either a command" in dialog.message.text()
+        assert registry.servers == {} and dialog.name.text() == "broken"  # what was typed stays
+        # a stdio command: it starts, then its tools are listed under it
+        dialog.target.setText(STDIO)
+        dialog.add_button.click()
+        assert "Starting it" in dialog.message.text() and dialog.tree.topLevelItemCount() == 1
+        qtbot.waitUntil(lambda: registry.servers["broken"].state != "connecting", timeout=CONNECT_TIMEOUT_MS)
+        item = dialog.tree.topLevelItem(0)
+        assert item.text(1) == "ready", item.text(2)
+        listed = {item.child(i).text(0): item.child(i).text(2) for i in range(item.childCount())}
+        assert set(listed) == {"add", "echo", "hang", "crash", "big"}
+        assert listed["add"] == "Add two one-digit integers"
+        # kept for the next start, and a second registry reading the settings connects it again
+        assert settings.values["tools/mcp_servers"] == [{"name": "broken", "command": STDIO, "url": ""}]
+        again = ToolRegistry(settings)
+        try:
+            again.load()
+            assert list(again.servers) == ["broken"]
+            qtbot.waitUntil(lambda: again.servers["broken"].state != "connecting", timeout=CONNECT_TIMEOUT_MS)
+            assert again.servers["broken"].state == "ready"
+        finally:
+            again.close()
+            # its finished connect job is deleted later: let that happen before `again` goes (a
+            # QObject deleted with a deleteLater pending under it crashes PySide)
+            qtbot.wait(200)
+        # removed from the dialog: gone from the list and from the settings
+        dialog.tree.setCurrentItem(item.child(0))  # a tool's row names its server
+        dialog.remove_button.click()
+        assert registry.servers == {} and dialog.tree.topLevelItemCount() == 0
+        assert settings.values["tools/mcp_servers"] == []
+    finally:
+        registry.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -186,6 +246,24 @@ def test_a_tool_call_in_the_chat_is_approved_run_and_read_by_the_next_reply(make
     controller.open_conversation(stored.id)
     shown = next(b for b in window.chat.transcript.bubbles if b.message_id == call_reply.id)
     assert len(shown.tool_cards) == 1 and "done" in shown.tool_cards[0].status.text()
+
+
+def test_the_context_meter_counts_the_tools_a_reply_would_offer(make_window, qtbot):
+    window = make_window()
+    connected(qtbot, window.tools, McpServerConfig("test", command=STDIO))
+    controller = window.controller
+
+    def measured() -> int:
+        controller.session.last_fit = None
+        controller.context.measure_now()
+        qtbot.waitUntil(lambda: controller.session.last_fit is not None, timeout=REPLY_TIMEOUT_MS)
+        return controller.session.last_fit.prompt_tokens
+
+    window.chat.input.setPlainText("What is 2 + 3?")
+    without = measured()
+    controller.set_chat_settings(ChatSettings(tools=True))
+    with_tools = measured()
+    assert with_tools > without + 20  # five tools' names, descriptions and schemas in the prompt
 
 
 def test_a_denied_call_is_told_to_the_model(make_window, qtbot):

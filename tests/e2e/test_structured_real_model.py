@@ -94,7 +94,7 @@ SCHEMAS = {
         "additionalProperties": False,
     },
 }
-SAMPLES = 2
+SAMPLES = 4  # n=4 under each schema: four matchers forked at the prompt
 MAX_NEW = 160
 
 
