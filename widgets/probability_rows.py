@@ -100,7 +100,7 @@ def stage_summary(stage: StageSnapshot, vocab: int) -> str:
         removed = 1.0 - stage.kept_mass
         return (
             f"grammar: {stage.kept_count:,} of {vocab:,} tokens allowed, "
-            f"{removed * 100:.{_mass_digits(removed)}f}% of the raw mass removed"
+            f"{share_text(removed)} of the raw mass removed"
         )
     if stage.kept_mass >= 1.0 - 1e-9 and stage.kept_count == vocab:
         return f"{label}: reshapes the distribution, removes nothing"
@@ -114,6 +114,16 @@ def _mass_digits(share: float) -> int:
     if share < 0.01 or share > 0.99:
         return 2
     return 0 if share >= 0.1 else 1
+
+
+def share_text(share: float) -> str:
+    """A share as a percentage that never rounds to all or nothing when it is neither: a mask
+    that leaves 0.004% of the raw mass removed "> 99.99%", not "100.00%"."""
+    if 0.0 < share < 0.00005:
+        return "< 0.01%"
+    if 0.99995 <= share < 1.0:
+        return "> 99.99%"
+    return f"{share * 100:.{_mass_digits(share)}f}%"
 
 
 def grammar_detail(grammar: GrammarSnapshot) -> str:

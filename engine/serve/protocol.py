@@ -111,6 +111,8 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     # "schema" as OpenAI names it (an alias: pydantic's BaseModel has a .schema of its own)
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    # Taken and not needed: the schema is always held by the grammar, strict or not (OpenAI's
+    # non-strict mode only asks the model to follow it).
     strict: bool | None = None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 from app_windows import REPLY_TIMEOUT_MS
 from PySide6.QtWidgets import QDialogButtonBox
 
@@ -99,3 +100,55 @@ def test_a_grammar_with_no_next_token_ends_the_reply_with_its_reason(make_window
     assert finished.args[0].finish_reason == "grammar" and finished.args[0].text == "ab"
     bubble = window.chat.transcript.bubbles[-1]
     assert "the grammar permitted no next token" in bubble._meta.text()
+
+
+# ---- kvscope --json-schema / --regex / --grammar ------------------------------------------------
+def test_the_launch_flags_become_the_chats_structured_output(tmp_path):
+    from app.main import parse_args, structured_output
+    from engine.config import ConfigError
+
+    assert structured_output(parse_args([])) is None
+    assert structured_output(parse_args(["--regex", "[0-9]{4}"])) == GrammarSpec("regex", "[0-9]{4}")
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON), encoding="utf-8")
+    assert structured_output(parse_args(["--json-schema", str(schema)])).kind == "json_schema"
+    gbnf, lark = tmp_path / "yes.gbnf", tmp_path / "yes.txt"
+    gbnf.write_text('root ::= "yes" | "no"', encoding="utf-8")
+    lark.write_text('start: "yes" | "no"', encoding="utf-8")
+    assert structured_output(parse_args(["--grammar", str(gbnf)])).kind == "gbnf"
+    assert structured_output(parse_args(["--grammar", str(lark)])).kind == "lark"
+    # what is wrong is said in one line naming the flag, before anything starts
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}', encoding="utf-8")
+    for argv, words in (
+        (["--regex", "[0-9"], "--regex: "),
+        (["--json-schema", str(bad)], "--json-schema: "),
+        (["--json-schema", str(tmp_path / "missing.json")], "--json-schema: cannot read"),
+        (["--grammar", str(tmp_path / "missing.lark")], "--grammar: cannot read"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            structured_output(parse_args(argv))
+        assert str(refused.value).startswith(words) and "\n" not in str(refused.value), argv
+
+
+def test_a_scripted_run_under_a_grammar_shows_its_mask_stage(
+    make_window, qtbot, tiny_loaded, test_config, tmp_path
+):
+    from app.scripted import ScriptedRun, most_cut_token
+
+    window = make_window(start=False)
+    window.controls.sampling.set_params(
+        SamplingParams(temperature=1.0, seed=2, max_new_tokens=30, snapshot_top_n=5)
+    )
+    window.controller.set_chat_settings(ChatSettings(grammar=GrammarSpec("json_schema", json.dumps(PERSON))))
+    shot = tmp_path / "grammar.png"
+    run = ScriptedRun(window, "Who?", shot, quit_after_reply=False, timeout_s=120)
+    window.start_engine(test_config, loaded=tiny_loaded)
+    qtbot.waitUntil(lambda: run.finished, timeout=REPLY_TIMEOUT_MS)
+    assert run.exit_code == 0 and shot.is_file()
+    jsonschema.validate(json.loads(run.reply), PERSON)
+    view = window.host.live.requests[run.request_id]
+    cut = most_cut_token(view.tokens)
+    assert cut is not None and window.controller.pinning.pinned == (run.request_id, cut)
+    panel = window.panels.probabilities
+    assert panel.stage_name == "grammar" and not panel.grammar_note.isHidden()

@@ -233,3 +233,18 @@ def test_the_grammar_mask_is_a_stage_like_the_others(panel, state):
     # a token without a grammar hides the line
     panel.refresh(state.apply([token(1, 1, 0.2, " a", make_snap())]))
     assert panel.grammar_note.isHidden()
+
+
+def test_a_share_never_rounds_to_all_or_nothing_when_it_is_neither():
+    from widgets.probability_rows import share_text
+
+    assert [share_text(s) for s in (0.0, 0.00001, 0.003, 0.05, 0.41, 0.9998, 0.99999, 1.0)] == [
+        "0.00%",
+        "< 0.01%",
+        "0.30%",
+        "5.0%",
+        "41%",
+        "99.98%",
+        "> 99.99%",
+        "100.00%",
+    ]
