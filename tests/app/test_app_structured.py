@@ -152,3 +152,31 @@ def test_a_scripted_run_under_a_grammar_shows_its_mask_stage(
     assert cut is not None and window.controller.pinning.pinned == (run.request_id, cut)
     panel = window.panels.probabilities
     assert panel.stage_name == "grammar" and not panel.grammar_note.isHidden()
+
+
+def test_each_chat_tab_has_its_own_structured_output(make_window, qtbot):
+    window = make_window()
+    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=4, max_new_tokens=12))
+    first = window.controller
+    second = window.chat_tabs.add_tab()
+    second.set_chat_settings(ChatSettings(grammar=GrammarSpec("regex", "[0-9]{4}")))
+    assert first.chat_settings.grammar is None
+    assert "replies follow a regular expression" in second.pane.structured_label.text()
+    assert first.pane.structured_label.text() == "free text"
+    assert second.send("A year?") and first.send("A year?")  # both generate at once
+
+    def both_replied() -> bool:
+        return all(
+            c.conversation is not None and c.conversation.messages[-1].finish_reason is not None
+            for c in (first, second)
+        )
+
+    qtbot.waitUntil(both_replied, timeout=REPLY_TIMEOUT_MS)
+    constrained = second.conversation.messages[-1]
+    assert len(constrained.content) == 4 and constrained.content.isdigit()
+    free = first.conversation.messages[-1]
+    assert free.meta["sampling"].get("grammar") is None
+    # a closed tab's controller hears nothing more from the MCP servers' changes
+    window.chat_tabs.close_tab(1)
+    qtbot.wait(50)
+    window.tools.changed.emit()
