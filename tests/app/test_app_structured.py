@@ -180,3 +180,38 @@ def test_each_chat_tab_has_its_own_structured_output(make_window, qtbot):
     window.chat_tabs.close_tab(1)
     qtbot.wait(50)
     window.tools.changed.emit()
+
+
+def test_a_branch_inside_a_json_reply_in_the_chat(make_window, qtbot):
+    window = make_window()
+    window.controls.sampling.set_params(
+        SamplingParams(temperature=1.0, seed=6, max_new_tokens=60, snapshot_top_n=6)
+    )
+    controller = window.controller
+    controller.set_chat_settings(ChatSettings(grammar=GrammarSpec("json_schema", json.dumps(PERSON))))
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as finished:
+        controller.send("Describe someone")
+    first = finished.args[0]
+    first_reply = controller.conversation.messages[-1]
+    tokens = window.host.live.requests[first.request_id].tokens
+    # a token inside the object where the mask left a choice: another permitted candidate
+    at = next(t for t in tokens[2:] if sum(1 for p in t.snapshot.stages[1].probs if p > 0) > 1)
+    allowed = zip(at.snapshot.candidate_ids, at.snapshot.stages[1].probs)
+    other = next(c for c, p in allowed if p > 0 and c != at.token_id)
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as branched:
+        assert controller.branch_from_token(first.request_id, at.index, other)
+    assert branched.args[0].finish_reason == "stop"
+    reply = controller.conversation.messages[-1]
+    jsonschema.validate(json.loads(reply.content), PERSON)  # the prefix, the candidate, the rest
+    assert len(controller.conversation.siblings(reply)) == 2
+    # a candidate the mask cut: the reply fails with the reason, the conversation keeps the rest
+    controller.open_conversation(controller.conversation.id, first_reply.id)  # back to the first
+    where = next(t for t in tokens if t.snapshot.grammar.cut_ids)
+    cut = where.snapshot.grammar.cut_ids[0]
+    said = []
+    controller.status_message.connect(lambda text, kind: said.append((text, kind)))
+    assert controller.branch_from_token(first.request_id, where.index, cut)
+    qtbot.waitUntil(lambda: not controller.busy, timeout=REPLY_TIMEOUT_MS)
+    (failed,) = [text for text, kind in said if kind == "error"]
+    assert "does not follow the grammar" in failed and "\n" not in failed
+    assert json.loads(controller.conversation.nodes[reply.id].content)  # the branch is still there
