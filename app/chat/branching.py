@@ -133,11 +133,20 @@ class Branching:
             self.signals.status("That token is not in the reply any more.", "error")
             return False
         token = self.host.live.token(request_id, index)
+        sampling, note = _single(self._sampling())
+        made = self.host.request(request_id)
+        same_grammar = made is not None and made.sampling.grammar == sampling.grammar
+        if token is not None and same_grammar and _cut_by_grammar(token.snapshot, token_id):
+            self.signals.status(
+                "The chat's structured output does not allow that token there (its mask cut it): "
+                "choose one it allows, or change the structured output first.",
+                "error",
+            )
+            return False
         prob = _candidate_prob(token.snapshot, token_id) if token is not None else None
         logprob = math.log(prob) if prob else -math.inf
         before_ids = tuple(record.token_ids[:position])
         prefix_tokens = [*record.tokens[:position], ReplyToken(index, "", logprob, request_id)]
-        sampling, note = _single(self._sampling())
         plan = ReplyPlan(
             "branch",
             conv.path_to(msg.parent_id),
@@ -225,6 +234,19 @@ def _single(params: SamplingParams) -> tuple[SamplingParams, str]:
     if params.group_size == 1:
         return params, ""
     return dataclasses.replace(params, n=1, num_beams=1), SINGLE_NOTE
+
+
+def _cut_by_grammar(snapshot: TokenSnapshot | None, token_id: int) -> bool:
+    """The grammar's mask removed `token_id` at this token (as recorded: among the candidates
+    with nothing left after the grammar stage, or among the likeliest tokens it cut)."""
+    if snapshot is None or snapshot.grammar is None:
+        return False
+    if token_id in snapshot.grammar.cut_ids:
+        return True
+    stage = next((s for s in snapshot.stages if s.name == "grammar"), None)
+    if stage is None or token_id not in snapshot.candidate_ids:
+        return False
+    return stage.probs[snapshot.candidate_ids.index(token_id)] == 0.0
 
 
 def _candidate_prob(snapshot: TokenSnapshot | None, token_id: int) -> float | None:

@@ -204,14 +204,17 @@ def test_a_branch_inside_a_json_reply_in_the_chat(make_window, qtbot):
     reply = controller.conversation.messages[-1]
     jsonschema.validate(json.loads(reply.content), PERSON)  # the prefix, the candidate, the rest
     assert len(controller.conversation.siblings(reply)) == 2
-    # a candidate the mask cut: the reply fails with the reason, the conversation keeps the rest
+    # a candidate the mask cut is refused before anything starts, with the reason
     controller.open_conversation(controller.conversation.id, first_reply.id)  # back to the first
     where = next(t for t in tokens if t.snapshot.grammar.cut_ids)
     cut = where.snapshot.grammar.cut_ids[0]
-    said = []
-    controller.status_message.connect(lambda text, kind: said.append((text, kind)))
-    assert controller.branch_from_token(first.request_id, where.index, cut)
-    qtbot.waitUntil(lambda: not controller.busy, timeout=REPLY_TIMEOUT_MS)
-    (failed,) = [text for text, kind in said if kind == "error"]
-    assert "does not follow the grammar" in failed and "\n" not in failed
-    assert json.loads(controller.conversation.nodes[reply.id].content)  # the branch is still there
+    nodes = len(controller.conversation.nodes)
+    with qtbot.waitSignal(controller.status_message) as said:
+        assert not controller.branch_from_token(first.request_id, where.index, cut)
+    assert "does not allow that token there" in said.args[0] and said.args[1] == "error"
+    assert len(controller.conversation.nodes) == nodes and not controller.busy
+    # under another structured output (free text) the same candidate goes on
+    controller.set_chat_settings(ChatSettings())
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
+        assert controller.branch_from_token(first.request_id, where.index, cut)
+    assert len(controller.conversation.nodes) == nodes + 1
