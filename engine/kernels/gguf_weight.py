@@ -121,11 +121,25 @@ class GGUFWeight(WeightStorage):
         if kernel == "kvk":
             y = self.lib.matmul(self.ggml_type, self.row_table, self.in_features, flat)
         else:
-            weight = self.lib.dequantize_bf16(
-                self.ggml_type, self.row_table, self.in_features, _bf16_scratch(self)
-            )
-            y = F.linear(flat.to(torch.bfloat16), weight)
+            y = self._dense_bf16(flat)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _dense_bf16(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense kernel a slice of output rows at a time: each slice decoded into one small
+        reused buffer, then the GEMM. A whole layer's bfloat16 copy (64 MiB for a 1.7B model's
+        gate|up) would be held by the process for its life; a slice of DENSE_SLICE_WEIGHTS keeps
+        the buffer in cache between decoding and GEMM and changes no output: each output is
+        still one dot product over all its inputs."""
+        rows_per_slice = max(1, DENSE_SLICE_WEIGHTS // self.in_features)
+        activations = flat.to(torch.bfloat16)
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        for start in range(0, self.out_features, rows_per_slice):
+            table = self.row_table[start : start + rows_per_slice]
+            weight = self.lib.dequantize_bf16(
+                self.ggml_type, table, self.in_features, _bf16_scratch(table.shape[0], self.in_features)
+            )
+            y[:, start : start + table.shape[0]] = F.linear(activations, weight)
+        return y
 
     def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 activations times every weight decoded to float32 (the exact LM head)."""
@@ -151,17 +165,18 @@ class GGUFWeight(WeightStorage):
         return self.nbytes + 2 * 2 * self.out_features * self.in_features  # the bf16 copy written, read
 
 
-# One bfloat16 buffer for the dense kernel's copy of a layer, reused across calls and layers (a
-# fresh 30+ MB tensor a call costs its page faults: measured 10x the decoding itself).
+# One bfloat16 buffer for the dense kernel's slices, reused across calls and layers (a fresh
+# buffer a call costs its page faults: measured 10x the decoding itself for a whole layer's copy).
 _SCRATCH = threading.local()
+DENSE_SLICE_WEIGHTS = 1 << 22  # 8 MiB of bfloat16
 
 
-def _bf16_scratch(storage: GGUFWeight) -> torch.Tensor:
-    size = storage.out_features * storage.in_features
+def _bf16_scratch(rows: int, cols: int) -> torch.Tensor:
+    size = rows * cols
     buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < size:
         buf = _SCRATCH.buf = torch.empty(size, dtype=torch.bfloat16)
-    return buf[:size].view(storage.out_features, storage.in_features)
+    return buf[:size].view(rows, cols)
 
 
 def random_blocks(
