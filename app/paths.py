@@ -15,6 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_config_dir, user_data_dir
 
+from engine.private import private_dir
 from engine.resources import resource
 
 APP_NAME = "kvscope"
@@ -25,9 +26,10 @@ class DirectoryError(Exception):
 
 
 def writable_dir(path: Path, what: str, override: str) -> Path:
-    """`path`, created if needed and proven writable (a file made and removed in it)."""
+    """`path`, created if needed (private: 0700, as every folder it creates above it) and
+    proven writable (a file made and removed in it)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         # mkdir(exist_ok=True) succeeds on a folder we cannot write into; find out now.
         with tempfile.TemporaryFile(dir=path):
             pass

@@ -25,6 +25,7 @@ from typing import TypeVar
 from app.chat.schema import SchemaError, prepare, probe
 from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
 from app.chat.tree import Conversation, StoredMessage, default_leaf
+from engine.private import create_private_file, private_dir
 
 # Re-exported: callers import the data types with the store.
 __all__ = [
@@ -89,7 +90,9 @@ class ConversationStore:
         self.path = Path(path)
         self._clock = clock
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
+            # created 0600 before SQLite opens it (its -wal and -shm files take its permissions)
+            create_private_file(self.path)
             probe(self.path)
             # timeout: a second kvscope on the same database (WAL: readers never wait, writers
             # take turns) waits this long for the other's write to end instead of failing at once

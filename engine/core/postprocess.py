@@ -7,11 +7,15 @@ handler of its kind, and stream what they choose.
   samples      the first time a group's prompt is in: fork n ways (shared blocks), each sample
                draws from the same logits with its own generator; then each on its own, as plain
   beams        all of a group's beams at once: rank, re-fork, prune (engine.core.group_driver)
+
+Each sequence's part runs guarded: one that raises (a sampler given impossible logits, a
+detokenizer's error) fails its own request (`LLMEngine.fail_request`) and the others' go on.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,17 +35,34 @@ class Postprocessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
 
+    def _guarded(self, seq: Sequence, work: Callable[[], object]) -> None:
+        """`work()` for `seq`, unless its request already failed this step; if it raises, the
+        request fails alone with the error."""
+        if seq.seq_id not in self.engine.seqs:
+            return  # failed (or finished with its group) earlier in this step
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
+            self.engine.fail_request(
+                seq, f"the request failed after the forward: {type(exc).__name__}: {exc}"
+            )
+
     def run(self, batch: ScheduledBatch, result: ForwardResult) -> None:
         engine, logits = self.engine, result.logits
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
+
+        def verify_round(seq: Sequence, first: int, count: int) -> None:
+            verdicts[seq.seq_id] = self._verify(seq, logits[first : first + count])
+
         for seq in batch.seqs:
             row = rows.get(seq.seq_id)
             if row is not None and row[1] > 1:
-                verdicts[seq.seq_id] = self._verify(seq, logits[row[0] : row[0] + row[1]])
+                self._guarded(seq, lambda seq=seq, row=row: verify_round(seq, *row))
         for seq, n in zip(batch.seqs, batch.num_tokens):
             verdict = verdicts.get(seq.seq_id)
-            engine.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
+            kept = None if verdict is None else 1 + verdict.accepted
+            self._guarded(seq, lambda seq=seq, n=n, kept=kept: engine.kv.commit(seq, n, kept))
         beam_rows: dict[int, dict[int, int]] = {}
         for seq in batch.seqs:
             if seq.seq_id not in rows:
@@ -49,18 +70,30 @@ class Postprocessor:
             start, count = rows[seq.seq_id]
             verdict = verdicts.get(seq.seq_id)
             if verdict is not None:
-                self._emit_round(seq, verdict, logits[start : start + count])
+                self._guarded(
+                    seq,
+                    lambda seq=seq, v=verdict, s=start, c=count: self._emit_round(seq, v, logits[s : s + c]),
+                )
             elif seq.group is None:
-                self.sample(seq, logits[start])
+                self._guarded(seq, lambda seq=seq, s=start: self.sample(seq, logits[s]))
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
             elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
-                for member in engine.groups.fork_samples(seq.group):
-                    self.sample(member, logits[start])
+                self._guarded(seq, lambda seq=seq, s=start: self._fork_and_sample(seq, logits[s]))
             else:
-                self.sample(seq, logits[start])
+                self._guarded(seq, lambda seq=seq, s=start: self.sample(seq, logits[s]))
         for request_id, seq_rows in beam_rows.items():
-            engine.groups.beam_step(engine.groups.active[request_id], seq_rows, logits, engine.step_count)
+            group = engine.groups.active.get(request_id)
+            if group is not None:
+                self._guarded(
+                    group.members[0],
+                    lambda g=group, r=seq_rows: engine.groups.beam_step(g, r, logits, engine.step_count),
+                )
+
+    def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        assert seq.group is not None
+        for member in self.engine.groups.fork_samples(seq.group):
+            self.sample(member, logits)
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -92,7 +125,7 @@ class Postprocessor:
                 seq.group.request_id if seq.group is not None else seq.seq_id,
                 seq.num_output_tokens - 1,
                 token,
-                engine.text.text(token),
+                engine.text.text(token) if seq.makes_text else "",
                 delta,
                 result.logprob,
                 result.snapshot,

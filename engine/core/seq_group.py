@@ -75,6 +75,7 @@ class SequenceGroup:
             group=self,
             branch=branch,
             cumulative_logprob=parent.cumulative_logprob,
+            makes_text=parent.makes_text,
         )
         kv.share(parent, child)
         self.every_seq.append(child)

@@ -60,6 +60,8 @@ class Sequence:
     branch: int = 0
     cumulative_logprob: float = 0.0
     cow_copies: int = 0
+    # False: no text made on the engine thread (Request.detokenize), for it and its forks
+    makes_text: bool = True
     # The prefix-cache keys of its full blocks, each with the tokens it was computed from
     # (engine.kv.manager: computed once per block, not once per commit).
     block_keys: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list, repr=False)

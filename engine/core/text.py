@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.core.detokenize import IncrementalDetokenizer
+from engine.core.detokenize import IncrementalDetokenizer, NoText
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +22,11 @@ class TokenText:
         assert isinstance(text, str), "one list of ids decodes to one string"
         return text
 
-    def detokenizer(self, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+    def detokenizer(
+        self, prompt_ids: list[int], stop: tuple[str, ...] = (), text: bool = True
+    ) -> IncrementalDetokenizer:
+        """The reply's streaming detokenizer; `text` False: none (the caller makes the text)."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop) if text else NoText()
 
     def stops(self, token_id: int, ignore_eos: bool) -> bool:
         return token_id in self.eos_ids and not ignore_eos

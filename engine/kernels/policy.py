@@ -274,9 +274,9 @@ def _save_cached(key: str, table: dict[int, str]) -> None:
     tables = _load_cached()
     tables[key] = table
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": TABLE_VERSION, "tables": tables}, indent=1))
-        tmp.replace(path)
+        from engine.private import private_dir, write_private_text
+
+        private_dir(path.parent)
+        write_private_text(path, json.dumps({"version": TABLE_VERSION, "tables": tables}, indent=1))
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
