@@ -8,6 +8,7 @@ and that exists already keeps the permissions it has. Plain Python, usable on ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -26,10 +27,8 @@ def private_dir(path: Path) -> Path:
             break
         at = at.parent
     for folder in reversed(missing):
-        try:
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
             os.mkdir(folder, PRIVATE_DIR_MODE)
-        except FileExistsError:  # made meanwhile by another process (or thread)
-            pass
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is not a folder")
     return path

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,13 +35,13 @@ class Postprocessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
 
-    def _guarded(self, seq: Sequence, work: Callable[[], object]) -> None:
-        """`work()` for `seq`, unless its request already failed this step; if it raises, the
-        request fails alone with the error."""
+    def _guarded(self, seq: Sequence, work: Callable[..., object], *args: Any) -> None:
+        """`work(*args)` for `seq`, unless its request already failed this step; if it raises,
+        the request fails alone with the error."""
         if seq.seq_id not in self.engine.seqs:
             return  # failed (or finished with its group) earlier in this step
         try:
-            work()
+            work(*args)
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
             self.engine.fail_request(
                 seq, f"the request failed after the forward: {type(exc).__name__}: {exc}"
@@ -58,11 +58,10 @@ class Postprocessor:
         for seq in batch.seqs:
             row = rows.get(seq.seq_id)
             if row is not None and row[1] > 1:
-                self._guarded(seq, lambda seq=seq, row=row: verify_round(seq, *row))
+                self._guarded(seq, verify_round, seq, *row)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             verdict = verdicts.get(seq.seq_id)
-            kept = None if verdict is None else 1 + verdict.accepted
-            self._guarded(seq, lambda seq=seq, n=n, kept=kept: engine.kv.commit(seq, n, kept))
+            self._guarded(seq, engine.kv.commit, seq, n, None if verdict is None else 1 + verdict.accepted)
         beam_rows: dict[int, dict[int, int]] = {}
         for seq in batch.seqs:
             if seq.seq_id not in rows:
@@ -70,24 +69,20 @@ class Postprocessor:
             start, count = rows[seq.seq_id]
             verdict = verdicts.get(seq.seq_id)
             if verdict is not None:
-                self._guarded(
-                    seq,
-                    lambda seq=seq, v=verdict, s=start, c=count: self._emit_round(seq, v, logits[s : s + c]),
-                )
+                self._guarded(seq, self._emit_round, seq, verdict, logits[start : start + count])
             elif seq.group is None:
-                self._guarded(seq, lambda seq=seq, s=start: self.sample(seq, logits[s]))
+                self._guarded(seq, self.sample, seq, logits[start])
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
             elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
-                self._guarded(seq, lambda seq=seq, s=start: self._fork_and_sample(seq, logits[s]))
+                self._guarded(seq, self._fork_and_sample, seq, logits[start])
             else:
-                self._guarded(seq, lambda seq=seq, s=start: self.sample(seq, logits[s]))
+                self._guarded(seq, self.sample, seq, logits[start])
         for request_id, seq_rows in beam_rows.items():
             group = engine.groups.active.get(request_id)
             if group is not None:
                 self._guarded(
-                    group.members[0],
-                    lambda g=group, r=seq_rows: engine.groups.beam_step(g, r, logits, engine.step_count),
+                    group.members[0], engine.groups.beam_step, group, seq_rows, logits, engine.step_count
                 )
 
     def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:

@@ -97,10 +97,9 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     """The repo's config.json (downloaded alone into the HF cache) as a transformers config."""
     from huggingface_hub import hf_hub_download
 
+    from engine.hub.download import private_repo_dir
     from engine.hub.online import endpoint, token
     from engine.model.configs import read_folder_config
-
-    from engine.hub.download import private_repo_dir
 
     private_repo_dir(repo_id)  # before huggingface_hub creates it with the default permissions
     path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint(), token=token())

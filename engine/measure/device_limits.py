@@ -24,8 +24,8 @@ import torch
 from engine.config import ConfigError
 from engine.measure.memory import device_name, measure_memory_bandwidth
 from engine.model.cache_dirs import cache_root
-from engine.private import private_dir
 from engine.model.checks import TORCH_DTYPES, resolve_device
+from engine.private import private_dir
 
 # Square matmul sizes tried in order, up to the first that gets slow. The best size differs by
 # device: a CPU can peak at a size whose operands stay in its caches (512 on a 2-core EPYC,
