@@ -6,7 +6,8 @@ concurrent clients are batched into the same steps like the app's chat tabs. The
 metrics, hand request events to the channel of the HTTP request that owns them, and hand every
 event to the `/v1/kvscope/events` subscribers. Requests are started and subscribers registered
 inside `Engine.call`, on the engine thread between two steps, so no event can slip between a
-registration and the state it starts from.
+registration and the state it starts from. A request reaches the engine thread as token ids,
+already checked: its tokenization ran on the prompt pool (engine.serve.prompts).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.detokenize import PROMPT_CONTEXT_TOKENS
 from engine.core.service import Engine
 from engine.events import BlockEvent, Event, ModelInfo
 from engine.request import Request
@@ -29,14 +30,24 @@ from engine.serve.metrics import ServeMetrics
 from engine.serve.snapshot import BlockMirror, state_events
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.core.llm_engine import LLMEngine
     from engine.model.loaded import LoadedModel
+    from engine.serve.params import Bounds  # noqa: F811 - the type; start() imports the class
+    from engine.serve.prompts import PromptQueue  # noqa: F811
 
 T = TypeVar("T")
 
 # A subscriber more than this many events behind is cut off (it reconnects for a new snapshot):
 # minutes of a busy engine's events, and a bound on what a stalled client can cost the server.
 SUBSCRIBER_LIMIT = 200_000
+# Requests accepted but not yet running (tokenizing, or in the engine's waiting queue) before a
+# new one gets 429: a few minutes of work for a small model, and a bound on a flood's cost.
+DEFAULT_MAX_WAITING = 256
+# Request bodies past this many bytes get 413 (engine.serve.guards); a 128k-token prompt is well
+# under 1 MiB of text.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 class ServeError(ValueError):
@@ -51,15 +62,25 @@ class ServeError(ValueError):
 class Started:
     request_id: int
     prompt_tokens: int
+    prompt_tail: tuple[int, ...] = ()  # the prompt's last ids: the server's detokenizer's context
 
 
 class EngineBridge:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, model_name: str | None = None
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        model_name: str | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         self.config = config
         self.engine = Engine(config, sink=self._on_event, loaded=loaded)
         self._model_name = model_name
+        self.max_waiting = max_waiting
+        self.prompts: PromptQueue | None = None
+        self.bounds: Bounds | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.pool_blocks = 0
         self.metrics: ServeMetrics | None = None
         self.mirror = BlockMirror(config.block_size)
         self._lock = threading.Lock()
@@ -73,6 +94,8 @@ class EngineBridge:
     def start(self, timeout: float | None = None) -> None:
         """Load the model (on the engine thread) and wait for it; raises with the load error."""
         from engine.serve.logprobs import token_bytes_table
+        from engine.serve.params import Bounds
+        from engine.serve.prompts import PromptQueue
 
         self.engine.start()
         info = self.engine.wait_until_loaded(timeout)
@@ -80,11 +103,26 @@ class EngineBridge:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
         self.metrics = ServeMetrics(self.model_name)
-        self.max_model_len, self.token_bytes = self.engine.call(
-            lambda core: (core.max_model_len, token_bytes_table(core.tokenizer))
+        self.max_model_len, self.token_bytes, self.tokenizer, self.pool_blocks = self.engine.call(
+            lambda core: (
+                core.max_model_len,
+                token_bytes_table(core.tokenizer),
+                core.tokenizer,
+                core.kv.pool.num_blocks,
+            )
         ).result()
+        self.bounds = Bounds(info.vocab_size, self.max_model_len, self.config.max_num_seqs)
+        self.prompts = PromptQueue(self.tokenizer, self.max_waiting, self.engine_waiting)
+
+    def engine_waiting(self) -> int:
+        """Requests in the engine's waiting queue now (a deque's length: safe to read from any
+        thread; one step stale at worst)."""
+        core = self.engine.core
+        return len(core.scheduler.waiting) if core is not None else 0
 
     def shutdown(self) -> None:
+        if self.prompts is not None:
+            self.prompts.shutdown()
         self.engine.shutdown()
 
     @property
@@ -109,20 +147,19 @@ class EngineBridge:
     # ---- requests --------------------------------------------------------------------------
     async def start_request(
         self,
-        prompt_ids: Callable[[LLMEngine], list[int]],
+        ids: list[int],
         sampling: SamplingParams,
         channel: Channel,
-        check: Callable[[LLMEngine, list[int]], None],
         tag: str | None = None,
+        arrival: float | None = None,
+        detokenize: bool = True,
     ) -> Started:
-        """Tokenize (`prompt_ids(core)`), check and start a request on the engine thread; its
-        events go to `channel`. `check(core, ids)` raises ServeError to refuse it first."""
+        """Start a request of checked prompt ids on the engine thread; its events go to
+        `channel`. `detokenize` False: the engine makes no text for it (the server does)."""
         request_id = next(self._ids)
-        arrival = time.perf_counter()
+        arrived = time.perf_counter() if arrival is None else arrival
 
         def begin(core: LLMEngine) -> Started:
-            ids = prompt_ids(core)
-            check(core, ids)
             with self._lock:
                 self._channels[request_id] = channel
                 subscribers = tuple(self._subscribers) if tag else ()
@@ -130,9 +167,10 @@ class EngineBridge:
                 for subscriber in subscribers:
                     subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
             assert self.metrics is not None, "requests are served after start()"
-            self.metrics.arrived(request_id, arrival)
-            core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
-            return Started(request_id, len(ids))
+            self.metrics.arrived(request_id, arrived)
+            request = Request(prompt_token_ids=tuple(ids), sampling=sampling, detokenize=detokenize)
+            core.add_request(request, request_id)
+            return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))
 
         return await asyncio.wrap_future(self.engine.call(begin))
 
