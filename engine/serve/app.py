@@ -95,7 +95,7 @@ def build_app(
         return error_response(exc.status_code, str(exc.detail))
 
     install(app, api_key, max_body_bytes, cors_origins)
-    app.openapi = lambda: served_openapi(app, model)  # type: ignore[method-assign]
+    app.openapi = lambda: served_openapi(app, model, bounds)  # type: ignore[method-assign]
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model:

@@ -3,9 +3,12 @@ types (JSON, or an SSE stream for `stream: true`), OpenAI's error object for eve
 
 FastAPI writes the request side from the pydantic bodies (engine.serve.protocol); the responses
 are declared here, because the routes return ready-made responses that FastAPI never sees as
-models. `served_openapi` then says what only the running server knows: the one model id it
-accepts. `./dev fuzz` (Schemathesis) holds the server to this schema: no 5xx, every response
-one the schema names, in the shape it gives.
+models. `served_openapi` then writes into the request side the ranges the server checks (the
+engine's SamplingParams and engine.serve.params keep checking them and give the messages) and
+what only the running server knows: the one model id it accepts, the context, the vocabulary,
+the batch. `./dev fuzz` (Schemathesis) holds the server to this schema: no 5xx, every response
+one the schema names, in the shape it gives. (A few rules join two fields, such as n > 1 needing
+a temperature above 0, or best_of equal to n; those stay in the 400s alone.)
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
+
+from engine.config import LENGTH_PENALTY_LIMIT, MIN_TEMPERATURE, PENALTY_RANGE
+from engine.serve.logprobs import MAX_TOP_LOGPROBS
+from engine.serve.params import MAX_STOP, MAX_STOP_CHARS, SEED_RANGE, Bounds
 
 
 class ErrorDetail(BaseModel):
@@ -137,7 +144,14 @@ def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}
 
 
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (OpenAPI 3.1 has no itemSchema: a stream's schema is each event's, as
+# Schemathesis reads it). Generation streams send JSON chunks, an error object or "[DONE]" as data.
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+}
+SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 _KEY: dict[int | str, dict[str, Any]] = {
     401: _error("The API key is missing or wrong (a server started with --api-key).")
 }
@@ -188,19 +202,100 @@ INFO_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
 }
 
 
-def served_openapi(app: FastAPI, model: str) -> dict[str, Any]:
-    """The schema, made once: the request bodies' `model` is the one id served (or absent)."""
+Schema = dict[str, Any]
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(**bounds: float) -> Schema:
+    return {"type": "number", **bounds}
+
+
+def _request_rules(model: str, bounds: Bounds) -> dict[str, Schema]:
+    """The properties the chat and completions bodies share, as the server checks them."""
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    tokens = {"type": "integer", "minimum": 1, "maximum": bounds.max_model_len}
+    return {
+        "model": _nullable({"type": "string", "enum": [model]}),
+        "max_tokens": _nullable(tokens),
+        "temperature": _nullable(
+            {"anyOf": [{"type": "number", "enum": [0]}, _number(minimum=MIN_TEMPERATURE)]}
+        ),
+        "top_p": _nullable(_number(exclusiveMinimum=0, maximum=1)),
+        "top_k": _nullable({"type": "integer", "minimum": -1}),
+        "min_p": _nullable(_number(minimum=0, exclusiveMaximum=1)),
+        "presence_penalty": _nullable(_number(minimum=-2, maximum=2)),
+        "frequency_penalty": _nullable(_number(minimum=-2, maximum=2)),
+        "repetition_penalty": _nullable(_number(minimum=PENALTY_RANGE[0], maximum=PENALTY_RANGE[1])),
+        "seed": _nullable({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
+        "stop": _nullable(
+            {"anyOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP}]}
+        ),
+        "n": {"type": "integer", "minimum": 1, "maximum": bounds.max_num_seqs, "default": 1},
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": _number(minimum=-100, maximum=100),
+            }
+        ),
+    }
+
+
+def _token_ids(bounds: Bounds, min_items: int = 0) -> Schema:
+    return {
+        "type": "array",
+        "minItems": min_items,
+        "items": {"type": "integer", "minimum": 0, "maximum": bounds.vocab_size - 1},
+    }
+
+
+def _constrain(components: dict[str, Schema], model: str, bounds: Bounds) -> None:
+    shared = _request_rules(model, bounds)
+    tokens = {"type": "integer", "minimum": 1, "maximum": bounds.max_model_len}
+    chat, completion = components["ChatRequest"]["properties"], components["CompletionRequest"]["properties"]
+    chat.update(shared)
+    completion.update(shared)
+    chat["max_completion_tokens"] = _nullable(tokens)
+    chat["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    chat["tools"] = _nullable({"type": "array", "maxItems": 0})  # no function calling
+    chat["response_format"] = _nullable(
+        {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}}
+    )
+    completion["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    completion["suffix"] = _nullable({"type": "string", "maxLength": 0})
+    completion["prompt"] = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "maxItems": bounds.max_prompts, "items": {"type": "string"}},
+            _token_ids(bounds, 1),
+            {"type": "array", "minItems": 1, "maxItems": bounds.max_prompts, "items": _token_ids(bounds, 1)},
+        ]
+    }
+    components["MessageIn"]["properties"]["role"] = {
+        "type": "string",
+        "enum": ["system", "user", "assistant", "developer"],
+    }
+    components["TextPart"]["properties"]["type"] = {"type": "string", "enum": ["text"]}
+    components["TextPart"]["properties"]["text"] = {"type": "string"}
+    components["TextPart"]["required"] = ["type", "text"]
+    options = components["KvscopeOptions"]["properties"]
+    options["reply_prefix_ids"] = _token_ids(bounds)
+    options["num_beams"] = {"type": "integer", "minimum": 1, "maximum": bounds.max_num_seqs, "default": 1}
+    options["length_penalty"] = _number(
+        minimum=-LENGTH_PENALTY_LIMIT, maximum=LENGTH_PENALTY_LIMIT, default=1.0
+    )
+
+
+def served_openapi(app: FastAPI, model: str, bounds: Bounds) -> dict[str, Any]:
+    """The schema, made once, with the request rules of this server (see the module doc)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.get("components", {}).get("schemas", {})
-    for name in ("ChatRequest", "CompletionRequest"):
-        props = components.get(name, {}).get("properties", {})
-        if "model" in props:
-            props["model"] = {
-                "anyOf": [{"type": "string", "enum": [model]}, {"type": "null"}],
-                "title": "Model",
-            }
+    _constrain(components, model, bounds)
     # The validation errors FastAPI would document as 422 are answered 400 here (OpenAI's way).
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
