@@ -68,11 +68,12 @@ def tiny_model() -> LoadedModel:
 
     tokenizer = load_default_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         tie_word_embeddings=True, attn_implementation="sdpa",
     )  # fmt: skip
+    config = LlamaConfig(**fields)
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return LoadedModel.from_model(model, tokenizer, name="tiny-random-llama", source="fuzz")
