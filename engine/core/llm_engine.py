@@ -28,6 +28,7 @@ from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import request_stats
+from engine.core.step_clock import DeviceClock
 from engine.core.text import TokenText, eos_ids_of
 from engine.events import (
     EngineError,
@@ -119,6 +120,7 @@ class LLMEngine:
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, limits)
         self.post = Postprocessor(self)
+        self.clock = DeviceClock(loaded.device)  # the forward's time on its device (CUDA events)
         self.step_count = 0
         self.peak_blocks_used = 0
         self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
@@ -246,18 +248,19 @@ class LLMEngine:
             return
         # (query tokens, context tokens after the step) per sequence, before the commit moves them
         shapes = tuple((n, seq.num_computed_tokens + n) for seq, n in zip(batch.seqs, batch.num_tokens))
-        t_forward = time.perf_counter()
+        mark = self.clock.start()
         try:
             result = self._forward(batch)
         except Exception as exc:  # noqa: BLE001 - find the request that broke it; the rest go on
             self._isolate_failed_forward(batch, exc)
             return
+        forward_s = self.clock.stop(mark)  # on CUDA: synchronized, the device's own time
         t_post = time.perf_counter()
         self.post.run(batch, result)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         t_end = time.perf_counter()
         self.step_count += 1
-        phases = (t_drafted - t0, t_post - t_forward, t_end - t_post)
+        phases = (t_drafted - t0, forward_s, t_end - t_post)
         self._emit_step(batch, result, shapes, t0, phases, t_end)
 
     def _logit_counts(self, seqs: list[Sequence], num_tokens: list[int]) -> dict[int, int]:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 class Postprocessor:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # The time of the step being postprocessed: every token it gives is stamped with it, so
+        # a speculative round's tokens share one time and ITL is one gap per step (vLLM's meaning)
+        self.step_t = 0.0
 
     def _guarded(self, seq: Sequence, work: Callable[..., object], *args: Any) -> None:
         """`work(*args)` for `seq`, unless its request already failed this step; if it raises,
@@ -49,6 +52,7 @@ class Postprocessor:
 
     def run(self, batch: ScheduledBatch, result: ForwardResult) -> None:
         engine, logits = self.engine, result.logits
+        self.step_t = time.perf_counter()
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
 
@@ -98,10 +102,11 @@ class Postprocessor:
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
         engine = self.engine
-        now = time.perf_counter()
+        now = self.step_t or time.perf_counter()
         token = result.token_id
         seq.token_ids.append(token)
-        seq.token_times.append(now)
+        if not seq.token_times or seq.token_times[-1] != now:
+            seq.token_times.append(now)
         seq.cumulative_logprob += result.logprob
         if seq.group is not None:
             seq.group.mark_token_step(engine.step_count, now)

@@ -13,6 +13,7 @@ beam group's members reach their logits in the same step (lockstep) or not at al
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -173,6 +174,8 @@ class Scheduler:
                 self.kv.allocate(seq, hits, n)
                 if seq.preemptions == 0 and seq.num_output_tokens == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.perf_counter()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 if n > 0:

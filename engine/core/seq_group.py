@@ -72,6 +72,7 @@ class SequenceGroup:
             status=parent.status,
             num_cached_tokens=parent.num_cached_tokens,
             arrival_time=parent.arrival_time,
+            first_scheduled_time=parent.first_scheduled_time,
             group=self,
             branch=branch,
             cumulative_logprob=parent.cumulative_logprob,

@@ -37,6 +37,8 @@ class Sequence:
     preemptions: int = 0
     peak_blocks: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # when a step first ran it (its prefill began)
+    # One time per engine step that gave it tokens (a speculative round's tokens share one)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     target_forwards: int = 0  # engine steps that ran this sequence through the model

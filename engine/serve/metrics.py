@@ -82,6 +82,16 @@ class ServeMetrics:
         self.e2e = histogram(
             "e2e_request_latency_seconds", "From the HTTP request's arrival to its end.", E2E_BUCKETS
         )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "From the engine's arrival to the first step that ran it.",
+            TTFT_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "From the first step that ran it to its first token.",
+            TTFT_BUCKETS,
+        )
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative rounds (draft proposals verified).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -124,9 +134,13 @@ class ServeMetrics:
         self._latency(event.request_id, 0, event.t)
 
     def _latency(self, request_id: int, branch: int, t: float) -> None:
+        """One ITL point per step that gave the stream tokens (vLLM's meaning): the tokens of a
+        speculative round share their step's time and add no point after the first."""
         key = (request_id, branch)
         last = self._last_token_t.get(key)
         if last is not None:
+            if t == last:
+                return  # the same step
             self.itl.observe(t - last)
         elif branch == 0:
             with self._lock:
@@ -146,6 +160,9 @@ class ServeMetrics:
             del self._last_token_t[key]
         if isinstance(event, RequestFinished):
             self.success.labels(self.model_name, event.finish_reason).inc()
+            if event.stats.generated_tokens:
+                self.queue_time.observe(event.stats.queued_s)
+                self.prefill_time.observe(event.stats.prefill_s)
         if not self._in_flight:
             self.running.set(0)
             self.waiting.set(0)

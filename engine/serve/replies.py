@@ -62,17 +62,18 @@ def usage(stats: list[RequestStats]) -> Json:
 
 
 def timings(stats: list[RequestStats]) -> Json:
-    """llama.cpp server's `timings`, from the engine's own clocks. prompt_*: the prompt tokens
-    computed (cached ones are `cache_n`) over the time to the first token (queueing, prefill and
-    the first sample); predicted_*: every generated token, the time from the first to the last
-    (so per-token figures are the mean inter-token latency). Several prompts ran concurrently:
+    """llama.cpp server's `timings`, from the engine's own clocks, with llama.cpp's meanings.
+    prompt_*: the prompt tokens computed (cached ones are `cache_n`) over the prompt's
+    processing, from the first step that ran the request to its first token (its chunks, and
+    steps between them; not the time it queued); predicted_*: the tokens generated after the
+    first, over the time from the first token to the last. Several prompts ran concurrently:
     counts add up, times are the longest."""
     cached = sum(s.cached_prompt_tokens for s in stats)
     prompt_n = sum(s.prompt_tokens for s in stats) - cached
-    prompt_ms = max((s.ttft_s for s in stats), default=0.0) * 1000.0
+    prompt_ms = max((s.prefill_s for s in stats), default=0.0) * 1000.0
     predicted_n = sum(s.generated_tokens for s in stats)
     predicted_ms = max((sum(s.itl_s) for s in stats), default=0.0) * 1000.0
-    steps = sum(len(s.itl_s) for s in stats)
+    steps = sum(max(0, s.generated_tokens - 1) for s in stats)
     return {
         "cache_n": cached,
         "prompt_n": prompt_n,
@@ -82,7 +83,7 @@ def timings(stats: list[RequestStats]) -> Json:
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-        "predicted_per_second": max((s.tokens_per_s for s in stats), default=0.0),
+        "predicted_per_second": steps / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
     }
 
 
