@@ -107,7 +107,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
         self.proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.prefill_chunk_size,
+            decode_tokens=1 + (config.speculative.num_draft if config.speculative else 0),
         )
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
