@@ -54,8 +54,20 @@ def config_dir() -> Path:
     return writable_dir(path, "settings", "KVSCOPE_CONFIG_DIR")
 
 
+DB_NAME = "conversations.sqlite3"
+
+
 def conversations_db_path() -> Path:
-    return data_dir() / "conversations.sqlite3"
+    """The conversation database. A data folder that cannot be written but already holds one
+    is still its place: the store opens it read-only and the window says so."""
+    try:
+        return data_dir() / DB_NAME
+    except DirectoryError:
+        override = os.environ.get("KVSCOPE_DATA_DIR")
+        folder = Path(override).expanduser() if override else Path(user_data_dir(APP_NAME))
+        if (folder / DB_NAME).is_file():
+            return folder / DB_NAME
+        raise
 
 
 def settings_path() -> Path:

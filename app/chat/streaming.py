@@ -311,8 +311,15 @@ class ReplyStreaming:
         self.schedule_measure()
 
     def _write(self, write) -> None:
-        """A database write whose failure is shown, never raised into a Qt slot."""
-        try:
-            write()
-        except StorageError as exc:
-            self.status_message.emit(str(exc), "error")
+        """A database write whose failure is shown, never raised into a Qt slot. One that fails
+        (a full disk) is kept and tried again, in order, before the next write: the reply on
+        screen reaches the database once there is room."""
+        pending = [*getattr(self, "_unsaved", []), write]
+        for i, each in enumerate(pending):
+            try:
+                each()
+            except StorageError as exc:
+                self._unsaved = pending[i:]
+                self.status_message.emit(str(exc), "error")
+                return
+        self._unsaved = []

@@ -124,6 +124,7 @@ class RemoteViews(QObject):
         self.host.metrics_changed.connect(self._refresh_notices)
         self.host.model_loaded.connect(self._on_model_loaded)
         self.host.model_load_failed.connect(self._on_load_failed)
+        self.host.request_failed.connect(self._on_request_failed)
 
     def _build_menu(self) -> None:
         bar = self.window.menuBar()
@@ -160,6 +161,21 @@ class RemoteViews(QObject):
     def detach(self) -> None:
         """Back to the local engine, on the model chosen in the Controls panel."""
         self.window.load_model(self.window.controls.model.choice())
+
+    @Slot(object)
+    def _on_request_failed(self, event: object) -> None:
+        """A remote engine that stopped answering mid-reply (its connection or its events stream
+        broke): the chat kept the partial reply, marked failed; offer to attach again."""
+        target = self.host.target
+        message = getattr(event, "message", "")
+        if not self.host.attached or target is None or not _is_connection_loss(message):
+            return
+        self.window.chat.banner.show_message(
+            f"{target.label} stopped answering mid-reply ({message}). The partial reply is kept, "
+            "marked failed; Continue or Regenerate it once the server is back.",
+            "Reattach",
+            lambda: self.attach(target),
+        )
 
     # ---- following the source --------------------------------------------------------------
     @Slot(object)
@@ -199,3 +215,9 @@ class RemoteViews(QObject):
     @Slot(str)
     def _on_load_failed(self, _message: str) -> None:
         self.detach_action.setEnabled(self.host.attached)
+
+
+def _is_connection_loss(message: str) -> bool:
+    """RemoteEngine's words for a server that went away (engine.remote: a failed connection, a
+    broken events stream), as against a request the server refused."""
+    return "connection to" in message or "events stream" in message

@@ -36,9 +36,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # seldom slowed for both a kernel and its rival. The probe layer is replicated so its weights
 # exceed the last-level cache, as a real model's layers do when they are streamed.
 TIMING_REPEATS = 7
+CALLS_PER_REPEAT = 4  # calls of each kernel per repeat, on rotating copies of the probe layer
 PROBE_BYTES = 48 * 2**20
 PROBE_SHAPE = (1024, 1024)
-TABLE_VERSION = 5  # 5: best of 7, a 25% margin confirmed at two row counts (4 switched on one 10% win)
+TABLE_VERSION = 6  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row counts
 # A dense kernel must beat the native one by this much, at two row counts in a row (or at the
 # last one), to take over: measured busy, one bucket's times flipped by 10-30% (issue 24: a busy
 # machine's table chose dense kernels at 32-64 rows where a quiet one chose packed).
@@ -115,7 +116,7 @@ class KernelPolicy:
             lines.append(f"{key}: {text}")
         if lines:
             lines.append(
-                f"table: best of {TIMING_REPEATS} interleaved timings per kernel and row count; a dense "
+                f"table: best of {TIMING_REPEATS * CALLS_PER_REPEAT} interleaved timings per kernel and row count; a dense "
                 f"kernel takes over only {SWITCH_MARGIN:.0%} faster at two row counts in a row; a prefill "
                 "takes the kernel for its prompt's length, a decode row the one-row kernel"
             )
@@ -233,15 +234,17 @@ def _time_kernels(
             for kernel in kernels:
                 probes[0].matmul(kernel, x)  # warm up
             best = dict.fromkeys(kernels, float("inf"))
-            for _ in range(TIMING_REPEATS):
+            for repeat in range(TIMING_REPEATS):
+                # each kernel over the same few copies, each call timed alone and the best kept:
+                # a call slowed by load elsewhere is dropped, both kernels get as many chances
+                # (a sum over the copies would keep every copy's slowdown, and more calls of one
+                # kernel would give it more chances), and the copies rotate so every call reads
+                # its weights out of cache, as a model's layers do
+                batch = [
+                    probes[(repeat * CALLS_PER_REPEAT + j) % len(probes)] for j in range(CALLS_PER_REPEAT)
+                ]
                 for kernel in kernels:
-                    # the packed kernel streams its weights (the copies keep them out of cache);
-                    # a dense path's cost is dequantizing and multiplying: one copy tells it
-                    # each call timed alone, the best kept: a call slowed by load elsewhere is
-                    # dropped, where a sum over the copies would keep every copy's slowdown
-                    # and bias a busy machine's table against the native kernel
-                    copies = probes if kernel == native else probes[:1]
-                    for probe in copies:
+                    for probe in batch:
                         start = clock()
                         probe.matmul(kernel, x)
                         best[kernel] = min(best[kernel], clock() - start)
