@@ -4,7 +4,7 @@ Both folders honour an environment override so tests (and portable installs) nev
 real user directories: KVSCOPE_DATA_DIR for conversations, KVSCOPE_CONFIG_DIR for settings.
 A folder that cannot be created or written raises DirectoryError with a message for the user
 (a read-only home, a path through a file): the app reports it at startup instead of failing at
-the first save. Assets go through engine.resources, the one lookup that also works frozen.
+the first save. Assets go through engine.api.resource, the one lookup that also works frozen.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_config_dir, user_data_dir
 
-from engine.private import private_dir
-from engine.resources import resource
+from engine.api import private_dir, resource
 
 APP_NAME = "kvscope"
 

@@ -34,8 +34,7 @@ from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from app.what_if import WhatIfController
-from engine.config import ConfigError, EngineConfig
-from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
+from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
@@ -105,19 +104,51 @@ class MainWindow(QMainWindow):
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
         self.what_if = WhatIfController(self.host, self.panels.probabilities, parent=self)
         self.load_tool = LoadToolPanel(self.host)
-        self.speculation = SpeculationController(self, self.start_engine, parent=self)
+        self.speculation = SpeculationController(
+            self.host,
+            self.controller,
+            self.chat_tabs,
+            self.controls.sampling,
+            self.controls.speculation,
+            self.panels.speculation,
+            self.start_engine,
+            parent=self,
+        )
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
 
-        self.chat_actions = ChatWindowActions(self)  # export, import, rename, delete, branch, limit
+        # export, import, rename, delete, branch, limit: the window only as the dialogs' parent
+        self.chat_actions = ChatWindowActions(
+            self,
+            self.host,
+            self.sidebar,
+            self.panels.probabilities,
+            settings,
+            self.chat_tabs,
+            self.controller,
+            conversations,
+            self.status,
+        )
         self.controls.sampling.set_token_resolver(self.chat_actions.resolve_tokens)
         self.docks: dict[str, QDockWidget] = {}
         # Sized first: resizeDocks() below shares out this width and height among the docks.
         self.resize(*DEFAULT_SIZE)
         self._build_docks()
         self._build_menus()
-        self.remote_views = RemoteViews(self)
+        self.remote_views = RemoteViews(
+            self,
+            self.host,
+            self.docks,
+            self._beside_latency,
+            self.menuBar(),
+            settings,
+            self.controller,
+            self.status,
+            self.physics.sweep,
+            refresh_status=self.refresh_status,
+            detach=lambda: self.load_model(self.controls.model.choice()),
+        )
         self._connect()
         self._default_state = self.saveState()
         self._restore_layout()
@@ -151,6 +182,13 @@ class MainWindow(QMainWindow):
         )
         self.addDockWidget(area, dock)
         self.docks[key] = dock
+        return dock
+
+    def _beside_latency(self, key: str, title: str, widget: QWidget) -> QDockWidget:
+        """A dock along the bottom, tabbed behind the latency graph (which stays in front)."""
+        dock = self._dock(key, title, widget, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.tabifyDockWidget(self.docks["latency"], dock)
+        self.docks["latency"].raise_()
         return dock
 
     def _build_docks(self) -> None:

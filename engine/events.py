@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.model.shapes import ModelShapes
+from engine.shapes import ModelShapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class ModelInfo:
     # Bytes per weight element as stored (fractional for packed formats: 4-bit codes with their
     # group scales are ~0.56); what a step that reads the weights in their own format moves.
     weight_bytes_per_param: float = 0.0
-    # What kvscope does to this model's conversations, for the user (engine/model/chat_template.py):
+    # What kvscope does to this model's conversations, for the user (engine/text/chat_template.py):
     # a system prompt merged into the first user turn, or plain text for a model without a
     # template. "" when the template takes the conversation as it is.
     chat_note: str = ""
@@ -324,6 +324,13 @@ class BlockEvent:
     t: float = 0.0
     src_block_ids: tuple[int, ...] = ()  # "cow": the shared block each of `block_ids` copies
 
+    def block_start(self, i: int, block_size: int) -> int:
+        """Position of the first slot of the event's i-th block in its sequence. Blocks are
+        position-aligned: the i-th block of an event covering tokens from `token_start` holds
+        logical block token_start // block_size + i. (The pool keeps it on its blocks, the page
+        map folds it from the events: one rule for both.)"""
+        return (self.token_start // block_size + i) * block_size
+
 
 @dataclass(frozen=True, slots=True)
 class KVStats:
@@ -446,3 +453,6 @@ Event = (
     | MemorySample
     | EngineError
 )
+
+# How a request ends: finished (stopped, at its length or cancelled) or failed with a message.
+RequestEnd = RequestFinished | RequestFailed

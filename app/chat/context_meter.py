@@ -3,7 +3,7 @@ conversation takes (the sent turns, the message being typed, the room kept for t
 reply as it grows), and how full the KV pool is, every figure from the engine.
 
 Two painted bars and a line of text. The controller feeds them: a token count of the
-conversation plus the draft while typing (app.chat.context_fit through Engine.call), the
+conversation plus the draft while typing (EngineClient.fit_context, on the engine thread), the
 reply's tokens while generating, and the pool's used slots from each step's KVStats.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QPainter, QPen
+from PySide6.QtGui import QBrush, QColor, QPainter, QPaintEvent, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.chat.context_fit import ContextFit
+from app.chat.context_fit import refusal
+from engine.api import ContextFit
 from widgets import theme
 
 BAR_W, BAR_H = 150, 10
@@ -46,7 +47,7 @@ class MeterBar(QWidget):
             self.segments, self.capacity = segments, capacity
             self.update()
 
-    def paintEvent(self, event) -> None:  # noqa: N802 - Qt override
+    def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802 - Qt override
         painter = QPainter(self)
         rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
         painter.fillRect(rect, QColor(theme.SURFACE))
@@ -150,6 +151,8 @@ class ContextMeter(QWidget):
     # ---- drawing ------------------------------------------------------------------------------
     def _draw(self) -> None:
         fit = self.fit
+        if fit is None:
+            return
         used = fit.prompt_tokens + self.generated
         new = max(0, fit.prompt_tokens - self.sent_tokens) if fit.dropped == 0 else 0
         sent = fit.prompt_tokens - new
@@ -171,7 +174,7 @@ class ContextMeter(QWidget):
         )
         self.context_bar.setToolTip(self.context_label.toolTip())
         if not fit.fits:
-            self.note.setText(f"⚠ {fit.refusal()}")
+            self.note.setText(f"⚠ {refusal(fit)}")
             self.note.setStyleSheet(f"color: {theme.ERROR};")
         elif fit.dropped:
             self.note.setText(

@@ -57,7 +57,7 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
 def cached_model_entries() -> list[tuple[str, str]]:
     """(label, source) for each model already on this machine (the HF cache, LM Studio, GPT4All,
     Ollama: engine.model.local_models), with its size on disk; [] when none or unreadable."""
-    from engine.model.local_models import find_local_models
+    from engine.api import find_local_models
 
     return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
 
@@ -75,7 +75,7 @@ ENTRY_FIT_CONTEXT = 4096
 
 def entry_fits(sources: list[str], dtype: str) -> list[tuple[str, str]]:
     """(source, suffix) for each entry: whether it fits, from its metadata alone (a worker runs it)."""
-    from engine.model.inspect import inspect_model
+    from engine.api import inspect_model
 
     marks = []
     for source in sources:
@@ -242,7 +242,7 @@ class ModelPicker(QWidget):
             self._worker.discard()  # the user has picked something else since
 
         def inspect() -> dict:
-            from engine.model.inspect import inspect_model
+            from engine.api import inspect_model
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).

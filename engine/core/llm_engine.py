@@ -19,22 +19,22 @@ sequence's rows are postprocessed fails that sequence (its group) and the others
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from engine.config import ConfigError, EngineConfig
-from engine.core.group_driver import GroupDriver, GroupError, GroupLimits
+from engine.config import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_MODEL_LEN, ConfigError, EngineConfig
+from engine.core.group_driver import GroupDriver, GroupError
 from engine.core.postprocess import Postprocessor
 from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import request_stats
 from engine.core.step_clock import DeviceClock
-from engine.core.text import TokenText, eos_ids_of
 from engine.events import (
     EngineError,
     Event,
     KVStats,
     MemorySample,
+    RequestEnd,
     RequestFailed,
     RequestFinished,
     RequestStarted,
@@ -43,20 +43,16 @@ from engine.events import (
 from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.kv.storage import PagedKVStorage
+from engine.limits import Limits
 from engine.measure.memory import probe_memory
 from engine.measure.roofline import step_cost
-from engine.model import chat_template
+from engine.model.kv_storage import PagedKVStorage
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import Proposer, make_proposer
-
-# Without an explicit size the KV pool gets this much memory: room for several thousand tokens
-# of a small model, and few enough blocks that every one is visible in the page map.
-DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
-# Context cap when the model's own is larger and nothing else is configured.
-DEFAULT_MAX_MODEL_LEN = 8192
+from engine.text import chat_template
+from engine.text.token_text import TokenText, eos_ids_of
 
 
 class RequestError(ValueError):
@@ -69,7 +65,10 @@ class LLMEngine:
     ):
         self.loaded = loaded
         self.config = config
-        self.emit: Callable[[Event], None] = emit or (lambda event: None)
+        # Where events go. Everything inside emits through `self.emit`, which hands each event
+        # here: replace it to time or filter every event of the engine (engine bench does).
+        self.sink: Callable[[Event], None] = emit or (lambda event: None)
+        self._ends: dict[int, RequestEnd] | None = None  # while `run` waits for its requests
         info = loaded.info
         self.tokenizer = loaded.tokenizer
         bs = config.block_size
@@ -105,7 +104,7 @@ class LLMEngine:
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
-        self.proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
+        self._proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -116,20 +115,68 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
         self.eos_ids = self.text.eos_ids
-        limits = GroupLimits(
+        self.limits = Limits(
             self.max_model_len,
+            num_blocks,
+            bs,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.speculative is not None,
         )
-        self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, limits)
-        self.post = Postprocessor(self)
+        self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
+        self.post = Postprocessor(
+            self.kv,
+            self.groups,
+            self.text,
+            self.emit,
+            self.finish,
+            self.max_model_len,
+            self._proposer,
+            config.speculative,
+            self.fail_request,
+        )
+        self.post.live = lambda seq: seq.seq_id in self.seqs
         self.clock = DeviceClock(loaded.device)  # the forward's time on its device (CUDA events)
         self.step_count = 0
         self.peak_blocks_used = 0
         self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
 
+    @property
+    def proposer(self) -> Proposer | None:
+        """Who drafts tokens (None: speculation is off); tests and benchmarks may swap it."""
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self._proposer = self.post.proposer = proposer
+
+    def emit(self, event: Event) -> None:
+        if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):
+            self._ends[event.request_id] = event
+        self.sink(event)
+
     # ---- requests --------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request], *, interruptible: bool = False) -> list[RequestEnd]:
+        """Add `requests` and step until the engine has no work left: each request's end
+        (RequestFinished or RequestFailed), in the order given. The one way to run an engine to
+        the end (the CLI, the benchmarks, the measurements). `interruptible`: Ctrl-C cancels the
+        requests instead of unwinding, and each keeps what it generated (the CLI's replies)."""
+        ends: dict[int, RequestEnd] = {}
+        self._ends = ends
+        try:
+            ids = [self.add_request(request) for request in requests]
+            try:
+                while self.has_work():
+                    self.step()
+            except KeyboardInterrupt:
+                if not interruptible:
+                    raise
+                for request_id in ids:
+                    self.abort(request_id)
+        finally:
+            self._ends = None
+        return [ends[request_id] for request_id in ids]
+
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         if request_id is None:
             request_id, self._next_id = self._next_id, self._next_id + 1
@@ -155,19 +202,9 @@ class LLMEngine:
 
     def _make_sequence(self, request: Request, request_id: int) -> Sequence:
         ids = self.prompt_ids(request)
-        if not ids:
-            raise RequestError("The prompt is empty.")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"The prompt is {len(ids)} tokens but the context holds {self.max_model_len}: "
-                "shorten the message or start a new conversation."
-            )
-        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size
-        if len(ids) + 1 > pool_tokens:
-            raise RequestError(
-                f"The prompt needs {len(ids) + 1} KV slots but the whole KV pool holds {pool_tokens} "
-                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}): raise the KV budget."
-            )
+        refusal = self.limits.refusal(len(ids))
+        if refusal is not None:
+            raise RequestError(refusal.message)
         params = request.sampling
         vocab = self.loaded.info.vocab_size
         for what, given in (
@@ -260,7 +297,7 @@ class LLMEngine:
             return
         forward_s = self.clock.stop(mark)  # on CUDA: synchronized, the device's own time
         t_post = time.perf_counter()
-        self.post.run(batch, result)
+        self.post.run(batch, result, self.step_count)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         t_end = time.perf_counter()
         self.step_count += 1
@@ -271,7 +308,7 @@ class LLMEngine:
         return {
             seq.seq_id: 1 + seq.num_draft_tokens
             for seq, n in zip(seqs, num_tokens)
-            if seq.num_computed_tokens + n == seq.num_tokens
+            if seq.num_computed_tokens + n == seq.num_tokens_with_spec
         }
 
     def _isolate_failed_forward(self, batch: ScheduledBatch, exc: Exception) -> None:
@@ -295,7 +332,7 @@ class LLMEngine:
             if seq.num_draft_tokens:
                 seq.drop_drafts(0)
                 if self.proposer is not None:
-                    self.proposer.on_verified(seq, seq.num_tokens)
+                    self.proposer.on_verified(seq, seq.num_tokens_with_spec)
         failed = ", ".join(str(s.group.request_id if s.group else s.seq_id) for s, _ in culprits)
         self.emit(
             EngineError(
@@ -363,8 +400,8 @@ class LLMEngine:
 
     # ---- speculative decoding: drafts before the schedule ----------------------------------
     def _propose_drafts(self) -> None:
-        """Give each decoding sequence a round of draft tokens, appended (unverified) to its
-        tokens so the scheduler and runner treat them as ordinary tokens to compute."""
+        """Give each decoding sequence a round of draft tokens, kept apart from its tokens
+        (spec_token_ids) until verified; the scheduler and the runner compute them after it."""
         spec = self.config.speculative
         assert spec is not None and self.proposer is not None
         for seq in self.scheduler.running:
@@ -378,9 +415,8 @@ class LLMEngine:
             if k <= 0:
                 continue
             drafts, qs = self.proposer.propose(seq, k)
-            seq.token_ids.extend(drafts)
+            seq.spec_token_ids = list(drafts)
             seq.draft_q = list(qs)
-            seq.num_draft_tokens = len(drafts)
 
     def _trim_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts of sequences the scheduler did not run (preempted) or ran only in part (the
@@ -393,7 +429,7 @@ class LLMEngine:
                 keep = max(0, scheduled.get(seq.seq_id, 0) - 1)
                 if keep < seq.num_draft_tokens:
                     seq.drop_drafts(keep)
-                    self.proposer.on_verified(seq, seq.num_tokens)
+                    self.proposer.on_verified(seq, seq.num_tokens_with_spec)
 
     def _fail_unschedulable(self) -> None:
         """Nothing could run. With nothing running, the head of the queue cannot fit even in an

@@ -9,50 +9,71 @@ handler of its kind, and stream what they choose.
   beams        all of a group's beams at once: rank, re-fork, prune (engine.core.group_driver)
 
 Each sequence's part runs guarded: one that raises (a sampler given impossible logits, a
-detokenizer's error) fails its own request (`LLMEngine.fail_request`) and the others' go on.
+detokenizer's error) fails its own request (`fail`) and the others' go on. Every token of one
+step is stamped with the step's time, so a speculative round's tokens share one time and ITL is
+one gap per step (vLLM's meaning).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.config import SpeculativeConfig
+from engine.core.group_driver import GroupDriver
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.events import SpecRound, TokenGenerated
+from engine.events import Event, SpecRound, TokenGenerated
+from engine.kv.manager import KVCacheManager
 from engine.sampling.sampler import SampleResult
+from engine.speculative.proposers import Proposer
 from engine.speculative.verify import Verdict, verify
-
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+from engine.text.token_text import TokenText
 
 
 class Postprocessor:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        # The time of the step being postprocessed: every token it gives is stamped with it, so
-        # a speculative round's tokens share one time and ITL is one gap per step (vLLM's meaning)
-        self.step_t = 0.0
+    """Works through the engine's collaborators: the KV manager (commits), the group driver
+    (forks, beams, a sample's end), the tokenizer's text, the event sink, `finish` for a plain
+    request's end, and the speculative proposer with its config (None when speculation is off)."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        groups: GroupDriver,
+        text: TokenText,
+        emit: Callable[[Event], None],
+        finish: Callable[[Sequence, str], None],
+        max_model_len: int,
+        proposer: Proposer | None,
+        speculative: SpeculativeConfig | None,
+        fail: Callable[[Sequence, str], None],
+    ):
+        self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
+        self.max_model_len = max_model_len
+        self.proposer, self.speculative = proposer, speculative
+        self.fail = fail  # fails a sequence's request alone
+        self.live: Callable[[Sequence], bool] = lambda seq: True  # still in the engine (LLMEngine sets it)
+        self.step_count = 0  # the step being postprocessed (run() sets it)
+        self.step_t = 0.0  # its time, every token it gives is stamped with
 
     def _guarded(self, seq: Sequence, work: Callable[..., object], *args: Any) -> None:
         """`work(*args)` for `seq`, unless its request already failed this step; if it raises,
         the request fails alone with the error."""
-        if seq.seq_id not in self.engine.seqs:
+        if not self.live(seq):
             return  # failed (or finished with its group) earlier in this step
         try:
             work(*args)
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
-            self.engine.fail_request(
-                seq, f"the request failed after the forward: {type(exc).__name__}: {exc}"
-            )
+            self.fail(seq, f"the request failed after the forward: {type(exc).__name__}: {exc}")
 
-    def run(self, batch: ScheduledBatch, result: ForwardResult) -> None:
-        engine, logits = self.engine, result.logits
+    def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
+        self.step_count = step
         self.step_t = time.perf_counter()
+        logits = result.logits
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
 
@@ -65,7 +86,7 @@ class Postprocessor:
                 self._guarded(seq, verify_round, seq, *row)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             verdict = verdicts.get(seq.seq_id)
-            self._guarded(seq, engine.kv.commit, seq, n, None if verdict is None else 1 + verdict.accepted)
+            self._guarded(seq, self.kv.commit, seq, n, None if verdict is None else 1 + verdict.accepted)
         beam_rows: dict[int, dict[int, int]] = {}
         for seq in batch.seqs:
             if seq.seq_id not in rows:
@@ -83,15 +104,13 @@ class Postprocessor:
             else:
                 self._guarded(seq, self.sample, seq, logits[start])
         for request_id, seq_rows in beam_rows.items():
-            group = engine.groups.active.get(request_id)
+            group = self.groups.active.get(request_id)
             if group is not None:
-                self._guarded(
-                    group.members[0], engine.groups.beam_step, group, seq_rows, logits, engine.step_count
-                )
+                self._guarded(group.members[0], self.groups.beam_step, group, seq_rows, logits, step)
 
     def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.group is not None
-        for member in self.engine.groups.fork_samples(seq.group):
+        for member in self.groups.fork_samples(seq.group):
             self.sample(member, logits)
 
     # ---- plain ---------------------------------------------------------------------------
@@ -101,7 +120,6 @@ class Postprocessor:
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
-        engine = self.engine
         now = self.step_t or time.perf_counter()
         token = result.token_id
         seq.token_ids.append(token)
@@ -109,23 +127,23 @@ class Postprocessor:
             seq.token_times.append(now)
         seq.cumulative_logprob += result.logprob
         if seq.group is not None:
-            seq.group.mark_token_step(engine.step_count, now)
-        is_eos = engine.text.stops(token, seq.params.ignore_eos)
+            seq.group.mark_token_step(self.step_count, now)
+        is_eos = self.text.stops(token, seq.params.ignore_eos)
         delta = "" if is_eos else seq.detokenizer.push(token)
         if is_eos or seq.detokenizer.stopped:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= engine.max_model_len:
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         else:
             reason = None
         if reason is not None:
             delta += seq.detokenizer.flush()  # text held back for a possible stop string
-        engine.emit(
+        self.emit(
             TokenGenerated(
                 seq.group.request_id if seq.group is not None else seq.seq_id,
                 seq.num_output_tokens - 1,
                 token,
-                engine.text.text(token) if seq.makes_text else "",
+                self.text.text(token) if seq.makes_text else "",
                 delta,
                 result.logprob,
                 result.snapshot,
@@ -137,27 +155,26 @@ class Postprocessor:
         )
         if reason is not None:
             if seq.group is not None:
-                engine.groups.end_sample(seq, reason)
+                self.groups.end_sample(seq, reason)
             else:
-                engine.finish(seq, reason)
+                self.finish(seq, reason)
         return reason is not None
 
     # ---- speculative ---------------------------------------------------------------------
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
         d = seq.num_draft_tokens
-        drafts = seq.token_ids[-d:]
+        drafts = list(seq.spec_token_ids)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        history = seq.output_ids[:-d]
+        history = seq.output_ids
         p = torch.stack(
             [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
         )
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
     def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
-        engine = self.engine
-        proposer, spec = engine.proposer, engine.config.speculative
+        proposer, spec = self.proposer, self.speculative
         assert proposer is not None and spec is not None
-        drafts = seq.token_ids[-seq.num_draft_tokens :]
+        drafts = list(seq.spec_token_ids)
         seq.drop_drafts(0)
         emitted = drafts[: verdict.accepted] + [verdict.token]
         proposer.on_verified(seq, seq.num_tokens + verdict.accepted)
@@ -173,7 +190,7 @@ class Postprocessor:
                 counts[j] += 1
         if spec.adaptive:
             seq.draft_k = min(spec.num_draft, verdict.accepted + 1)
-        engine.emit(
+        self.emit(
             SpecRound(
                 seq.seq_id,
                 seq.spec_rounds,

@@ -119,10 +119,10 @@ class Scheduler:
         """Tokens to run for `seq`, `done` of whose tokens are in the cache. A decode takes what
         it has (its token, and drafts the budget allows); a prefill its chunk up to the next
         fixed position, or nothing this step when that does not fit (see the module doc)."""
-        remaining = seq.num_tokens - done
+        remaining = seq.num_tokens_with_spec - done
         if seq.status is SeqStatus.RUNNING and not seq.is_prefill:
             return min(remaining, budget)
-        end = min(seq.num_tokens, (done // self.chunk_tokens + 1) * self.chunk_tokens)
+        end = min(seq.num_tokens_with_spec, (done // self.chunk_tokens + 1) * self.chunk_tokens)
         n = end - done
         return n if n <= budget else 0
 
@@ -149,8 +149,8 @@ class Scheduler:
             plan.append(n)
             budget -= n
         lockstep = members[0].group is not None and members[0].group.lockstep
-        if lockstep and any(done + n < s.num_tokens for s, done, n in zip(members, computed, plan)):
-            plan = [min(n, s.num_tokens - done - 1) for s, done, n in zip(members, computed, plan)]
+        if lockstep and any(done + n < s.num_tokens_with_spec for s, done, n in zip(members, computed, plan)):
+            plan = [min(n, s.num_tokens_with_spec - done - 1) for s, done, n in zip(members, computed, plan)]
         return plan
 
     def schedule(self) -> ScheduledBatch:

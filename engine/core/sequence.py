@@ -1,21 +1,33 @@
-"""A request's state inside the engine: its tokens, how many are in the KV cache, its blocks."""
+"""A request's state inside the engine: its tokens, how many are in the KV cache, its blocks; and
+the group of sequences a request runs when it asks for several at once (n samples, beams).
+
+A group starts as one sequence (its id is the request id) that prefills the prompt. Samples
+fork from it once the prompt is in the cache; beams re-fork from their parents at every step.
+A fork is a new `Sequence` with the same tokens that shares every block of its parent (ref
+count + 1); the KV manager copies a shared block only when a sequence writes into it.
+
+The scheduler treats the group as a unit: its sequences sit together in the running queue, are
+preempted and re-admitted together, and (beams) run their forwards in lockstep.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
+from engine.core.beam_search import BeamSearch
+from engine.events import GroupStats
+from engine.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.detokenize import IncrementalDetokenizer
-    from engine.core.seq_group import SequenceGroup
     from engine.kv.block_pool import Block
     from engine.sampling.sampler import Sampler
+    from engine.text.detokenize import IncrementalDetokenizer
 
 
 class SeqStatus(enum.Enum):
@@ -27,7 +39,7 @@ class SeqStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
-    token_ids: list[int]  # prompt followed by generated tokens
+    token_ids: list[int]  # prompt followed by generated tokens: committed ones, never a draft
     num_prompt_tokens: int
     params: SamplingParams
     status: SeqStatus = SeqStatus.WAITING
@@ -42,9 +54,10 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     target_forwards: int = 0  # engine steps that ran this sequence through the model
-    # Speculative decoding: draft tokens appended to token_ids for the current round (not yet
-    # verified), their draft distributions, the round size and the running record.
-    num_draft_tokens: int = 0
+    # Speculative decoding: the current round's draft tokens, kept apart from token_ids until the
+    # verifier decides (vLLM's spec_token_ids; the scheduler and the runner count and compute them
+    # after the committed tokens), their draft distributions, the round size and the record.
+    spec_token_ids: list[int] = field(default_factory=list)
     draft_q: list[torch.Tensor | None] = field(default_factory=list)  # None: a one-hot proposal
     draft_k: int = 0
     spec_rounds: int = 0
@@ -88,7 +101,25 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Committed tokens (prompt and output; no draft)."""
         return len(self.token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What the scheduler counts: the committed tokens and the round's drafts after them."""
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the committed tokens followed by the drafts: what a forward
+        computes at those positions."""
+        committed = self.token_ids
+        if end <= len(committed):
+            return committed[start:end]
+        return (committed + self.spec_token_ids)[start:end]
 
     @property
     def output_ids(self) -> list[int]:
@@ -101,13 +132,103 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """Still has more than the newest token to put in the cache."""
-        uncomputed = self.num_tokens - self.num_draft_tokens - self.num_computed_tokens
-        return uncomputed > 1 or self.num_output_tokens - self.num_draft_tokens == 0
+        uncomputed = self.num_tokens - self.num_computed_tokens
+        return uncomputed > 1 or self.num_output_tokens == 0
 
     def drop_drafts(self, keep: int = 0) -> None:
         """Remove unverified draft tokens beyond the first `keep`."""
-        extra = self.num_draft_tokens - keep
-        if extra > 0:
-            del self.token_ids[-extra:]
-            del self.draft_q[keep:]
-            self.num_draft_tokens = keep
+        del self.spec_token_ids[keep:]
+        del self.draft_q[keep:]
+
+
+class SequenceGroup:
+    def __init__(self, request_id: int, params: SamplingParams, first: Sequence, beam: BeamSearch | None):
+        self.request_id = request_id
+        self.params = params
+        self.kind = "beams" if params.beam_search else "samples"
+        self.size = params.group_size
+        self.beam = beam
+        self.members: list[Sequence] = [first]  # live sequences, by branch (samples) or slot (beams)
+        self.ended: list[Sequence] = []  # samples that finished before the request did
+        self.every_seq: list[Sequence] = [first]  # for the copy-on-write total
+        self.forked = False  # samples: the prompt's sequence has been forked n ways
+        self.forks = 0
+        self.pruned = 0
+        self.preemptions = 0
+        self.peak_shared = 0
+        self.peak_unshared = 0
+        self.token_times: list[float] = []
+        self._last_token_step = -1
+        first.group = self
+
+    @property
+    def search(self) -> BeamSearch:
+        """A beam group's search (samples have none)."""
+        assert self.beam is not None, "only a beam group has a search"
+        return self.beam
+
+    @property
+    def lockstep(self) -> bool:
+        """Beams must all get their logits in the same step (the search ranks them together)."""
+        return self.kind == "beams" and len(self.members) > 1
+
+    @property
+    def seats(self) -> int:
+        """Places in the running batch the group takes or will take (max_num_seqs)."""
+        if self.kind == "samples" and self.forked:
+            return len(self.members)  # a finished sample gives its place back
+        return self.size
+
+    @property
+    def cow_copies(self) -> int:
+        return sum(seq.cow_copies for seq in self.every_seq)
+
+    def fork(self, parent: Sequence, seq_id: int, branch: int, kv: KVCacheManager) -> Sequence:
+        """A new member with the parent's tokens, sharing all its blocks."""
+        child = Sequence(
+            seq_id,
+            list(parent.token_ids),
+            parent.num_prompt_tokens,
+            parent.params,
+            status=parent.status,
+            num_cached_tokens=parent.num_cached_tokens,
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=parent.first_scheduled_time,
+            group=self,
+            branch=branch,
+            cumulative_logprob=parent.cumulative_logprob,
+            makes_text=parent.makes_text,
+        )
+        kv.share(parent, child)
+        self.every_seq.append(child)
+        self.forks += 1
+        return child
+
+    def sample_params(self, branch: int) -> SamplingParams:
+        """Sample i draws with its own generator, seeded seed + i when a seed is given."""
+        if self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=self.params.seed + branch)
+
+    def measure_blocks(self) -> None:
+        """Update the peaks of distinct blocks held vs blocks the members would hold unshared."""
+        distinct = {block.block_id for seq in self.members for block in seq.block_table}
+        self.peak_shared = max(self.peak_shared, len(distinct))
+        self.peak_unshared = max(self.peak_unshared, sum(len(seq.block_table) for seq in self.members))
+
+    def mark_token_step(self, step: int, now: float) -> None:
+        """One time per engine step that gave the group tokens (its TTFT and inter-token gaps)."""
+        if step != self._last_token_step:
+            self._last_token_step = step
+            self.token_times.append(now)
+
+    def stats(self) -> GroupStats:
+        return GroupStats(
+            kind=self.kind,
+            num_sequences=self.size,
+            shared_blocks=self.peak_shared,
+            unshared_blocks_equivalent=self.peak_unshared,
+            cow_copies=self.cow_copies,
+            forks=self.forks,
+            pruned=self.pruned,
+        )

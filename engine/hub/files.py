@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from engine.hub.online import HubError, api, describe, hub_call
+from engine.config import AUTO, DTYPES
+from engine.errors import ModelLoadError
+from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
+from engine.hub.online import HubError, api, describe, endpoint, hub_call, token
+from engine.model.configs import read_folder_config
+from engine.model.inspect import budget_bytes_for, keeps_own_bits, memory_estimate
+from engine.model.sources import ModelSource
+from engine.model.support import support_for
+from engine.shapes import ModelShapes
 
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ModelInfo
@@ -95,11 +103,10 @@ def group_weights(sizes: dict[str, int]) -> list[tuple[str, str, tuple[str, ...]
 
 def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     """The repo's config.json (downloaded alone into the HF cache) as a transformers config."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import hf_hub_download
 
     from engine.hub.download import private_repo_dir
-    from engine.hub.online import endpoint, token
-    from engine.model.configs import read_folder_config
 
     private_repo_dir(repo_id)  # before huggingface_hub creates it with the default permissions
     path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint(), token=token())
@@ -109,7 +116,6 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
 
 def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, dict[str, int]]:
     """The config a GGUF's header describes, and its tensors' GGML types."""
-    from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
     return config_from_header(header, PurePosixPath(filename).name), header.tensor_types
@@ -122,8 +128,6 @@ def _estimate(
     budget: tuple[int, str],
     weight_bytes: int | None,
 ) -> dict[str, Any]:
-    from engine.model.inspect import memory_estimate
-    from engine.model.shapes import ModelShapes
 
     return memory_estimate(ModelShapes.from_config(config), dtype, context, budget, weight_bytes)
 
@@ -132,13 +136,6 @@ def repo_files(
     repo_id: str, dtype: str = "bfloat16", context: int | None = 4096, budget_gib: float | None = None
 ) -> RepoFiles:
     """The repo's ways to load, each with its download size and the fit for this machine."""
-    from engine.config import AUTO, DTYPES
-    from engine.model.errors import ModelLoadError
-    from engine.model.gguf_native import scout_bytes
-    from engine.model.inspect import budget_bytes_for, keeps_own_bits
-    from engine.model.shapes import ModelShapes
-    from engine.model.sources import ModelSource
-    from engine.model.support import support_for
 
     if dtype not in DTYPES:
         raise HubError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -170,10 +167,9 @@ def repo_files(
         configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
-            tensor_types: dict[str, int] = {}
             if kind == GGUF and loadable:
                 try:
-                    (cfg, tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
+                    (cfg, _tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
@@ -185,8 +181,7 @@ def repo_files(
                     gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
                     native = None
                     if kind == GGUF and keeps_own_bits(AUTO, gguf):
-                        shape = ModelShapes.from_config(cfg)
-                        native = weight_bytes + scout_bytes(tensor_types, shape.vocab_size, shape.hidden_size)
+                        native = weight_bytes
                     estimate = _estimate(cfg, dtype, context, budget, native)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"

@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import DTYPES, ConfigError
+from engine.errors import ModelLoadError
+from engine.measure.device import resolve_device
 from engine.measure.memory import available_memory_bytes
-from engine.model.checks import resolve_device
 from engine.model.configs import read_config
-from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import NATIVE
-from engine.model.shapes import ModelShapes
+from engine.model.loading import resolve_scheme
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
+from engine.shapes import ModelShapes
 
 
 def inspect_model(
@@ -51,11 +52,7 @@ def inspect_model(
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
     native = None
     if src.gguf is not None and keeps_own_bits(quantization, src):
-        from engine.model.configs import open_gguf
-        from engine.model.gguf_native import scout_bytes
-
-        types = {t.name: int(t.tensor_type) for t in open_gguf(src.gguf).tensors}
-        native = src.gguf.stat().st_size + scout_bytes(types, shapes.vocab_size, shapes.hidden_size)
+        native = src.gguf.stat().st_size  # the file's tensors, memory-mapped as they are
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
@@ -75,7 +72,6 @@ def keeps_own_bits(quantization: str, src: ModelSource) -> bool:
     """Whether loading `src` with `quantization` on the device a load picks keeps a GGUF's own
     blocks (the loader's own rule), so that its weights take about the file's size: its tensors,
     plus a little metadata. A choice the loader refuses counts as not kept."""
-    from engine.model.loading import resolve_scheme
 
     try:
         return resolve_scheme(quantization, src, resolve_device("auto")) == NATIVE

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,16 +31,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import ConfigError
 from engine.events import RequestFailed, RequestFinished, RequestStarted, TokenGenerated
-from engine.model.chat_template import ChatTemplateError
 from engine.serve import codec
-from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, EngineBridge, ServeError, Started
+from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, EngineBridge, Started
 from engine.serve.channel import Channel, ChannelOverflow
+from engine.serve.errors import ServeError
 from engine.serve.guards import error_response, install
 from engine.serve.logprobs import TokenStrings
 from engine.serve.params import Plan, chat_plan, completion_plan
 from engine.serve.prompts import Overloaded
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
+from engine.serve.replies import Reply
 from engine.serve.schema import GENERATION_RESPONSES, INFO_RESPONSES, served_openapi
+from engine.text.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from engine.serve.replies import Reply
@@ -169,8 +172,6 @@ def build_app(
         return out
 
     async def generate(kind: str, plan: Plan, stream: bool, request: Request, arrival: float) -> Response:
-        from engine.serve.replies import Reply
-
         loop = asyncio.get_running_loop()
         channel = Channel(loop)
         started: list[Started] = []
@@ -301,8 +302,6 @@ def _with_token_text(items: list[object], strings: TokenStrings) -> list[object]
     """Requests the server detokenizes itself (untagged, without stop strings) come from the
     engine without text: their tokens get theirs here, from the vocabulary's table, and their
     RequestFinished carries token ids with an empty text (the client's own reply has it)."""
-    import dataclasses
-
     return [
         dataclasses.replace(e, text=strings.text_of(e.token_id))
         if isinstance(e, TokenGenerated) and not e.text
@@ -327,41 +326,13 @@ def _planned(make: Callable[[], Plan]) -> Plan:
 
 
 def capacity_check(bridge: EngineBridge, ids: list[int], plan: Plan, param: str) -> None:
-    """Refuse what the model's context or the KV pool can never hold (before it starts)."""
-    n_prompt, limit = len(ids), bridge.max_model_len
-    if n_prompt == 0:
-        raise ServeError("The prompt is empty.", param, "invalid_value")
-    max_tokens = plan.sampling.max_new_tokens
-    if n_prompt >= limit:
-        raise ServeError(
-            f"This model's context holds {limit} tokens, but the prompt is {n_prompt} tokens: shorten it.",
-            param,
-            "context_length_exceeded",
-        )
-    if plan.max_tokens_given and n_prompt + max_tokens > limit:
-        raise ServeError(
-            f"This model's context holds {limit} tokens, but {n_prompt + max_tokens} were asked for "
-            f"({n_prompt} in the prompt, {max_tokens} in max_tokens): lower max_tokens or shorten the prompt.",
-            "max_tokens",
-            "context_length_exceeded",
-        )
-    pool, bs = bridge.pool_blocks, bridge.config.block_size
-    seqs = plan.sampling.group_size
-    # The least the request can ever run in: its prompt and first token (with max_tokens: all
-    # of them, for every sequence). A group's samples or beams share the prompt's full blocks;
-    # each writes its own copy of the partial one onwards.
-    tokens = max_tokens if plan.max_tokens_given else 1
-    if seqs == 1:
-        need = -(-(n_prompt + tokens) // bs)
-    else:
-        need = n_prompt // bs + seqs * -(-(n_prompt % bs + tokens) // bs)
-    what = f"its {n_prompt}-token prompt"
-    if plan.max_tokens_given:
-        what += f" and {max_tokens} new tokens" + (f" for each of {seqs} sequences" if seqs > 1 else "")
-    if need > pool:
-        raise ServeError(
-            f"The KV pool ({pool} blocks of {bs} tokens, {pool * bs} tokens) can never hold this request: "
-            f"{what} need {need} blocks. Lower max_tokens or n, or start the server with a larger KV budget.",
-            "max_tokens" if plan.max_tokens_given else param,
-            "kv_cache_too_small",
-        )
+    """Refuse what the model's context or the KV pool can never hold (before it starts), with the
+    engine's own reason (engine.limits) in OpenAI's error shape. Off the engine thread: the
+    limits are plain figures read when the server started."""
+    assert bridge.limits is not None, "requests are served after start()"
+    given = plan.sampling.max_new_tokens if plan.max_tokens_given else None
+    refusal = bridge.limits.refusal(len(ids), given, plan.sampling.group_size)
+    if refusal is None:
+        return
+    code = {"empty": "invalid_value", "context": "context_length_exceeded", "pool": "kv_cache_too_small"}
+    raise ServeError(refusal.message, "max_tokens" if refusal.new_tokens else param, code[refusal.limit])

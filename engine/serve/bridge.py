@@ -20,22 +20,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
-from engine.core.detokenize import PROMPT_CONTEXT_TOKENS
 from engine.core.service import Engine
-from engine.events import BlockEvent, Event, ModelInfo
+from engine.events import Event, ModelInfo
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
+from engine.serve.logprobs import token_bytes_table
 from engine.serve.metrics import ServeMetrics
-from engine.serve.snapshot import BlockMirror, state_events
+from engine.serve.params import Bounds
+from engine.serve.prompts import PromptQueue
+from engine.serve.snapshot import state_events
+from engine.text.detokenize import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.core.llm_engine import LLMEngine
+    from engine.limits import Limits
     from engine.model.loaded import LoadedModel
-    from engine.serve.params import Bounds  # noqa: F811 - the type; start() imports the class
-    from engine.serve.prompts import PromptQueue  # noqa: F811
 
 T = TypeVar("T")
 
@@ -48,14 +50,6 @@ DEFAULT_MAX_WAITING = 256
 # Request bodies past this many bytes get 413 (engine.serve.guards); a 128k-token prompt is well
 # under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-
-
-class ServeError(ValueError):
-    """A request the server refuses before the engine sees it; `code`/`param` as OpenAI names them."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +74,8 @@ class EngineBridge:
         self.prompts: PromptQueue | None = None
         self.bounds: Bounds | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.pool_blocks = 0
+        self.limits: Limits | None = None  # the engine's (engine.limits), read once it loaded
         self.metrics: ServeMetrics | None = None
-        self.mirror = BlockMirror(config.block_size)
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._subscribers: set[Channel] = set()
@@ -93,22 +86,18 @@ class EngineBridge:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Load the model (on the engine thread) and wait for it; raises with the load error."""
-        from engine.serve.logprobs import token_bytes_table
-        from engine.serve.params import Bounds
-        from engine.serve.prompts import PromptQueue
-
         self.engine.start()
-        info = self.engine.wait_until_loaded(timeout)
+        info = self.engine.info if self.engine.wait_until_loaded(timeout) else None
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
         self.metrics = ServeMetrics(self.model_name)
-        self.max_model_len, self.token_bytes, self.tokenizer, self.pool_blocks = self.engine.call(
+        self.max_model_len, self.token_bytes, self.tokenizer, self.limits = self.engine._call(
             lambda core: (
-                core.max_model_len,
+                core.limits.context_window,
                 token_bytes_table(core.tokenizer),
                 core.tokenizer,
-                core.kv.pool.num_blocks,
+                core.limits,
             )
         ).result()
         self.bounds = Bounds(info.vocab_size, self.max_model_len, self.config.max_num_seqs)
@@ -131,8 +120,6 @@ class EngineBridge:
 
     # ---- the sink (engine thread) ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, BlockEvent):
-            self.mirror.apply(event)
         if self.metrics is not None:
             self.metrics.observe(event)
         rid = getattr(event, "request_id", None)
@@ -172,7 +159,7 @@ class EngineBridge:
             core.add_request(request, request_id)
             return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))
 
-        return await asyncio.wrap_future(self.engine.call(begin))
+        return await asyncio.wrap_future(self.engine._call(begin))
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
@@ -190,11 +177,11 @@ class EngineBridge:
         channel = Channel(loop, SUBSCRIBER_LIMIT)
 
         def attach(core: LLMEngine) -> None:
-            channel.push_many(state_events(core, self.mirror))
+            channel.push_many(state_events(core))
             with self._lock:
                 self._subscribers.add(channel)
 
-        await asyncio.wrap_future(self.engine.call(attach))
+        await asyncio.wrap_future(self.engine._call(attach))
         return channel
 
     def unsubscribe(self, channel: Channel) -> None:

@@ -60,6 +60,7 @@ class FuzzSummary:
 
 def tiny_model() -> LoadedModel:
     """A tiny random Llama with the packaged model's tokenizer (built in a second)."""
+    # torch, transformers and the model's loading: only when a fuzz run builds its model
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,6 +124,7 @@ def _summary(raw: dict[str, Any], seconds: int, exit_code: int, output: str) -> 
 
 
 def fuzz(seconds: int, seed: int | None = None) -> FuzzSummary:
+    # the engine and its server: only when this process serves (the suite brings its own)
     from engine.config import EngineConfig
     from engine.serve.server import BackgroundServer
 

@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Sequence
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -115,8 +116,6 @@ def install(app: FastAPI, api_key: str | None, max_body_bytes: int, cors_origins
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
     if cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(cors_origins),

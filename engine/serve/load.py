@@ -31,6 +31,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import httpx
+import psutil
+
+from engine.config import EngineConfig, ModelSpec
+from engine.serve.server import BackgroundServer
+
 WORDS = [
     "the",
     "a",
@@ -123,7 +129,7 @@ async def _stream(
     http: Any, body: dict[str, Any], stop_after: int | None = None
 ) -> tuple[str, list[float], bool]:
     """The streamed text, the arrival times of its content chunks, and whether it ended with [DONE]."""
-    text, times = "", []
+    text, times = "", list[float]()
     async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
@@ -224,8 +230,6 @@ async def _client(
 async def _run_clients(
     url: str, model: str, clients: int, duration_s: float, seed: int, started: Any
 ) -> dict[str, Any]:
-    import httpx
-
     pool = prompt_pool(seed)
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as http:
@@ -256,10 +260,6 @@ def _client_process(
 
 # ---- the server side -------------------------------------------------------------------------------
 def run_load(config: Any, clients: int, duration_s: float, seed: int = 0, loaded: Any = None) -> LoadResult:
-    import psutil
-
-    from engine.serve.server import BackgroundServer
-
     with BackgroundServer(config, loaded=loaded, max_waiting=max(256, 4 * clients)) as server:
         model = server.bridge.model_name
         ctx = multiprocessing.get_context("spawn")
@@ -297,7 +297,7 @@ def run_load(config: Any, clients: int, duration_s: float, seed: int = 0, loaded
         deadline = time.monotonic() + 60
         used = -1
         while time.monotonic() < deadline:
-            idle, used = server.bridge.engine.call(
+            idle, used = server.bridge.engine._call(
                 lambda core: (not core.has_work(), core.kv.pool.num_used)
             ).result(30)
             if idle and used == 0:
@@ -336,8 +336,6 @@ def table(result: LoadResult, model: str) -> str:
 
 
 def run_serve_load(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig, ModelSpec
-
     spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
     config = EngineConfig(model=spec, block_size=args.block_size, max_num_seqs=args.max_num_seqs)
     print(f"serve load: {args.clients} clients for {args.duration} s on {args.model} ...", file=sys.stderr)

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, cast
 
 from engine.config import ConfigError, SamplingParams
 from engine.request import ChatMessage, Request
-from engine.serve.bridge import ServeError
+from engine.serve.errors import ServeError
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
 from engine.serve.protocol import ChatRequest, CompletionRequest, MessageIn, SamplingFields
+from engine.text.chat_template import prompt_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -75,8 +76,6 @@ class Prompt:
     ids: tuple[int, ...] = ()
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        from engine.model.chat_template import prompt_ids
-
         if self.chat is not None:
             return prompt_ids(tokenizer, self.chat)
         if self.text is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from engine.serve.bridge import ServeError
+from engine.serve.errors import ServeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

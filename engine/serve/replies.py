@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from engine.core.detokenize import IncrementalDetokenizer
 from engine.events import (
     RequestFailed,
     RequestFinished,
@@ -26,9 +25,11 @@ from engine.events import (
     SequenceFinished,
     TokenGenerated,
 )
-from engine.serve.bridge import ServeError, Started
+from engine.serve.bridge import Started
+from engine.serve.errors import ServeError
 from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
 from engine.serve.params import Plan, param_of
+from engine.text.detokenize import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -67,6 +67,8 @@ def make_uvicorn(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cors_origins: tuple[str, ...] = (),
 ) -> uvicorn.Server:
+    # uvicorn and fastapi (the app): imported when a server is made, so the CLI checks its
+    # arguments and the bind address (this module's other helpers) before paying for them.
     import uvicorn
 
     from engine.serve.app import build_app

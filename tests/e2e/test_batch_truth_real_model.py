@@ -46,7 +46,7 @@ def requests() -> list[Request]:
 def run(loaded, batch, engine=None, **config):
     events: list = []
     engine = engine or LLMEngine(loaded, EngineConfig(**config), events.append)
-    engine.emit = events.append
+    engine.sink = events.append
     ids = [engine.add_request(r) for r in batch]
     while engine.has_work():
         engine.step()

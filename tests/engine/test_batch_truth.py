@@ -17,9 +17,9 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
 from engine.kernels.linear import _per_row_products
+from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, onednn_linear_available
 from engine.model.loaded import LoadedModel
-from engine.quant.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.request import Request
 
 
@@ -81,7 +81,7 @@ def greedy(
         engine = LLMEngine(
             model, EngineConfig(**{"block_size": 4, "num_blocks": 512, **config}), events.append
         )
-    engine.emit = events.append
+    engine.sink = events.append
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     ids = [engine.add_request(Request(prompt_token_ids=tuple(p), sampling=params)) for p in batch]
     while engine.has_work():

@@ -42,8 +42,8 @@ def test_private_files_are_0600(tmp_path):
 
 
 def test_kvscope_cache_folders_and_the_kernel_table_are_private(tmp_path, monkeypatch):
+    from engine.cache_dirs import cache_root, writable_cache_dir
     from engine.kernels import policy
-    from engine.model.cache_dirs import cache_root, writable_cache_dir
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     writable_cache_dir(cache_root() / "models")

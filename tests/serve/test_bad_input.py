@@ -135,7 +135,7 @@ def test_tokenization_runs_off_the_engine_thread(server, slow_tokenizer):
     thread = threading.Thread(target=slow_request)
     thread.start()
     wait_for(lambda: server.bridge.prompts.pending == 1, what="the slow prompt in the queue")
-    engine_thread_free = server.bridge.engine.call(lambda core: "answered").result(10)
+    engine_thread_free = server.bridge.engine._call(lambda core: "answered").result(10)
     fast = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
     assert engine_thread_free == "answered" and fast.status_code == 200
     assert fast.json()["usage"]["completion_tokens"] == 3

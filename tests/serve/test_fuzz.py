@@ -19,7 +19,7 @@ def test_the_server_holds_to_its_own_schema(tiny_loaded):
         schema = httpx.get(server.url + "/openapi.json").json()
         summary = run_schemathesis(server.url, FUZZ_TEST_S)
         assert httpx.get(server.url + "/health").status_code == 200, "the server survived it"
-        used = server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(30)
+        used = server.bridge.engine._call(lambda core: core.kv.pool.num_used).result(30)
     print(summary.line())
     assert summary.failures == 0 and summary.exit_code == 0, "\n".join(summary.failure_lines)
     assert summary.operations == 5 and summary.test_cases > 100 and summary.checks == CHECKS

@@ -1,0 +1,97 @@
+"""What-if: a generated token's sampling stages recomputed under other settings, exactly.
+
+The token's full logits are recomputed with one forward of the engine's model over the token's
+context (the request's prompt ids and the reply's tokens before it; an int8 KV cache is read
+back through the paged path, as the engine reads it), then the request's own stage code
+(engine.sampling.sampler / stages, whatever stages the settings switch on, penalties included)
+runs over the whole vocabulary under the new settings. Nothing is approximated from the top
+candidates a snapshot recorded: with the token's own settings the result is its recorded
+snapshot, up to the float rounding of one forward against the engine's paged, chunked ones.
+One stage is random: XTC fires on a coin; the what-if shows it as if its coin came up, and
+`what_if_notes` says so.
+
+`WhatIf.recompute` runs on the engine thread (Engine.call): it uses the engine's model and
+tokenizer. It keeps the last token's logits, so moving a slider re-runs only the stages.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import SamplingParams
+from engine.events import TokenSnapshot
+from engine.model.logits import context_logits
+from engine.request import Request
+from engine.sampling.sampler import Sampler
+from engine.sampling.stages import build_stages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from engine.core.llm_engine import LLMEngine
+
+# How the app says what the numbers are (shown beside every what-if).
+HOW = (
+    "recomputed on the engine: this token's full logits from one forward over its context, "
+    "then the sampler's own stages under the new settings"
+)
+
+
+def what_if_notes(params: SamplingParams) -> tuple[str, ...]:
+    """One line per way a what-if under `params` differs from what one real draw would show."""
+    if 0.0 < params.xtc_probability < 1.0 and not params.greedy:
+        return (f"XTC shown as if its coin came up (it does with probability {params.xtc_probability:g})",)
+    return ()
+
+
+def recorded_top_n(snapshot: TokenSnapshot) -> int:
+    """The snapshot size a token was recorded with: its candidates are the top N, then the drawn
+    token when it was not among them. A drawn token last is either appended or the N-th itself,
+    and top N - 1 plus it lists the same candidates either way."""
+    ids = snapshot.candidate_ids
+    return max(1, len(ids) - 1 if ids and ids[-1] == snapshot.drawn_id else len(ids))
+
+
+class WhatIf:
+    """Recomputes tokens' stages on the engine thread, keeping the last token's logits."""
+
+    def __init__(self) -> None:
+        # The last context, the model and KV dtype it ran through (weakly: a model the engine
+        # has dropped is not kept alive here) and its logits.
+        self._key: tuple[tuple[int, ...], str] | None = None
+        self._model: weakref.ref[PreTrainedModel] | None = None
+        self._logits: torch.Tensor | None = None
+
+    def recompute(
+        self,
+        core: LLMEngine,
+        request: Request,
+        output_ids: Sequence[int],
+        recorded: TokenSnapshot,
+        params: SamplingParams,
+    ) -> TokenSnapshot:
+        """The snapshot the token would have had under `params`: `request`'s prompt, the reply's
+        `output_ids` before the token, the token `recorded.drawn_id` as drawn. As many candidates
+        as the recorded snapshot shows."""
+        prompt = core.prompt_ids(request)
+        logits = self._logits_for(core, [*prompt, *output_ids])
+        shown = replace(params, snapshot_top_n=recorded_top_n(recorded))
+        sampler = Sampler(shown, decode_token=core.text.text)
+        # XTC as if its coin came up: a what-if shows what the setting does, not one coin's luck.
+        sampler.stages = build_stages(shown, decode_token=core.text.text, uniform=lambda: 0.0)
+        snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id).snapshot
+        assert snapshot is not None  # snapshot_top_n > 0 always records one
+        return snapshot
+
+    def _logits_for(self, core: LLMEngine, context: list[int]) -> torch.Tensor:
+        model, key = core.loaded.model, (tuple(context), core.config.kv_dtype)
+        same_model = self._model is not None and self._model() is model
+        if self._logits is None or key != self._key or not same_model:
+            self._logits = context_logits(model, context, core.config.kv_dtype)
+            self._key, self._model = key, weakref.ref(model)
+        return self._logits
