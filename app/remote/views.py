@@ -108,8 +108,9 @@ class Covered(QWidget):
 class RemoteViews(QObject):
     """Given what it works through: the window only as the parent of its dialog, the attachable
     host, the docks it covers and a way to add its own, the menu bar, the settings (the last URL),
-    the chat (stopped and synced around an attach), the status bar, the sweep panel (no local
-    sweep of a remote model), and the window's status refresh and detach."""
+    the chat (stopped and synced around an attach; its banner offers Reattach when a server goes
+    away mid-reply), the status bar, the sweep panel (no local sweep of a remote model), and the
+    window's status refresh and detach."""
 
     COVERED = ("page_map", "roofline", "memory", "step_timeline")
 
@@ -189,7 +190,7 @@ class RemoteViews(QObject):
         message = getattr(event, "message", "")
         if not self.host.attached or target is None or not _is_connection_loss(message):
             return
-        self.window.chat.banner.show_message(
+        self.chat.pane.banner.show_message(
             f"{target.label} stopped answering mid-reply ({message}). The partial reply is kept, "
             "marked failed; Continue or Regenerate it once the server is back.",
             "Reattach",

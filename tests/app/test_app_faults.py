@@ -153,12 +153,17 @@ def test_a_remote_engine_that_vanishes_mid_reply_keeps_the_partial_reply_and_off
         window.remote_views.attach(RemoteTarget.parse(server.url))
         qtbot.waitUntil(lambda: window.host.status().ready, timeout=LOAD_TIMEOUT_MS)
         window.controller.new_conversation()
+        gate = StepGate(server.bridge.engine.core, after_steps=8)  # the server stops mid-reply
         window.controller.send("Hello")
+        qtbot.waitUntil(gate.reached.is_set, timeout=REPLY_TIMEOUT_MS)
         qtbot.waitUntil(
-            lambda: window.controller.active is not None and len(window.controller.active.text) > 5,
+            lambda: window.controller.active is not None and bool(window.controller.active.text),
             timeout=REPLY_TIMEOUT_MS,
         )
-        server.stop()  # the server goes away mid-reply
+        server._server.should_exit = True  # the server goes away: its HTTP side first...
+        server._thread.join(30)
+        gate.release()
+        server.bridge.shutdown()  # ...then its engine
         qtbot.waitUntil(lambda: window.controller.active is None, timeout=REPLY_TIMEOUT_MS)
         reply = window.conversations.load(window.controller.conversation.id).messages[-1]
         assert reply.role == "assistant" and reply.content and reply.finish_reason == "failed"

@@ -57,7 +57,7 @@ def test_kill_9_mid_download_then_the_next_start_resumes(hub):
     assert child.returncode == -signal.SIGKILL
     (cached,) = list_cached()  # what the app's Hub browser shows: a resumable part
     kept = cached.partial_bytes
-    assert size // 4 <= kept < size
+    assert 0 < kept < size  # what reached the disk before the kill (the last chunk may not have)
     server.delay_s = 0.0
     server.requests.clear()
     result = download_files(REPO, [WEIGHTS])  # the next start
