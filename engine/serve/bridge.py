@@ -91,7 +91,6 @@ class EngineBridge:
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
-        self.metrics = ServeMetrics(self.model_name)
         self.max_model_len, self.token_bytes, self.tokenizer, self.limits = self.engine._call(
             lambda core: (
                 core.limits.context_window,
@@ -100,6 +99,7 @@ class EngineBridge:
                 core.limits,
             )
         ).result()
+        self.metrics = ServeMetrics(self.model_name, self.max_model_len)
         self.bounds = Bounds(info.vocab_size, self.max_model_len, self.config.max_num_seqs)
         self.prompts = PromptQueue(self.tokenizer, self.max_waiting, self.engine_waiting)
 
@@ -154,7 +154,7 @@ class EngineBridge:
                 for subscriber in subscribers:
                     subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
             assert self.metrics is not None, "requests are served after start()"
-            self.metrics.arrived(request_id, arrived)
+            self.metrics.arrived(request_id, arrived, sampling.n, sampling.max_new_tokens)
             request = Request(prompt_token_ids=tuple(ids), sampling=sampling, detokenize=detokenize)
             core.add_request(request, request_id)
             return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))

@@ -98,7 +98,8 @@ def run_schemathesis(
             cmd += ["-H", f"{name}: {value}"]
         if seed is not None:
             cmd += ["--seed", str(seed)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300)
+        # in the temporary folder: Schemathesis keeps its cache (.schemathesis/) in its working one
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300, cwd=tmp)
         raw = json.loads(report.read_text()) if report.exists() else {}
     return _summary(raw, seconds, done.returncode, done.stdout + done.stderr)
 
