@@ -13,8 +13,9 @@ Then each client, until the time is up, picks at random:
   15% n = 2 or 3 samples (temperature 0.8), which must come back with n finished choices.
 The table: requests by kind, lost (no answer, an error status, a stream that broke by itself),
 mismatches (a greedy reply unlike its reference), the KV blocks still used once the server is
-idle, the server's RSS after a warm-up against its end, p50/p99 TTFT and ITL as the streaming
-clients saw them. Run the long one on a quiet machine; a short one checks the path works.
+idle, the server's RSS after a warm-up against its end (and its peak), p50/p99 TTFT and ITL as
+the streaming clients saw them. It passes (exit 0) with nothing lost or mismatched, no block
+leaked and the RSS within 5%. Run the long one on a quiet machine; a short one checks the path works.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ POOL = 24  # distinct prompts (each with its reference)
 DROP, CANCEL, SAMPLES = 0.10, 0.05, 0.15  # shares of the requests; the rest are greedy
 WARMUP_SHARE = 0.2  # of the duration, before RSS is taken as the baseline
 MAX_WARMUP_S = 60.0
+RSS_TOLERANCE = 0.05  # RSS at the end within 5% of RSS after the warm-up
 
 
 @dataclass
@@ -90,6 +92,7 @@ class LoadResult:
     blocks_leaked: int = -1
     rss_start_mib: float = 0.0
     rss_end_mib: float = 0.0
+    rss_peak_mib: float = 0.0
 
     @property
     def rss_drift(self) -> float:
@@ -127,10 +130,12 @@ def prompt_pool(seed: int) -> list[tuple[str, int]]:
 # ---- the clients (their own process) -------------------------------------------------------------
 async def _stream(
     http: Any, body: dict[str, Any], stop_after: int | None = None
-) -> tuple[str, list[float], bool]:
-    """The streamed text, the arrival times of its content chunks, and whether it ended with [DONE]."""
-    text, times = "", list[float]()
-    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+) -> tuple[str, list[float], bool, int]:
+    """The streamed text, the arrival times of its content chunks, whether it ended with [DONE],
+    and its completion tokens (from the usage chunk; 0 when it was hung up on)."""
+    text, times, tokens = "", list[float](), 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -138,18 +143,19 @@ async def _stream(
                 continue
             data = line[6:]
             if data == "[DONE]":
-                return text, times, True
+                return text, times, True, tokens
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
             for choice in chunk.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece:
                     text += piece
                     times.append(time.perf_counter())
             if stop_after is not None and len(times) >= stop_after:
-                return text, times, False  # hang up: the context manager closes the connection
-    return text, times, False
+                return text, times, False, 0  # hang up: the context manager closes the connection
+    return text, times, False, tokens
 
 
 def _body(model: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -203,7 +209,7 @@ async def _client(
                 out.greedy += 1
                 start = time.perf_counter()
                 if rng.random() < 0.7:
-                    text, times, done = await _stream(http, _body(model, prompt, max_tokens))
+                    text, times, done, tokens = await _stream(http, _body(model, prompt, max_tokens))
                     if not done:
                         out.lost += 1
                         out.problems.append(f"prompt {index}: the stream ended without [DONE]")
@@ -218,7 +224,8 @@ async def _client(
                         out.problems.append(f"prompt {index}: HTTP {response.status_code}")
                         continue
                     text = response.json()["choices"][0]["message"]["content"]
-                out.tokens += max_tokens
+                    tokens = response.json()["usage"]["completion_tokens"]
+                out.tokens += tokens
                 if text != refs[index]:
                     out.mismatches += 1
                     out.problems.append(f"prompt {index}: {text[:60]!r} != reference {refs[index][:60]!r}")
@@ -305,6 +312,7 @@ def run_load(config: Any, clients: int, duration_s: float, seed: int = 0, loaded
             time.sleep(0.5)
         result.blocks_leaked = used
         result.rss_start_mib, result.rss_end_mib = rss_start / 2**20, rss_end / 2**20
+        result.rss_peak_mib = max(*rss_peak, rss_end) / 2**20
     return result
 
 
@@ -323,11 +331,12 @@ def table(result: LoadResult, model: str) -> str:
         ("blocks leaked", f"{result.blocks_leaked} (KV blocks used once idle)"),
         (
             "RSS",
-            f"{result.rss_start_mib:.0f} MiB after warm-up -> {result.rss_end_mib:.0f} MiB ({result.rss_drift:+.1%})",
+            f"{result.rss_start_mib:.0f} MiB after warm-up -> {result.rss_end_mib:.0f} MiB ({result.rss_drift:+.1%}), "
+            f"peak {result.rss_peak_mib:.0f} MiB",
         ),
         ("TTFT p50 / p99", f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} ms (streaming clients)"),
         ("ITL p50 / p99", f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} ms"),
-        ("tokens/s", f"{s['tokens_per_s']:.1f}"),
+        ("tokens/s", f"{s['tokens_per_s']:.1f} (completion tokens of the replies read to their end)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -344,5 +353,14 @@ def run_serve_load(args: argparse.Namespace) -> int:
         print(json.dumps(result.summary(), indent=2))
     else:
         print(table(result, args.model))
-    ok = result.lost == 0 and result.mismatches == 0 and result.blocks_leaked == 0
-    return 0 if ok else 1
+    return 0 if passed(result) else 1
+
+
+def passed(result: LoadResult) -> bool:
+    """Nothing lost or mixed up, every block back once idle, RSS within 5% after the warm-up."""
+    return (
+        result.lost == 0
+        and result.mismatches == 0
+        and result.blocks_leaked == 0
+        and abs(result.rss_drift) <= RSS_TOLERANCE
+    )

@@ -5,7 +5,7 @@ nothing, mix nothing up (every greedy reply equals the one it got alone) and lea
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.serve.load import run_load, table
+from engine.serve.load import prompt_pool, run_load, table
 
 
 def test_a_short_load_run_loses_and_mixes_up_nothing(tiny_loaded):
@@ -15,4 +15,10 @@ def test_a_short_load_run_loses_and_mixes_up_nothing(tiny_loaded):
     assert result.requests > 20 and result.greedy and result.dropped and result.sampled
     assert result.lost == 0 and result.mismatches == 0, result.problems[:5]
     assert result.blocks_leaked == 0
-    assert result.ttft_s and result.itl_s and result.rss_start_mib > 0
+    assert (
+        result.ttft_s
+        and result.itl_s
+        and result.rss_start_mib > 0
+        and result.rss_peak_mib >= result.rss_end_mib
+    )
+    assert 0 < result.tokens <= sum(max_tokens for _, max_tokens in prompt_pool(0)) * result.requests
