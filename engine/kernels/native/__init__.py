@@ -54,7 +54,7 @@ class Kvk:
         (row_addresses: one tensor, several fused, or a permutation) -> float32 [R, len(rows)].
         `exact`: float32 activations (every weight decoded to float32), else the two 8-bit
         activation planes."""
-        _check_table(rows)
+        check_table(rows)
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k:
             raise ValueError(
                 f"activations must be float32 [rows, {k}] with contiguous rows, got {tuple(x.shape)} {x.dtype}"
@@ -81,7 +81,7 @@ class Kvk:
     def dequantize_rows(self, ggml_type: int, rows: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (of the address table `rows`) as float32 [len(ids), k], bit for bit gguf's
         dequantization."""
-        _check_table(rows)
+        check_table(rows)
         ids = ids.to(torch.int64).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows.shape[0]):
             raise IndexError(f"row ids outside 0..{rows.shape[0] - 1}")
@@ -97,7 +97,7 @@ class Kvk:
         self, ggml_type: int, rows: np.ndarray, k: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The weight rows [len(rows), k] rounded to bfloat16 (a dense kernel's temporary copy)."""
-        _check_table(rows)
+        check_table(rows)
         if out is None:
             out = torch.empty(rows.shape[0], k, dtype=torch.bfloat16)
         status = self.lib.kvk_dequantize_bf16(ggml_type, rows.ctypes.data, rows.shape[0], k, out.data_ptr())
@@ -182,7 +182,7 @@ class Kvk:
         return codes, a, b
 
 
-def _check_table(rows: np.ndarray) -> None:
+def check_table(rows: np.ndarray) -> None:
     """A table of row addresses (row_addresses), not the blocks themselves: the kernels would read
     the bytes of anything else as addresses."""
     if (
