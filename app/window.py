@@ -86,6 +86,8 @@ class MainWindow(QMainWindow):
         # MCP servers and their tools, shared by every chat tab (each chooses whether to use them).
         self.tools = ToolRegistry(settings, parent=self)
         self.tools.load()
+        if conversations.read_only:
+            self.chat.banner.show_message(conversations.read_only_banner)
         self.controller = ChatController(
             self.chat,
             self.sidebar,

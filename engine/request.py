@@ -56,13 +56,18 @@ class Request:
     # only what comes after them.
     reply_prefix_ids: tuple[int, ...] = ()
     # Tools the model may call (rendered by the model's chat template, or already in the prompt
-    # ids of a server's request; engine.tools reads the reply for calls). tool_choice: "auto" (the model decides), "none" (no tools offered),
-    # "required" (at least one call) or "named" (a call of `tool_name`): the last two are held
-    # to the call format by a grammar.
+    # ids of a server's request; engine.tools reads the reply for calls). tool_choice: "auto"
+    # (the model decides), "none" (no tools offered), "required" (at least one call) or "named"
+    # (a call of `tool_name`): the last two are held to the call format by a grammar.
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = "auto"
     tool_name: str = ""
     parallel_tool_calls: bool = True
+    # False: the engine thread makes no text for this request (TokenGenerated.text/text_delta
+    # and RequestFinished.text stay empty); the caller detokenizes the token ids itself, off the
+    # engine thread (the HTTP server does). Only for a request without stop strings and without
+    # beam search, whose ends the engine must find in the text.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.prompt_token_ids):
@@ -81,6 +86,8 @@ class Request:
             raise ConfigError(f"tool_choice names {self.tool_name!r}, which is not one of the tools")
         if self.tool_choice in ("required", "named") and not self.tools:
             raise ConfigError(f"tool_choice {self.tool_choice!r} needs tools")
+        if not self.detokenize and (self.sampling.stop or self.sampling.beam_search):
+            raise ConfigError("stop strings and beam search need the engine's own detokenizer")
 
     @property
     def offers_tools(self) -> bool:

@@ -320,7 +320,16 @@ def test_tokens_per_second_are_counted_in_one_place():
 
 
 def _built(tree: ast.AST, names: set[str]) -> bool:
-    return any(isinstance(n, ast.Call) and _named(n.func) in names for n in ast.walk(tree))
+    """Whether `tree` calls one of `names` (plain or as an attribute), other libraries' classes
+    of the same name (httpx.Limits) aside."""
+    return any(
+        isinstance(n, ast.Call) and _named(n.func) in names and not _of_another_library(n.func)
+        for n in ast.walk(tree)
+    )
+
+
+def _of_another_library(func: ast.expr) -> bool:
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in {"httpx"}
 
 
 def test_what_fits_is_decided_in_one_place():

@@ -107,7 +107,7 @@ class GroupDriver:
         for branch in range(1, group.size):
             child = self._fork(group, parent, branch)
             child.sampler = Sampler(group.sample_params(branch), decode_token=self.text.text)
-            child.detokenizer = self.text.detokenizer(prompt, group.params.stop)
+            child.detokenizer = self.text.detokenizer(prompt, group.params.stop, parent.makes_text)
             if parent.grammar is not None:
                 child.grammar = parent.grammar.fork()
             group.members.append(child)

@@ -15,7 +15,7 @@ from engine.config import ConfigError, GrammarSpec
 from engine.events import ToolCall
 from engine.grammar.compile import GrammarError, check
 from engine.request import ToolSpec
-from engine.serve.bridge import ServeError
+from engine.serve.errors import ServeError
 from engine.serve.protocol import ChatRequest, NamedToolChoice, SamplingFields, ToolCallIn
 from engine.serve.tool_request import ToolRequest
 
