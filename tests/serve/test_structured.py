@@ -249,6 +249,19 @@ def test_bad_structured_requests_are_400s_naming_the_field(server, extra, param,
     assert error["param"] == param and words in error["message"] and "Traceback" not in r.text
 
 
+def test_the_served_schema_documents_tools_and_response_formats(server):
+    """/openapi.json (what `./dev fuzz` holds the server to) says what is taken, not that it is refused."""
+    schema = httpx.get(server.url + "/openapi.json", timeout=60).json()
+    components = schema["components"]["schemas"]
+    request = components["ChatRequest"]["properties"]
+    for field in ("tools", "tool_choice", "response_format", "parallel_tool_calls", "guided_json"):
+        assert field in request, field
+    assert "maxItems" not in json.dumps(request["tools"])
+    kinds = components["ResponseFormat"]["properties"]["type"]["enum"]
+    assert set(kinds) == {"text", "json_object", "json_schema"}
+    assert "tool" in components["MessageIn"]["properties"]["role"]["enum"]
+
+
 def test_a_grammar_with_no_next_token_stops_with_its_reason(server):
     body = {"model": MODEL, "messages": chat("x"), "max_tokens": 10, "guided_grammar": 'start: "ab" /[b&&c]/'}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
