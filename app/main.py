@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
+    from app.wheel_guard import install_wheel_guard
     from app.window import MainWindow
     from engine.config import ConfigError
     from widgets.theme import apply_theme
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
     apply_theme(app, asset_path("style.qss"))
+    install_wheel_guard(app)  # the wheel scrolls panes; it turns only the field being edited
 
     scripted = args.prompt is not None
     try:

@@ -34,6 +34,7 @@ from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from app.what_if import WhatIfController
+from app.wheel_guard import install_wheel_guard
 from engine.config import ConfigError, EngineConfig
 from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
 
@@ -56,6 +57,7 @@ class MainWindow(QMainWindow):
         parent: QWidget | None = None,
     ):
         super().__init__(parent)
+        install_wheel_guard()  # once per application: every dock's and dialog's fields
         self.setWindowTitle("kvscope")
         self.setObjectName("mainWindow")
         self.settings = settings
