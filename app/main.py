@@ -56,7 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         metavar="SOURCE",
         help="'default' (the packaged SmolLM2), a model folder, a .gguf file or a repo id in the local "
-        "Hugging Face cache (default: the model loaded last; 'default' for scripted runs)",
+        "Hugging Face cache (a GGUF repo's one .gguf file; REPO:FILE picks one of several) (default: "
+        "the model loaded last; 'default' for scripted runs)",
+    )
+    parser.add_argument(
+        "--gguf-file", metavar="FILE", help="with a repo id as --model: which of its .gguf files to load"
     )
     parser.add_argument("--dtype", choices=DTYPES, help="weight and KV precision")
     parser.add_argument("--device", choices=DEVICES, help="where to run the model")
@@ -113,6 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--timeout must be positive")
     if args.api_key and not args.attach:
         parser.error("--api-key needs --attach")
+    if args.gguf_file:
+        if not args.model:
+            parser.error("--gguf-file needs --model REPO (a repo id in the local Hugging Face cache)")
+        from engine.model.errors import ModelLoadError
+        from engine.model.sources import with_gguf_file
+
+        try:
+            args.model = with_gguf_file(args.model, args.gguf_file)
+        except ModelLoadError as exc:
+            parser.error(str(exc))
     return args
 
 
