@@ -8,6 +8,8 @@ line in the status label, and nothing the user typed is lost.
 
 from __future__ import annotations
 
+import dataclasses
+
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
@@ -31,7 +33,8 @@ from engine.config import DTYPES
 from engine.units import format_bytes
 
 RESULT_COLUMNS = ("Model", "Downloads", "Likes", "Params", "Size", "Licence", "Gated", "kvscope")
-FILE_COLUMNS = ("Weights", "On disk", "Weights + KV", "Fits here?", "Note")
+FILE_COLUMNS = ("Weights", "Size", "Downloaded", "Weights + KV", "Fits here?", "Note")
+ON_DISK = "✓ on disk"
 SORTS = (("Most downloaded", "downloads"), ("Most liked", "likes"), ("Trending", "trending_score"))
 
 
@@ -57,7 +60,7 @@ def fit_text(choice) -> tuple[str, str]:
 
 
 class ModelBrowser(QDialog):
-    model_chosen = Signal(str)  # a source load_model takes (repo id, or a GGUF path in the cache)
+    model_chosen = Signal(str)  # a source to load now (repo id, or a GGUF path in the cache)
 
     def __init__(
         self, dtype: str = "bfloat16", parent: QWidget | None = None, worker: HubWorker | None = None
@@ -69,7 +72,6 @@ class ModelBrowser(QDialog):
         self._hits: list = []
         self._files = None
         self._tickets = {"search": 0, "files": 0, "download": 0}
-        self._downloaded_source: str | None = None
 
         self.query = QLineEdit()
         self.query.setPlaceholderText(
@@ -104,6 +106,8 @@ class ModelBrowser(QDialog):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
         self.use_button = QPushButton("Use this model")
+        self.use_button.setObjectName("loadButton")
+        self.use_button.setToolTip("Load the chosen file now, with the model picker's settings")
         self.use_button.setEnabled(False)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
@@ -246,6 +250,7 @@ class ModelBrowser(QDialog):
             cells = (
                 item(c.label, tip="\n".join(c.files)),
                 item(format_bytes(c.weights_bytes), c.weights_bytes),
+                item(ON_DISK if c.cached_source else "–", tip=c.cached_source or ""),
                 item(total),
                 item(verdict_text),
                 item(c.note or ("" if c.loadable else "not loadable by kvscope")),
@@ -277,11 +282,19 @@ class ModelBrowser(QDialog):
 
     @Slot()
     def _on_file_selected(self) -> None:
+        """A choice already in the cache is used as it is; any other loadable one downloads first."""
         choice = self._selected_choice()
         ok = choice is not None and choice.loadable and self._files.supported is not False
-        self.download_button.setEnabled(ok and not self.cancel_button.isEnabled())
+        downloading = self.cancel_button.isEnabled()
+        on_disk = ok and choice.cached_source is not None
+        self.download_button.setEnabled(ok and not on_disk and not downloading)
+        self.use_button.setEnabled(on_disk and not downloading)
         if choice is not None:
-            self.download_button.setText(f"Download {choice.label} ({format_bytes(choice.download_bytes)})")
+            self.download_button.setText(
+                f"{choice.label} is on disk"
+                if on_disk
+                else f"Download {choice.label} ({format_bytes(choice.download_bytes)})"
+            )
 
     # ---- download --------------------------------------------------------------------------
     @Slot()
@@ -289,7 +302,6 @@ class ModelBrowser(QDialog):
         choice = self._selected_choice()
         if choice is None or self._files is None:
             return
-        self._downloaded_source = None
         self.use_button.setEnabled(False)
         self.download_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
@@ -312,18 +324,30 @@ class ModelBrowser(QDialog):
             return
         self.cancel_button.setEnabled(False)
         self.progress.setValue(1000)
-        self._downloaded_source = result.source
-        self.use_button.setEnabled(True)
+        self._mark_on_disk(result.files, result.source)
         resumed = f", {format_bytes(result.resumed_bytes)} resumed" if result.resumed_bytes else ""
         self._say(
-            f"Downloaded {result.repo_id}: {format_bytes(result.downloaded_bytes)}{resumed}. Ready to load."
+            f"Downloaded {result.repo_id}: {format_bytes(result.downloaded_bytes)}{resumed}. "
+            "Use this model loads it."
         )
         self._on_file_selected()
 
+    def _mark_on_disk(self, files: tuple[str, ...], source: str) -> None:
+        """The downloaded choice's row says so, and using it needs no second download."""
+        if self._files is None:
+            return
+        choices = list(self._files.choices)
+        for row, c in enumerate(choices):
+            if c.files == tuple(files):
+                choices[row] = dataclasses.replace(c, cached_source=source)
+                self.files_table.setItem(row, 2, item(ON_DISK, tip=source))
+        self._files = dataclasses.replace(self._files, choices=tuple(choices))
+
     @Slot()
     def _on_use(self) -> None:
-        if self._downloaded_source:
-            self._choose(self._downloaded_source)
+        choice = self._selected_choice()
+        if choice is not None and choice.cached_source:
+            self._choose(choice.cached_source)
 
     @Slot(str)
     def _choose(self, source: str) -> None:

@@ -15,12 +15,16 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
     QLabel,
+    QMenu,
+    QProgressBar,
     QPushButton,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
+from app.models.actions import ModelActions
 from app.models.quant_picker import QuantizationChoice
 from app.settings import ModelChoice
 from app.workers import Worker, create_worker
@@ -62,6 +66,19 @@ def cached_model_entries() -> list[tuple[str, str]]:
     return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
 
 
+def source_label(source: str) -> str:
+    """How a source the user just chose reads in the list: a file in the HF cache as
+    'HF cache: owner/repo/file.gguf', a repo id as 'HF cache: owner/repo', else the path."""
+    from pathlib import Path
+
+    from engine.model.sources import hf_cache_dir, repo_file_of
+
+    repo_file = repo_file_of(Path(source), hf_cache_dir())
+    if repo_file is not None:
+        return f"HF cache: {repo_file[0]}/{repo_file[1]}"
+    return f"HF cache: {source}" if "/" in source and not Path(source).exists() else source
+
+
 def fit_suffix(est: dict) -> str:
     """' · fits' or why not, for a picker entry (weights + KV for its context vs free memory)."""
     if est.get("fits_with_context"):
@@ -101,12 +118,18 @@ class ModelPicker(QWidget):
         # the full text is in the drop-down and the tooltip.
         self.source.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.source.setMinimumContentsLength(14)
-        self.folder_button = QPushButton("Folder…")
-        self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
-        self.gguf_button = QPushButton("GGUF…")
-        self.gguf_button.setToolTip("A single .gguf model file")
-        self.hub_button = QPushButton("Hub…")
-        self.hub_button.setToolTip("Search the Hugging Face Hub and download a model into the local cache")
+        # The ways to a model (File menu, toolbar and this Open menu share them): each loads
+        # what it names at once, with the settings below.
+        self.actions = ModelActions(self)
+        self.open_button = QToolButton()
+        self.open_button.setText("Open…")
+        self.open_button.setToolTip(
+            "Open a GGUF file or model folder, browse the Hub, or the models on this machine"
+        )
+        self.open_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        open_menu = QMenu(self.open_button)
+        open_menu.addActions(list(self.actions.all()))
+        self.open_button.setMenu(open_menu)
         self._browser = None
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
@@ -132,11 +155,28 @@ class ModelPicker(QWidget):
         self.load_button.setObjectName("loadButton")
         self.load_button.setToolTip("Stop the current engine and start one with these settings")
         self.load_button.clicked.connect(self._on_load_clicked)
+        self.load_stage = QLabel("")  # the load's stage while a model loads, beside its bar
+        self.load_stage.setObjectName("hint")
+        self.load_stage.setWordWrap(True)
+        self.load_progress = QProgressBar()
+        self.load_progress.setRange(0, 1000)
+        self.load_progress.setTextVisible(False)
+        self.show_loading(None)
 
-        browse_row = QHBoxLayout()
-        browse_row.addWidget(self.folder_button)
-        browse_row.addWidget(self.gguf_button)
-        browse_row.addWidget(self.hub_button)
+        # The load bar: which model and the button that loads it. The Controls dock pins it above
+        # its scrolling part, so loading never needs a scroll past the fields below.
+        self.load_bar = QWidget()
+        self.load_bar.setObjectName("loadBar")
+        bar = QVBoxLayout(self.load_bar)
+        bar.setContentsMargins(0, 0, 0, 0)
+        bar.addWidget(self.source)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.load_button, 1)
+        buttons.addWidget(self.open_button)
+        bar.addLayout(buttons)
+        bar.addWidget(self.load_progress)
+        bar.addWidget(self.load_stage)
+
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("dtype", self.dtype)
@@ -146,11 +186,9 @@ class ModelPicker(QWidget):
         self.quantization.add_rows(form)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.source)
-        layout.addLayout(browse_row)
+        layout.addWidget(self.load_bar)
         layout.addLayout(form)
         layout.addWidget(self.estimate)
-        layout.addWidget(self.load_button)
 
         self._worker: Worker | None = None
         self._estimate: dict | None = None
@@ -161,9 +199,10 @@ class ModelPicker(QWidget):
         self.device.currentTextChanged.connect(self.quantization.set_device)
         self.kv_budget.valueChanged.connect(self._on_pool_changed)
         self.block_size.valueChanged.connect(self._on_pool_changed)
-        self.folder_button.clicked.connect(self._on_pick_folder)
-        self.gguf_button.clicked.connect(self._on_pick_gguf)
-        self.hub_button.clicked.connect(self.open_browser)
+        self.actions.open_file.triggered.connect(self._on_pick_gguf)
+        self.actions.open_folder.triggered.connect(self._on_pick_folder)
+        self.actions.hub.triggered.connect(self.open_browser)
+        self.actions.on_this_machine.triggered.connect(self.open_on_this_machine)
 
     # ---- values ----------------------------------------------------------------------------
     def set_choice(self, choice: ModelChoice) -> None:
@@ -294,37 +333,62 @@ class ModelPicker(QWidget):
         if self._browser is not None:
             self._browser.worker.wait(timeout)
 
+    # ---- loading ---------------------------------------------------------------------------
+    def show_loading(self, stage: str | None, fraction: float = 0.0) -> None:
+        """The engine's load progress under the load button (None: no load running)."""
+        loading = stage is not None
+        self.load_progress.setVisible(loading)
+        self.load_stage.setVisible(loading)
+        if loading:
+            self.load_progress.setValue(round(1000 * min(max(fraction, 0.0), 1.0)))
+            self.load_stage.setText(f"Loading: {stage}")
+
+    def use(self, source: str, label: str | None = None) -> None:
+        """Choose `source` and load it now with the settings shown (one action: a file opened,
+        a model used from the Hub browser or from the models on this machine)."""
+        if self.source.findData(source) < 0:
+            self.source.addItem(label or source_label(source), source)
+        self._select_source(source)
+        self._on_load_clicked()
+
     # ---- slots -----------------------------------------------------------------------------
     @Slot()
     def _on_pick_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
         if folder:
-            self._select_source(folder)
+            self.use(folder)
 
     @Slot()
     def _on_pick_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", "", "GGUF models (*.gguf)")
         if path:
-            self._select_source(path)
+            self.use(path)
 
     @Slot()
     def _on_load_clicked(self) -> None:
         self.load_requested.emit(self.choice())
 
-    @Slot()
-    def open_browser(self) -> None:
-        """The Hub browser (one per picker); a model it downloads becomes the chosen source."""
+    def browser(self):
+        """The Hub browser (one per picker, made on first use); a model it is told to use loads."""
         from app.models.browser import ModelBrowser
 
         if self._browser is None:
             self._browser = ModelBrowser(dtype=self.dtype.currentText(), parent=self.window())
-            self._browser.model_chosen.connect(self._on_model_downloaded)
-        self._browser.show()
-        self._browser.raise_()
-        self._browser.query.setFocus()
+            self._browser.model_chosen.connect(self.use)
+        return self._browser
 
-    @Slot(str)
-    def _on_model_downloaded(self, source: str) -> None:
-        if self.source.findData(source) < 0:
-            self.source.addItem(f"HF cache: {source}", source)
-        self._select_source(source)
+    @Slot()
+    def open_browser(self) -> None:
+        browser = self.browser()
+        browser.tabs.setCurrentIndex(0)
+        browser.show()
+        browser.raise_()
+        browser.query.setFocus()
+
+    @Slot()
+    def open_on_this_machine(self) -> None:
+        browser = self.browser()
+        browser.tabs.setCurrentWidget(browser.cache)  # the tab lists the cache as it opens
+        browser.cache.refresh()
+        browser.show()
+        browser.raise_()

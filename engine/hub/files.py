@@ -43,6 +43,9 @@ class WeightChoice:
     note: str = ""  # why not, or what to know
     estimate: dict[str, Any] | None = None  # inspect-model's figures, None when the shapes are unknown
     estimate_error: str = ""
+    # What to load when every file of the choice is already in the local cache at this revision
+    # (a repo id, or a GGUF's path): it can be used at once, without downloading it again.
+    cached_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,7 @@ def repo_files(
 ) -> RepoFiles:
     """The repo's ways to load, each with its download size and the fit for this machine."""
     from engine.config import AUTO, DTYPES
+    from engine.hub.cache import cached_source
     from engine.model.errors import ModelLoadError
     from engine.model.gguf_native import scout_bytes
     from engine.model.inspect import budget_bytes_for, keeps_own_bits
@@ -191,6 +195,7 @@ def repo_files(
             elif not error:
                 error = "no config.json in the repo: the shapes (and so the fit) are unknown"
             download = files + (companions if kind == SAFETENSORS else ())
+            on_disk = cached_source(repo_id, revision, download) if loadable else None
             choices.append(
                 WeightChoice(
                     kind,
@@ -202,6 +207,7 @@ def repo_files(
                     note,
                     estimate,
                     error,
+                    on_disk,
                 )
             )
     if not choices:

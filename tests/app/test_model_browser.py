@@ -3,48 +3,14 @@ fit, a download with a byte-level bar handed to the picker, and one-line failure
 
 from __future__ import annotations
 
-import json
-
-import pytest
-from hub_server import Fault, HubServer, Repo, repo_from_folder, use_hub
-from tiny_models import make_tiny_llama
+from app_windows import TINY_REPO as TINY
+from hub_server import Fault
 
 from app.models.browser import ModelBrowser
 from app.models.picker import ModelPicker
 from app.settings import MIB, ModelChoice
 from engine.hub.online import OFFLINE_IS_DEFAULT
 from engine.model.sources import default_gguf_path
-
-TINY = "kvscope-test/tiny-llama-chat"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, default_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny") / "tiny"
-    make_tiny_llama(vocab_size=len(default_tokenizer), seed=7).save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch, tiny_folder):
-    server = HubServer()
-    server.add(repo_from_folder(TINY, tiny_folder, downloads=4200, likes=31))
-    server.add(repo_from_folder("kvscope-test/tiny-llama-gated", tiny_folder, gated="manual", downloads=10))
-    server.add(
-        Repo(
-            "kvscope-test/SmolLM2-GGUF", {"SmolLM2-135M-Instruct.Q4_1.gguf": default_gguf_path().read_bytes()}
-        )
-    )
-    mamba = {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}
-    server.add(
-        Repo("kvscope-test/tiny-mamba", {"config.json": json.dumps(mamba).encode(), "model.safetensors": b""})
-    )
-    server.add(Repo("kvscope-test/docs-only", {"README.md": b"# no weights here\n"}))
-    server.start()
-    use_hub(monkeypatch, server, tmp_path / "hub")
-    yield server
-    server.stop()
 
 
 def open_browser(qtbot) -> ModelBrowser:
@@ -80,7 +46,8 @@ def test_search_files_and_download_to_the_picker(qtbot, hub):
     # the first result's files, with the fit, before anything downloads
     qtbot.waitUntil(lambda: browser.files_table.rowCount() == 1, timeout=30_000)
     assert browser.files_table.item(0, 0).text() == "safetensors"
-    assert browser.files_table.item(0, 3).text().startswith("yes")
+    assert browser.files_table.item(0, 4).text().startswith("yes")
+    assert browser.files_table.item(0, 2).text() == "–"  # not downloaded yet
     assert browser.support.text() == "kvscope serves it: Llama"
     assert browser.download_button.isEnabled()
     browser.download_button.click()

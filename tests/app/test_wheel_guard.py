@@ -115,5 +115,5 @@ def test_no_field_of_the_main_window_turns_under_the_wheel(make_window, qtbot):
         before = value_of(field)
         wheel(field, notches=3)
         assert value_of(field) == before, f"{field.objectName() or type(field).__name__} turned"
-    assert controls.verticalScrollBar().value() > 0  # the notches scrolled the dock instead
+    assert controls.scroll.verticalScrollBar().value() > 0  # the notches scrolled the dock instead
     controls.model.wait_for_estimate()
