@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 lambda s: s is not None and not s.events and run._on_loaded(None)
             )
         window.remote_views.attach(target)
-    else:
-        window.start_engine(choice.engine_config())
+    else:  # once the picker has read the model's estimate, shown beside what the load measures
+        window.controls.model.after_estimate(lambda: window.start_engine(choice.engine_config()))
     code = app.exec()
     conversations.close()
     return run.exit_code if run is not None and run.finished else code

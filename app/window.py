@@ -6,7 +6,9 @@ saved on close and restored on the next launch (View > Reset layout brings the d
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Slot
+import gc
+
+from PySide6.QtCore import QSize, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -76,6 +78,31 @@ WELCOME = (
 )
 
 
+class _NoHeightForWidth(QWidget):
+    """Holds a panel at its own size with no height for width. A panel whose layout has one (a
+    word-wrapped legend over a plot) asks, as a tab hidden behind another at some narrow width,
+    for the height its legend would wrap to there, and holds its whole row of docks that tall."""
+
+    def __init__(self, panel: QWidget):
+        super().__init__()
+        self.panel = panel
+        panel.setParent(self)
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        self.panel.setGeometry(self.rect())  # before Qt sizes a first-shown child to its hint
+        super().showEvent(event)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        return self.panel.minimumSizeHint()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        return self.panel.sizeHint()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        self.panel.setGeometry(self.rect())
+        super().resizeEvent(event)
+
+
 class MainWindow(QMainWindow):
     def __init__(
         self,
@@ -96,6 +123,7 @@ class MainWindow(QMainWindow):
         # Scripted runs must never block on a dialog; they report errors on stderr instead.
         self.interactive = interactive
         self.load_failures: list[str] = []
+        self._measuring = None  # the ModelLoaded whose estimate waits for a memory sample
 
         self.chat = ChatPane()
         self.chat.transcript.set_placeholder(WELCOME)
@@ -173,10 +201,17 @@ class MainWindow(QMainWindow):
 
     # ---- construction ----------------------------------------------------------------------
     def _dock(
-        self, key: str, title: str, widget: QWidget, area: Qt.DockWidgetArea, scrolls: bool = False
+        self,
+        key: str,
+        title: str,
+        widget: QWidget,
+        area: Qt.DockWidgetArea,
+        scrolls: bool = False,
+        fixed_height_for_width: bool = False,
     ) -> QDockWidget:
         """A dock for `widget`; `scrolls` puts it in a scroll area, for a panel whose own minimum
-        size would otherwise hold every dock tabbed with it (and the window) at that size."""
+        size would otherwise hold every dock tabbed with it (and the window) at that size, and
+        `fixed_height_for_width` in a _NoHeightForWidth."""
         dock = QDockWidget(title, self)
         dock.setObjectName(f"dock_{key}")  # saveState/restoreState match docks by object name
         if scrolls:
@@ -186,6 +221,8 @@ class MainWindow(QMainWindow):
             area_widget.setFrameShape(QFrame.Shape.NoFrame)
             area_widget.setWidget(widget)
             dock.setWidget(area_widget)
+        elif fixed_height_for_width:
+            dock.setWidget(_NoHeightForWidth(widget))
         else:
             dock.setWidget(widget)
         dock.setFeatures(
@@ -222,11 +259,11 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(conversations, controls, Qt.Orientation.Vertical)
         probabilities = self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
         page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom)
-        memory = self._dock("memory", "Memory", self.panels.memory, bottom, scrolls=True)
-        latency = self._dock("latency", "Latency", self.panels.latency, bottom)
         # Below COMPACT_WIDTH (a 1366 px laptop, a 2560 px screen at 200%) three graphs side by
         # side would each be too narrow to read: memory becomes a tab of the latency group.
         compact = self.width() < COMPACT_WIDTH
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom, fixed_height_for_width=True)
+        latency = self._dock("latency", "Latency", self.panels.latency, bottom)
         self.splitDockWidget(page_map, latency if compact else memory, Qt.Orientation.Horizontal)
         if compact:
             self.tabifyDockWidget(latency, memory)
@@ -382,11 +419,34 @@ class MainWindow(QMainWindow):
         if self.controller.active is not None:
             self.controller.stop()
         self.settings.set_model_choice(choice)
+        self.release_engine()
         self.start_engine(config)
+
+    def release_engine(self) -> None:
+        """Stop the running engine and free its model before the next loads: the process holds
+        one model at a time, not two (the old engine's objects refer to each other, so without a
+        collection here they would wait for Python's garbage collector)."""
+        from engine.model.runtime_memory import give_back_freed_memory
+
+        self.host.stop()
+        gc.collect()  # on the GUI thread, the one place collecting Qt objects is safe
+        give_back_freed_memory()
 
     @Slot(object)
     def _on_frame(self, dirty: set[str]) -> None:
         self.panels.refresh(dirty)
+        if self._measuring is not None and "memory" in dirty:
+            self._show_measured()
+
+    def _show_measured(self) -> None:
+        """The load's estimate beside its measurement, once a memory sample taken after the load
+        has arrived."""
+        loaded = self._measuring
+        memory = self.host.live.memory
+        if loaded is None or not len(memory) or memory.column("t")[-1] < loaded.t:
+            return
+        self._measuring = None
+        self.controls.model.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
 
     def _on_model_loading(self, event) -> None:
         self.controls.model.show_loading(event.stage, event.fraction)
@@ -395,6 +455,9 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_model_loaded(self, event) -> None:
         self.controls.model.show_loading(None)
+        if self.host.config is not None:  # a local engine: its estimate meets its measurement
+            self._measuring = event
+            self._show_measured()
         self.controller.forget_token_data()
         self.controls.sampling.tokens.resolve_now()  # the bias and bans as this model's tokens
         self.chat.input.setPlaceholderText(

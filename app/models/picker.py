@@ -8,6 +8,8 @@ the estimate still being read for an older one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
@@ -39,23 +41,74 @@ def _weights_as(est: dict) -> str:
 
 
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
-    """A few short lines from inspect_model's figures and the chosen KV budget."""
+    """A few short lines from inspect_model's figures and the chosen KV budget: the weights as
+    the load will hold them (per GGUF type), the KV cache, the pool, and the whole process."""
     per_token = est["kv_bytes_per_token"]
     per_block = per_token * block_size
     pool_blocks = kv_budget_bytes // per_block if per_block else 0
     fit = "fits" if est["weights_fit_in_budget"] else "does NOT fit"
-    return "\n".join(
-        [
-            f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
-            f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {format_bytes(est['weight_bytes'])} {_weights_as(est)}: {fit} in "
-            f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
-            f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
-            f"needs {format_bytes(est['kv_bytes_for_context'])}",
-            f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
-            f"= {pool_blocks * block_size:,} tokens",
-        ]
+    lines = [
+        f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
+        f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
+        f"Weights ≈ {format_bytes(est['weight_bytes'])} {_weights_as(est)}: {fit} in "
+        f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
+    ]
+    if est.get("weight_plan"):  # a GGUF: how each of its tensor types is held
+        lines.append(f"  {est['weights_summary']}")
+    lines += [
+        f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
+        f"needs {format_bytes(est['kv_bytes_for_context'])}",
+        f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+        f"= {pool_blocks * block_size:,} tokens",
+    ]
+    process = process_estimate(est, kv_budget_bytes)
+    if process is not None:
+        lines.append(
+            f"Process ≈ {format_bytes(process)}: the runtime {format_bytes(process - est['weight_bytes'] - kv_budget_bytes)} "
+            f"({est['runtime_source']}) + weights + KV budget"
+        )
+    return "\n".join(lines)
+
+
+def process_estimate(est: dict, kv_budget_bytes: int) -> int | None:
+    """The process once the estimated model runs with this KV budget (None: no runtime figures)."""
+    from engine.model.runtime_memory import estimate_process
+
+    if "runtime_process_now_bytes" not in est:
+        return None
+    return estimate_process(
+        est["runtime_process_now_bytes"],
+        est["runtime_last_held_bytes"],
+        est["runtime_first_load_bytes"],
+        est["weight_bytes"] + kv_budget_bytes,
     )
+
+
+def _change(estimated: int, measured: int) -> str:
+    """'+4%', '-12%', or 'within 0.5%' (how far the estimate was from the measurement)."""
+    if not measured:
+        return ""
+    share = (estimated - measured) / measured
+    return "within 0.5%" if abs(share) < 0.005 else f"{share:+.0%}"
+
+
+def describe_measured(est: dict | None, kv_budget_bytes: int, weights: int, process: int | None) -> str:
+    """Estimate and measurement of a model just loaded, side by side: the weights as the engine
+    counts them, and the process (psutil RSS) once loaded."""
+    lines = ["Estimated before loading → measured:"]
+    if est is None:
+        lines.append(f"weights {format_bytes(weights)} (no estimate was made)")
+        return "\n".join(lines)
+    lines.append(
+        f"weights {format_bytes(est['weight_bytes'])} → {format_bytes(weights)} "
+        f"(estimate {_change(est['weight_bytes'], weights)})"
+    )
+    expected = process_estimate(est, kv_budget_bytes)
+    if expected is not None and process is not None:
+        lines.append(
+            f"process {format_bytes(expected)} → {format_bytes(process)} (estimate {_change(expected, process)})"
+        )
+    return "\n".join(lines)
 
 
 def cached_model_entries() -> list[tuple[str, str]]:
@@ -151,6 +204,10 @@ class ModelPicker(QWidget):
         self.estimate = QLabel("")
         self.estimate.setObjectName("estimate")
         self.estimate.setWordWrap(True)
+        self.measured = QLabel("")  # after a load: its estimate beside what it measured
+        self.measured.setObjectName("estimate")
+        self.measured.setWordWrap(True)
+        self.measured.hide()
         self.load_button = QPushButton("Load model")
         self.load_button.setObjectName("loadButton")
         self.load_button.setToolTip("Stop the current engine and start one with these settings")
@@ -189,9 +246,12 @@ class ModelPicker(QWidget):
         layout.addWidget(self.load_bar)
         layout.addLayout(form)
         layout.addWidget(self.estimate)
+        layout.addWidget(self.measured)
 
         self._worker: Worker | None = None
         self._estimate: dict | None = None
+        self._then: Callable[[], None] | None = None  # a load asked for while the estimate is read
+        self._load_estimate: tuple[dict | None, int] | None = None  # the last load's (estimate, KV budget)
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
         self.dtype.currentIndexChanged.connect(self.refresh_estimate)
@@ -300,12 +360,19 @@ class ModelPicker(QWidget):
         self._estimate = est
         self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
         self._mark_estimate("")
+        self._load_if_asked()
 
     @Slot(str)
     def _on_estimate_failed(self, error: str) -> None:
         self._estimate = None
         self.estimate.setText(f"Cannot estimate this model: {error}")
         self._mark_estimate("error")
+        self._load_if_asked()  # the load says why in its own words
+
+    def _load_if_asked(self) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            self.after_estimate(then)
 
     def _mark_estimate(self, kind: str) -> None:
         self.estimate.setProperty("kind", kind)
@@ -366,7 +433,28 @@ class ModelPicker(QWidget):
 
     @Slot()
     def _on_load_clicked(self) -> None:
+        self.after_estimate(self._emit_load)
+
+    def _emit_load(self) -> None:
         self.load_requested.emit(self.choice())
+
+    def after_estimate(self, start: Callable[[], None]) -> None:
+        """Run `start` (a load of the shown choice) once its estimate is read: made before the
+        load changes the process it measures, it is shown beside what the load measures."""
+        if self._worker is not None and self._worker.running and self._estimate is None:
+            self._then = start
+            self.show_loading("reading the model's metadata for the estimate")
+            return
+        self._load_estimate = (self._estimate, self._kv_budget_bytes())
+        self.measured.hide()
+        start()
+
+    def show_measured(self, weight_bytes: int, process_bytes: int | None) -> None:
+        """A load finished: its estimate (made before it) beside the weights the engine counted
+        and the process it measured."""
+        est, budget = self._load_estimate or (None, self._kv_budget_bytes())
+        self.measured.setText(describe_measured(est, budget, weight_bytes, process_bytes))
+        self.measured.show()
 
     def browser(self):
         """The Hub browser (one per picker, made on first use); a model it is told to use loads."""

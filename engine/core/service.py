@@ -114,6 +114,9 @@ class Engine:
 
     def _close(self) -> None:
         """The loop has ended: no command will run again. Calls still queued fail at once."""
+        from engine.model import runtime_memory
+
+        runtime_memory.engine_released()
         with self._closing:
             self._closed = True
         while True:
@@ -149,8 +152,11 @@ class Engine:
 
     def _load(self) -> None:
         from engine.core.llm_engine import LLMEngine
+        from engine.model import runtime_memory
         from engine.model.loading import load_model
 
+        loads = self._loaded is None
+        before = runtime_memory.resident_bytes()
         if self._loaded is None:
 
             def progress(stage: str, fraction: float) -> None:
@@ -165,7 +171,15 @@ class Engine:
             )
         )
         self.info = self._loaded.info
-        core.sample_memory()
+        if loads:
+            runtime_memory.give_back_freed_memory()  # the load's short-lived copies
+        sample = core.sample_memory()
+        if loads and self._loaded.device.type == "cpu":  # what the runtime adds to a load, measured
+            runtime_memory.record_load(
+                before, sample.process_bytes, self.info.weight_bytes, storage.total_bytes, self.info.name
+            )
+        else:
+            runtime_memory.engine_holds(self.info.weight_bytes + storage.total_bytes)
 
     def _loaded_core(self) -> LLMEngine:
         assert self._core is not None, "commands are served only after the model loaded"

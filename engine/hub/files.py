@@ -4,9 +4,9 @@ weight downloads.
 Choices: the safetensors weights (all shards together; the repo's config.json and tokenizer come
 with them) and each GGUF quantization (Q4_K_M, Q8_0, ... read from the file name; a GGUF split
 into parts is listed, but kvscope loads single files only). The estimate is inspect-model's
-(engine.model.inspect.memory_estimate): weights in the chosen dtype (a GGUF's at its own bits
-where a load keeps them so: on the CPU) plus KV for the chosen context against the memory free
-now. The shapes come from config.json (fetched alone, a few KB)
+(engine.model.inspect.memory_estimate): the weights as a load holds them (a GGUF's per tensor
+type from its header: engine.model.gguf_plan, kept at its bits on the CPU or dequantized to the
+chosen dtype) plus KV for the chosen context against the memory free now. The shapes come from config.json (fetched alone, a few KB)
 or, for a GGUF, from the file's header read over range requests.
 """
 
@@ -23,6 +23,9 @@ from engine.hub.online import HubError, api, describe, hub_call
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ModelInfo
     from transformers import PreTrainedConfig
+
+    from engine.hub.gguf_header import GGUFHeader
+    from engine.model.gguf_plan import GGUFPlan
 
 SAFETENSORS = "safetensors"
 GGUF = "gguf"
@@ -108,12 +111,12 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     return read_folder_config(Path(path).parent)
 
 
-def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, dict[str, int]]:
-    """The config a GGUF's header describes, and its tensors' GGML types."""
+def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, GGUFHeader]:
+    """The config a GGUF's header describes, and the header (its tensors' types and shapes)."""
     from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
-    return config_from_header(header, PurePosixPath(filename).name), header.tensor_types
+    return config_from_header(header, PurePosixPath(filename).name), header
 
 
 def _estimate(
@@ -121,12 +124,15 @@ def _estimate(
     dtype: str,
     context: int | None,
     budget: tuple[int, str],
-    weight_bytes: int | None,
+    plan: GGUFPlan | None,
 ) -> dict[str, Any]:
     from engine.model.inspect import memory_estimate
+    from engine.model.runtime_memory import runtime_estimate
     from engine.model.shapes import ModelShapes
 
-    return memory_estimate(ModelShapes.from_config(config), dtype, context, budget, weight_bytes)
+    estimate = memory_estimate(ModelShapes.from_config(config), dtype, context, budget, plan)
+    estimate.update(runtime_estimate().as_dict(estimate["weight_bytes"] + estimate["kv_bytes_for_context"]))
+    return estimate
 
 
 def repo_files(
@@ -135,10 +141,9 @@ def repo_files(
     """The repo's ways to load, each with its download size and the fit for this machine."""
     from engine.config import AUTO, DTYPES
     from engine.hub.cache import cached_source
+    from engine.hub.gguf_header import header_plan
     from engine.model.errors import ModelLoadError
-    from engine.model.gguf_native import scout_bytes
     from engine.model.inspect import budget_bytes_for, keeps_own_bits
-    from engine.model.shapes import ModelShapes
     from engine.model.sources import ModelSource
     from engine.model.support import support_for
 
@@ -172,24 +177,21 @@ def repo_files(
         configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
-            tensor_types: dict[str, int] = {}
+            header: GGUFHeader | None = None
             if kind == GGUF and loadable:
                 try:
-                    (cfg, tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
+                    (cfg, header), error = _gguf_config(repo_id, revision, files[0]), ""
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
             estimate: dict[str, Any] | None = None
             if cfg is not None:
                 try:
-                    # loaded as a GGUF file is: at its own bits where the loader keeps them
+                    # loaded as a GGUF file is: each tensor as the loader holds it (gguf_plan)
                     local = PurePosixPath(files[0])
                     gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
-                    native = None
-                    if kind == GGUF and keeps_own_bits(AUTO, gguf):
-                        shape = ModelShapes.from_config(cfg)
-                        native = weight_bytes + scout_bytes(tensor_types, shape.vocab_size, shape.hidden_size)
-                    estimate = _estimate(cfg, dtype, context, budget, native)
+                    plan = header_plan(header, dtype, keeps_own_bits(AUTO, gguf)) if header else None
+                    estimate = _estimate(cfg, dtype, context, budget, plan)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"
             elif not error:

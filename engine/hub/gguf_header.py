@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+    from engine.model.gguf_plan import GGUFPlan
 
 CHUNK = 1 << 20
 MAX_HEADER_BYTES = 64 << 20  # a header past this is not one kvscope can use
@@ -104,6 +106,7 @@ class GGUFHeader:
     fields: dict[str, Any]  # metadata key -> value (the token list only as its length)
     tensor_types: dict[str, int]  # tensor name -> GGML type id
     params: int  # elements over all tensors, the model's parameter count
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> dims, innermost first
 
     @property
     def tensor_names(self) -> frozenset[str]:
@@ -124,16 +127,29 @@ def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
         key = s.string()
         fields[key] = _value(s, s.unpack("<I"), keep_strings=not key.startswith("tokenizer."))
     types: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     params = 0
     for _ in range(n_tensors):
         name = s.string()
+        dims = tuple(s.unpack("<Q") for _ in range(s.unpack("<I")))
         count = 1
-        for _ in range(s.unpack("<I")):
-            count *= s.unpack("<Q")
+        for d in dims:
+            count *= d
         params += count
         types[name] = s.unpack("<I")
+        shapes[name] = dims
         s.read(8)  # offset
-    return GGUFHeader(fields, types, params)
+    return GGUFHeader(fields, types, params, shapes)
+
+
+def header_plan(header: GGUFHeader, dtype: str, native: bool) -> GGUFPlan:
+    """What a load of the file this header describes would hold (engine.model.gguf_plan)."""
+    from engine.model.gguf_plan import entry_from_gguf, plan_entries
+
+    entries = [
+        entry_from_gguf(name, header.tensor_types[name], dims) for name, dims in header.tensor_shapes.items()
+    ]
+    return plan_entries(entries, dtype, native)
 
 
 def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:

@@ -12,20 +12,19 @@ dequantized to the load dtype, with a note naming it. Row permutations transform
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
-from engine.kernels import gguf_blocks
 from engine.kernels.linear import REFINED_CANDIDATES, KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
+from engine.model import gguf_plan
 from engine.model.configs import open_gguf, read_gguf_config
 from engine.model.errors import ModelLoadError
 
@@ -57,18 +56,20 @@ class NativeReport:
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding lookup over Q8_0 blocks: each row dequantized exactly when looked up."""
+    """An embedding lookup over kept blocks (Q8_0): each row dequantized exactly when looked up."""
 
-    def __init__(self, storage: Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None):
+    def __init__(self, storage: WeightStorage, dtype: torch.dtype, padding_idx: int | None = None):
         super().__init__()
         self.storage = storage
+        # a storage gguf_plan keeps in the embedding role reads rows exactly (Q8BlockWeight.rows)
+        self._rows: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = getattr(storage, "rows")  # noqa: B009
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = storage.out_features, storage.in_features
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self.storage.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self._rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 def load_native(
@@ -98,6 +99,7 @@ def load_native(
                 f"{path.name}: its tensors cannot be mapped onto the model ({exc})."
             ) from None
     result = NativeReport()
+    dtype_name = str(dtype).removeprefix("torch.")
     tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):
@@ -110,17 +112,22 @@ def load_native(
         module = model.get_submodule(module_name)
         qtype = tensor.tensor_type
         cols = int(tensor.shape[0])  # GGUF shapes are [cols, rows]
-        keep = qtype in gguf_blocks.KEPT_TYPES and attr == "weight" and len(tensor.shape) == 2
-        if keep and type(module) is nn.Linear:
+        # what to hold: the one table every fit estimate reads too (engine/model/gguf_plan.py)
+        role = _role(module, attr)
+        shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+        keeping = gguf_plan.holding(qtype, role, shape, dtype_name).keeping
+        if keeping is not None and role == gguf_plan.LINEAR:
+            assert isinstance(module, nn.Linear), "the linear role is an nn.Linear's weight"
             order = _row_order(processor, tensor.name, int(tensor.shape[1]))
-            storage = _storage(tensor, qtype, cols, order)
+            storage = keeping.build(np.asarray(tensor.data), qtype, cols, order)
             # the bias (a dense tensor) may come before or after: keep what is there, even a meta
             # placeholder that a later tensor replaces (a placeholder left at the end is an error)
             _set_module(model, module_name, KernelLinear(storage, module.bias, policy))
             result.kept[qtype.name] += 1
             continue
-        if keep and qtype == GGMLQuantizationType.Q8_0 and isinstance(module, nn.Embedding):
-            storage = gguf_blocks.q8_storage(np.asarray(tensor.data), cols)
+        if keeping is not None and role == gguf_plan.EMBEDDING:
+            assert isinstance(module, nn.Embedding), "the embedding role is an nn.Embedding's weight"
+            storage = keeping.build(np.asarray(tensor.data), qtype, cols, None)
             _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
             embedding_storage = storage
             result.kept[qtype.name] += 1
@@ -160,13 +167,13 @@ def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str
     return names
 
 
-def _storage(
-    tensor: ReaderTensor, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
-) -> WeightStorage:
-    raw = np.asarray(tensor.data)
-    if qtype in gguf_blocks.INT4_TYPES:
-        return gguf_blocks.int4_storage(raw, qtype, cols, order)
-    return gguf_blocks.q8_storage(raw, cols, order)
+def _role(module: nn.Module, attr: str) -> str:
+    """The tensor's role for gguf_plan: a linear layer's or the embedding's weight, or other."""
+    if attr == "weight" and type(module) is nn.Linear:
+        return gguf_plan.LINEAR
+    if attr == "weight" and isinstance(module, nn.Embedding):
+        return gguf_plan.EMBEDDING
+    return gguf_plan.OTHER
 
 
 def _row_order(processor: TensorProcessor, name: str, rows: int) -> np.ndarray | None:
@@ -228,18 +235,13 @@ def _tie_head(
         model.lm_head = KernelHead(DenseWeight(weight, relayout=False), None, policy)  # tied: one tensor
 
 
-def scout_bytes(tensor_types: Mapping[str, int], vocab_size: int, hidden_size: int) -> int:
-    """Bytes a native load holds beyond the file's tensors: the per-row int8 copy of a Q8_0 head
-    (the output tensor, or the token embedding it is tied to when the file has none), codes plus
-    one bfloat16 scale per row. The fit estimates (inspect, the Hub's file list) add this."""
-    head = tensor_types.get("output.weight", tensor_types.get("token_embd.weight"))
-    return vocab_size * (hidden_size + 2) if head == GGMLQuantizationType.Q8_0 else 0
-
-
 def _scout(storage: WeightStorage) -> WeightStorage | None:
-    """A Q8_0 head's full-vocabulary pass runs on a per-row int8 copy (see KernelHead); the
-    blocks stay the exact weights (the embedding's rows, the recomputed top candidates)."""
-    return storage.per_row_int8() if isinstance(storage, Q8BlockWeight) else None
+    """A Q8_0 head's full-vocabulary pass runs on a per-row int8 copy (see KernelHead and
+    gguf_plan.HEAD_COPIES); the blocks stay the exact weights (the embedding's rows, the
+    recomputed top candidates)."""
+    if gguf_plan.makes_head_copy(storage.kind) and isinstance(storage, Q8BlockWeight):
+        return storage.per_row_int8()
+    return None
 
 
 def _materialize_rest(model: PreTrainedModel, config: PreTrainedConfig, dtype: torch.dtype) -> None:

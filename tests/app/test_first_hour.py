@@ -16,6 +16,7 @@ from test_model_browser import search
 
 from app.models.browser import ON_DISK
 from engine.config import SamplingParams
+from engine.units import format_bytes
 
 CTRL, SHIFT = Qt.KeyboardModifier.ControlModifier, Qt.KeyboardModifier.ShiftModifier
 
@@ -171,3 +172,23 @@ def test_using_a_model_from_this_machine_loads_it(make_window, qtbot, hub):
     event = load_through(qtbot, window, cache.use_button.click)
     assert event.info.source == TINY
     browser.worker.wait()
+
+
+@pytest.mark.slow
+def test_after_a_load_the_estimate_stands_beside_the_measurement(make_window, qtbot):
+    """The packaged model through Load model: the estimate is read first, the load measured, and
+    the picker shows both; the weights agree within 10%."""
+    window = make_window(start=False)
+    picker = window.controls.model
+    picker.refresh_estimate()
+    with qtbot.waitSignal(window.host.model_loaded, timeout=300_000) as loaded:
+        picker.load_button.click()
+    qtbot.waitUntil(picker.measured.isVisible, timeout=60_000)
+    text = picker.measured.text()
+    assert text.startswith("Estimated before loading → measured:"), text
+    weights = loaded.args[0].info.weight_bytes
+    estimated = picker._load_estimate[0]["weight_bytes"]
+    assert abs(estimated - weights) <= 0.1 * weights
+    assert f"weights {format_bytes(estimated)} → {format_bytes(weights)}" in text
+    assert "\nprocess " in text and "(estimate " in text
+    assert "Q4_1 x210 kept as int4-g32" in picker.estimate.text()  # the per-type plan it counted

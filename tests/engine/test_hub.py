@@ -23,6 +23,7 @@ from engine.hub.files import quant_of, repo_files
 from engine.hub.online import OFFLINE_IS_DEFAULT, OFFLINE_MESSAGE, HubError
 from engine.hub.search import search_models
 from engine.model.errors import ModelLoadError
+from engine.model.gguf_plan import plan_file
 from engine.model.loading import load_model
 from engine.model.sources import default_gguf_path
 from engine.request import Request
@@ -125,10 +126,11 @@ def test_gguf_files_are_listed_by_quantization_with_shapes_from_the_remote_heade
     assert q4.loadable and q4.weights_bytes == default_gguf_path().stat().st_size
     for key in ("num_layers", "num_kv_heads", "head_dim", "kv_bytes_per_token", "weight_bytes"):
         assert q4.estimate[key] == local[key], key
-    # loaded on this CPU it stays at its own bits: the file's size (and the per-row copy of its
-    # Q8_0 head, read from the header's tensor types), not 135 M x 4 bytes
+    # loaded on this CPU it stays at its own bits: what the loader's plan holds for each tensor,
+    # read from the header's types and shapes (the same plan as the local file's), not 135 M x 4
     assert q4.estimate["weights_as"] == "native"
-    assert q4.estimate["weight_bytes"] == q4.weights_bytes + 49152 * (576 + 2)
+    assert q4.estimate["weight_plan"] == plan_file(default_gguf_path(), "float32").as_dict()
+    assert q4.estimate["weight_bytes"] == q4.estimate["weight_plan"]["file_bytes"] + 49152 * (576 + 2)
     # only the header was read, in ranges: a few MB of a ~100 MB file
     ranges = hub.ranges_for("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert ranges and all(r.startswith("bytes=") for r in ranges)

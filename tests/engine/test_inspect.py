@@ -126,7 +126,18 @@ def test_a_gguf_counts_its_own_bits_where_a_load_keeps_them():
     native = inspect_model("default", dtype="float32")
     dequantized = inspect_model("default", dtype="float32", quantization="none")
     assert native["weights_as"] == "native" and dequantized["weights_as"] == "float32"
-    # the file (~94 MiB) and the per-row int8 copy of its Q8_0 head, 49152 rows of 576 + a scale
-    assert native["weight_bytes"] == default_gguf_path().stat().st_size + 49152 * (576 + 2)
-    assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB
+    # per type as the loader holds it: Q4_1 as int4 groups (0.625 bytes a weight, as in the file),
+    # Q8_0 as its blocks, the F32 norms in float32, and the per-row int8 copy of the Q8_0 head
+    # (49152 rows of 576 + a scale)
+    plan = native["weight_plan"]
+    lines = {t["type"]: (t["held"], t["as"], t["tensors"]) for t in plan["types"]}
+    assert lines == {
+        "Q4_1": ("kept", "int4-g32", 210),
+        "Q8_0": ("kept", "q8_0", 1),
+        "F32": ("dequantized", "float32", 61),
+    }
+    assert plan["head_copy_bytes"] == 49152 * (576 + 2)
+    assert native["weight_bytes"] == plan["file_bytes"] + plan["head_copy_bytes"]
+    assert plan["file_bytes"] < default_gguf_path().stat().st_size  # the tensors, not the metadata
+    assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB, every tensor in float32
     assert native["kv_bytes_per_token"] == dequantized["kv_bytes_per_token"]  # KV in the dtype either way

@@ -1,0 +1,263 @@
+"""What a native load holds for each tensor of a GGUF file, written once: the loader
+(engine/model/gguf_native.py) decides through `holding` what it keeps, and every fit estimate
+(inspect-model, the model picker, the Hub's file list) sums the same `holding`s, so an estimate is
+what the load does.
+
+A tensor's holding follows its GGML type and its role in the model:
+  linear     a 2-D weight of a linear layer (the LM head among them)
+  embedding  the token embedding's table (rows looked up)
+  other      norms, biases, anything else
+`RULES` says, per GGML type, in which roles a storage keeps it at its own bits, what that storage
+holds in bytes and how it is built; a type or a role the table does not cover is dequantized to
+the load dtype. `HEAD_COPIES` says which head storages get a second copy for the pass over the
+vocabulary. To keep a new type, add its rule (and its storage in engine/kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.model.shapes import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import numpy as np
+
+    from engine.kernels.weights import WeightStorage
+
+LINEAR, EMBEDDING, OTHER = "linear", "embedding", "other"
+KEPT, DEQUANTIZED = "kept", "dequantized"
+GROUP = 32  # the int4 storage's group and the Q8_0 block: 32 input columns
+# Tensors of a GGUF that a load does not hold: rotary frequencies, which the model computes itself.
+NOT_HELD_PREFIXES = ("rope_",)
+# The token embedding's name in every architecture gguf-py maps.
+EMBEDDING_TENSOR = "token_embd.weight"
+HEAD_TENSOR = "output.weight"
+
+# (raw blocks [rows, bytes], type, cols, row order or None) -> the storage the kernels use
+Builder = Callable[["np.ndarray", GGMLQuantizationType, int, "np.ndarray | None"], "WeightStorage"]
+
+
+def int4_g32_bytes(rows: int, cols: int) -> int:
+    """torch's packed int4 layout: half a byte per code, a bfloat16 scale and zero per 32 columns.
+    (Rows pad to the packed layout's block of 32-64 rows; no projection kvscope fuses needs it.)"""
+    return rows * cols // 2 + rows * (cols // GROUP) * 2 * 2
+
+
+def q8_0_bytes(rows: int, cols: int) -> int:
+    """GGUF Q8_0 as stored: an int8 code per weight, a float16 scale per 32 (the file's 34 bytes)."""
+    return rows * cols + rows * (cols // GROUP) * 2
+
+
+def _build_int4(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
+) -> WeightStorage:
+    from engine.kernels import gguf_blocks
+
+    return gguf_blocks.int4_storage(raw, qtype, cols, order)
+
+
+def _build_q8_0(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
+) -> WeightStorage:
+    from engine.kernels import gguf_blocks
+
+    return gguf_blocks.q8_storage(raw, cols, order)
+
+
+@dataclass(frozen=True, slots=True)
+class Keeping:
+    """How native loading keeps one GGML type at its own bits."""
+
+    storage: str  # the storage's kind (engine.kernels.weights): what the kernel table names
+    roles: frozenset[str]  # LINEAR, EMBEDDING: where it is kept (elsewhere it is dequantized)
+    held_bytes: Callable[[int, int], int]  # (rows, cols) -> bytes the storage holds
+    build: Builder
+    how: str  # what keeping means for this type, for the load notes
+
+
+_LINEAR = frozenset({LINEAR})
+RULES: dict[GGMLQuantizationType, Keeping] = {
+    GGMLQuantizationType.Q4_0: Keeping(
+        "int4-g32", _LINEAR, int4_g32_bytes, _build_int4, "4-bit codes exact, scales in bfloat16"
+    ),
+    GGMLQuantizationType.Q4_1: Keeping(
+        "int4-g32", _LINEAR, int4_g32_bytes, _build_int4, "4-bit codes exact, scales and mins in bfloat16"
+    ),
+    GGMLQuantizationType.Q4_K: Keeping(
+        "int4-g32",
+        _LINEAR,
+        int4_g32_bytes,
+        _build_int4,
+        "4-bit codes exact, each 32-group's scale and min (6-bit x super-block scale) in bfloat16",
+    ),
+    GGMLQuantizationType.Q8_0: Keeping(
+        "q8_0", frozenset({LINEAR, EMBEDDING}), q8_0_bytes, _build_q8_0, "the blocks as they are"
+    ),
+}
+
+
+def per_row_int8_bytes(rows: int, cols: int) -> int:
+    """An int8 code per weight and one bfloat16 scale per row (Q8BlockWeight.per_row_int8)."""
+    return rows * (cols + 2)
+
+
+# The LM head's storage kind -> the bytes of the extra copy its pass over the vocabulary runs on
+# (engine.kernels.linear.KernelHead's scout): a Q8_0 head's per-block kernel is one int8 call per
+# 32 inputs, a per-row int8 copy one call.
+HEAD_COPIES: dict[str, Callable[[int, int], int]] = {"q8_0": per_row_int8_bytes}
+
+
+def makes_head_copy(storage: str) -> bool:
+    return storage in HEAD_COPIES
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    kind: str  # KEPT or DEQUANTIZED
+    held_as: str  # the storage kind, or the dtype it was dequantized to
+    held_bytes: int
+    keeping: Keeping | None = None  # the rule that keeps it (None when dequantized)
+
+
+def holding(ggml_type: int, role: str, shape: tuple[int, ...], dtype: str) -> Holding:
+    """What a native load holds for a tensor of `ggml_type` in `role`, of `shape` in the model's
+    order ([rows, cols]: GGUF lists them the other way round), loaded in `dtype`."""
+    rule = RULES.get(GGMLQuantizationType(ggml_type))
+    if rule is not None and role in rule.roles and len(shape) == 2:
+        return Holding(KEPT, rule.storage, rule.held_bytes(*shape), rule)
+    return Holding(DEQUANTIZED, dtype, math.prod(shape) * DTYPE_BYTES[dtype])
+
+
+# ---- a whole file ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # the model's order: [rows, cols] for a matrix
+    file_bytes: int
+
+
+def entry_from_gguf(name: str, ggml_type: int, gguf_shape: Iterable[int]) -> TensorEntry:
+    """A tensor as a GGUF's header lists it (shape innermost first), with its bytes in the file."""
+    shape = tuple(int(d) for d in reversed(list(gguf_shape)))
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return TensorEntry(name, int(ggml_type), shape, math.prod(shape) // block * nbytes)
+
+
+def role_of(name: str, ndim: int) -> str:
+    """The tensor's role read from its GGUF name (the loader reads it from the module instead)."""
+    if name == EMBEDDING_TENSOR:
+        return EMBEDDING
+    if ndim == 2 and name.endswith(".weight") and "norm" not in name:
+        return LINEAR
+    return OTHER
+
+
+@dataclass(frozen=True, slots=True)
+class TypeLine:
+    """The tensors of one GGML type that a load holds alike."""
+
+    ggml_type: str
+    kind: str
+    held_as: str
+    tensors: int
+    file_bytes: int
+    held_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFPlan:
+    dtype: str
+    native: bool
+    lines: tuple[TypeLine, ...]
+    head_copy_bytes: int  # the LM head's extra copy (HEAD_COPIES), 0 when it has none
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(line.held_bytes for line in self.lines) + self.head_copy_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(line.file_bytes for line in self.lines)
+
+    def summary(self) -> str:
+        """One line: each type, how it is held and its bytes, then the head's copy."""
+        from engine.units import format_bytes
+
+        parts = [
+            f"{line.ggml_type} x{line.tensors} "
+            + (f"kept as {line.held_as}" if line.kind == KEPT else f"in {line.held_as}")
+            + f" {format_bytes(line.held_bytes)}"
+            for line in self.lines
+        ]
+        if self.head_copy_bytes:
+            parts.append(f"the head's per-row int8 copy {format_bytes(self.head_copy_bytes)}")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "native": self.native,
+            "held_bytes": self.held_bytes,
+            "file_bytes": self.file_bytes,
+            "head_copy_bytes": self.head_copy_bytes,
+            "types": [
+                {
+                    "type": line.ggml_type,
+                    "held": line.kind,
+                    "as": line.held_as,
+                    "tensors": line.tensors,
+                    "file_bytes": line.file_bytes,
+                    "held_bytes": line.held_bytes,
+                }
+                for line in self.lines
+            ],
+        }
+
+
+def plan_entries(entries: Iterable[TensorEntry], dtype: str, native: bool = True) -> GGUFPlan:
+    """What a load of these tensors holds: natively (`native`: RULES keep what they cover) or
+    dequantized to `dtype` throughout (the transformers path), the LM head's copy included."""
+    entries = [e for e in entries if not e.name.startswith(NOT_HELD_PREFIXES)]
+    held: dict[tuple[str, str, str], list[int]] = {}
+    by_name: dict[str, Holding] = {}
+    for entry in entries:
+        role = role_of(entry.name, len(entry.shape)) if native else OTHER
+        h = holding(entry.ggml_type, role, entry.shape, dtype)
+        by_name[entry.name] = h
+        key = (GGMLQuantizationType(entry.ggml_type).name, h.kind, h.held_as)
+        counts = held.setdefault(key, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += entry.file_bytes
+        counts[2] += h.held_bytes
+    lines = tuple(
+        TypeLine(name, kind, held_as, n, file_bytes, held_bytes)
+        for (name, kind, held_as), (n, file_bytes, held_bytes) in sorted(
+            held.items(), key=lambda kv: -kv[1][2]
+        )
+    )
+    # the head: the file's output tensor, else the embedding it is tied to (one tensor, one storage)
+    head_name = HEAD_TENSOR if HEAD_TENSOR in by_name else EMBEDDING_TENSOR
+    head = by_name.get(head_name)
+    shape = next((e.shape for e in entries if e.name == head_name), None)
+    copy = 0
+    if head is not None and shape is not None and head.kind == KEPT and makes_head_copy(head.held_as):
+        copy = HEAD_COPIES[head.held_as](*shape)
+    return GGUFPlan(dtype, native, lines, copy)
+
+
+def plan_file(path: Path, dtype: str, native: bool = True) -> GGUFPlan:
+    """The plan of a local GGUF file (its header read once, engine.model.configs.open_gguf)."""
+    from engine.model.configs import open_gguf
+
+    reader = open_gguf(path)
+    return plan_entries(
+        (entry_from_gguf(t.name, int(t.tensor_type), t.shape) for t in reader.tensors), dtype, native
+    )
