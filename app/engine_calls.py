@@ -2,39 +2,42 @@
 
 The GUI never touches the tokenizer or the engine's state (they belong to the engine thread):
 counting a draft's tokens, fitting a conversation into the context, tokenizing a logit-bias
-entry all go through `EngineHost.call` (app.workers: the work runs between two steps, its
-outcome reaches the GUI thread on the render tick). A result from an engine that has since been
-replaced is not delivered (its answer, token ids or limits, is about the other model): its
-caller hears that instead.
+entry are the engine's named questions (engine.api.EngineClient), asked through `EngineHost.ask`
+(app.workers: answered between two steps, the answer reaches the GUI thread on the render tick).
+An answer from an engine that has since been replaced is not delivered (its token ids or limits
+are about the other model): its caller hears that instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from PySide6.QtCore import QObject
 
 from app.engine_host import EngineHost
 from app.workers import connect
+from engine.api import EngineClient
 
 
 class EngineCalls(QObject):
-    """The chat's engine questions, through the host's one way of asking (`EngineHost.call`),
+    """The chat's engine questions, through the host's one way of asking (`EngineHost.ask`),
     with the chat's rule added: an answer from an engine since replaced is not delivered."""
 
     def __init__(self, host: EngineHost, parent: QObject | None = None):
         super().__init__(parent)
         self.host = host
 
-    def run(
+    def ask(
         self,
-        fn: Callable[[Any], Any],
+        query: Callable[[EngineClient], Future[Any]],
         on_result: Callable[[Any], None],
         on_error: Callable[[str], None] | None = None,
     ) -> bool:
-        """Run `fn(llm_engine)` on the engine thread; `on_result(value)` or `on_error(message)`
-        follow on the GUI thread. False (and on_error at once) when no model is ready."""
+        """Ask `query(engine)` (an EngineClient question); `on_result(answer)` or
+        `on_error(message)` follow on the GUI thread. False (and on_error at once) when no model
+        is ready."""
         failed = on_error or (lambda message: None)
         if self.host.engine is None or not self.host.status().ready:
             failed("no model is loaded")
@@ -48,7 +51,7 @@ class EngineCalls(QObject):
             else:
                 on_result(value)
 
-        connect(self.host.call(fn, name="chat question"), on_returned=returned, on_errored=failed)
+        connect(self.host.ask(query, name="chat question"), on_returned=returned, on_errored=failed)
         return True
 
     @property

@@ -6,9 +6,10 @@ budget by app.frame_pacer while the engine generates), folds the
 batch into LiveState, and re-emits what the chat needs as ordinary same-thread Qt signals. So no
 signal ever crosses threads, and a burst of thousands of events costs one redraw per panel.
 
-What the GUI needs from the engine beyond its events goes through `call(fn)`: the engine thread
-runs `fn(llm_engine)` between two steps (`Engine.call`), and the outcome reaches the GUI thread as
-an `app.workers.EngineCall`'s signals, drained on the same render tick.
+What the GUI needs from the engine beyond its events goes through `ask(query)`: one of the
+engine's named questions (engine.api.EngineClient: a prompt's count, a what-if, a measured
+speedup...), answered on the engine thread between two steps; the answer reaches the GUI thread
+as an `app.workers.EngineCall`'s signals, drained on the same render tick.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +25,8 @@ from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
 from app.frame_pacer import MIN_INTERVAL_MS, FramePacer
 from app.workers import EngineCall
+from engine.api import EngineClient, local_engine
 from engine.config import EngineConfig
-from engine.core.service import Engine
 from engine.events import (
     EngineError,
     ModelLoaded,
@@ -75,14 +77,14 @@ class EngineHost(QObject):
     def __init__(self, live: LiveState | None = None, parent: QObject | None = None):
         super().__init__(parent)
         self.live = live or LiveState()
-        self.engine: Engine | None = None
+        self.engine: EngineClient | None = None
         self.store: EventStore | None = None
         self.config: EngineConfig | None = None
         self.model_name: str = ""
         self._loading = False
         self._ready = False
         self._in_flight: set[int] = set()
-        self._retired: list[Engine] = []
+        self._retired: list[EngineClient] = []
         self._calls: list[EngineCall] = []  # engine calls whose outcome has not reached the GUI yet
         self._requests: OrderedDict[int, Request] = OrderedDict()  # this engine's, by request id
         self.generation = 0  # bumped per engine: request ids restart at 1 with each engine
@@ -92,18 +94,20 @@ class EngineHost(QObject):
         self._timer.timeout.connect(self._on_timer)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self, config: EngineConfig, loaded=None) -> None:
-        """Start an engine for `config` (stopping any current one); loading runs on its thread."""
+    def start(self, config: EngineConfig, loaded: Any = None) -> None:
+        """Start an engine for `config` (stopping any current one); loading runs on its thread.
+        `loaded`: the model another engine had loaded (EngineClient.loaded_model's answer, opaque
+        here), started on without loading it again."""
         self.stop(RESTART_TIMEOUT_S)
         self.config = config
         self.generation += 1
         # A fresh inbox per engine: nothing a previous engine pushed late can leak into this one.
         self.store = EventStore()
-        self._run(Engine(config, sink=self.store.push, loaded=loaded))
+        self._run(local_engine(config, self.store.push, loaded))
 
-    def _run(self, engine) -> None:
-        """Start `engine` as this host's, loading until its first event: an in-process Engine, or
-        anything with its surface (app.remote's RemoteEngine)."""
+    def _run(self, engine: EngineClient) -> None:
+        """Start `engine` as this host's, loading until its first event: an in-process engine, or
+        a remote one (app.remote's RemoteEngine)."""
         self.engine = engine
         self._loading, self._ready = True, False
         self.model_name = ""
@@ -166,19 +170,22 @@ class EngineHost(QObject):
         """A request this engine was given (None: not one of the last REMEMBERED_REQUESTS)."""
         return self._requests.get(request_id)
 
-    def call(
-        self, fn: Callable[..., Any], *, name: str = "engine call", progress: bool = False
+    def ask(
+        self, query: Callable[..., Future[Any]], *, name: str = "engine question", progress: bool = False
     ) -> EngineCall:
-        """Run `fn(llm_engine)` (or `fn(llm_engine, report)` with `progress=True`) on the engine
-        thread between two steps. Its news arrive on the GUI thread as the returned job's signals;
-        without an engine, or once it has stopped, the job errors with the reason."""
+        """Ask the engine one of its questions: `query(engine)` (or `query(engine, report)` with
+        `progress=True`) calls an EngineClient method, e.g. `lambda engine: engine.limits()`. The
+        answer arrives on the GUI thread as the returned job's signals; without an engine, or once
+        it has stopped, the job errors with the reason. `report(message)` raises Cancelled once
+        the job was cancelled, which ends the engine's work at its next piece."""
         job = EngineCall(name, self)
         self._calls.append(job)
         if self.engine is None:
             job.fail("no model is loaded")
             QTimer.singleShot(0, self._drain_calls)
             return job
-        job.attach(self.engine.call(job.work(fn, progress)))
+        engine = self.engine
+        job.attach(query(engine, job.channel) if progress else query(engine))
         return job
 
     def status(self) -> HostStatus:

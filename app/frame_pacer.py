@@ -22,7 +22,7 @@ MIN_INTERVAL_MS = 33
 MAX_INTERVAL_MS = 400
 # The GUI thread's CPU time as a share of wall time, while the engine generates. The engine
 # needs ~90% of its headless speed (the target); on the 2-core machine this was tuned
-# on, a GUI taking ~12% of a core left it 0.84-0.96 of headless (app.measure, five runs).
+# on, a GUI taking ~12% of a core left it 0.84-0.96 of headless (tools.measure_app, five runs).
 CPU_BUDGET = 0.10
 # Smoothing of the measured share: ~10 frames, so one slow frame does not swing the rate.
 SMOOTHING = 0.1

@@ -30,7 +30,7 @@ from pathlib import Path
 # Offline before anything imports transformers or huggingface_hub: loading never downloads (the
 # model browser goes online for the search or download the user asks for, unless they set
 # HF_HUB_OFFLINE themselves).
-from engine.hub.online import offline_by_default  # noqa: E402
+from engine.api import offline_by_default  # noqa: E402
 
 offline_by_default()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -120,8 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gguf_file:
         if not args.model:
             parser.error("--gguf-file needs --model REPO (a repo id in the local Hugging Face cache)")
-        from engine.model.errors import ModelLoadError
-        from engine.model.sources import with_gguf_file
+        from engine.api import ModelLoadError, with_gguf_file
 
         try:
             args.model = with_gguf_file(args.model, args.gguf_file)
@@ -136,7 +135,7 @@ def model_choice(args: argparse.Namespace, saved):
     import dataclasses
 
     from app.settings import ModelChoice
-    from engine.quant.schemes import get_scheme
+    from engine.api import check_scheme_name
 
     base = ModelChoice() if args.prompt else saved
     overrides = {
@@ -150,7 +149,7 @@ def model_choice(args: argparse.Namespace, saved):
     }
     choice = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     choice.engine_config()  # raises ConfigError with a message for bad numbers
-    get_scheme(choice.quantization)  # an unknown scheme name: a ConfigError naming the choices
+    check_scheme_name(choice.quantization)  # an unknown scheme name: a ConfigError naming the choices
     return choice
 
 
@@ -174,7 +173,7 @@ def group_sampling(args: argparse.Namespace, params):
 
 
 def engine_commands() -> tuple[str, ...]:
-    from engine.cli.main import command_names
+    from engine.api import command_names
 
     return command_names()
 
@@ -196,9 +195,9 @@ def startup_failed(message: str, interactive: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in engine_commands():
-        from engine.cli.main import main as engine_main
+        from engine.api import cli_main
 
-        return engine_main(argv, prog="kvscope")
+        return cli_main(argv, prog="kvscope")
     args = parse_args(argv)
 
     from app.startup import platform_problem

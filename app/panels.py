@@ -11,7 +11,7 @@ Measured on the packaged model (2 cores, interleaved runs): p99 delay of a 10 ms
 timer 145-155 ms with every plot every frame, 74-91 ms with plots taking turns.
 A visible plot also redraws at most every PLOT_INTERVAL_S: a time series read by eye needs a
 few updates a second, and at 15 redraws a second each the plots were ~60% of the GUI thread's
-CPU time during generation (py-spy, `python -m app.measure`). And a plot's redraw is deferred a
+CPU time during generation (py-spy, `python -m tools.measure_app`). And a plot's redraw is deferred a
 moment (`_defer`): Qt repaints every dirty widget of the window in one pass, so a plot redrawn
 in the same frame as the chat and the bars made that frame the longest stall of the event loop.
 """

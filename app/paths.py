@@ -15,7 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_config_dir, user_data_dir
 
-from engine.resources import resource
+from engine.api import resource
 
 APP_NAME = "kvscope"
 

@@ -5,15 +5,18 @@ Entries are separated by `|`. A logit-bias entry is `TEXT=AMOUNT` (the amount -1
 banned entry is just `TEXT`. TEXT is a token id as `#1234`, a "quoted string" (JSON escapes,
 keeps leading spaces, which most tokenizers fold into the word: `" Paris"` is another token
 than `"Paris"`), or bare text (trimmed). Every token the text tokenizes into gets the bias or
-the ban. Parsing is pure; `resolve` runs on the engine thread (Engine.call).
+the ban. Parsing is pure; the engine tokenizes (EngineClient.tokens_of, on its thread: `pieces`
+is what to ask) and `resolve` pairs its answer with the entries.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.api import Tokens
 from engine.config import LOGIT_BIAS_LIMIT
 
 
@@ -100,22 +103,18 @@ def parse_banned(text: str) -> list[TokenEntry]:
     return entries
 
 
-def resolve(core, entries: list[TokenEntry]) -> list[ResolvedEntry]:
-    """Each entry's tokens under the running model's tokenizer (engine thread)."""
-    tokenizer = core.tokenizer
-    vocab = len(tokenizer)
+def pieces(entries: Sequence[TokenEntry]) -> list[str | int]:
+    """What the engine is asked to tokenize for `entries`: each one's text, or its token id."""
+    return [entry.token_id if entry.token_id is not None else entry.text or "" for entry in entries]
+
+
+def resolve(entries: Sequence[TokenEntry], tokens: Sequence[Tokens]) -> list[ResolvedEntry]:
+    """Each entry with its tokens, as the engine tokenized `pieces(entries)`."""
     out = []
-    for entry in entries:
-        if entry.token_id is not None:
-            if entry.token_id >= vocab:
-                raise EntryError(f"{entry.source!r}: the model has {vocab:,} tokens (ids 0 to {vocab - 1:,})")
-            ids = [entry.token_id]
-        else:
-            ids = list(tokenizer(entry.text, add_special_tokens=False)["input_ids"])
-            if not ids:
-                raise EntryError(f"{entry.source!r}: the tokenizer makes no token of it")
-        texts = tuple(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-        out.append(ResolvedEntry(entry, tuple(ids), texts))
+    for entry, found in zip(entries, tokens, strict=True):
+        if not found.ids:
+            raise EntryError(f"{entry.source!r}: the tokenizer makes no token of it")
+        out.append(ResolvedEntry(entry, found.ids, found.texts))
     return out
 
 

@@ -1,6 +1,6 @@
 """Answers the probability panel's what-ifs: a token's stages under other settings, recomputed
-exactly on the engine thread (engine.sampling.what_if) from the request the host remembers and
-the reply's tokens before it (its TokenGenerated events).
+exactly on the engine thread (EngineClient.what_if) from the request the host remembers and the
+reply's tokens before it (its TokenGenerated events).
 
 One recomputation runs at a time; while it runs, only the latest question waits (a slider
 dragged through ten values costs two forwards at most, and the engine keeps the last token's
@@ -13,8 +13,8 @@ from PySide6.QtCore import QObject, Slot
 
 from app.engine_host import EngineHost
 from app.workers import EngineCall
+from engine.api import what_if_notes
 from engine.config import SamplingParams
-from engine.sampling.what_if import WhatIf, what_if_notes
 from widgets.probability_panel import ProbabilityPanel
 
 Question = tuple[int, int, SamplingParams]  # request id, token index, settings
@@ -24,7 +24,6 @@ class WhatIfController(QObject):
     def __init__(self, host: EngineHost, panel: ProbabilityPanel, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.host, self.panel = host, panel
-        self.what_if = WhatIf()  # touched only on the engine thread, inside the calls below
         self.call: EngineCall | None = None
         self._waiting: Question | None = None
         panel.what_if_requested.connect(self.ask)
@@ -48,9 +47,9 @@ class WhatIfController(QObject):
             self._next()
             return
         output_ids = [t.token_id for t in view.tokens[:index]]
-        recorded, what_if = token.snapshot, self.what_if
-        self.call = self.host.call(
-            lambda core: what_if.recompute(core, request, output_ids, recorded, params), name="what-if"
+        recorded = token.snapshot
+        self.call = self.host.ask(
+            lambda engine: engine.what_if(request, output_ids, recorded, params), name="what-if"
         )
         notes = what_if_notes(params)
         self.call.returned.connect(lambda snapshot: self.panel.show_what_if(*question, snapshot, "", notes))

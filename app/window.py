@@ -42,8 +42,7 @@ from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from app.what_if import WhatIfController
 from app.wheel_guard import install_wheel_guard
-from engine.config import ConfigError, EngineConfig
-from engine.core.llm_engine import DEFAULT_KV_BUDGET_BYTES
+from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
@@ -426,7 +425,7 @@ class MainWindow(QMainWindow):
         """Stop the running engine and free its model before the next loads: the process holds
         one model at a time, not two (the old engine's objects refer to each other, so without a
         collection here they would wait for Python's garbage collector)."""
-        from engine.model.runtime_memory import give_back_freed_memory
+        from engine.api import give_back_freed_memory
 
         self.host.stop()
         gc.collect()  # on the GUI thread, the one place collecting Qt objects is safe

@@ -4,8 +4,9 @@ reaches the GUI thread as ordinary same-thread signals. napari's `create_worker`
 Two kinds run a job:
 - `create_worker(fn)`: a named daemon thread of its own, for the shell's long jobs that need no
   engine (reading a model's metadata, a sweep that loads its own copies of a model);
-- `EngineHost.call(fn)` (app/engine_host.py): `Engine.call` runs it on the engine thread between
-  two steps, for anything that touches the engine's model, tokenizer or device.
+- `EngineHost.ask(query)` (app/engine_host.py): one of the engine's named questions
+  (engine.api.EngineClient), answered on the engine thread between two steps, for anything that
+  touches the engine's model, tokenizer or device.
 
 Either way the work only puts its news in a thread-safe queue, and the GUI thread drains it: a
 worker's own timer polls its queue while it runs, the host drains engine calls on its render tick.
@@ -44,11 +45,12 @@ class UserFacingError(Exception):
 
 def describe_error(exc: BaseException) -> str:
     """A one-line reason for the user: the message of errors written for people (the engine's
-    ConfigError and ModelLoadError, the app's UserFacingError), else the exception's type and text."""
+    ConfigError, ModelLoadError and MeasurementError, the app's UserFacingError), else the
+    exception's type and text."""
+    from engine.api import MeasurementError, ModelLoadError
     from engine.config import ConfigError
-    from engine.model.errors import ModelLoadError
 
-    if isinstance(exc, (ConfigError, ModelLoadError, UserFacingError)) and str(exc):
+    if isinstance(exc, (ConfigError, ModelLoadError, MeasurementError, UserFacingError)) and str(exc):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -211,17 +213,12 @@ def create_worker(
 
 
 class EngineCall(Job):
-    """A job `Engine.call` runs on the engine thread; the host drains its news each render tick."""
+    """A question the engine answers on its thread (EngineHost.ask); the host drains its news
+    each render tick."""
 
     def __init__(self, name: str, parent: QObject | None = None) -> None:
         super().__init__(name, parent)
         self._future: Future[Any] | None = None
-
-    def work(self, fn: Callable[..., Any], progress: bool) -> Callable[[Any], Any]:
-        """What the engine thread runs: `fn(core)` or `fn(core, report)`, holding the channel
-        only (never this QObject)."""
-        channel = self.channel
-        return (lambda core: fn(core, channel)) if progress else fn
 
     def attach(self, future: Future[Any]) -> None:
         """The engine's Future for this call: its outcome becomes the job's (posted, from whichever
@@ -267,3 +264,29 @@ def connect(
         if slot is not None:
             signal.connect(slot)
     return job
+
+
+def gather(*futures: Future[Any]) -> Future[tuple[Any, ...]]:
+    """One Future of several answers, in order: it fails with the first that fails. (Two
+    questions asked together, e.g. a prompt's fit and a token's text, reach the GUI at once.)"""
+    combined: Future[tuple[Any, ...]] = Future()
+    answers: list[Any] = [None] * len(futures)
+    left = [len(futures)]
+    lock = threading.Lock()  # the answers may come from different threads
+
+    def done(index: int, future: Future[Any]) -> None:
+        with lock:
+            if combined.done():
+                return
+            try:
+                answers[index] = future.result()
+            except BaseException as exc:  # noqa: BLE001 - the combined Future carries it
+                combined.set_exception(exc)
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                combined.set_result(tuple(answers))
+
+    for index, future in enumerate(futures):
+        future.add_done_callback(lambda f, i=index: done(i, f))
+    return combined

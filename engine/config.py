@@ -232,6 +232,13 @@ class SpeculativeConfig:
         _check(self.method != "draft" or bool(self.draft_model), "speculative 'draft' needs a draft model")
 
 
+# Without an explicit size the KV pool gets this much memory: room for several thousand tokens
+# of a small model, and few enough blocks that every one is visible in the page map.
+DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
+# Context cap when the model's own is larger and nothing else is configured.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of the paged KV cache and the scheduler's per-step limits."""

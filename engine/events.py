@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.model.shapes import ModelShapes
+from engine.shapes import ModelShapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class ModelInfo:
     # Bytes per weight element as stored (fractional for packed formats: 4-bit codes with their
     # group scales are ~0.56); what a step that reads the weights in their own format moves.
     weight_bytes_per_param: float = 0.0
-    # What kvscope does to this model's conversations, for the user (engine/model/chat_template.py):
+    # What kvscope does to this model's conversations, for the user (engine/text/chat_template.py):
     # a system prompt merged into the first user turn, or plain text for a model without a
     # template. "" when the template takes the conversation as it is.
     chat_note: str = ""
@@ -442,3 +442,6 @@ Event = (
     | MemorySample
     | EngineError
 )
+
+# How a request ends: finished (stopped, at its length or cancelled) or failed with a message.
+RequestEnd = RequestFinished | RequestFailed

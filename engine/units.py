@@ -9,6 +9,7 @@ does.
 - Rates and counts (FLOP/s, bytes per second of bandwidth, FLOPs) are decimal SI, 3 significant
   digits: they are compared with datasheets, which are decimal.
 - A utilisation is a measured rate over a measured limit; `mfu` and `mbu` say how each was got.
+- Tokens per second are counted once, here (`tokens_per_s`), for every figure that reports one.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def milliseconds(seconds: float) -> str:
     """A latency in ms, one decimal below 100 ms: '8.4 ms', '123 ms' (latencies are read in ms)."""
     ms = seconds * 1000.0
     return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
+
+
+# ---- rates ----------------------------------------------------------------------------------
+def tokens_per_s(tokens: float, seconds: float) -> float:
+    """Tokens over the seconds they took; 0 when no time passed (one token, or none)."""
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 # ---- SI rates and counts ---------------------------------------------------------------------

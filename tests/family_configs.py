@@ -68,7 +68,15 @@ OVERRIDES: dict[str, dict] = {
     "qwen2_moe": dict(use_sliding_window=True, max_window_layers=1),
     "qwen3": dict(use_sliding_window=True, max_window_layers=1),
     "qwen3_moe": dict(use_sliding_window=True, max_window_layers=1),
-    "smollm3": dict(use_sliding_window=True, max_window_layers=1),
+    # SmolLM3 drops RoPE on every no_rope_layer_interval-th layer (its 4 would keep both layers
+    # rotary here): the second layer is NoPE, and its config makes the NoPE layers the sliding ones
+    "smollm3": dict(use_sliding_window=True, max_window_layers=1, no_rope_layer_interval=2),
+    # Phi-4-mini rotates only part of each head (0.75 of it): kvscope's forward rotates what the
+    # rotary module's tables cover
+    "phi3": dict(partial_rotary_factor=0.5),
+    # Granite's multipliers are 1.0 by default, where a forward that forgot them would still agree:
+    # granite-3.0-2b's embedding, residual and logit scaling
+    "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0),
     # ModernBERT's window is half its local_attention span
     "modernbert-decoder": dict(local_attention=2 * WINDOW),
     # not served (tests/engine/test_support.py shows why), but built by the refusal tests

@@ -4,7 +4,7 @@ Per token, every layer stores a key and a value vector for each KV head:
     2 x layers x kv_heads x head_dim x bytes per element
 (an int8 cache adds one float16 scale per head to each vector). Grouped-query attention
 (kv_heads < query heads) and multi-query attention (kv_heads = 1) shrink it by the group size;
-context and batch multiply it. The bytes are engine.model.shapes' `kv_bytes_per_token`, the one
+context and batch multiply it. The bytes are engine.shapes' `kv_bytes_per_token`, the one
 formula the engine sizes its pool with, over the few shapes typed here, so any config can be
 explored.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import DTYPES
-from engine.model.shapes import DTYPE_BYTES, KV_INT8_SCALE_BYTES, kv_bytes_per_token
+from engine.shapes import DTYPE_BYTES, KV_INT8_SCALE_BYTES, kv_bytes_per_token
 
 # What the engine's KV pool can store: the model's own dtype (kv_dtype "auto") or int8 codes
 # with float16 scales (kv_dtype "int8").

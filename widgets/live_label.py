@@ -3,7 +3,7 @@
 QLabel.setText always asks the parent layout to recompute (updateGeometry): with word wrap that
 means measuring the text again, and inside a dock it re-runs the dock's and the main window's
 layout. For a readout that changes every frame during generation that was ~15% of the GUI
-thread's time (py-spy over `python -m app.measure`). LiveLabel lays its text out once per
+thread's time (py-spy over `python -m tools.measure_app`). LiveLabel lays its text out once per
 change and asks for a new layout only when its height changes; otherwise it just repaints.
 
 It stays a QLabel so the panels' style sheets (colour, background) apply to it as before.

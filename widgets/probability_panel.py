@@ -4,7 +4,7 @@ Follows the latest generated token unless `show_token` pins one. A row of stage 
 which stage the bars show (the final one by default); the raw distribution stays visible as
 ghost outlines. With `set_what_if(params)` the panel asks (`what_if_requested`) for the token's
 stages under those settings, which the shell recomputes exactly on the engine thread
-(engine.sampling.what_if: one forward over the token's context, then the sampler's own stages
+(engine.core.what_if: one forward over the token's context, then the sampler's own stages
 over the full logits) and hands back with `show_what_if`; a banner says so. With
 `set_reference_source`, the full-precision reference of a quality run is drawn as a tick on
 each row where it exists.

@@ -1,7 +1,7 @@
 """Sweeps: TTFT against prompt length and ITL against context length, measured per dtype on the
 user's machine, plotted, and explained in a sentence drawn from the numbers.
 
-The sweep is `engine.measure.sweep.compare_dtypes`: the loaded model's source is loaded once per chosen
+The sweep is `engine.bench.sweep.compare_dtypes`: the loaded model's source is loaded once per chosen
 dtype (held together and measured interleaved, so drift hits them alike) in a separate engine of
 its own. The panel only asks and draws: `run_requested` carries the settings, the shell runs the
 sweep on a worker (progress and cancel; cancelling takes effect between two runs) and hands back

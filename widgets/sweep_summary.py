@@ -1,4 +1,4 @@
-"""Sentences that explain a measured sweep (`engine.measure.sweep.compare_dtypes`' report), drawn only from
+"""Sentences that explain a measured sweep (`engine.bench.sweep.compare_dtypes`' report), drawn only from
 its numbers (no Qt here).
 
 How a phase's time changes with the dtype tells which roof it is under. A narrower dtype moves

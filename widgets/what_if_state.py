@@ -1,6 +1,6 @@
 """The probability panel's what-if as a question and its answer (no Qt here): which token under
 which settings was asked of the shell, what the shell answered, and what the bars and the banner
-show meanwhile. The shell recomputes exactly (engine.sampling.what_if, through the engine
+show meanwhile. The shell recomputes exactly (engine.core.what_if, through the engine
 thread); ids restart with each engine, so an answer belongs to the token object it was asked for.
 """
 

@@ -7,8 +7,8 @@ A mixin of ChatController (app.chat.controller).
 
 from __future__ import annotations
 
-from app.chat.context_fit import ContextFit, measure
 from app.chat.reply_state import ReplyPlan
+from engine.api import ContextFit
 
 MEASURE_DELAY_MS = 250  # after the last keystroke: one count per pause, not per key
 
@@ -41,11 +41,12 @@ class ContextTracking:
         tail = tail if draft else []
         policy, max_new = self.context_policy(), plan.sampling.max_new_tokens
 
-        def work(core) -> ContextFit:
-            return measure(core, head, before, tail, (), max_new, policy)
-
         self._measuring = True
-        self.calls.run(work, self._on_measured, self._on_measure_failed)
+        self.calls.ask(
+            lambda engine: engine.fit_context(head, before, tail, max_new, policy),
+            self._on_measured,
+            self._on_measure_failed,
+        )
 
     def _on_measured(self, fit: ContextFit) -> None:
         self._measuring = False

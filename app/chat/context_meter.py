@@ -3,7 +3,7 @@ conversation takes (the sent turns, the message being typed, the room kept for t
 reply as it grows), and how full the KV pool is, every figure from the engine.
 
 Two painted bars and a line of text. The controller feeds them: a token count of the
-conversation plus the draft while typing (app.chat.context_fit through Engine.call), the
+conversation plus the draft while typing (EngineClient.fit_context, on the engine thread), the
 reply's tokens while generating, and the pool's used slots from each step's KVStats.
 """
 
@@ -15,7 +15,8 @@ from PySide6.QtCore import QEvent, QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPen
 from PySide6.QtWidgets import QBoxLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.chat.context_fit import ContextFit
+from app.chat.context_fit import refusal
+from engine.api import ContextFit
 from widgets import theme
 
 BAR_W, BAR_H = 150, 10
@@ -200,7 +201,7 @@ class ContextMeter(QWidget):
         )
         self.context_bar.setToolTip(self.context_label.toolTip())
         if not fit.fits:
-            self.note.setText(f"⚠ {fit.refusal()}")
+            self.note.setText(f"⚠ {refusal(fit)}")
             self.note.setStyleSheet(f"color: {theme.ERROR};")
         elif fit.dropped:
             self.note.setText(

@@ -11,30 +11,18 @@ A mixin of ChatController (app.chat.controller).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from app.chat.context_fit import ContextFit, measure
+from app.chat.context_fit import refusal
 from app.chat.conversations import DEFAULT_TITLE, ReplyCheckpoint, StorageError, title_from
 from app.chat.group_reply import GroupReply
 from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord
 from app.chat.reply_stats import KeptStats, with_reply_facts
 from app.chat.rich_text import ReplyToken
 from app.chat.tree import StoredMessage
+from app.workers import gather
+from engine.api import ContextFit
 from engine.config import ConfigError
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
 from engine.request import ChatMessage, Request
-
-DECODE_CONTEXT_TOKENS = 5  # as the engine's detokenizer: enough for a token's leading space
-
-
-def chosen_token_text(core, before: Sequence[int], chosen: Sequence[int]) -> str:
-    """The text `chosen` adds after `before`, decoded as the engine's stream would (engine thread)."""
-
-    def decode(ids) -> str:
-        return core.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    context = list(before[-DECODE_CONTEXT_TOKENS:])
-    return decode(context + list(chosen))[len(decode(context)) :]
 
 
 class ReplyStreaming:
@@ -72,14 +60,14 @@ class ReplyStreaming:
 
         tail_is_new = plan.kind == "send"
 
-        def work(core):
-            fit = measure(core, head, history, tail, prefix, max_new, policy, tail_is_new)
-            return fit, chosen_token_text(core, before, chosen) if chosen else ""
+        def ask(engine):
+            fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new)
+            return gather(fit, engine.decode(chosen, after=before)) if chosen else gather(fit)
 
         self.preparing = plan
         self.sync_state()
-        self.calls.run(
-            work, lambda result: self._on_prepared(plan, *result), lambda m: self._on_unprepared(plan, m)
+        self.calls.ask(
+            ask, lambda answers: self._on_prepared(plan, *answers), lambda m: self._on_unprepared(plan, m)
         )
         return True
 
@@ -95,13 +83,13 @@ class ReplyStreaming:
         self._launch(plan, None)
         return True
 
-    def _on_prepared(self, plan: ReplyPlan, fit: ContextFit, chosen_text: str) -> None:
+    def _on_prepared(self, plan: ReplyPlan, fit: ContextFit, chosen_text: str = "") -> None:
         if self.preparing is not plan:
             return
         self.preparing = None
         self.show_measured(fit)
         if not fit.fits:
-            self._refuse(fit.refusal())
+            self._refuse(refusal(fit))
             return
         plan.prefix_text += chosen_text
         if plan.chosen and plan.prefix_tokens:

@@ -15,7 +15,7 @@ from app.chat.context_fit import POLICY_LABELS
 from app.chat.conversations import ConversationStore, StorageError
 from app.chat.exchange import ImportFailed
 from app.engine_calls import EngineCalls
-from app.token_entries import resolve
+from app.token_entries import EntryError, pieces, resolve
 
 EXPORT_KINDS = {
     "markdown": (".md", "Markdown (*.md)"),
@@ -74,7 +74,17 @@ class ChatWindowActions(QObject):
     # ---- typed logit bias and bans -------------------------------------------------------------
     def resolve_tokens(self, entries, on_result, on_error) -> bool:
         """The sampling controls' entries as the running model's tokens (engine thread)."""
-        return self.calls.run(lambda core: resolve(core, entries), on_result, on_error)
+
+        def resolved(tokens) -> None:
+            try:
+                answer = resolve(entries, tokens)
+            except EntryError as exc:
+                if on_error is not None:
+                    on_error(str(exc))
+                return
+            on_result(answer)
+
+        return self.calls.ask(lambda engine: engine.tokens_of(pieces(entries)), resolved, on_error)
 
     # ---- the context limit ---------------------------------------------------------------------
     def set_context_policy(self, policy: str) -> None:

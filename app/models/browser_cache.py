@@ -47,10 +47,14 @@ class CacheTab(QWidget):
 
     @Slot()
     def refresh(self) -> None:
-        from engine.hub.cache import list_cached
-        from engine.hub.online import HubError
-        from engine.model.local_models import gpt4all_models, lmstudio_models, ollama_models
-        from engine.model.sources import hf_cache_dir
+        from engine.api import (
+            HubError,
+            gpt4all_models,
+            hf_cache_dir,
+            list_cached,
+            lmstudio_models,
+            ollama_models,
+        )
 
         try:
             cached = list_cached()
@@ -111,8 +115,7 @@ class CacheTab(QWidget):
 
     @Slot()
     def _on_delete(self) -> None:
-        from engine.hub.cache import delete_cached
-        from engine.hub.online import HubError
+        from engine.api import HubError, delete_cached
 
         chosen = self._selected()
         if chosen is None or chosen[2] is None:

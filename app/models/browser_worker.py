@@ -40,7 +40,7 @@ class HubWorker(QObject):
         ticket = self._ticket
 
         def run(channel: Channel) -> Any:
-            from engine.hub.online import HubError
+            from engine.api import HubError
 
             try:
                 return fn(channel)
@@ -60,17 +60,17 @@ class HubWorker(QObject):
         return ticket
 
     def search(self, query: str, sort: str = "downloads", limit: int = 30) -> int:
-        from engine.hub.search import search_models
+        from engine.api import search_models
 
         return self._start("search", lambda _: search_models(query, limit=limit, sort=sort), self.searched)
 
     def files(self, repo_id: str, dtype: str, context: int) -> int:
-        from engine.hub.files import repo_files
+        from engine.api import repo_files
 
         return self._start("files", lambda _: repo_files(repo_id, dtype=dtype, context=context), self.listed)
 
     def download(self, repo_id: str, files: tuple[str, ...]) -> int:
-        from engine.hub.download import download_files
+        from engine.api import download_files
 
         cancel = self._cancel = threading.Event()
 

@@ -72,7 +72,7 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
 
 def process_estimate(est: dict, kv_budget_bytes: int) -> int | None:
     """The process once the estimated model runs with this KV budget (None: no runtime figures)."""
-    from engine.model.runtime_memory import estimate_process
+    from engine.api import estimate_process
 
     if "runtime_process_now_bytes" not in est:
         return None
@@ -114,7 +114,7 @@ def describe_measured(est: dict | None, kv_budget_bytes: int, weights: int, proc
 def cached_model_entries() -> list[tuple[str, str]]:
     """(label, source) for each model already on this machine (the HF cache, LM Studio, GPT4All,
     Ollama: engine.model.local_models), with its size on disk; [] when none or unreadable."""
-    from engine.model.local_models import find_local_models
+    from engine.api import find_local_models
 
     return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
 
@@ -124,7 +124,7 @@ def source_label(source: str) -> str:
     'HF cache: owner/repo/file.gguf', a repo id as 'HF cache: owner/repo', else the path."""
     from pathlib import Path
 
-    from engine.model.sources import hf_cache_dir, repo_file_of
+    from engine.api import hf_cache_dir, repo_file_of
 
     repo_file = repo_file_of(Path(source), hf_cache_dir())
     if repo_file is not None:
@@ -145,7 +145,7 @@ ENTRY_FIT_CONTEXT = 4096
 
 def entry_fits(sources: list[str], dtype: str) -> list[tuple[str, str]]:
     """(source, suffix) for each entry: whether it fits, from its metadata alone (a worker runs it)."""
-    from engine.model.inspect import inspect_model
+    from engine.api import inspect_model
 
     marks = []
     for source in sources:
@@ -341,7 +341,7 @@ class ModelPicker(QWidget):
             self._worker.discard()  # the user has picked something else since
 
         def inspect() -> dict:
-            from engine.model.inspect import inspect_model
+            from engine.api import inspect_model
 
             # Context and memory budget left to inspect_model: the model's full context against
             # the memory available now (our KV budget is a part of that, shown beside it).

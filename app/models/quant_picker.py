@@ -75,7 +75,7 @@ def statuses_for(device: str):
     """engine.quant.schemes's statuses for the picker's device entry ('auto', 'cpu', 'cuda')."""
     import torch
 
-    from engine.quant.schemes import scheme_statuses
+    from engine.api import scheme_statuses
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

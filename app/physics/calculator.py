@@ -8,9 +8,9 @@ from PySide6.QtCore import QObject, Slot
 
 from app.engine_host import EngineHost
 from app.workers import Worker, create_worker
+from engine.api import inspect_model, kv_bytes_per_token
 from engine.config import DTYPES
 from engine.events import ModelInfo, ModelLoaded
-from engine.model.shapes import kv_bytes_per_token
 from widgets.kv_calculator import KVCalculator
 from widgets.kv_memory import KVConfig, kv_storage
 
@@ -82,14 +82,11 @@ class CalculatorController(QObject):
         kv_dtype = config.kv_dtype if config is not None else pool_kv_dtype(loaded)
         batch = self.calculator.batch.value()
 
-        def available(core) -> int:
-            from engine.measure.memory import available_memory_bytes
-
-            return available_memory_bytes(core.loaded.device)
-
-        call = self.host.call(available, name="available memory")
+        call = self.host.ask(lambda engine: engine.device(), name="available memory")
         call.returned.connect(
-            lambda free: self.calculator.show_loaded(loaded_config(info, kv_dtype, batch, free))
+            lambda device: self.calculator.show_loaded(
+                loaded_config(info, kv_dtype, batch, device.available_bytes)
+            )
         )
         call.errored.connect(
             lambda message: self._without_memory(loaded_config(info, kv_dtype, batch, None), message)
@@ -106,8 +103,6 @@ class CalculatorController(QObject):
         batch = self.calculator.batch.value()
 
         def read() -> dict:
-            from engine.model.inspect import inspect_model
-
             return inspect_model(source, dtype=dtype)
 
         self.worker = create_worker(

@@ -7,20 +7,19 @@ the ones shown, and picks up cached ones for its own when they were measured bef
 
 from __future__ import annotations
 
-import torch
 from PySide6.QtCore import QObject, Slot
 
 from app.engine_host import EngineHost
 from app.workers import EngineCall
+from engine.api import DeviceLimits, device_limits_cached
 from engine.events import ModelInfo, ModelLoaded
-from engine.measure import device_limits
-from engine.measure.device_limits import DeviceLimits
 from engine.units import si
 from widgets.roofline_panel import Roof, RooflinePanel
 
 
-def limits_device(info: ModelInfo) -> torch.device:
-    return torch.device(info.device)
+def limits_device(info: ModelInfo) -> str:
+    """The device limits are keyed by: the model's, as the engine names it ("cpu", "cuda:0")."""
+    return info.device
 
 
 def roof_of(limits: DeviceLimits) -> Roof:
@@ -35,7 +34,7 @@ def roof_of(limits: DeviceLimits) -> Roof:
 
 
 def limits_match(limits: DeviceLimits | None, info: ModelInfo) -> bool:
-    return limits is not None and limits.device == str(limits_device(info)) and limits.dtype == info.dtype
+    return limits is not None and limits.device == limits_device(info) and limits.dtype == info.dtype
 
 
 class LimitsController(QObject):
@@ -66,19 +65,13 @@ class LimitsController(QObject):
         self.panel.set_limits(None)
         if getattr(self.host, "attached", False):
             return  # a remote engine's device: this machine's cached limits are not its
-        cached = device_limits.cache_path(limits_device(info), info.dtype).exists()
+        cached = device_limits_cached(limits_device(info), info.dtype)
         if cached and not self.measuring:
             self._start(refresh=False)  # a read of the cache (re-measured if stale)
 
     def _start(self, refresh: bool) -> None:
-        loaded = self.host.live.loaded
-        assert loaded is not None
-        dtype = loaded.info.dtype
         self.panel.set_measuring(True)
-        self.call = self.host.call(
-            lambda core: device_limits.load_or_measure(core.loaded.device, dtype, refresh=refresh),
-            name="device limits",
-        )
+        self.call = self.host.ask(lambda engine: engine.device_limits(refresh), name="device limits")
         self.call.returned.connect(self._on_limits)
         self.call.errored.connect(self.panel.set_limits_error)
         self.call.cancelled.connect(lambda: self.panel.set_measuring(False))

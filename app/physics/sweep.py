@@ -1,4 +1,4 @@
-"""Runs the sweep view's measurement (`engine.measure.sweep.compare_dtypes`) on a worker with
+"""Runs the sweep view's measurement (`engine.api.compare_dtypes`) on a worker with
 progress and cancel, and judges how far its figures can be trusted on this machine now."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Slot
 
 from app.workers import Worker, create_worker
+from engine.api import compare_dtypes
 from widgets.sweep_panel import SweepPanel, SweepSettings
 
 THREAD_NAME = "kvscope-sweep"
@@ -51,8 +52,6 @@ class SweepController(QObject):
             return
 
         def sweep(progress) -> dict:
-            from engine.measure.sweep import compare_dtypes
-
             return compare_dtypes(
                 source,
                 list(settings.dtypes),

@@ -1,8 +1,9 @@
 """A remote OpenAI-compatible server in the place of the in-process engine.
 
-`RemoteEngine` has the surface `app.engine_host.EngineHost` uses of `engine.core.service.Engine`
-(start, submit, cancel, shutdown, is_alive, call, tokenizer, core, config), and like it pushes
-events into a sink that never waits. All its I/O runs on one thread with an asyncio loop and
+`RemoteEngine` is the remote implementation of engine.api's EngineClient (the protocol the local
+engine implements too): it submits, cancels and runs requests and pushes their events into a sink
+that never waits; the questions only an engine in this process can answer (counting with its
+tokenizer, a what-if, a measurement on its model) fail at once, saying so. All its I/O runs on one thread with an asyncio loop and
 httpx: each reply is a task (cancelling it closes the HTTP stream, which a server reads as a
 disconnect and cancels the request), /metrics is polled by another, and a kvscope server's
 /v1/kvscope/events stream by a third, so the GUI thread never blocks on the network.
@@ -26,7 +27,9 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -37,17 +40,32 @@ from app.remote.openai_stream import ReplyAdapter
 from app.remote.prom import MetricsSample, family_of, parse, point_between
 from app.remote.records import RemoteAttached, RemoteMetrics, RemoteMetricsUnavailable, RemotePrefixCache
 from app.remote.target import RemoteSource, RemoteTarget
+from engine.api import (
+    ContextFit,
+    DeviceLimits,
+    DeviceStatus,
+    Limits,
+    SpeedupResult,
+    Tokens,
+    decode_events,
+)
+from engine.config import SamplingParams, SpeculativeConfig
 from engine.events import (
     EngineError,
+    Event,
     ModelLoaded,
     ModelLoadFailed,
     ModelLoading,
+    RequestEnd,
     RequestFailed,
     RequestFinished,
     RequestStats,
+    TokenSnapshot,
 )
-from engine.request import Request
-from engine.serve import codec
+from engine.request import ChatMessage, Request
+
+if TYPE_CHECKING:
+    from engine.api import LoadedModel
 
 METRICS_POLL_S = 1.0
 CONNECT_TIMEOUT_S = 10.0
@@ -59,10 +77,6 @@ CANCEL_GRACE_S = 2.0
 
 
 class RemoteEngine:
-    tokenizer = None  # the server's tokenizer never runs here
-    core = None  # nor its engine
-    config = None  # no local EngineConfig: quality runs, speculation and sweeps need a local engine
-
     def __init__(
         self,
         target: RemoteTarget,
@@ -72,13 +86,15 @@ class RemoteEngine:
         use_events: bool = True,
     ) -> None:
         self.target = target
-        self._sink = sink
+        self._events = sink
+        self._runs: list[tuple[dict[int, RequestEnd | None], Future[list[RequestEnd]]]] = []
+        self._runs_lock = threading.Lock()
         self._on_record = on_record
         self._poll_s = metrics_poll_s
         self._use_events = use_events  # False: treat even a kvscope server as a plain OpenAI one
         self.info = None  # a kvscope server's ModelInfo, once its stream said it
         self.source: RemoteSource | None = None
-        self.load_error: str | None = None
+        self._load_error: str | None = None
         self._ids = itertools.count(1)
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,17 +111,27 @@ class RemoteEngine:
         self._logprobs_refused = False
         self._translator = EventTranslator(lambda: next(self._ids), self._display_name)
 
-    # ---- the Engine surface ----------------------------------------------------------------
+    # ---- the EngineClient surface ----------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("remote engine already started")
         self._thread = threading.Thread(target=self._run, name="kvscope-remote", daemon=True)
         self._thread.start()
 
-    def wait_until_loaded(self, timeout: float | None = None):
-        """The served model's info (kvscope) or the source (other servers); None if it failed."""
-        self._ready.wait(timeout)
-        return None if self.load_error else (self.info or self.source)
+    def wait_until_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the server answered (and a kvscope server's stream named its model): True;
+        False when it failed or `timeout` passed."""
+        return self._ready.wait(timeout) and self._load_error is None
+
+    @property
+    def load_error(self) -> str | None:
+        """Why attaching failed, in one line (None while connecting, or once attached)."""
+        return self._load_error
+
+    @property
+    def events(self) -> Callable[[Event], None]:
+        """Where the engine's events go, in order: the sink it was made with."""
+        return self._events
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -134,12 +160,83 @@ class RemoteEngine:
         elif request_id in self._replies:
             self._cancel_first.add(request_id)
 
-    def call(self, fn) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def run(self, requests: Sequence[Request]) -> Future[list[RequestEnd]]:
+        """Submit `requests`; the Future holds each one's end, in order, once all have ended."""
+        future: Future[list[RequestEnd]] = Future()
+        if not requests:
+            future.set_result([])
+            return future
+        ends: dict[int, RequestEnd | None] = {}
+        with self._runs_lock:  # registered before any can end
+            self._runs.append((ends, future))
+            for request in requests:
+                ends[self.submit(request)] = None
+        return future
+
+    # ---- questions: only an engine in this process can answer them ------------------------------
+    def count_prompt(self, request: Request) -> Future[int]:
+        return self._unavailable("counting a prompt's tokens")
+
+    def limits(self) -> Future[Limits]:
+        return self._unavailable("its limits")
+
+    def fit_context(
+        self,
+        head: Sequence[ChatMessage],
+        history: Sequence[ChatMessage],
+        tail: Sequence[ChatMessage],
+        max_new_tokens: int,
+        policy: str,
+        prefix_ids: Sequence[int] = (),
+        tail_is_new: bool = True,
+    ) -> Future[ContextFit]:
+        return self._unavailable("fitting a conversation into its context")
+
+    def decode(self, token_ids: Sequence[int], after: Sequence[int] = ()) -> Future[str]:
+        return self._unavailable("decoding tokens")
+
+    def tokens_of(self, pieces: Sequence[str | int]) -> Future[list[Tokens]]:
+        return self._unavailable("tokenizing")
+
+    def device(self) -> Future[DeviceStatus]:
+        return self._unavailable("its device's memory")
+
+    def device_limits(self, refresh: bool = False) -> Future[DeviceLimits]:
+        return self._unavailable("measuring its device")
+
+    def what_if(
+        self, request: Request, output_ids: Sequence[int], recorded: TokenSnapshot, params: SamplingParams
+    ) -> Future[TokenSnapshot]:
+        return self._unavailable("a what-if")
+
+    def measure_speedup(
+        self, request: Request, speculative: SpeculativeConfig, progress: Callable[[str], None]
+    ) -> Future[SpeedupResult]:
+        return self._unavailable("measuring a speedup")
+
+    def loaded_model(self) -> Future[LoadedModel]:
+        return self._unavailable("its loaded model")
+
+    def _unavailable(self, what: str) -> Future[Any]:
+        future: Future[Any] = Future()
         future.set_exception(
-            RuntimeError(f"the engine runs on {self.target.label}: nothing can run on it from this app")
+            RuntimeError(f"not available on a remote engine ({what}): the engine runs on {self.target.label}")
         )
         return future
+
+    # ---- events ----------------------------------------------------------------------------
+    def _sink(self, event: Any) -> None:
+        """Every event goes here, on to the app's sink; a `run`'s requests are watched for their end."""
+        self._events(event)
+        if self._runs and isinstance(event, (RequestFinished, RequestFailed)):
+            with self._runs_lock:
+                for ends, future in list(self._runs):
+                    if event.request_id in ends:
+                        ends[event.request_id] = event
+                        done = [e for e in ends.values() if e is not None]
+                        if len(done) == len(ends):
+                            self._runs.remove((ends, future))
+                            future.set_result(done)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -159,6 +256,10 @@ class RemoteEngine:
         finally:
             loop.close()
             self._ready.set()
+            with self._runs_lock:  # runs still waiting for their requests' ends never get them
+                runs, self._runs = self._runs, []
+            for _, future in runs:
+                future.set_exception(RuntimeError(f"the connection to {self.target.label} has ended"))
 
     async def _main(self, loop: asyncio.AbstractEventLoop) -> None:
         self._stop = asyncio.Event()
@@ -172,7 +273,7 @@ class RemoteEngine:
             try:
                 self.source = await self._probe()
             except RemoteError as exc:
-                self.load_error = str(exc)
+                self._load_error = str(exc)
                 self._sink(ModelLoadFailed(self.load_error, time.perf_counter()))
                 return
             if self._stopping.is_set():
@@ -281,13 +382,13 @@ class RemoteEngine:
                         if event == "hello":
                             self._translator.hello(float(json.loads(data)["t"]), time.perf_counter())
                         elif event == "events":
-                            self._forward(codec.decode(data))
+                            self._forward(decode_events(data))
                         elif event == "overflow":
                             raise RemoteError(json.loads(data).get("message", "the events stream overflowed"))
                 raise RemoteError("the server closed its events stream")
             except (RemoteError, httpx.HTTPError, ValueError) as exc:
                 if not self._ready.is_set():
-                    self.load_error = f"{self.target.label}: no kvscope events stream ({exc})"
+                    self._load_error = f"{self.target.label}: no kvscope events stream ({exc})"
                     self._sink(ModelLoadFailed(self.load_error, time.perf_counter()))
                     self._ready.set()
                     return

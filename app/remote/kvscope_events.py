@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from engine.api import RequestTagged
 from engine.events import ModelLoaded
-from engine.serve.codec import RequestTagged
 
 ID_FIELDS = ("request_id", "seq_id", "parent_seq_id")
 

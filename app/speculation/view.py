@@ -1,8 +1,9 @@
 """Wires speculative decoding into the window: the controls' Apply restarts the engine with the
 chosen SpeculativeConfig (keeping the loaded model), the chat's draft marks and the panel read
 the live state, the panel's draft texts are decoded by the engine's tokenizer on the engine
-thread, and "Measure speedup" replays the conversation's last prompt there too: the engine's
-model is the engine thread's, so nothing else runs on it meanwhile.
+thread, and "Measure speedup" replays the conversation's last prompt there too (EngineClient.measure_speedup,
+engine.core.speedup): the engine's model is the engine thread's, so nothing else runs on it
+meanwhile.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import replace
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.speculation.measure import SpeedupResult, measure_speedup
 from app.workers import EngineCall
+from engine.api import SpeedupResult
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.request import ChatMessage, Request
 
@@ -75,7 +76,7 @@ class SpeculationController(QObject):
         if not self.host.status().ready:
             self._start_engine(restart)  # nothing loaded to keep: load again
             return
-        call = self.host.call(lambda core: core.loaded, name="the loaded model")
+        call = self.host.ask(lambda engine: engine.loaded_model(), name="the loaded model")
         call.returned.connect(lambda loaded: self._start_engine(restart, loaded=loaded))
         call.errored.connect(lambda _message: self._start_engine(restart))
 
@@ -86,11 +87,12 @@ class SpeculationController(QObject):
     @Slot(object)
     def _decode(self, token_ids: tuple[int, ...]) -> None:
         """The draft tokens' texts, decoded by the engine's own tokenizer on its thread."""
-        call = self.host.call(
-            lambda core: {i: core.tokenizer.decode([i], skip_special_tokens=False) for i in token_ids},
-            name="draft texts",
+        call = self.host.ask(lambda engine: engine.tokens_of(token_ids), name="draft texts")
+        call.returned.connect(
+            lambda tokens: self.panel.add_token_texts(
+                {i: t.texts[0] for i, t in zip(token_ids, tokens, strict=True)}
+            )
         )
-        call.returned.connect(self.panel.add_token_texts)
 
     # ---- speedup ---------------------------------------------------------------------------
     def replay_request(self) -> Request | None:
@@ -124,8 +126,8 @@ class SpeculationController(QObject):
             self.panel.show_measure_error("send a message first: the measurement replays your last prompt")
             return
         self.panel.set_measuring("starting (replies wait until it is done)")
-        self.call = self.host.call(
-            lambda core, progress: measure_speedup(core.loaded, config, spec, request, progress),
+        self.call = self.host.ask(
+            lambda engine, progress: engine.measure_speedup(request, spec, progress),
             name="speedup",
             progress=True,
         )

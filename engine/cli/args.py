@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from engine.config import (
+    DRY_DEFAULT_BREAKERS,
+    ConfigError,
+    EngineConfig,
+    ModelSpec,
+    SamplingParams,
+    SpeculativeConfig,
+)
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 
@@ -128,7 +137,6 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 
 def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
     """['42=5', '7=-100'] -> ((42, 5.0), (7, -100.0)); a malformed item is a ConfigError."""
-    from engine.config import ConfigError
 
     pairs = []
     for item in items:
@@ -143,8 +151,6 @@ def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 def sampling_from(args: argparse.Namespace, snapshot_top_n: int = 0) -> SamplingParams:
-    from engine.config import DRY_DEFAULT_BREAKERS, SamplingParams
-
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -197,8 +203,6 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    from engine.config import EngineConfig, ModelSpec
-
     budget = int(args.kv_budget_mib * 2**20) if args.kv_budget_mib else None
     return EngineConfig(
         model=ModelSpec(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization),
@@ -213,8 +217,6 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
 
 
 def speculative_from(args: argparse.Namespace) -> SpeculativeConfig | None:
-    from engine.config import SpeculativeConfig
-
     if not args.speculative:
         return None
     return SpeculativeConfig(

@@ -7,8 +7,12 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
+from engine.cli.args import engine_config_from, sampling_from
+from engine.core.llm_engine import LLMEngine
 from engine.events import Event, GroupStats, RequestFailed, RequestFinished, TokenGenerated
-from engine.model.chat_template import NOTE_PLAIN_TEXT
+from engine.model.loading import load_model
+from engine.request import ChatMessage, Request
+from engine.text.chat_template import NOTE_PLAIN_TEXT
 from engine.units import milliseconds
 
 if TYPE_CHECKING:
@@ -51,10 +55,6 @@ def run_to_end(engine: LLMEngine, request: Request, collector: Collector) -> Req
 
 
 def load_engine(args: argparse.Namespace, collector: Collector) -> LLMEngine:
-    from engine.cli.args import engine_config_from
-    from engine.core.llm_engine import LLMEngine
-    from engine.model.loading import load_model
-
     config = engine_config_from(args)
 
     def progress(stage: str, fraction: float) -> None:
@@ -178,9 +178,6 @@ def token_probs(token: TokenGenerated, k: int) -> dict[str, Any]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.cli.args import sampling_from
-    from engine.request import Request
-
     params = sampling_from(args, snapshot_top_n=args.probs)  # bad settings fail before the load
     grouped = params.group_size > 1  # several sequences: printed at the end, not interleaved
     collector = Collector(stream=None if args.json or grouped else sys.stdout)
@@ -205,9 +202,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from engine.cli.args import sampling_from
-    from engine.request import ChatMessage, Request
-
     collector = Collector(stream=sys.stdout)
     engine = load_engine(args, collector)
     params = sampling_from(args)

@@ -11,6 +11,10 @@ import json
 import os
 import sys
 
+from engine.cli import models as cli_models
+from engine.cli import physics as cli_physics
+from engine.cli import quant as cli_quant
+from engine.cli import serve as cli_serve
 from engine.cli.args import (
     MODEL_HELP,
     add_engine_args,
@@ -19,6 +23,8 @@ from engine.cli.args import (
     add_model_args,
     add_sampling_args,
 )
+from engine.config import ConfigError
+from engine.errors import ModelLoadError
 from engine.hub.online import offline_by_default  # noqa: E402 - before anything imports huggingface_hub
 
 offline_by_default()  # loads never download; `models` goes online for the request the user makes
@@ -32,8 +38,6 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     # prog: the frozen app runs these commands as `kvscope generate ...` (app/main.py).
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    from engine.cli import physics as cli_physics
-
     cli_physics.add_commands(sub)
 
     g = sub.add_parser("generate", help="one reply to one prompt")
@@ -65,6 +69,13 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
     add_model_args(b)
     b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a synthetic prompt of N tokens (llama-bench's -p N) instead of the chat prompt",
+    )
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument(
@@ -81,14 +92,8 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
     b.add_argument("--json", action="store_true")
 
-    from engine.cli import quant as cli_quant
-
     cli_quant.add_commands(sub)
-    from engine.cli import models as cli_models
-
     cli_models.add_commands(sub)
-    from engine.cli import serve as cli_serve
-
     cli_serve.add_command(sub)
     return parser
 
@@ -102,40 +107,33 @@ def command_names() -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     args = build_parser(prog).parse_args(argv)
-    from engine.config import ConfigError
-    from engine.model.errors import ModelLoadError
 
     try:
         _name_the_gguf_file(args)
-        from engine.cli import physics as cli_physics
-
         if args.command in cli_physics.COMMANDS:
             return cli_physics.run(args)
         if args.command == "generate":
+            # torch and the model code: imported by the command that runs, not by `--help`
             from engine.cli.generate import run_generate
 
             return run_generate(args)
         if args.command == "chat":
+            # torch and the model code: imported by the command that runs, not by `--help`
             from engine.cli.generate import run_chat
 
             return run_chat(args)
         if args.command == "inspect-model":
             return run_inspect(args)
         if args.command == "bench":
-            from engine.measure.bench import run_bench
+            # torch and the model code: imported by the command that runs, not by `--help`
+            from engine.bench.bench import run_bench
 
             return run_bench(args)
         if args.command == "models":
-            from engine.cli import models as cli_models
-
             return cli_models.run(args)
         if args.command == "serve":
-            from engine.cli import serve as cli_serve
-
             return cli_serve.run(args)
         if args.command == "quant-report":
-            from engine.cli import quant as cli_quant
-
             return cli_quant.run(args)
     except (ConfigError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -148,6 +146,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
 
 def _name_the_gguf_file(args: argparse.Namespace) -> None:
     """`--model REPO --gguf-file FILE` (or inspect-model's source) becomes the source `REPO:FILE`."""
+    # the model floor (huggingface_hub behind it): not imported by `--help`
     from engine.model.sources import with_gguf_file
 
     gguf_file = getattr(args, "gguf_file", None)
@@ -157,6 +156,7 @@ def _name_the_gguf_file(args: argparse.Namespace) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.model.inspect import inspect_model
 
     report = inspect_model(args.source, dtype=args.dtype, context=args.context, budget_gib=args.budget_gib)

@@ -10,7 +10,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.hub.cache import delete_cached, list_cached
+from engine.hub.download import download_files
 from engine.hub.online import HubError
+from engine.hub.search import search_models
+from engine.model.local_models import gpt4all_models, lmstudio_models, ollama_models
 
 if TYPE_CHECKING:
     from engine.hub.download import DownloadProgress
@@ -80,8 +84,6 @@ def _print_json(value: object) -> None:
 
 # ---- search ---------------------------------------------------------------------------------
 def _search(args: argparse.Namespace) -> int:
-    from engine.hub.search import search_models
-
     hits = search_models(args.query, limit=args.limit, sort=args.sort)
     if args.json:
         _print_json([h.as_dict() for h in hits])
@@ -102,6 +104,7 @@ def _search(args: argparse.Namespace) -> int:
 
 # ---- files ----------------------------------------------------------------------------------
 def _files(args: argparse.Namespace) -> int:
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.hub.files import repo_files
 
     files = repo_files(args.repo, dtype=args.dtype, context=args.context, budget_gib=args.budget_gib)
@@ -172,7 +175,7 @@ class _Bar:
 
 
 def _download(args: argparse.Namespace) -> int:
-    from engine.hub.download import download_files
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.hub.files import repo_files
 
     choice = _pick(repo_files(args.repo), args)
@@ -210,9 +213,6 @@ def _download(args: argparse.Namespace) -> int:
 
 # ---- list / delete --------------------------------------------------------------------------
 def _list(args: argparse.Namespace) -> int:
-    from engine.hub.cache import list_cached
-    from engine.model.local_models import gpt4all_models, lmstudio_models, ollama_models
-
     cached = list_cached()
     others = lmstudio_models() + gpt4all_models() + ollama_models()
     if args.json:
@@ -239,8 +239,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from engine.hub.cache import delete_cached
-
     freed = delete_cached(args.repo)
     if args.json:
         _print_json({"repo_id": args.repo, "freed_bytes": freed})

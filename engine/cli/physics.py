@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 from engine.cli.args import add_model_args
+from engine.config import ConfigError, ModelSpec
+from engine.units import si
 
 COMMANDS = ("roofline", "sweep")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -90,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_roofline(args: argparse.Namespace) -> int:
-    from engine.config import ModelSpec
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.bench.sweep import measure_roofline_points
     from engine.measure.device_limits import load_or_measure
-    from engine.measure.sweep import measure_roofline_points
     from engine.model.loading import load_model
 
     loaded = load_model(ModelSpec(args.model, dtype=args.dtype, device=args.device))
@@ -125,8 +127,8 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from engine.config import ConfigError
-    from engine.measure.sweep import compare_dtypes
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.bench.sweep import compare_dtypes
 
     if args.repeats < 1 or args.decode_tokens < 1:
         raise ConfigError("--repeats and --decode-tokens must be at least 1")
@@ -150,8 +152,8 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_attention_kernels(args: argparse.Namespace) -> int:
-    from engine.config import ModelSpec
-    from engine.measure.attention_kernels import compare_attention_kernels
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.bench.attention_kernels import compare_attention_kernels
     from engine.model.loading import load_model
 
     loaded = load_model(ModelSpec(args.model, dtype=args.dtypes[0], device=args.device))
@@ -160,7 +162,6 @@ def run_attention_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    from engine.units import si
 
     print(
         f"{report['model']}: {report['heads']} heads x {report['layers']} layers; peak memory: {report['peak_memory_source']}"
@@ -177,8 +178,6 @@ def run_attention_kernels(args: argparse.Namespace) -> int:
 
 
 def _print_roofline(r: dict[str, Any]) -> None:
-    from engine.units import si
-
     lim = r["device_limits"]
     print(
         f"{r['model']} {r['dtype']} on {lim['device_name']}; each point the fastest of {r['rounds']} rounds"

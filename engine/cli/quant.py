@@ -15,11 +15,17 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
+from engine.cli.args import add_model_args
+from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.errors import ModelLoadError
+from engine.events import RequestFailed, RequestFinished
+from engine.request import Request
+
 if TYPE_CHECKING:
     from engine.events import Event, RequestFinished
-    from engine.measure.quality import QualityReport
     from engine.model.loaded import LoadedModel
     from engine.quant.schemes import SchemeStatus
+    from engine.results import QualityReport
 
 Row = dict[str, Any]  # one scheme's JSON-ready figures
 
@@ -28,8 +34,6 @@ REPORT_PROMPT = "Give three practical tips for keeping a houseplant alive, one s
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from engine.cli.args import add_model_args
-
     q = sub.add_parser("quant-report", help="memory, speed and quality of each quantization scheme")
     add_model_args(q)
     q.add_argument("--schemes", default=None, metavar="LIST", help="comma-separated (default: all)")
@@ -41,8 +45,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import ConfigError
-    from engine.model.checks import resolve_device
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.measure.device import resolve_device
     from engine.quant.schemes import scheme_statuses
 
     # --list explains a device that is not usable here (every scheme says why) instead of refusing it
@@ -52,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return _print_list(statuses, args.json)
     if args.new_tokens < 2 or args.rounds < 1:
         raise ConfigError("--new-tokens must be >= 2 and --rounds >= 1")
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.model.sources import resolve_source
 
     names = _chosen(args.schemes, statuses, resolve_source(args.model).gguf is not None)
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 def _chosen(schemes: str | None, statuses: list[SchemeStatus], is_gguf: bool) -> list[str]:
     """Requested names, checked: an unknown or unavailable scheme is an error, not skipped. By
     default every scheme that applies ('native' only to a GGUF source)."""
+    # gguf: only once a GGUF file is read
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.model.gguf_native import NATIVE
     from engine.quant.schemes import NONE, QuantizationError, get_scheme
 
@@ -95,17 +102,19 @@ def _print_list(statuses: list[SchemeStatus], as_json: bool) -> int:
 
 
 def build_report(args: argparse.Namespace, names: list[str], statuses: list[SchemeStatus]) -> dict[str, Any]:
+    # torch and the model code: imported by the command that runs, not by `--help`
     import torch
 
-    from engine.config import ModelSpec
-    from engine.measure.quality import (
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.bench.quality import (
         compare_logits,
         eval_token_ids,
         layer_output_errors,
-        teacher_forced_logits,
     )
-    from engine.model.errors import ModelLoadError
+
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.model.loading import load_model
+    from engine.model.logits import teacher_forced_logits
 
     status = {s.name: s for s in statuses}
 
@@ -191,8 +200,9 @@ def _reply_top1_agreement(
     """Greedy replies part ways at the first near-tie and are incomparable after it. This asks
     instead, at every position of the reference reply (same context for both): would the
     scheme have picked the reference's token?"""
-    from engine.measure.quality import compare_logits, teacher_forced_logits
-    from engine.request import Request
+    # torch and the model code: imported by the command that runs, not by `--help`
+    from engine.bench.quality import compare_logits
+    from engine.model.logits import teacher_forced_logits
 
     reference_engine = runs[0][1].engine
     prompt = reference_engine.prompt_ids(Request.chat(REPORT_PROMPT))
@@ -207,6 +217,7 @@ def _reply_top1_agreement(
 def _fill_load_and_quality(
     row: Row, loaded: LoadedModel, reference: LoadedModel, quality: QualityReport
 ) -> None:
+    # torch and the model code: imported by the command that runs, not by `--help`
     from engine.quant.base import quantized_layer_count
     from engine.quant.schemes import quantization_of
 
@@ -228,7 +239,7 @@ class _SpeedRun:
     first token, decode speed from the gaps between the tokens that follow."""
 
     def __init__(self, loaded: LoadedModel, args: argparse.Namespace):
-        from engine.config import EngineConfig, ModelSpec
+        # torch and the model code: imported by the command that runs, not by `--help`
         from engine.core.llm_engine import LLMEngine
 
         self.events: list[Event] = []
@@ -246,10 +257,6 @@ class _SpeedRun:
         self._request(2)  # warm-up: first-call allocations, lazy imports
 
     def _request(self, new_tokens: int) -> RequestFinished:
-        from engine.config import SamplingParams
-        from engine.events import RequestFailed, RequestFinished
-        from engine.request import Request
-
         self.events.clear()
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         self.engine.add_request(Request.chat(REPORT_PROMPT, sampling=params))
@@ -267,7 +274,8 @@ class _SpeedRun:
         self.output_ids, self.text = list(reply.token_ids), reply.text
 
     def fill(self, row: Row, reference_ids: list[int] | None) -> None:
-        from engine.measure.quality import greedy_agreement
+        # torch and the model code: imported by the command that runs, not by `--help`
+        from engine.bench.quality import greedy_agreement
 
         row["prefill_tok_s"] = statistics.median(self.prefill_tok_s)
         row["decode_tok_s"] = statistics.median(self.decode_tok_s)

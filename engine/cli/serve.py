@@ -7,6 +7,7 @@ nothing; then loads, prints where it listens, and serves until Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -40,8 +41,6 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import uvicorn  # noqa: F401 - fail here, before loading, if the server's packages are missing
 
     from engine.serve.bridge import EngineBridge

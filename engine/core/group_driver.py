@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 
 from engine.config import SamplingParams
 from engine.core.beam_search import BeamSearch, Hypothesis, StepResult
 from engine.core.scheduler import Scheduler
-from engine.core.seq_group import SequenceGroup
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceGroup
 from engine.core.stats import request_stats
-from engine.core.text import TokenText
 from engine.events import (
     BeamStep,
     Event,
@@ -33,7 +30,9 @@ from engine.events import (
     SequenceResult,
 )
 from engine.kv.manager import KVCacheManager
+from engine.limits import Limits
 from engine.sampling.sampler import Sampler
+from engine.text.token_text import TokenText
 
 # Forked sequences get ids from here up, so they never equal a request id (the service counts
 # from 1, direct engine callers from 1_000_000).
@@ -42,16 +41,6 @@ FORK_SEQ_ID_BASE = 1 << 40
 
 class GroupError(ValueError):
     """A group request this engine cannot run; the message is for the user."""
-
-
-@dataclass(frozen=True, slots=True)
-class GroupLimits:
-    """What a group request must fit in (from the engine's config)."""
-
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    speculative: bool
 
 
 class GroupDriver:
@@ -66,7 +55,7 @@ class GroupDriver:
         scheduler: Scheduler,
         seqs: dict[int, Sequence],
         text: TokenText,
-        limits: GroupLimits,
+        limits: Limits,
     ):
         self.emit, self.kv, self.scheduler, self.seqs = emit, kv, scheduler, seqs
         self.text, self.limits = text, limits
@@ -75,20 +64,9 @@ class GroupDriver:
 
     # ---- start -----------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
-        limits = self.limits
-        what = f"beam search with {params.num_beams} beams" if params.beam_search else f"n={params.n} samples"
-        if limits.speculative:
-            raise GroupError(f"{what} cannot run with speculative decoding: turn one of them off.")
-        if params.group_size > limits.max_num_seqs:
-            raise GroupError(
-                f"{what} run {params.group_size} sequences at once, but the engine runs at most "
-                f"{limits.max_num_seqs} (max_num_seqs): ask for fewer or raise it."
-            )
-        if params.beam_search and params.num_beams > limits.max_num_batched_tokens:
-            raise GroupError(
-                f"{what} need {params.num_beams} tokens per step, more than the step budget "
-                f"({limits.max_num_batched_tokens}, max_num_batched_tokens)."
-            )
+        problem = self.limits.group_refusal(params)
+        if problem is not None:
+            raise GroupError(problem)
 
     def start(self, seq: Sequence) -> SequenceGroup:
         params = seq.params
@@ -161,7 +139,7 @@ class GroupDriver:
         )
         if len(members) == 1:
             log_probs = log_probs.expand(k, -1)  # step 0: every beam is the prompt
-        capped = members[0].num_tokens + 1 >= self.limits.max_model_len
+        capped = members[0].num_tokens + 1 >= self.limits.context_window
         result = group.search.step(log_probs, length_capped=capped)
         slots = members if len(members) == k else members * k
         now = time.perf_counter()

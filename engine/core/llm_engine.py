@@ -14,20 +14,20 @@ directly. A step has three parts, as in nano-vllm and vLLM:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from engine.config import ConfigError, EngineConfig
-from engine.core.group_driver import GroupDriver, GroupError, GroupLimits
+from engine.config import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_MODEL_LEN, ConfigError, EngineConfig
+from engine.core.group_driver import GroupDriver, GroupError
 from engine.core.postprocess import Postprocessor
 from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import request_stats
-from engine.core.text import TokenText, eos_ids_of
 from engine.events import (
     Event,
     KVStats,
     MemorySample,
+    RequestEnd,
     RequestFailed,
     RequestFinished,
     RequestStarted,
@@ -36,20 +36,16 @@ from engine.events import (
 from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
-from engine.kv.storage import PagedKVStorage
+from engine.limits import Limits
 from engine.measure.memory import probe_memory
 from engine.measure.roofline import step_cost
-from engine.model import chat_template
+from engine.model.kv_storage import PagedKVStorage
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import Proposer, make_proposer
-
-# Without an explicit size the KV pool gets this much memory: room for several thousand tokens
-# of a small model, and few enough blocks that every one is visible in the page map.
-DEFAULT_KV_BUDGET_BYTES = 256 * 2**20
-# Context cap when the model's own is larger and nothing else is configured.
-DEFAULT_MAX_MODEL_LEN = 8192
+from engine.text import chat_template
+from engine.text.token_text import TokenText, eos_ids_of
 
 
 class RequestError(ValueError):
@@ -62,7 +58,10 @@ class LLMEngine:
     ):
         self.loaded = loaded
         self.config = config
-        self.emit: Callable[[Event], None] = emit or (lambda event: None)
+        # Where events go. Everything inside emits through `self.emit`, which hands each event
+        # here: replace it to time or filter every event of the engine (engine bench does).
+        self.sink: Callable[[Event], None] = emit or (lambda event: None)
+        self._ends: dict[int, RequestEnd] | None = None  # while `run` waits for its requests
         info = loaded.info
         self.tokenizer = loaded.tokenizer
         bs = config.block_size
@@ -98,26 +97,72 @@ class LLMEngine:
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
-        self.proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
+        self._proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
         )
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
         self.eos_ids = self.text.eos_ids
-        limits = GroupLimits(
+        self.limits = Limits(
             self.max_model_len,
+            num_blocks,
+            bs,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.speculative is not None,
         )
-        self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, limits)
-        self.post = Postprocessor(self)
+        self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
+        self.post = Postprocessor(
+            self.kv,
+            self.groups,
+            self.text,
+            self.emit,
+            self.finish,
+            self.max_model_len,
+            self._proposer,
+            config.speculative,
+        )
         self.step_count = 0
         self.peak_blocks_used = 0
         self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
 
+    @property
+    def proposer(self) -> Proposer | None:
+        """Who drafts tokens (None: speculation is off); tests and benchmarks may swap it."""
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self._proposer = self.post.proposer = proposer
+
+    def emit(self, event: Event) -> None:
+        if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):
+            self._ends[event.request_id] = event
+        self.sink(event)
+
     # ---- requests --------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request], *, interruptible: bool = False) -> list[RequestEnd]:
+        """Add `requests` and step until the engine has no work left: each request's end
+        (RequestFinished or RequestFailed), in the order given. The one way to run an engine to
+        the end (the CLI, the benchmarks, the measurements). `interruptible`: Ctrl-C cancels the
+        requests instead of unwinding, and each keeps what it generated (the CLI's replies)."""
+        ends: dict[int, RequestEnd] = {}
+        self._ends = ends
+        try:
+            ids = [self.add_request(request) for request in requests]
+            try:
+                while self.has_work():
+                    self.step()
+            except KeyboardInterrupt:
+                if not interruptible:
+                    raise
+                for request_id in ids:
+                    self.abort(request_id)
+        finally:
+            self._ends = None
+        return [ends[request_id] for request_id in ids]
+
     def add_request(self, request: Request, request_id: int | None = None) -> int:
         if request_id is None:
             request_id, self._next_id = self._next_id, self._next_id + 1
@@ -143,19 +188,9 @@ class LLMEngine:
 
     def _make_sequence(self, request: Request, request_id: int) -> Sequence:
         ids = self.prompt_ids(request)
-        if not ids:
-            raise RequestError("The prompt is empty.")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"The prompt is {len(ids)} tokens but the context holds {self.max_model_len}: "
-                "shorten the message or start a new conversation."
-            )
-        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size
-        if len(ids) + 1 > pool_tokens:
-            raise RequestError(
-                f"The prompt needs {len(ids) + 1} KV slots but the whole KV pool holds {pool_tokens} "
-                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}): raise the KV budget."
-            )
+        refusal = self.limits.refusal(len(ids))
+        if refusal is not None:
+            raise RequestError(refusal.message)
         params = request.sampling
         if params.group_size > 1:
             self.groups.check(params)
@@ -224,7 +259,7 @@ class LLMEngine:
         t_forward = time.perf_counter()
         result = self._forward(batch)
         t_post = time.perf_counter()
-        self.post.run(batch, result)
+        self.post.run(batch, result, self.step_count)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         t_end = time.perf_counter()
         self.step_count += 1

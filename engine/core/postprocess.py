@@ -12,27 +12,47 @@ handler of its kind, and stream what they choose.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from engine.config import SpeculativeConfig
+from engine.core.group_driver import GroupDriver
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.events import SpecRound, TokenGenerated
+from engine.events import Event, SpecRound, TokenGenerated
+from engine.kv.manager import KVCacheManager
 from engine.sampling.sampler import SampleResult
+from engine.speculative.proposers import Proposer
 from engine.speculative.verify import Verdict, verify
-
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+from engine.text.token_text import TokenText
 
 
 class Postprocessor:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    """Works through the engine's collaborators: the KV manager (commits), the group driver
+    (forks, beams, a sample's end), the tokenizer's text, the event sink, `finish` for a plain
+    request's end, and the speculative proposer with its config (None when speculation is off)."""
 
-    def run(self, batch: ScheduledBatch, result: ForwardResult) -> None:
-        engine, logits = self.engine, result.logits
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        groups: GroupDriver,
+        text: TokenText,
+        emit: Callable[[Event], None],
+        finish: Callable[[Sequence, str], None],
+        max_model_len: int,
+        proposer: Proposer | None,
+        speculative: SpeculativeConfig | None,
+    ):
+        self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
+        self.max_model_len = max_model_len
+        self.proposer, self.speculative = proposer, speculative
+        self.step_count = 0  # the step being postprocessed (run() sets it)
+
+    def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
+        self.step_count = step
+        logits = result.logits
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
         for seq in batch.seqs:
@@ -41,7 +61,7 @@ class Postprocessor:
                 verdicts[seq.seq_id] = self._verify(seq, logits[row[0] : row[0] + row[1]])
         for seq, n in zip(batch.seqs, batch.num_tokens):
             verdict = verdicts.get(seq.seq_id)
-            engine.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
+            self.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
         beam_rows: dict[int, dict[int, int]] = {}
         for seq in batch.seqs:
             if seq.seq_id not in rows:
@@ -55,12 +75,12 @@ class Postprocessor:
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
             elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
-                for member in engine.groups.fork_samples(seq.group):
+                for member in self.groups.fork_samples(seq.group):
                     self.sample(member, logits[start])
             else:
                 self.sample(seq, logits[start])
         for request_id, seq_rows in beam_rows.items():
-            engine.groups.beam_step(engine.groups.active[request_id], seq_rows, logits, engine.step_count)
+            self.groups.beam_step(self.groups.active[request_id], seq_rows, logits, step)
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -69,30 +89,29 @@ class Postprocessor:
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
-        engine = self.engine
         now = time.perf_counter()
         token = result.token_id
         seq.token_ids.append(token)
         seq.token_times.append(now)
         seq.cumulative_logprob += result.logprob
         if seq.group is not None:
-            seq.group.mark_token_step(engine.step_count, now)
-        is_eos = engine.text.stops(token, seq.params.ignore_eos)
+            seq.group.mark_token_step(self.step_count, now)
+        is_eos = self.text.stops(token, seq.params.ignore_eos)
         delta = "" if is_eos else seq.detokenizer.push(token)
         if is_eos or seq.detokenizer.stopped:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= engine.max_model_len:
+        elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         else:
             reason = None
         if reason is not None:
             delta += seq.detokenizer.flush()  # text held back for a possible stop string
-        engine.emit(
+        self.emit(
             TokenGenerated(
                 seq.group.request_id if seq.group is not None else seq.seq_id,
                 seq.num_output_tokens - 1,
                 token,
-                engine.text.text(token),
+                self.text.text(token),
                 delta,
                 result.logprob,
                 result.snapshot,
@@ -104,9 +123,9 @@ class Postprocessor:
         )
         if reason is not None:
             if seq.group is not None:
-                engine.groups.end_sample(seq, reason)
+                self.groups.end_sample(seq, reason)
             else:
-                engine.finish(seq, reason)
+                self.finish(seq, reason)
         return reason is not None
 
     # ---- speculative ---------------------------------------------------------------------
@@ -121,8 +140,7 @@ class Postprocessor:
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
     def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
-        engine = self.engine
-        proposer, spec = engine.proposer, engine.config.speculative
+        proposer, spec = self.proposer, self.speculative
         assert proposer is not None and spec is not None
         drafts = seq.token_ids[-seq.num_draft_tokens :]
         seq.drop_drafts(0)
@@ -140,7 +158,7 @@ class Postprocessor:
                 counts[j] += 1
         if spec.adaptive:
             seq.draft_k = min(spec.num_draft, verdict.accepted + 1)
-        engine.emit(
+        self.emit(
             SpecRound(
                 seq.seq_id,
                 seq.spec_rounds,

@@ -3,9 +3,9 @@ cache, logits for the rows that need them, and what ran (kernels, weight bytes).
 
 The packed rows are ordered decode first (one row per decoding sequence), then prefill chunks, so
 each kind of row reaches its kernel in one segment (engine.kernels.policy: every sequence's rows
-take the kernel for its own row count). Two executors: kvscope's own Llama-family forward
-(engine/model/llama_forward.py) where it applies, transformers' modeling code otherwise; both
-read and write the same pool through the same attention.
+take the kernel for its own row count). Two executors: kvscope's own forward for the Llama-shaped
+families (engine/model/llama_forward.py) where it applies, transformers' modeling code otherwise;
+both read and write the same pool through the same attention.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.kernels.policy import KernelPolicy, StepRecord
-from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
 from engine.kv.manager import KVCacheManager
-from engine.kv.storage import PagedKVStorage, block_index
-from engine.model.llama_forward import LlamaForward, unsupported_reason
+from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
+from engine.model.llama_forward import EXECUTOR, LlamaForward, ResidualObserver, unsupported_reason
+from engine.model.paged_attention import PagedBatch, PagedCache, paged_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -48,19 +48,29 @@ class ModelRunner:
         self.device = device
         self.policy = policy
         self._cache = PagedCache()
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(model, storage.layers)
         if reason is None and storage.layers is None:
             reason = "no attention probe for its layers"  # a hand-built storage: the generic path
-        windows = tuple(layer.window for layer in storage.layers) if storage.layers is not None else ()
-        self.own_forward = LlamaForward(model, windows) if reason is None else None
+        self.own_forward = LlamaForward(model, storage.layers) if reason is None else None
         # which forward runs, and why the fast one does not (ModelInfo.notes says the same)
-        self.executor = "kvscope Llama-family forward" if reason is None else f"transformers ({reason})"
+        self.executor = EXECUTOR if reason is None else f"transformers' ({reason})"
 
     def forward(
-        self, seqs: list[Sequence], num_tokens: list[int], logit_counts: dict[int, int]
+        self,
+        seqs: list[Sequence],
+        num_tokens: list[int],
+        logit_counts: dict[int, int],
+        observer: ResidualObserver | None = None,
     ) -> ForwardResult:
         """Run the batch. `logit_counts[seq_id]` = how many of that sequence's last rows need
-        logits (1 to sample, 1 + drafts to verify a speculative round; absent: none)."""
+        logits (1 to sample, 1 + drafts to verify a speculative round; absent: none).
+        `observer(stage, hidden)`: the residual stream of those same rows (in ForwardResult.rows'
+        order) after the embedding (stage 0) and after each layer (engine/model/llama_forward.py);
+        kvscope's own forward only."""
+        if observer is not None and self.own_forward is None:
+            raise ValueError(
+                f"observing the residual stream needs kvscope's own forward; this model runs {self.executor}"
+            )
         order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)  # decode rows first
         seqs = [seqs[i] for i in order]
         num_tokens = [num_tokens[i] for i in order]
@@ -93,7 +103,7 @@ class ModelRunner:
         keep_rows = long_tensor(keep)
         with torch.inference_mode(), self.policy.step(num_tokens) as record:
             if self.own_forward is not None:
-                logits = self.own_forward(input_ids, position_ids, batch, keep_rows)
+                logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer)
             else:
                 logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
         return ForwardResult(logits.float(), rows, record)

@@ -1,8 +1,11 @@
-"""The engine on its own thread: load, then serve submitted requests until shut down.
+"""The engine on its own thread: load, then serve submitted requests until shut down. The local
+implementation of engine.api's EngineClient.
 
 All public methods are safe to call from any thread. Events go to `sink`, a callable that must
 not block (the app's EventStore.push, a queue.put, a list.append). The engine never waits for
-the consumer.
+the consumer. Every question (a prompt's count, the limits, a what-if, a measurement) is a named
+method whose answer comes in a Future: it runs on the engine thread between two steps
+(engine.core.queries), the only thread that touches the model, the tokenizer and the pool.
 """
 
 from __future__ import annotations
@@ -12,19 +15,32 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.config import EngineConfig
-from engine.events import EngineError, Event, ModelInfo, ModelLoaded, ModelLoadFailed, ModelLoading
+from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.errors import describe_load_error
+from engine.events import (
+    EngineError,
+    Event,
+    ModelInfo,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelLoading,
+    RequestEnd,
+    RequestFailed,
+    RequestFinished,
+    TokenSnapshot,
+)
+from engine.limits import ContextFit, Limits
+from engine.request import ChatMessage, Request
+from engine.results import DeviceLimits, DeviceStatus, SpeedupResult, Tokens
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from engine.core.llm_engine import LLMEngine
+    from engine.core.what_if import WhatIf
     from engine.model.loaded import LoadedModel
-    from engine.request import Request
 
 T = TypeVar("T")
 
@@ -49,9 +65,12 @@ class Engine:
         self._ready = threading.Event()
         self._core: LLMEngine | None = None
         self.info: ModelInfo | None = None
-        self.load_error: str | None = None
-        self._closing = threading.Lock()  # `call` vs the loop's end: a call is run or failed, never lost
+        self._load_error: str | None = None
+        self._closing = threading.Lock()  # `_call` vs the loop's end: a call is run or failed, never lost
         self._closed = False
+        self._what_if: WhatIf | None = None  # engine thread: keeps the last what-if's logits
+        self._runs: list[tuple[dict[int, RequestEnd | None], Future[list[RequestEnd]]]] = []
+        self._runs_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -60,14 +79,20 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
         self._thread.start()
 
-    def wait_until_loaded(self, timeout: float | None = None) -> ModelInfo | None:
-        """Block until the model is loaded (returns its info) or failed to load (returns None)."""
+    def wait_until_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (True) or failed to load, or `timeout` passed (False)."""
         self._ready.wait(timeout)
-        return self.info
+        return self.info is not None
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase | None:
-        return self._loaded.tokenizer if self._loaded is not None else None
+    def load_error(self) -> str | None:
+        """Why loading failed, in one line (None while loading, or once loaded)."""
+        return self._load_error
+
+    @property
+    def events(self) -> Callable[[Event], None]:
+        """Where the engine's events go, in order: the sink it was made with."""
+        return self._sink
 
     @property
     def core(self) -> LLMEngine | None:
@@ -94,11 +119,92 @@ class Engine:
     def cancel(self, request_id: int) -> None:
         self._commands.put(("cancel", request_id))
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+    def run(self, requests: Sequence[Request]) -> Future[list[RequestEnd]]:
+        """Submit `requests`; the Future holds each one's end, in order, once all have ended
+        (their events go to the sink as every request's do)."""
+        future: Future[list[RequestEnd]] = Future()
+        if not requests:
+            future.set_result([])
+            return future
+        ends: dict[int, RequestEnd | None] = {}
+        with self._runs_lock:  # registered before any can end: the engine thread waits for the lock
+            self._runs.append((ends, future))
+            for request in requests:
+                ends[self.submit(request)] = None
+        return future
+
+    # ---- questions, answered on the engine thread between two steps -------------------------
+    def count_prompt(self, request: Request) -> Future[int]:
+        from engine.core import queries  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: queries.count_prompt(core, request))
+
+    def limits(self) -> Future[Limits]:
+        return self._call(lambda core: core.limits)
+
+    def fit_context(
+        self,
+        head: Sequence[ChatMessage],
+        history: Sequence[ChatMessage],
+        tail: Sequence[ChatMessage],
+        max_new_tokens: int,
+        policy: str,
+        prefix_ids: Sequence[int] = (),
+        tail_is_new: bool = True,
+    ) -> Future[ContextFit]:
+        from engine.core import queries  # torch: imported with the engine, on its thread
+
+        return self._call(
+            lambda core: queries.fit_context(
+                core, head, history, tail, max_new_tokens, policy, prefix_ids, tail_is_new
+            )
+        )
+
+    def decode(self, token_ids: Sequence[int], after: Sequence[int] = ()) -> Future[str]:
+        return self._call(lambda core: core.text.decode_after(after, token_ids))
+
+    def tokens_of(self, pieces: Sequence[str | int]) -> Future[list[Tokens]]:
+        return self._call(lambda core: core.text.tokens_of(pieces))
+
+    def device(self) -> Future[DeviceStatus]:
+        from engine.core import queries  # torch: imported with the engine, on its thread
+
+        return self._call(queries.device)
+
+    def device_limits(self, refresh: bool = False) -> Future[DeviceLimits]:
+        from engine.core import queries  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: queries.device_limits(core, refresh))
+
+    def what_if(
+        self, request: Request, output_ids: Sequence[int], recorded: TokenSnapshot, params: SamplingParams
+    ) -> Future[TokenSnapshot]:
+        from engine.core.what_if import WhatIf  # torch: imported with the engine, on its thread
+
+        def recompute(core: LLMEngine) -> TokenSnapshot:
+            if self._what_if is None:
+                self._what_if = WhatIf()
+            return self._what_if.recompute(core, request, output_ids, recorded, params)
+
+        return self._call(recompute)
+
+    def measure_speedup(
+        self, request: Request, speculative: SpeculativeConfig, progress: Callable[[str], None]
+    ) -> Future[SpeedupResult]:
+        from engine.core.speedup import measure_speedup  # torch: imported with the engine, on its thread
+
+        return self._call(
+            lambda core: measure_speedup(core.loaded, core.config, speculative, request, progress)
+        )
+
+    def loaded_model(self) -> Future[LoadedModel]:
+        return self._call(lambda core: core.loaded)
+
+    def _call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run `fn(llm_engine)` on the engine thread between two steps; its result (or exception)
-        arrives in the returned Future. How the GUI asks the engine anything (count tokens,
-        recompute a token's logits, read a figure) without touching its state from another
-        thread. Before the model is loaded, or after it failed, the Future fails."""
+        arrives in the returned Future. How every question above is asked without touching the
+        engine's state from another thread; private to the engine (its server's bridge uses it).
+        Before the model is loaded, or after it failed, the Future fails."""
         future: Future[T] = Future()
         with self._closing:
             if self._closed:
@@ -108,17 +214,23 @@ class Engine:
         return future
 
     def _closed_reason(self) -> str:
-        if self.load_error:
-            return f"the model did not load: {self.load_error}"
+        if self._load_error:
+            return f"the model did not load: {self._load_error}"
         return "the engine has stopped"
 
     def _close(self) -> None:
-        """The loop has ended: no command will run again. Calls still queued fail at once."""
+        """The loop has ended: no command will run again. Calls still queued fail at once, and
+        so do runs still waiting for their requests' ends."""
+        # the model floor, imported by the engine thread's own functions (as _load does)
         from engine.model import runtime_memory
 
         runtime_memory.engine_released()
         with self._closing:
             self._closed = True
+        with self._runs_lock:
+            runs, self._runs = self._runs, []
+        for _, future in runs:
+            future.set_exception(RuntimeError(self._closed_reason()))
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
@@ -131,15 +243,26 @@ class Engine:
     def _emit(self, event: Event) -> None:
         with contextlib.suppress(Exception):  # a broken consumer must not kill inference
             self._sink(event)
+        if self._runs and isinstance(event, (RequestFinished, RequestFailed)):
+            self._ended(event)
+
+    def _ended(self, end: RequestEnd) -> None:
+        """A request of a `run` ended: its Future completes once all of the run's have."""
+        with self._runs_lock:
+            for ends, future in list(self._runs):
+                if end.request_id in ends:
+                    ends[end.request_id] = end
+                    done = [e for e in ends.values() if e is not None]
+                    if len(done) == len(ends):
+                        self._runs.remove((ends, future))
+                        future.set_result(done)
 
     def _run(self) -> None:
         try:
             self._load()
         except Exception as exc:  # noqa: BLE001 - every load failure becomes a message
-            from engine.model.errors import describe_load_error
-
-            self.load_error = describe_load_error(exc)
-            self._emit(ModelLoadFailed(self.load_error, time.perf_counter()))
+            self._load_error = describe_load_error(exc)
+            self._emit(ModelLoadFailed(self._load_error, time.perf_counter()))
             self._ready.set()
             self._close()
             return
@@ -151,6 +274,8 @@ class Engine:
             self._close()
 
     def _load(self) -> None:
+        # torch and transformers are imported here, on the engine thread: creating an Engine (the
+        # app's start, the server's argument checks) costs nothing, and the window draws meanwhile.
         from engine.core.llm_engine import LLMEngine
         from engine.model import runtime_memory
         from engine.model.loading import load_model

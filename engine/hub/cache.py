@@ -1,4 +1,5 @@
-"""The local Hugging Face cache: which models it holds, their size on disk, and deleting one.
+"""The local Hugging Face cache: which models it holds, their size on disk, and deleting one; and
+every model on this machine (the cache's, then the other apps' stores of engine.model.local_models).
 
 Read with huggingface_hub's `scan_cache_dir` (the same view as `hf cache scan`); partial
 downloads (`blobs/<etag>.incomplete`, see engine/hub/download.py) are counted apart, because they
@@ -7,12 +8,15 @@ are what a later download resumes. Needs no network.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.hub.online import HubError
+from engine.model.configs import causal_lm_problem
+from engine.model.local_models import LocalModel, app_models
 from engine.model.sources import hf_cache_dir
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ class CachedModel:
 
 
 def _scan() -> HFCacheInfo | None:
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -114,6 +119,7 @@ def cached_source(repo_id: str, revision: str, files: tuple[str, ...]) -> str | 
     """What to load when every one of `files` is complete in the cache at `revision` (the repo id,
     or the path of its one GGUF file, as a finished download names it), else None. Reads the
     cache's links only, no network."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import try_to_load_from_cache
 
     paths = []
@@ -124,3 +130,36 @@ def cached_source(repo_id: str, revision: str, files: tuple[str, ...]) -> str | 
         paths.append(found)
     ggufs = [p for p in paths if p.lower().endswith(".gguf")]
     return ggufs[0] if len(ggufs) == 1 else repo_id
+
+
+# ---- models on this machine ---------------------------------------------------------------------
+def hf_cache_models() -> list[LocalModel]:
+    """The cache's repos that load as a text model (a config and safetensors), and its GGUF files."""
+    try:
+        cached = list_cached()
+    except Exception:  # noqa: BLE001 - an unreadable cache lists nothing rather than failing the picker
+        return []
+    out = []
+    for repo in cached:
+        if "safetensors" in repo.weights and repo.source == repo.repo_id and _generates_text(Path(repo.path)):
+            out.append(LocalModel(repo.repo_id, repo.repo_id, "HF cache", repo.size_bytes))
+        for path in sorted(Path(repo.path).glob("snapshots/*/**/*.gguf")):
+            out.append(LocalModel(str(path), f"{repo.repo_id}/{path.name}", "HF cache", path.stat().st_size))
+    return out
+
+
+def _generates_text(repo_path: Path) -> bool:
+    """The repo's config.json describes a causal LM transformers can load (not BERT, not ViT...)."""
+    for config in sorted(repo_path.glob("snapshots/*/config.json")):
+        try:
+            raw = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and causal_lm_problem(raw) is None:
+            return True
+    return False
+
+
+def find_local_models() -> list[LocalModel]:
+    """Every model found on this machine, HF cache first."""
+    return hf_cache_models() + app_models()

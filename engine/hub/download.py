@@ -132,6 +132,7 @@ class _FileBar:
 
 
 def _repo_dir(repo_id: str) -> Path:
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
@@ -152,6 +153,7 @@ class _Plan:
 
 
 def _plan(repo_id: str, name: str, revision: str) -> _Plan:
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     meta = get_hf_file_metadata(
@@ -164,6 +166,7 @@ def _plan(repo_id: str, name: str, revision: str) -> _Plan:
 
 def _fetch_blob(repo_id: str, plan: _Plan, tally: _Tally) -> None:
     """The file's bytes into blobs/<etag>, resuming blobs/<etag>.incomplete."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub.utils import WeakFileLock
 
     blob, partial = plan.blob(repo_id), plan.partial(repo_id)
@@ -197,6 +200,7 @@ PROGRESS_CHUNK = 1 << 20
 
 
 def _get(plan: _Plan, partial: Path, resume: int, tally: _Tally) -> None:
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import constants
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
@@ -234,6 +238,7 @@ def download_files(
     cancel: threading.Event | None = None,
 ) -> DownloadResult:
     """Fetch `files` of `repo_id` (at its current revision) into the HF cache."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import constants, hf_hub_download
 
     if not files:

@@ -6,8 +6,9 @@ with them) and each GGUF quantization (Q4_K_M, Q8_0, ... read from the file name
 into parts is listed, but kvscope loads single files only). The estimate is inspect-model's
 (engine.model.inspect.memory_estimate): the weights as a load holds them (a GGUF's per tensor
 type from its header: engine.model.gguf_plan, kept at its bits on the CPU or dequantized to the
-chosen dtype) plus KV for the chosen context against the memory free now. The shapes come from config.json (fetched alone, a few KB)
-or, for a GGUF, from the file's header read over range requests.
+chosen dtype) plus KV for the chosen context against the memory free now, and the process beside
+the measured runtime. The shapes come from config.json (fetched alone, a few KB) or, for a GGUF,
+from the file's header read over range requests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from engine.hub.online import HubError, api, describe, hub_call
+from engine.config import AUTO, DTYPES
+from engine.errors import ModelLoadError
+from engine.hub.cache import cached_source
+from engine.hub.gguf_header import config_from_header, header_plan, read_header, remote_fetcher
+from engine.hub.online import HubError, api, describe, endpoint, hub_call, token
+from engine.model.configs import read_folder_config
+from engine.model.inspect import budget_bytes_for, keeps_own_bits, memory_estimate
+from engine.model.runtime_memory import runtime_estimate
+from engine.model.sources import ModelSource
+from engine.model.support import support_for
+from engine.shapes import ModelShapes
 
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ModelInfo
@@ -101,10 +112,8 @@ def group_weights(sizes: dict[str, int]) -> list[tuple[str, str, tuple[str, ...]
 
 def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     """The repo's config.json (downloaded alone into the HF cache) as a transformers config."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import hf_hub_download
-
-    from engine.hub.online import endpoint, token
-    from engine.model.configs import read_folder_config
 
     path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint(), token=token())
 
@@ -113,7 +122,6 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
 
 def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, GGUFHeader]:
     """The config a GGUF's header describes, and the header (its tensors' types and shapes)."""
-    from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
     return config_from_header(header, PurePosixPath(filename).name), header
@@ -126,9 +134,6 @@ def _estimate(
     budget: tuple[int, str],
     plan: GGUFPlan | None,
 ) -> dict[str, Any]:
-    from engine.model.inspect import memory_estimate
-    from engine.model.runtime_memory import runtime_estimate
-    from engine.model.shapes import ModelShapes
 
     estimate = memory_estimate(ModelShapes.from_config(config), dtype, context, budget, plan)
     estimate.update(runtime_estimate().as_dict(estimate["weight_bytes"] + estimate["kv_bytes_for_context"]))
@@ -139,13 +144,6 @@ def repo_files(
     repo_id: str, dtype: str = "bfloat16", context: int | None = 4096, budget_gib: float | None = None
 ) -> RepoFiles:
     """The repo's ways to load, each with its download size and the fit for this machine."""
-    from engine.config import AUTO, DTYPES
-    from engine.hub.cache import cached_source
-    from engine.hub.gguf_header import header_plan
-    from engine.model.errors import ModelLoadError
-    from engine.model.inspect import budget_bytes_for, keeps_own_bits
-    from engine.model.sources import ModelSource
-    from engine.model.support import support_for
 
     if dtype not in DTYPES:
         raise HubError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

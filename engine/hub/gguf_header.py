@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.hub.online import endpoint, token
+from engine.model.configs import gguf_metadata_config
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
@@ -144,6 +147,7 @@ def read_header(fetch: Callable[[int, int], bytes]) -> GGUFHeader:
 
 def header_plan(header: GGUFHeader, dtype: str, native: bool) -> GGUFPlan:
     """What a load of the file this header describes would hold (engine.model.gguf_plan)."""
+    # torch (the plan names the kernels' storages): only for an estimate, not for reading headers
     from engine.model.gguf_plan import entry_from_gguf, plan_entries
 
     entries = [
@@ -154,7 +158,6 @@ def header_plan(header: GGUFHeader, dtype: str, native: bool) -> GGUFPlan:
 
 def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:
     """The transformers config of a GGUF header (a ModelLoadError when it describes none)."""
-    from engine.model.configs import gguf_metadata_config
 
     fields = header.fields
     tokens = fields.get("tokenizer.ggml.tokens")
@@ -169,10 +172,9 @@ def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:
 
 def remote_fetcher(repo_id: str, filename: str, revision: str | None = None) -> Callable[[int, int], bytes]:
     """fetch(start, end) for a file on the Hub, through huggingface_hub's session and auth."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-    from engine.hub.online import endpoint, token
 
     url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint())
     headers = build_hf_headers(token=token())

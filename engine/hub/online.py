@@ -54,12 +54,14 @@ def endpoint() -> str:
 
 def token() -> str | None:
     """HF_TOKEN, else the token file `hf auth login` writes; None when neither."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import get_token
 
     return get_token()
 
 
 def api() -> HfApi:
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import HfApi
 
     return HfApi(endpoint=endpoint(), token=token())
@@ -75,6 +77,7 @@ def go_online() -> None:
     """Let huggingface_hub make requests (it checks its offline flag on every one)."""
     if user_wants_offline():
         raise HubError(OFFLINE_MESSAGE)
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import constants
 
     constants.HF_HUB_OFFLINE = False
@@ -88,6 +91,7 @@ def _first_line(exc: BaseException) -> str:
 
 def describe(exc: BaseException, repo_id: str | None = None) -> str:
     """The one line a Hub failure shows the user."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     import httpx2 as httpx
     from huggingface_hub import errors
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.hub.online import api, hub_call
+from engine.hub.online import HubError, api, hub_call
+from engine.model.support import support_for
 
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ExpandModelProperty_T, ModelInfo, ModelSort_T
@@ -80,8 +81,6 @@ def _weights(info: ModelInfo) -> tuple[int | None, int | None]:
 
 
 def _support(config: dict[str, Any] | None) -> tuple[str | None, bool | None, str]:
-    from engine.model.support import support_for
-
     if not config or not config.get("model_type"):
         return None, None, "no config on the Hub: decided when its files are listed"
 
@@ -125,7 +124,6 @@ def hit_of(info: ModelInfo) -> ModelHit:
 
 def search_models(query: str, limit: int = 20, sort: str = "downloads") -> list[ModelHit]:
     """Text-generation models whose name matches `query`, most downloaded (or liked...) first."""
-    from engine.hub.online import HubError
 
     sort_key = next((s for s in SORTS if s == sort), None)
     if sort_key is None:

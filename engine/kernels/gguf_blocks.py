@@ -22,6 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K as _Q4K
 
+from engine.kernels.weights import Int4GroupWeight, Q8BlockWeight
+
 if TYPE_CHECKING:
     from engine.kernels.weights import Int4GroupWeight, Q8BlockWeight
 
@@ -94,7 +96,6 @@ def decode_q8_0(blocks: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
 def int4_storage(
     blocks: np.ndarray, qtype: Q, cols: int, row_order: np.ndarray | None = None
 ) -> Int4GroupWeight:
-    from engine.kernels.weights import Int4GroupWeight
 
     codes, scale, offset = decode_int4(blocks, qtype, cols)
     if row_order is not None:
@@ -105,8 +106,6 @@ def int4_storage(
 
 
 def q8_storage(blocks: np.ndarray, cols: int, row_order: np.ndarray | None = None) -> Q8BlockWeight:
-    from engine.kernels.weights import Q8BlockWeight
-
     codes, scale = decode_q8_0(blocks, cols)
     if row_order is not None:
         codes, scale = codes[row_order], scale[row_order]

@@ -63,49 +63,72 @@ REFINED_CANDIDATES = 64
 
 
 class KernelHead(KernelLinear):
-    """An LM head over weights whose fast kernels round the activations (packed int8 blocks and
-    bfloat16 matmuls read the hidden state as bfloat16): the logits come from the fast kernel,
-    then each row's top REFINED_CANDIDATES are recomputed in float32 from the exact weights of
-    those rows alone. The argmax and the probabilities that matter are then those of the exact
-    head (the rounding flips near-ties otherwise: on SmolLM2's Q8_0 head, 2.7% of the eval
-    text's top-1 tokens); the tail keeps the fast kernel's values. The rows cost ~64 x hidden
-    multiply-adds: nothing next to the head's vocabulary x hidden.
+    """An LM head whose every logit the sampler, the probability panel and the server use.
 
-    `scout`, when given, is a cheaper copy of approximately the same weights that makes the pass
-    over the whole vocabulary, the exact storage recomputing the top candidates. A GGUF Q8_0 head
-    gets one (engine/model/gguf_native): its blocks' scales can only be applied block by block
-    (one int8 kernel call per 32 inputs), a per-row int8 requantization is one call. Measured on
-    SmolLM2's 49152 x 576 head, 2 threads: 1.57 -> 0.71 ms at one row, 8.1 -> 1.9 ms at eight, for
-    27 MiB more and a 1.2e-2 relative error on the logits outside the recomputed top candidates."""
+    Over a GGUF tensor (GGUFWeight) every logit is computed exactly: each weight decoded to float32
+    as gguf decodes it, times the float32 hidden state (kvk's float path): one copy of the head,
+    no activation rounding, no approximation anywhere in the vocabulary.
 
-    def __init__(
-        self,
-        storage: WeightStorage,
-        bias: torch.Tensor | None,
-        policy: KernelPolicy,
-        scout: WeightStorage | None = None,
-    ):
-        super().__init__(storage, bias, policy)
-        self.scout = scout
-
-    def storages(self) -> tuple[WeightStorage, ...]:
-        return (self.storage,) if self.scout is None else (self.storage, self.scout)
+    Over the other quantized storages (torch's packed int8/int4 kernels and bfloat16 matmuls read
+    the hidden state as bfloat16) the logits come from the fast kernel, then each row's top
+    REFINED_CANDIDATES are recomputed in float32 from the exact weights of those rows alone: the
+    argmax and the probabilities that matter are then the exact head's (the rounding flips
+    near-ties otherwise: on SmolLM2's Q8_0 head, 2.7% of the eval text's top-1 tokens); the tail
+    keeps the fast kernel's values. The rows cost ~64 x hidden multiply-adds."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self._through(self.scout or self.storage, x)
+        exact = getattr(self.storage, "exact_matmul", None)
+        if exact is not None:
+            flat = x.reshape(-1, self.in_features)
+            logits: torch.Tensor = exact(flat) if flat.shape[0] else flat.new_zeros((0, self.out_features))
+            if self.bias is not None:
+                logits = logits + self.bias
+            self.policy.record.add(self.storage, "exact")
+            return logits.reshape(*x.shape[:-1], self.out_features)
+        logits = self._through(self.storage, x)
         rows_of = getattr(self.storage, "rows", None)
-        exact_pass = self.scout is None and self.storage.kind == "dense-fp32"
-        if rows_of is None or logits.numel() == 0 or exact_pass:
+        if rows_of is None or logits.numel() == 0 or self.storage.kind == "dense-fp32":
             return logits
         flat = logits.reshape(-1, self.out_features)
         hidden = x.reshape(-1, self.in_features).float()
         top = flat.topk(min(REFINED_CANDIDATES, self.out_features), dim=-1).indices  # [R, K]
         weights = rows_of(top.reshape(-1), torch.float32).reshape(*top.shape, self.in_features)
-        exact = torch.einsum("rkh,rh->rk", weights, hidden)
+        refined = torch.einsum("rkh,rh->rk", weights, hidden)
         if self.bias is not None:
-            exact = exact + self.bias.float()[top]
-        flat.scatter_(1, top, exact.to(flat.dtype))
+            refined = refined + self.bias.float()[top]
+        flat.scatter_(1, top, refined.to(flat.dtype))
         return flat.reshape(logits.shape)
+
+
+class StackedLinear(nn.Module):
+    """Several KernelLinears over the same input, their outputs side by side: the fused q/k/v or
+    gate/up of a layer whose parts are in different formats (a Q4_K_M file keeps some v and down
+    projections in Q6_K) or in separate memory (a GGUF file's tensors are separate regions of the
+    mapping: stacking them would copy the weights). Each part runs the kernel the table picks for
+    its own format and rows."""
+
+    def __init__(self, parts: list[KernelLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self._linears = tuple(parts)  # the same modules, typed (the ModuleList registers them)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self._offsets = [0]
+        for p in parts:
+            self._offsets.append(self._offsets[-1] + p.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = flat.new_empty((flat.shape[0], self.out_features))
+        for part, start, stop in zip(self._linears, self._offsets, self._offsets[1:]):
+            out[:, start:stop] = part.forward(flat)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def storages(self) -> tuple[WeightStorage, ...]:
+        return tuple(s for p in self._linears for s in p.storages())
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([p.dequantized_weight() for p in self._linears])
 
 
 def as_kernel_linear(module: nn.Module, policy: KernelPolicy) -> KernelLinear | None:
@@ -120,7 +143,8 @@ def as_kernel_linear(module: nn.Module, policy: KernelPolicy) -> KernelLinear | 
 
 def cat_storages(parts: list[WeightStorage]) -> WeightStorage | None:
     """One storage holding `parts` stacked along the output rows, or None when they differ in
-    format (then they stay separate)."""
+    format or must stay where they are (GGUF blocks: a view of the file): then they are stacked
+    side by side (StackedLinear)."""
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
         return None
@@ -147,7 +171,7 @@ class FusedProjection(nn.Module):
     the first call with a given input tensor and hands out the slices to the others. The result
     is dropped once every slice has taken its part, so nothing outlives the layer's forward."""
 
-    def __init__(self, linear: KernelLinear, sizes: list[int]):
+    def __init__(self, linear: KernelLinear | StackedLinear, sizes: list[int]):
         super().__init__()
         self.linear = linear
         self.sizes = sizes
@@ -205,17 +229,22 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
             if len(linears) != len(maybe):
                 continue
             storage = cat_storages([lin.storage for lin in linears])
-            if storage is None:
-                continue
-            biases = [lin.bias for lin in linears]
-            bias = None
-            if any(b is not None for b in biases):
-                bias = torch.cat(
-                    [b if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
-                )
-            group = FusedProjection(
-                KernelLinear(storage, bias, policy), [lin.out_features for lin in linears]
-            )
+            sizes = [lin.out_features for lin in linears]
+            fused_linear: KernelLinear | StackedLinear
+            if storage is None:  # other formats, or blocks that stay where the file has them
+                fused_linear = StackedLinear(linears)
+            else:
+                biases = [lin.bias for lin in linears]
+                bias = None
+                if any(b is not None for b in biases):
+                    bias = torch.cat(
+                        [
+                            b if b is not None else torch.zeros(lin.out_features)
+                            for b, lin in zip(biases, linears)
+                        ]
+                    )
+                fused_linear = KernelLinear(storage, bias, policy)
+            group = FusedProjection(fused_linear, sizes)
             setattr(owner, fused_name, group)
             for index, name in enumerate(names):
                 setattr(owner, name, ProjectionSlice(group, index))

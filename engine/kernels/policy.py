@@ -17,7 +17,9 @@ reference forward through transformers' own code) choose by their total rows.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,11 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_dirs import cache_root
+from engine.kernels.gguf_weight import GGUFWeight, random_blocks
+from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
+from engine.measure.memory import device_name
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Timing: the best of a few calls per kernel and row count. The probe layer is replicated so its
@@ -162,18 +168,15 @@ def measure(storage: WeightStorage) -> dict[int, str]:
 def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     """A probe layer of PROBE_SHAPE in the storage's format, and enough copies of it (separate
     memory, same values) that streaming through them spills the caches as a model's layers do."""
-    import copy
 
     n, k = PROBE_SHAPE
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     probe: WeightStorage
-    if isinstance(storage, Int4GroupWeight):
-        from engine.quant.packing import quantize_int4_groups
-
+    if isinstance(storage, GGUFWeight):
+        probe = GGUFWeight(storage.ggml_type, random_blocks(storage.ggml_type, n, k), k, lib=storage.lib)
+    elif isinstance(storage, Int4GroupWeight):
         probe = Int4GroupWeight(*quantize_int4_groups(w, 32))
     elif isinstance(storage, Int8RowWeight):
-        from engine.quant.packing import quantize_int8_per_row
-
         probe = Int8RowWeight(*quantize_int8_per_row(w))
     elif isinstance(storage, Q8BlockWeight):
         scales = (w.reshape(n, k // 32, 32).abs().amax(-1) / 127).clamp(min=1e-8)
@@ -248,11 +251,6 @@ def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int,
 
 
 def _cache_file() -> Path:
-    import platform
-
-    from engine.measure.memory import device_name
-    from engine.model.cache_dirs import cache_root
-
     cpu = device_name(torch.device("cpu"))
     name = f"kernels-{platform.machine()}-torch{torch.__version__}-t{torch.get_num_threads()}-{cpu}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

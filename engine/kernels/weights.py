@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import int4_layout
+from engine.kernels.packing import quantize_int8_per_row
 
 INT4_GROUP = 32
 INT4_MID = 8  # torch's int4 kernels compute (code - 8) * scale + zero
@@ -330,7 +331,6 @@ class Q8BlockWeight(WeightStorage):
         """The same weights requantized with one scale per row (an approximation: a row's blocks
         share its largest scale), a few thousand rows at a time so no float copy of the whole
         layer is ever held."""
-        from engine.quant.packing import quantize_int8_per_row
 
         codes = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
         scales = torch.empty(self.out_features)

@@ -1,6 +1,6 @@
 """The KV block pool: which physical blocks are free, used (by ref count) or cached for reuse.
 
-Bookkeeping only; the tensors live in `engine.kv.storage.PagedKVStorage`, indexed by the
+Bookkeeping only; the tensors live in `engine.model.kv_storage.PagedKVStorage`, indexed by the
 same block ids. Every mutation is reported as a `BlockEvent` so the app's page map is exact.
 
 Free queue (LRU, front = reused first). A block whose ref count drops to 0 keeps its prefix hash

@@ -14,10 +14,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable
+from typing import Protocol
 
-from engine.core.sequence import Sequence
 from engine.events import BlockEvent
 from engine.kv.block_pool import Block, BlockPool
+from engine.limits import blocks_for_tokens
+
+
+class BlockTableOwner(Protocol):
+    """What the manager reads and writes of a sequence (engine.core.sequence.Sequence): its
+    committed tokens, how many of them are in the cache, and the blocks that hold them."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[Block]
+    peak_blocks: int
+    cow_copies: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def chain_hash(parent: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
@@ -43,17 +59,17 @@ class KVCacheManager:
         self.cow_copies = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def _block_keys(self, seq: Sequence, num_full_blocks: int) -> list[Hashable]:
+    def _block_keys(self, seq: BlockTableOwner, num_full_blocks: int) -> list[Hashable]:
         keys, parent, bs = [], None, self.block_size
         for i in range(num_full_blocks):
             parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             keys.append(parent)
         return keys
 
-    def find_cached_prefix(self, seq: Sequence) -> list[Block]:
+    def find_cached_prefix(self, seq: BlockTableOwner) -> list[Block]:
         """Longest run of cached full blocks matching the sequence's start, never reaching its
         last token (that one must run through the model to give logits)."""
         if not self.enable_prefix_caching:
@@ -67,14 +83,14 @@ class KVCacheManager:
         return hits
 
     # ---- admission -------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: BlockTableOwner, cached: list[Block], num_new_tokens: int) -> bool:
         """Room for the cached prefix plus `num_new_tokens`? Cached-free blocks being reused do
         not count as free space (they leave the free queue)."""
         total = len(cached) * self.block_size + num_new_tokens
         reused_from_free = sum(1 for b in cached if b.ref_cnt == 0)
         return self.blocks_needed(total) - len(cached) <= self.pool.num_free - reused_from_free
 
-    def allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> None:
+    def allocate(self, seq: BlockTableOwner, cached: list[Block], num_new_tokens: int) -> None:
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.queries += 1
         self.query_tokens += seq.num_tokens
@@ -84,10 +100,10 @@ class KVCacheManager:
         seq.num_computed_tokens = len(cached) * self.block_size
         self.append(seq, num_new_tokens)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_append(self, seq: BlockTableOwner, num_new_tokens: int) -> bool:
         return self.append_cost([(seq, num_new_tokens)]) <= self.pool.num_free
 
-    def append_cost(self, plans: Iterable[tuple[Sequence, int]]) -> int:
+    def append_cost(self, plans: Iterable[tuple[BlockTableOwner, int]]) -> int:
         """Free blocks that appending `n` tokens to each `seq` takes, copies included. Of `w`
         writers into one shared block held `r` times, min(w, r - 1) copy it: the last holder to
         write finds it no longer shared."""
@@ -100,7 +116,7 @@ class KVCacheManager:
                 writers[shared.block_id] = (shared, writers.get(shared.block_id, (shared, 0))[1] + 1)
         return need + sum(min(w, block.ref_cnt - 1) for block, w in writers.values())
 
-    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+    def append(self, seq: BlockTableOwner, num_new_tokens: int) -> None:
         """Ensure blocks cover the next `num_new_tokens` slots, and that the one written first is
         the sequence's own."""
         if self._shared_write_target(seq, num_new_tokens) is not None:
@@ -111,7 +127,7 @@ class KVCacheManager:
         seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
 
     # ---- sharing between the sequences of a group --------------------------------------------
-    def share(self, parent: Sequence, child: Sequence) -> None:
+    def share(self, parent: BlockTableOwner, child: BlockTableOwner) -> None:
         """`child` (a fork of `parent`, same tokens) takes a reference on all the parent's blocks."""
         assert not child.block_table
         child.block_table = list(parent.block_table)
@@ -119,7 +135,7 @@ class KVCacheManager:
         child.peak_blocks = len(child.block_table)
         self.pool.touch(child.block_table, child.seq_id, 0)
 
-    def _shared_write_target(self, seq: Sequence, num_new_tokens: int) -> Block | None:
+    def _shared_write_target(self, seq: BlockTableOwner, num_new_tokens: int) -> Block | None:
         """The block the next write lands in, when it already exists and others hold it too."""
         index = seq.num_computed_tokens // self.block_size
         if num_new_tokens <= 0 or index >= len(seq.block_table):
@@ -127,7 +143,7 @@ class KVCacheManager:
         block = seq.block_table[index]
         return block if block.ref_cnt > 1 else None
 
-    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+    def _copy_on_write(self, seq: BlockTableOwner, index: int) -> None:
         src = seq.block_table[index]
         (dst,) = self.pool.allocate(1, seq.seq_id)
         if self.copy_block is not None:
@@ -150,12 +166,12 @@ class KVCacheManager:
         seq.cow_copies += 1
         self.cow_copies += 1
 
-    def slot_ids(self, seq: Sequence, start: int, count: int) -> list[int]:
+    def slot_ids(self, seq: BlockTableOwner, start: int, count: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
 
     # ---- after the forward -----------------------------------------------------------------
-    def commit(self, seq: Sequence, num_new_tokens: int, num_kept: int | None = None) -> None:
+    def commit(self, seq: BlockTableOwner, num_new_tokens: int, num_kept: int | None = None) -> None:
         """`num_new_tokens` more of the sequence's tokens now have K/V in their slots. With
         speculative decoding only the first `num_kept` of them were verified: the rest of the
         written slots are rolled back, and only verified tokens can enter the prefix cache."""
@@ -174,7 +190,9 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, start // bs, kept_end // bs)
 
-    def _set_fills(self, seq: Sequence, start: int, end: int, op: str, fill_to: int | None = None) -> None:
+    def _set_fills(
+        self, seq: BlockTableOwner, start: int, end: int, op: str, fill_to: int | None = None
+    ) -> None:
         """Fill levels of the blocks covering [start, end) as if `fill_to` (default `end`)
         tokens were written, reported as one event."""
         bs, fill_to = self.block_size, end if fill_to is None else fill_to
@@ -194,7 +212,7 @@ class KVCacheManager:
             )
         )
 
-    def _cache_full_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
+    def _cache_full_blocks(self, seq: BlockTableOwner, first: int, num_full: int) -> None:
         if num_full <= first:
             return
         keys = self._block_keys(seq, num_full)
@@ -203,7 +221,7 @@ class KVCacheManager:
             if block.block_hash is None:
                 self.pool.cache(block, keys[i], seq.seq_id, i * self.block_size)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: BlockTableOwner) -> None:
         """Release the sequence's blocks, tail first (see BlockPool.free)."""
         if seq.block_table:
             self.pool.free(list(reversed(seq.block_table)), seq.seq_id)

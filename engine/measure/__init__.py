@@ -1,2 +1,2 @@
-"""Measurement: memory probes, device limits, the roofline's cost model, sweeps, quality
-comparisons and the benchmarks."""
+"""What the engine measures of the machine it runs on: the device and its dtypes, memory probes,
+the device's measured limits (matmul peak, bandwidth) and the roofline's cost model of a step."""

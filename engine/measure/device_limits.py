@@ -14,17 +14,16 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from engine.cache_dirs import cache_root
 from engine.config import ConfigError
+from engine.measure.device import TORCH_DTYPES, resolve_device
 from engine.measure.memory import device_name, measure_memory_bandwidth
-from engine.model.cache_dirs import cache_root
-from engine.model.checks import TORCH_DTYPES, resolve_device
+from engine.results import DeviceLimits
 
 # Square matmul sizes tried in order, up to the first that gets slow. The best size differs by
 # device: a CPU can peak at a size whose operands stay in its caches (512 on a 2-core EPYC,
@@ -41,27 +40,6 @@ MATMUL_REPEATS = 5
 # Far larger than any CPU's last-level cache, so the copy streams from DRAM; small enough to be quick.
 BANDWIDTH_BYTES = 256 * 2**20
 CACHE_FORMAT = 1
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceLimits:
-    device: str  # "cpu", "cuda:0"
-    device_name: str  # CPU model and threads, or the GPU's name
-    dtype: str
-    peak_flops: float  # best FLOP/s of the measured matmuls in `dtype`
-    matmul_size: int  # n of the n x n matmul that reached it
-    bandwidth: float  # bytes/s of a device-to-device copy (read + write)
-    threads: int  # torch's intra-op threads while measuring: a CPU's peak scales with them
-    measured_at: str  # ISO 8601, UTC
-    measure_seconds: float
-
-    @property
-    def ridge(self) -> float:
-        """FLOP per byte at which the compute roof meets the bandwidth slope."""
-        return self.peak_flops / self.bandwidth
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ridge_flops_per_byte": self.ridge}
 
 
 def _sync(device: torch.device) -> None:

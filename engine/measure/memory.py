@@ -21,6 +21,7 @@ def _nvml_total_bytes(device: torch.device) -> int | None:
     """The GPU's total memory as the driver reports it, or None where NVML is not importable
     or not answering (no driver, a container without it)."""
     try:
+        # NVIDIA's library: optional, absent on machines without a GPU
         import pynvml
     except ImportError:
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.events import StepCost
-from engine.model.shapes import ModelShapes
+from engine.shapes import ModelShapes
 
 
 def step_cost(

@@ -3,13 +3,14 @@ refusing what is not a text-generating model transformers can load."""
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from engine.model.errors import ModelLoadError, first_line
+from engine.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 def causal_lm_problem(raw: dict[str, Any]) -> str | None:
     """Why a config (as a plain dict) is not a text-generating model transformers can load,
     or None when it is one. Cheap: no config class is built, no weights are read."""
+    # transformers takes seconds to import: only once a model is read
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -47,6 +49,7 @@ def causal_lm_problem(raw: dict[str, Any]) -> str | None:
 
 
 def _transformers_version() -> str:
+    # transformers takes seconds to import: only once a model is read
     import transformers
 
     return transformers.__version__
@@ -54,6 +57,7 @@ def _transformers_version() -> str:
 
 def read_folder_config(folder: Path) -> PreTrainedConfig:
     """The transformers config of an HF model folder, checked to be a loadable causal LM."""
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoConfig
 
     config_path = folder / "config.json"
@@ -123,20 +127,41 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _open_gguf(path: Path) -> GGUFReader:
-    import gguf
-
     broken = (
         f"{path} is not a readable GGUF file: it is corrupt or truncated (an interrupted download?). "
         "Re-download it, or choose another model."
     )
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _fast_reader()(str(path), mode="c")
     except (ValueError, KeyError, IndexError, OSError, struct.error, UnicodeDecodeError):
         raise ModelLoadError(broken) from None
     size = path.stat().st_size
     if any(t.data_offset + t.n_bytes > size for t in reader.tensors) or not reader.tensors:
         raise ModelLoadError(broken)
     return reader
+
+
+@functools.cache
+def _fast_reader() -> type[GGUFReader]:
+    """gguf's GGUFReader parsing through a plain ndarray view of the file's mapping: its tens of
+    thousands of header slices then skip numpy.memmap's per-slice Python hooks (measured on a
+    1.7B file's header: 0.59 s against 1.82 s of CPU). Opened copy-on-write ("c"), so the tensors'
+    views are writable for torch while nothing ever writes the file; the views keep the mapping
+    alive through their base."""
+    # gguf (and numpy with it): only once a GGUF file is read
+    import numpy as np
+    from gguf import GGUFReader
+
+    class FastGGUFReader(GGUFReader):
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return FastGGUFReader
 
 
 def _gguf_value(reader: GGUFReader, key: str) -> Any:
@@ -164,6 +189,7 @@ def gguf_metadata_config(
     value (None when absent), `tensor_names` are the file's tensors (an untied head has
     'output.weight'), `vocab_len` is the tokenizer's token count. Shared by local files and the
     Hub's remote headers (engine/hub/gguf_header.py)."""
+    # transformers takes seconds to import: only once a model is read
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.cache_dirs import (
+from engine.cache_dirs import (
     exclusive,
     is_converted,
     publish_atomically,
@@ -34,6 +34,7 @@ def load_default_tokenizer() -> PreTrainedTokenizerBase:
 
     Fast paths: the converted model folder, then the cached tokenizer folder. Otherwise the
     tokenizer alone is parsed from the GGUF (about 10 s) and cached for next time."""
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
@@ -51,6 +52,7 @@ def load_default_tokenizer() -> PreTrainedTokenizerBase:
 
 def _convert_gguf_to_folder(gguf: Path, target: Path) -> None:
     """Dequantize `gguf` to float32 and save model, generation config and tokenizer into `target`."""
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,12 +1,19 @@
-"""`--quantization native`: a GGUF file's quantized blocks kept as they are, read with the `gguf`
-package (no transformers conversion, no float32 copy of the weights).
+"""`--quantization native`: a GGUF file's tensors kept as the file stores them, read with the
+`gguf` package (no transformers conversion, no float32 copy of a quantized weight).
 
-The model's skeleton is built from the file's metadata on the meta device; every tensor is then
-placed by the name map transformers itself uses for GGUF: Q4_0, Q4_1 and Q4_K linear weights
-become int4 group weights with their codes exact, Q8_0 stays Q8_0 blocks (the embedding reads its
-rows exactly from them, a tied LM head multiplies by them), and any other tensor type is
-dequantized to the load dtype, with a note naming it. Row permutations transformers applies
-(llama.cpp stores Llama's q/k rows interleaved for its RoPE) are applied to the quantized rows.
+The file is memory-mapped and every quantized tensor stays a view of the mapping: the process
+holds the file's pages, shared with the page cache, not a copy. The model's skeleton is built from
+the file's metadata on the meta device; every tensor is then placed by the name map transformers
+itself uses for GGUF:
+  - with the kvk kernels (engine/kernels/native), every common type (F16, BF16, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) is a GGUFWeight: linear layers multiply by its blocks,
+    the embedding reads its rows exactly, the LM head computes every logit from it in float32;
+  - without them (no build and no compiler: the slower path the load notes name), Q4_0, Q4_1 and
+    Q4_K become torch's packed int4 layout (codes exact) and Q8_0 stays Q8_0 blocks;
+  - a type no kernel keeps (IQ1/IQ2/IQ3, TQ) is dequantized to bfloat16, its memory cost said in
+    the notes; float tensors (norms, biases) are loaded in the load dtype.
+Row permutations transformers applies (llama.cpp stores Llama's q/k rows interleaved for its
+RoPE) are the kernel's row map for a GGUFWeight, and applied to the rows of the torch layouts.
 """
 
 from __future__ import annotations
@@ -19,14 +26,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
-from engine.kernels.linear import REFINED_CANDIDATES, KernelHead, KernelLinear
+from engine.errors import ModelLoadError
+from engine.kernels import native
+from engine.kernels.gguf_weight import GGUFWeight
+from engine.kernels.linear import KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
 from engine.model import gguf_plan
 from engine.model.configs import open_gguf, read_gguf_config
-from engine.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
@@ -43,38 +53,42 @@ class NativeReport:
     kept: Counter[str] = field(default_factory=Counter)  # GGUF type name -> tensors kept in it
     dequantized: Counter[str] = field(default_factory=Counter)  # GGUF type name -> tensors dequantized
     notes: list[str] = field(default_factory=list)
+    dequantized_bytes: int = 0  # the bfloat16 copies of types no kernel keeps
 
     def summary(self) -> str:
         kept = ", ".join(f"{n} x{c}" for n, c in self.kept.most_common())
         text = f"kept at their own bits: {kept or 'nothing'}"
         lossy = {k: v for k, v in self.dequantized.items() if k not in ("F32", "F16", "BF16")}
         if lossy:
-            text += "; dequantized (no kernel keeps them): " + ", ".join(
+            text += "; dequantized to bfloat16 (no kernel keeps them): " + ", ".join(
                 f"{n} x{c}" for n, c in lossy.items()
             )
+            text += f" ({self.dequantized_bytes / 2**20:.0f} MiB)"
         return text
 
 
 class QuantEmbedding(nn.Module):
-    """An embedding lookup over kept blocks (Q8_0): each row dequantized exactly when looked up."""
+    """An embedding lookup over quantized blocks: each row dequantized exactly (as gguf does) when
+    looked up."""
 
-    def __init__(self, storage: WeightStorage, dtype: torch.dtype, padding_idx: int | None = None):
+    def __init__(
+        self, storage: GGUFWeight | Q8BlockWeight, dtype: torch.dtype, padding_idx: int | None = None
+    ):
         super().__init__()
         self.storage = storage
-        # a storage gguf_plan keeps in the embedding role reads rows exactly (Q8BlockWeight.rows)
-        self._rows: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = getattr(storage, "rows")  # noqa: B009
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = storage.out_features, storage.in_features
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self._rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self.storage.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 def load_native(
     path: Path, dtype: torch.dtype, policy: KernelPolicy, report: Callable[[str, float], None]
 ) -> tuple[PreTrainedModel, NativeReport]:
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -82,6 +96,8 @@ def load_native(
         get_gguf_hf_weights_map,
     )
 
+    # the one parse of the header (shared with the config and the tokenizer), its tensor extents
+    # checked; its tensors are views of the file's copy-on-write mapping, valid for the model's life
     reader = open_gguf(path)
     config = read_gguf_config(path)
     arch = str(reader.fields["general.architecture"].contents())
@@ -98,8 +114,11 @@ def load_native(
             raise ModelLoadError(
                 f"{path.name}: its tensors cannot be mapped onto the model ({exc})."
             ) from None
+    kvk = native.kernels()
     result = NativeReport()
-    dtype_name = str(dtype).removeprefix("torch.")
+    result.notes.append(
+        f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}"
+    )
     tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):
@@ -112,42 +131,85 @@ def load_native(
         module = model.get_submodule(module_name)
         qtype = tensor.tensor_type
         cols = int(tensor.shape[0])  # GGUF shapes are [cols, rows]
-        # what to hold: the one table every fit estimate reads too (engine/model/gguf_plan.py)
-        role = _role(module, attr)
-        shape = tuple(int(d) for d in reversed(list(tensor.shape)))
-        keeping = gguf_plan.holding(qtype, role, shape, dtype_name).keeping
-        if keeping is not None and role == gguf_plan.LINEAR:
-            assert isinstance(module, nn.Linear), "the linear role is an nn.Linear's weight"
+        matrix = attr == "weight" and len(tensor.shape) == 2
+        if matrix and type(module) is nn.Linear:
             order = _row_order(processor, tensor.name, int(tensor.shape[1]))
-            storage = keeping.build(np.asarray(tensor.data), qtype, cols, order)
-            # the bias (a dense tensor) may come before or after: keep what is there, even a meta
-            # placeholder that a later tensor replaces (a placeholder left at the end is an error)
-            _set_module(model, module_name, KernelLinear(storage, module.bias, policy))
-            result.kept[qtype.name] += 1
-            continue
-        if keeping is not None and role == gguf_plan.EMBEDDING:
-            assert isinstance(module, nn.Embedding), "the embedding role is an nn.Embedding's weight"
-            storage = keeping.build(np.asarray(tensor.data), qtype, cols, None)
-            _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
-            embedding_storage = storage
-            result.kept[qtype.name] += 1
-            continue
+            storage = _kept_storage(tensor, qtype, cols, order, kvk)
+            if storage is not None:
+                # the bias (a dense tensor) may come before or after: keep what is there, even a meta
+                # placeholder that a later tensor replaces (a placeholder left at the end is an error)
+                _set_module(model, module_name, KernelLinear(storage, module.bias, policy))
+                result.kept[qtype.name] += 1
+                continue
+            if qtype not in _FLOAT_TYPES:  # no kernel keeps it: bfloat16, never float32
+                weight = _dequantized(tensor, processor, getattr(torch, gguf_plan.DEQUANTIZED_LINEAR), module)
+                _set_module(model, module_name, KernelLinear(DenseWeight(weight), module.bias, policy))
+                result.dequantized[qtype.name] += 1
+                result.dequantized_bytes += weight.numel() * 2
+                continue
+        if matrix and isinstance(module, nn.Embedding):
+            storage = _kept_storage(tensor, qtype, cols, None, kvk, gguf_plan.EMBEDDING)
+            if isinstance(storage, (GGUFWeight, Q8BlockWeight)):  # the types whose rows it can read
+                _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
+                embedding_storage = storage
+                result.kept[qtype.name] += 1
+                continue
+        if qtype not in _FLOAT_TYPES:
+            result.dequantized_bytes += int(np.prod(tensor.shape)) * dtype.itemsize
         _assign_dense(model, module, attr, hf_name, tensor, processor, dtype)
         result.dequantized[qtype.name] += 1
-    _tie_head(model, config, embedding_storage, policy)
+    _tie_head(model, embedding_storage, policy)
     head = model.get_output_embeddings()
-    if isinstance(head, KernelHead) and head.scout is not None:
+    if isinstance(head, KernelHead) and isinstance(head.storage, GGUFWeight):
         result.notes.append(
-            f"LM head: the pass over the vocabulary on a per-row int8 copy ({head.scout.nbytes / 2**20:.0f} MiB, "
-            f"faster than the Q8_0 blocks' per-block kernel), its top {REFINED_CANDIDATES} recomputed from the blocks"
+            f"LM head: every logit computed in float32 from the file's {head.storage.ggml_type.name} weights "
+            "(no activation rounding, no second copy)"
         )
     _materialize_rest(model, config, dtype)
     return model.eval(), result
 
 
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _kept_storage(
+    tensor: ReaderTensor,
+    qtype: GGMLQuantizationType,
+    cols: int,
+    order: np.ndarray | None,
+    kvk: native.Kvk | None,
+    role: str = gguf_plan.LINEAR,
+) -> WeightStorage | None:
+    """The tensor at its own bits, or None when no kernel here keeps its type in `role`: the
+    decision of engine/model/gguf_plan.py, the table every fit estimate counts with too."""
+    keeping = gguf_plan.keeping_for(qtype, role, kvk)
+    return None if keeping is None else keeping.build(np.asarray(tensor.data), qtype, cols, order, kvk)
+
+
+def _dequantized(
+    tensor: ReaderTensor, processor: TensorProcessor, dtype: torch.dtype, module: nn.Module
+) -> torch.Tensor:
+    """A tensor no kernel keeps, dequantized by gguf and processed as transformers does."""
+    from gguf.quants import dequantize  # gguf's dequantizers: only for a type no kernel keeps
+
+    weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    weights = processor.process(
+        weights=weights, name=tensor.name, tensor_key_mapping={}, parsed_parameters={}
+    ).weights
+    value = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).to(dtype)
+    current = getattr(module, "weight", None)
+    if current is not None and tuple(current.shape) != tuple(value.shape):
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name} has shape {tuple(value.shape)} where the model expects "
+            f"{tuple(current.shape)}: the file does not match its own metadata."
+        )
+    return value
+
+
 def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str, str] | None:
     """GGUF tensor name -> the model's parameter name, with one gguf-py name table (transformers
     builds one per submodule); None when some tensor of the file is left unmapped."""
+    # gguf: only once a GGUF file is read
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     archs = [key for key, value in MODEL_ARCH_NAMES.items() if value == arch]
@@ -165,15 +227,6 @@ def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str
     if any(t.name not in names for t in reader.tensors if not t.name.startswith("rope_")):
         return None
     return names
-
-
-def _role(module: nn.Module, attr: str) -> str:
-    """The tensor's role for gguf_plan: a linear layer's or the embedding's weight, or other."""
-    if attr == "weight" and type(module) is nn.Linear:
-        return gguf_plan.LINEAR
-    if attr == "weight" and isinstance(module, nn.Embedding):
-        return gguf_plan.EMBEDDING
-    return gguf_plan.OTHER
 
 
 def _row_order(processor: TensorProcessor, name: str, rows: int) -> np.ndarray | None:
@@ -199,6 +252,7 @@ def _assign_dense(
     processor: TensorProcessor,
     dtype: torch.dtype,
 ) -> None:
+    # gguf: only once a GGUF file is read
     from gguf.quants import dequantize
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type)
@@ -215,33 +269,20 @@ def _assign_dense(
     setattr(module, attr, nn.Parameter(value, requires_grad=False))
 
 
-def _tie_head(
-    model: PreTrainedModel,
-    config: PreTrainedConfig,
-    embedding_storage: WeightStorage | None,
-    policy: KernelPolicy,
-) -> None:
+def _tie_head(model: PreTrainedModel, embedding_storage: WeightStorage | None, policy: KernelPolicy) -> None:
+    """The LM head over the file's output tensor, or over the embedding it is tied to (one copy)."""
     head = model.get_output_embeddings()
     if isinstance(head, KernelLinear):  # the file has its own output weights
-        model.lm_head = KernelHead(head.storage, head.bias, policy, _scout(head.storage))
+        model.lm_head = KernelHead(head.storage, head.bias, policy)
         return
     if embedding_storage is not None:
-        model.lm_head = KernelHead(embedding_storage, None, policy, _scout(embedding_storage))
+        model.lm_head = KernelHead(embedding_storage, None, policy)
         return
     embed = model.get_input_embeddings()
     if isinstance(head, nn.Linear) and head.weight.is_meta:
         weight = embed.weight
         assert isinstance(weight, torch.Tensor), "an input embedding holds its table as a weight"
         model.lm_head = KernelHead(DenseWeight(weight, relayout=False), None, policy)  # tied: one tensor
-
-
-def _scout(storage: WeightStorage) -> WeightStorage | None:
-    """A Q8_0 head's full-vocabulary pass runs on a per-row int8 copy (see KernelHead and
-    gguf_plan.HEAD_COPIES); the blocks stay the exact weights (the embedding's rows, the
-    recomputed top candidates)."""
-    if gguf_plan.makes_head_copy(storage.kind) and isinstance(storage, Q8BlockWeight):
-        return storage.per_row_int8()
-    return None
 
 
 def _materialize_rest(model: PreTrainedModel, config: PreTrainedConfig, dtype: torch.dtype) -> None:

@@ -1,5 +1,5 @@
 """What a native load holds for each tensor of a GGUF file, written once: the loader
-(engine/model/gguf_native.py) decides through `holding` what it keeps, and every fit estimate
+(engine/model/gguf_native.py) decides through `keeping_for` what it keeps, and every fit estimate
 (inspect-model, the model picker, the Hub's file list) sums the same `holding`s, so an estimate is
 what the load does.
 
@@ -7,10 +7,13 @@ A tensor's holding follows its GGML type and its role in the model:
   linear     a 2-D weight of a linear layer (the LM head among them)
   embedding  the token embedding's table (rows looked up)
   other      norms, biases, anything else
-`RULES` says, per GGML type, in which roles a storage keeps it at its own bits, what that storage
-holds in bytes and how it is built; a type or a role the table does not cover is dequantized to
-the load dtype. `HEAD_COPIES` says which head storages get a second copy for the pass over the
-vocabulary. To keep a new type, add its rule (and its storage in engine/kernels).
+`RULES` lists, per GGML type, the storages that can keep it at its own bits, in order: the first
+one available here (the kvk C kernels, or torch's packed layouts without them) and covering the
+role keeps it, and says what it holds in bytes and how it is built. A type or a role no storage
+keeps is dequantized: a linear weight of a quantized type to bfloat16 (never float32), anything
+else to the load dtype. `HEAD_COPIES` says which head storages get a second copy for the pass
+over the vocabulary (none today: the head computes every logit from the file's blocks). To keep a
+new type, add its rule (and its storage in engine/kernels).
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.model.shapes import DTYPE_BYTES
+from engine.kernels import gguf_blocks, native
+from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight
+from engine.model.configs import open_gguf
+from engine.shapes import DTYPE_BYTES
+from engine.units import format_bytes
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import numpy as np
-
+    from engine.kernels.native import Kvk
     from engine.kernels.weights import WeightStorage
 
 LINEAR, EMBEDDING, OTHER = "linear", "embedding", "other"
@@ -39,9 +46,20 @@ NOT_HELD_PREFIXES = ("rope_",)
 # The token embedding's name in every architecture gguf-py maps.
 EMBEDDING_TENSOR = "token_embd.weight"
 HEAD_TENSOR = "output.weight"
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+# A linear weight of a quantized type no storage keeps (IQ1/IQ2/IQ3, TQ, or a K-quant without kvk)
+DEQUANTIZED_LINEAR = "bfloat16"
 
-# (raw blocks [rows, bytes], type, cols, row order or None) -> the storage the kernels use
-Builder = Callable[["np.ndarray", GGMLQuantizationType, int, "np.ndarray | None"], "WeightStorage"]
+# (raw tensor data, type, cols, row order or None, the kvk library or None) -> the storage
+Builder = Callable[
+    ["np.ndarray", GGMLQuantizationType, int, "np.ndarray | None", "Kvk | None"], "WeightStorage"
+]
+
+
+def file_bytes(qtype: GGMLQuantizationType, rows: int, cols: int) -> int:
+    """The tensor's bytes in the file: what a storage holding its blocks (memory-mapped) holds."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    return rows * (cols // block) * nbytes
 
 
 def int4_g32_bytes(rows: int, cols: int) -> int:
@@ -51,67 +69,110 @@ def int4_g32_bytes(rows: int, cols: int) -> int:
 
 
 def q8_0_bytes(rows: int, cols: int) -> int:
-    """GGUF Q8_0 as stored: an int8 code per weight, a float16 scale per 32 (the file's 34 bytes)."""
+    """GGUF Q8_0 in Q8BlockWeight: an int8 code per weight, a float16 scale per 32 (34 bytes)."""
     return rows * cols + rows * (cols // GROUP) * 2
 
 
-def _build_int4(
-    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
+def _build_kvk(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None, kvk: Kvk | None
 ) -> WeightStorage:
-    from engine.kernels import gguf_blocks
+    blocks = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16/BF16 arrive as 16-bit values
+    return GGUFWeight(qtype, blocks, cols, order, kvk)
 
+
+def _build_int4(
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None, kvk: Kvk | None
+) -> WeightStorage:
     return gguf_blocks.int4_storage(raw, qtype, cols, order)
 
 
 def _build_q8_0(
-    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None
+    raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, order: np.ndarray | None, kvk: Kvk | None
 ) -> WeightStorage:
-    from engine.kernels import gguf_blocks
-
     return gguf_blocks.q8_storage(raw, cols, order)
 
 
 @dataclass(frozen=True, slots=True)
 class Keeping:
-    """How native loading keeps one GGML type at its own bits."""
+    """One way native loading keeps a GGML type at its own bits."""
 
-    storage: str  # the storage's kind (engine.kernels.weights): what the kernel table names
-    roles: frozenset[str]  # LINEAR, EMBEDDING: where it is kept (elsewhere it is dequantized)
-    held_bytes: Callable[[int, int], int]  # (rows, cols) -> bytes the storage holds
+    storage: str  # the storage's kind (engine.kernels): what the kernel table and the notes name
+    roles: frozenset[str]  # LINEAR, EMBEDDING: where it keeps the type
+    with_kvk: bool  # True: needs the kvk kernels; False: the path without them
+    held_bytes: Callable[[GGMLQuantizationType, int, int], int]  # (type, rows, cols) -> bytes held
     build: Builder
-    how: str  # what keeping means for this type, for the load notes
+    how: str  # what keeping means here, for the notes
+
+    def available(self, kvk: Kvk | None) -> bool:
+        return (kvk is not None) == self.with_kvk
 
 
-_LINEAR = frozenset({LINEAR})
-RULES: dict[GGMLQuantizationType, Keeping] = {
-    GGMLQuantizationType.Q4_0: Keeping(
-        "int4-g32", _LINEAR, int4_g32_bytes, _build_int4, "4-bit codes exact, scales in bfloat16"
-    ),
-    GGMLQuantizationType.Q4_1: Keeping(
-        "int4-g32", _LINEAR, int4_g32_bytes, _build_int4, "4-bit codes exact, scales and mins in bfloat16"
-    ),
-    GGMLQuantizationType.Q4_K: Keeping(
+_BOTH = frozenset({LINEAR, EMBEDDING})
+
+
+def _kvk(qtype: GGMLQuantizationType) -> Keeping:
+    return Keeping(
+        qtype.name.lower(),
+        _BOTH,
+        True,
+        file_bytes,
+        _build_kvk,
+        "the file's blocks, memory-mapped, multiplied by kvk",
+    )
+
+
+def _int4(how: str) -> Keeping:
+    return Keeping(
         "int4-g32",
-        _LINEAR,
-        int4_g32_bytes,
+        frozenset({LINEAR}),
+        False,
+        lambda q, rows, cols: int4_g32_bytes(rows, cols),
         _build_int4,
-        "4-bit codes exact, each 32-group's scale and min (6-bit x super-block scale) in bfloat16",
-    ),
-    GGMLQuantizationType.Q8_0: Keeping(
-        "q8_0", frozenset({LINEAR, EMBEDDING}), q8_0_bytes, _build_q8_0, "the blocks as they are"
-    ),
+        how,
+    )
+
+
+# the types the kvk kernels multiply by (engine.kernels.gguf_weight, the kernel's own list)
+RULES: dict[GGMLQuantizationType, tuple[Keeping, ...]] = {
+    qtype: (_kvk(qtype),) for qtype in sorted(KVK_TYPES)
 }
+# without kvk: torch's packed int4 layout holds the 4-bit types' codes exactly; Q8_0 its blocks
+for _name, _how in (
+    ("Q4_0", "4-bit codes exact, scales in bfloat16 (torch's int4 layout)"),
+    ("Q4_1", "4-bit codes exact, scales and mins in bfloat16 (torch's int4 layout)"),
+    ("Q4_K", "4-bit codes exact, each 32-group's scale and min in bfloat16 (torch's int4 layout)"),
+):
+    RULES[GGMLQuantizationType[_name]] += (_int4(_how),)
+RULES[GGMLQuantizationType.Q8_0] += (
+    Keeping(
+        "q8_0",
+        _BOTH,
+        False,
+        lambda q, rows, cols: q8_0_bytes(rows, cols),
+        _build_q8_0,
+        "the blocks as they are",
+    ),
+)
 
 
-def per_row_int8_bytes(rows: int, cols: int) -> int:
-    """An int8 code per weight and one bfloat16 scale per row (Q8BlockWeight.per_row_int8)."""
-    return rows * (cols + 2)
+def keeping_for(ggml_type: int, role: str, kvk: Kvk | None) -> Keeping | None:
+    """The storage that keeps a tensor of `ggml_type` in `role` here (`kvk`: the C kernels, None
+    without them), or None: it is dequantized."""
+    for keeping in RULES.get(GGMLQuantizationType(ggml_type), ()):
+        if role in keeping.roles and keeping.available(kvk):
+            return keeping
+    return None
 
 
-# The LM head's storage kind -> the bytes of the extra copy its pass over the vocabulary runs on
-# (engine.kernels.linear.KernelHead's scout): a Q8_0 head's per-block kernel is one int8 call per
-# 32 inputs, a per-row int8 copy one call.
-HEAD_COPIES: dict[str, Callable[[int, int], int]] = {"q8_0": per_row_int8_bytes}
+def kvk_here() -> Kvk | None:
+    """The kvk kernels of this machine (built once when a compiler is there), as a load finds them."""
+    return native.kernels()
+
+
+# The LM head's storage kind -> the bytes of an extra copy its pass over the vocabulary runs on
+# (engine.kernels.linear.KernelHead). None today: the head computes every logit from the file's
+# blocks (kvk) or the blocks it holds; a storage that wants a faster copy adds itself here.
+HEAD_COPIES: dict[str, Callable[[int, int], int]] = {}
 
 
 def makes_head_copy(storage: str) -> bool:
@@ -123,16 +184,17 @@ class Holding:
     kind: str  # KEPT or DEQUANTIZED
     held_as: str  # the storage kind, or the dtype it was dequantized to
     held_bytes: int
-    keeping: Keeping | None = None  # the rule that keeps it (None when dequantized)
 
 
-def holding(ggml_type: int, role: str, shape: tuple[int, ...], dtype: str) -> Holding:
+def holding(ggml_type: int, role: str, shape: tuple[int, ...], dtype: str, kvk: Kvk | None) -> Holding:
     """What a native load holds for a tensor of `ggml_type` in `role`, of `shape` in the model's
     order ([rows, cols]: GGUF lists them the other way round), loaded in `dtype`."""
-    rule = RULES.get(GGMLQuantizationType(ggml_type))
-    if rule is not None and role in rule.roles and len(shape) == 2:
-        return Holding(KEPT, rule.storage, rule.held_bytes(*shape), rule)
-    return Holding(DEQUANTIZED, dtype, math.prod(shape) * DTYPE_BYTES[dtype])
+    qtype = GGMLQuantizationType(ggml_type)
+    keeping = keeping_for(qtype, role, kvk) if len(shape) == 2 else None
+    if keeping is not None:
+        return Holding(KEPT, keeping.storage, keeping.held_bytes(qtype, *shape))
+    to = DEQUANTIZED_LINEAR if role == LINEAR and qtype not in FLOAT_TYPES else dtype
+    return Holding(DEQUANTIZED, to, math.prod(shape) * DTYPE_BYTES[to])
 
 
 # ---- a whole file ------------------------------------------------------------------------------
@@ -189,8 +251,6 @@ class GGUFPlan:
 
     def summary(self) -> str:
         """One line: each type, how it is held and its bytes, then the head's copy."""
-        from engine.units import format_bytes
-
         parts = [
             f"{line.ggml_type} x{line.tensors} "
             + (f"kept as {line.held_as}" if line.kind == KEPT else f"in {line.held_as}")
@@ -198,7 +258,7 @@ class GGUFPlan:
             for line in self.lines
         ]
         if self.head_copy_bytes:
-            parts.append(f"the head's per-row int8 copy {format_bytes(self.head_copy_bytes)}")
+            parts.append(f"the head's extra copy {format_bytes(self.head_copy_bytes)}")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -223,14 +283,18 @@ class GGUFPlan:
 
 
 def plan_entries(entries: Iterable[TensorEntry], dtype: str, native: bool = True) -> GGUFPlan:
-    """What a load of these tensors holds: natively (`native`: RULES keep what they cover) or
-    dequantized to `dtype` throughout (the transformers path), the LM head's copy included."""
+    """What a load of these tensors holds: natively (`native`: RULES keep what they cover, with
+    the kernels this machine has) or dequantized to `dtype` throughout (the transformers path),
+    the LM head's copy included."""
     entries = [e for e in entries if not e.name.startswith(NOT_HELD_PREFIXES)]
+    kvk = kvk_here() if native else None
     held: dict[tuple[str, str, str], list[int]] = {}
     by_name: dict[str, Holding] = {}
     for entry in entries:
-        role = role_of(entry.name, len(entry.shape)) if native else OTHER
-        h = holding(entry.ggml_type, role, entry.shape, dtype)
+        if native:
+            h = holding(entry.ggml_type, role_of(entry.name, len(entry.shape)), entry.shape, dtype, kvk)
+        else:  # transformers dequantizes every tensor to the load dtype
+            h = Holding(DEQUANTIZED, dtype, math.prod(entry.shape) * DTYPE_BYTES[dtype])
         by_name[entry.name] = h
         key = (GGMLQuantizationType(entry.ggml_type).name, h.kind, h.held_as)
         counts = held.setdefault(key, [0, 0, 0])
@@ -255,8 +319,6 @@ def plan_entries(entries: Iterable[TensorEntry], dtype: str, native: bool = True
 
 def plan_file(path: Path, dtype: str, native: bool = True) -> GGUFPlan:
     """The plan of a local GGUF file (its header read once, engine.model.configs.open_gguf)."""
-    from engine.model.configs import open_gguf
-
     reader = open_gguf(path)
     return plan_entries(
         (entry_from_gguf(t.name, int(t.tensor_type), t.shape) for t in reader.tensors), dtype, native

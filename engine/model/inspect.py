@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import AUTO, DTYPES, ConfigError
+from engine.errors import ModelLoadError
+from engine.measure.device import resolve_device
 from engine.measure.memory import available_memory_bytes
-from engine.model.checks import resolve_device
 from engine.model.configs import read_config
-from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import NATIVE
+from engine.model.gguf_plan import plan_file
+from engine.model.loading import resolve_scheme
 from engine.model.runtime_memory import runtime_estimate
-from engine.model.shapes import ModelShapes
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
+from engine.shapes import ModelShapes
 
 if TYPE_CHECKING:
     from engine.model.gguf_plan import GGUFPlan
@@ -58,8 +60,6 @@ def inspect_model(
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
     plan = None
     if src.gguf is not None:
-        from engine.model.gguf_plan import plan_file
-
         # a GGUF's tensors as the load will hold them: natively, or dequantized to the dtype (a
         # scheme that requantizes them counts the dequantized parameters, as any folder does)
         native = keeps_own_bits(quantization, src)
@@ -86,7 +86,6 @@ def keeps_own_bits(quantization: str, src: ModelSource) -> bool:
     """Whether loading `src` with `quantization` on the device a load picks keeps a GGUF's own
     blocks (the loader's own rule), so that its weights take about the file's size: its tensors,
     plus a little metadata. A choice the loader refuses counts as not kept."""
-    from engine.model.loading import resolve_scheme
 
     try:
         return resolve_scheme(quantization, src, resolve_device("auto")) == NATIVE

@@ -1,6 +1,6 @@
 """What each layer's attention does beyond causal softmax(Q K^T * scale) V, as transformers calls it.
 
-The paged attention (engine/kv/attention.py) reads every layer's K/V through block tables; to
+The paged attention (engine/model/paged_attention.py) reads every layer's K/V through block tables; to
 give the same tokens as the family's own attention it must also apply, per layer:
 
 - a sliding window (Mistral, Starcoder2, Phi-3, the sliding layers of Gemma 2/3, Cohere 2,
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.model.errors import first_line
+from engine.errors import first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from engine.model.shapes import ModelShapes
+    from engine.shapes import ModelShapes
 
 # transformers' mask function: (batch, head, q_idx, kv_idx) -> whether the key is visible
 MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
@@ -62,6 +62,16 @@ INERT_KWARGS = frozenset(
 )
 # ...and those it implements (the rest make a model unservable: ALiBi biases, relative positions).
 HANDLED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux", "dropout", "scaling"})
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer attends, as its family defines it."""
+
+    scaling: float | None = None
+    window: int | None = None  # sliding window in tokens, None for full attention
+    softcap: float | None = None  # logit soft-capping (Gemma 2)
+    sinks: torch.Tensor | None = None  # [heads] sink logits (gpt-oss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +153,7 @@ def mask_shape(mask_function: MaskFunction) -> MaskShape:
 
 
 def _record_calls(model: PreTrainedModel, calls: dict[int | None, list[Call]]) -> None:
+    # transformers takes seconds to import: only once a model is read
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

@@ -10,11 +10,12 @@ import torch
 from engine.events import ModelInfo
 from engine.kernels.linear import KernelLinear, fuse_projections
 from engine.kernels.policy import KernelPolicy
-from engine.model.chat_template import chat_note
 from engine.model.layer_attention import AttentionSpec, probe_attention
-from engine.model.shapes import ModelShapes
+from engine.model.llama_forward import forward_note
 from engine.quant.base import model_param_count, model_weight_bytes
 from engine.quant.schemes import NONE, quantization_of
+from engine.shapes import ModelShapes
+from engine.text.chat_template import chat_note
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -61,6 +62,7 @@ class LoadedModel:
         # parameters, buffers (packed codes and scales) and bitsandbytes' quantization state
         weight_bytes = model_weight_bytes(model)
         record = quantization_of(model)
+        attention = probe_attention(model, shapes)
         info = ModelInfo(
             name=name,
             source=source,
@@ -83,19 +85,16 @@ class LoadedModel:
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
             chat_note=chat_note(tokenizer),
-            notes=_notes(model, policy),
+            notes=_notes(model, policy, attention),
         )
-        attention = probe_attention(model, shapes)
         return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy, attention)
 
 
-def _notes(model: PreTrainedModel, policy: KernelPolicy) -> tuple[str, ...]:
+def _notes(
+    model: PreTrainedModel, policy: KernelPolicy, attention: tuple[AttentionSpec, ...]
+) -> tuple[str, ...]:
     """How the model runs, in the words the app and the CLI show."""
-    from engine.model.llama_forward import unsupported_reason
 
-    reason = unsupported_reason(model)
-    forward = (
-        "forward: kvscope's Llama-family forward" if reason is None else f"forward: transformers' ({reason})"
-    )
+    forward = forward_note(model, attention)
     threads = f"{torch.get_num_threads()} engine threads (torch intra-op)"
     return (forward, threads, *[f"kernels {line}" for line in policy.describe()])

@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import AUTO, ModelSpec
-from engine.model.checks import TORCH_DTYPES, check_dtype_on_device, check_fits, resolve_device
-from engine.model.configs import read_config
+from engine.errors import ModelLoadError, first_line
+from engine.kernels.policy import KernelPolicy
+from engine.measure.device import TORCH_DTYPES, check_dtype_on_device, resolve_device
+from engine.model.checks import check_fits
+from engine.model.configs import read_config, read_gguf_config
 from engine.model.default_model import default_model_dir, load_default_tokenizer
-from engine.model.errors import ModelLoadError, first_line
-from engine.model.gguf_native import NATIVE
+from engine.model.gguf_native import NATIVE, load_native
+from engine.model.gguf_tokenizer import load_gguf_tokenizer
 from engine.model.layer_attention import AttentionProbeError
 from engine.model.loaded import LoadedModel
 from engine.model.sources import ModelSource, resolve_source
@@ -34,6 +37,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
 def _load_weights(src: ModelSource, torch_dtype: torch.dtype) -> PreTrainedModel:
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = dict(dtype=torch_dtype, local_files_only=True)
@@ -72,14 +76,13 @@ def _load_weights(src: ModelSource, torch_dtype: torch.dtype) -> PreTrainedModel
 
 
 def _load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    # transformers takes seconds to import: only once a model is read
     from transformers import AutoTokenizer
 
     tokenizer: PreTrainedTokenizerBase
     try:
         if src.is_gguf:
-            tokenizer = AutoTokenizer.from_pretrained(
-                src.path.parent, gguf_file=src.path.name, local_files_only=True
-            )
+            tokenizer = load_gguf_tokenizer(src.path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
         return tokenizer
@@ -137,8 +140,6 @@ def load_model(
     scheme = resolve_scheme(spec.quantization, src, device)
     check_scheme(scheme, device)
     if scheme == NATIVE:
-        from engine.model.configs import read_gguf_config
-
         assert src.gguf is not None, "resolve_scheme gives 'native' to GGUF sources only"
         config = read_gguf_config(src.gguf)
         check_support(config, src.name)
@@ -186,8 +187,6 @@ def _load_native(
     available_bytes: int | None,
 ) -> LoadedModel:
     """The GGUF's own blocks, read straight from the file (engine/model/gguf_native.py)."""
-    from engine.kernels.policy import KernelPolicy
-    from engine.model.gguf_native import load_native
 
     gguf = original.gguf
     assert gguf is not None

@@ -1,7 +1,7 @@
-"""Models already on this machine: the Hugging Face cache, LM Studio's and GPT4All's model folders,
-and Ollama's store, each as a source `load_model` takes, with its size on disk.
+"""Models other apps keep on this machine: LM Studio's and GPT4All's model folders and Ollama's
+store, each as a source `load_model` takes, with its size on disk (the Hugging Face cache's are
+engine.hub.cache's; `engine.hub.cache.find_local_models` lists both).
 
-- HF cache: repos with a config and safetensors (loaded by repo id), and GGUF files in it.
 - LM Studio: `~/.lmstudio/models` (and the older `~/.cache/lm-studio/models`), publisher/model/
   file.gguf; $LMSTUDIO_MODELS_DIR first when set.
 - GPT4All: its app-data folder (Linux ~/.local/share/nomic.ai/GPT4All, macOS ~/Library/Application
@@ -127,36 +127,6 @@ def ollama_name(blob: Path) -> str | None:
     return None
 
 
-def hf_cache_models() -> list[LocalModel]:
-    from engine.hub.cache import list_cached
-
-    try:
-        cached = list_cached()
-    except Exception:  # noqa: BLE001 - an unreadable cache lists nothing rather than failing the picker
-        return []
-    out = []
-    for repo in cached:
-        if "safetensors" in repo.weights and repo.source == repo.repo_id and _generates_text(Path(repo.path)):
-            out.append(LocalModel(repo.repo_id, repo.repo_id, "HF cache", repo.size_bytes))
-        for path in sorted(Path(repo.path).glob("snapshots/*/**/*.gguf")):
-            out.append(LocalModel(str(path), f"{repo.repo_id}/{path.name}", "HF cache", path.stat().st_size))
-    return out
-
-
-def _generates_text(repo_path: Path) -> bool:
-    """The repo's config.json describes a causal LM transformers can load (not BERT, not ViT...)."""
-    from engine.model.configs import causal_lm_problem
-
-    for config in sorted(repo_path.glob("snapshots/*/config.json")):
-        try:
-            raw = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(raw, dict) and causal_lm_problem(raw) is None:
-            return True
-    return False
-
-
-def find_local_models() -> list[LocalModel]:
-    """Every model found on this machine, HF cache first."""
-    return hf_cache_models() + lmstudio_models() + gpt4all_models() + ollama_models()
+def app_models() -> list[LocalModel]:
+    """Every model the other apps' stores hold: LM Studio's, GPT4All's, Ollama's."""
+    return lmstudio_models() + gpt4all_models() + ollama_models()

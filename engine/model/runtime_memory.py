@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from engine.cache_dirs import cache_root
+
 FILE_NAME = "runtime-memory.json"
 
 _lock = threading.Lock()
@@ -77,8 +79,6 @@ def resident_bytes() -> int:
 
 
 def _file() -> Path:
-    from engine.model.cache_dirs import cache_root
-
     return cache_root() / FILE_NAME
 
 
@@ -144,6 +144,7 @@ def _store(kind: str, overhead: int, model: str) -> None:
 def runtime_estimate() -> RuntimeEstimate:
     """The measured figures a new load's process estimate is made of (RuntimeEstimate.process_with)."""
     kind = process_kind()
+    give_back_freed_memory()  # what the allocator keeps of freed memory is no part of the runtime
     now = resident_bytes()
     with _lock:
         held = _state["held"]

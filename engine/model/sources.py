@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model.cache_dirs import cache_root, is_converted, source_fingerprint
-from engine.model.errors import ModelLoadError
+from engine.cache_dirs import cache_root, is_converted, source_fingerprint
+from engine.errors import ModelLoadError
+from engine.model.local_models import ollama_name
 from engine.resources import resource
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,8 +88,6 @@ def resolve_source(source: str) -> ModelSource:
                 "holds the model's config.json and weights."
             )
         if path.suffix.lower() != ".gguf":  # an Ollama blob: named as Ollama names it
-            from engine.model.local_models import ollama_name
-
             return ModelSource("gguf", path, ollama_name(path) or path.name, path)
         return ModelSource("gguf", path, path.stem, path)
     repo_id, _, filename = source.partition(REPO_FILE_SEPARATOR)
@@ -112,6 +111,7 @@ def has_gguf_magic(path: Path) -> bool:
 
 def hf_cache_dir() -> Path:
     """The local Hugging Face hub cache, read at call time (HF_HUB_CACHE / HF_HOME honoured)."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE)
@@ -119,6 +119,7 @@ def hf_cache_dir() -> Path:
 
 def _cached_repo_folder(repo_id: str) -> Path:
     """The snapshot folder of `repo_id` in the local HF cache (the revision its `main` ref names)."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

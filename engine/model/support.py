@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from engine.model.errors import ModelLoadError
+from engine.errors import ModelLoadError
 
 # model_type -> the family's name. Each has a tiny config in tests/family_configs.py.
 SUPPORTED: dict[str, str] = {
@@ -180,6 +180,7 @@ def _text_config(config: Any) -> Any:
 
 
 def _auto_mappings() -> ModuleType:
+    # transformers takes seconds to import: only once a model is read
     from transformers.models.auto import modeling_auto as m
 
     return m

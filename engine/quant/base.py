@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
+from engine.kernels.linear import FusedProjection, KernelLinear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,7 +104,6 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module acting as one of the decoder's linear layers, by the model's own names, in any
     format: plain, kernel (engine.kernels), a slice of a fused projection, a scheme's own layer.
     The LM head and the fused wholes are left out (their slices stand for them)."""
-    from engine.kernels.linear import FusedProjection, KernelLinear
 
     head = output_embeddings(model)
     inside_fused = {id(m.linear) for m in model.modules() if isinstance(m, FusedProjection)}
@@ -148,7 +148,6 @@ def model_weight_bytes(model: nn.Module) -> int:
     """Bytes the weights occupy: parameters, buffers, the storages of kernel layers (packed codes
     and scales), bitsandbytes' quantization state, which hangs off its parameters. A tensor
     reachable twice (a tied embedding and LM head) counts once."""
-    from engine.kernels.linear import KernelLinear
 
     seen: set[tuple[int, int]] = set()
     total = 0

@@ -61,6 +61,7 @@ class BnbInt8(QuantScheme):
         return _bnb_status(device)
 
     def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
+        # bitsandbytes: optional, slow to import, and only for its own schemes
         import bitsandbytes as bnb
 
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CAST_NOTICE_FILTER)
@@ -101,6 +102,7 @@ class Bnb4bit(QuantScheme):
         return _bnb_status(device)
 
     def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
+        # bitsandbytes: optional, slow to import, and only for its own schemes
         import bitsandbytes as bnb
 
         def make(name: str, linear: nn.Linear) -> nn.Module:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.model.chat_template import render_chat
 from engine.quant.base import target_linears
+from engine.text.chat_template import render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.quant import packing
+from engine.kernels import packing
 from engine.quant.base import M, QuantizationError, QuantScheme, has_aten_kernel, replace_linears
+from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -113,8 +114,6 @@ class W8A8SmoothQuant(QuantScheme):
         return _int_mm_status(device)
 
     def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
-        from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
-
         if tokenizer is None:
             raise QuantizationError(
                 "w8a8-smoothquant calibrates on sample prompts and needs the model's tokenizer."

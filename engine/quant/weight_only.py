@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import packing
 from engine.kernels.linear import KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import Int4GroupWeight, Int8RowWeight
-from engine.quant import packing
 from engine.quant.base import M, QuantizationError, QuantScheme, missing_kernels, replace_linears
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ from engine.serve.channel import Channel, ChannelOverflow
 from engine.serve.logprobs import TokenStrings
 from engine.serve.params import Plan, chat_plan, completion_plan
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
+from engine.serve.replies import Reply
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -164,8 +165,6 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         )
 
     async def generate(kind: str, plan: Plan, stream: bool, request: Request) -> Response:
-        from engine.serve.replies import Reply
-
         loop = asyncio.get_running_loop()
         channel = Channel(loop)
         started: list[Started] = []
@@ -315,41 +314,11 @@ def _planned(make: Callable[[], Plan]) -> Plan:
 
 
 def capacity_check(core: LLMEngine, ids: list[int], plan: Plan, param: str) -> None:
-    """Refuse what the model's context or the KV pool can never hold (before it starts)."""
-    n_prompt, limit = len(ids), core.max_model_len
-    if n_prompt == 0:
-        raise ServeError("The prompt is empty.", param, "invalid_value")
-    max_tokens = plan.sampling.max_new_tokens
-    if n_prompt >= limit:
-        raise ServeError(
-            f"This model's context holds {limit} tokens, but the prompt is {n_prompt} tokens: shorten it.",
-            param,
-            "context_length_exceeded",
-        )
-    if plan.max_tokens_given and n_prompt + max_tokens > limit:
-        raise ServeError(
-            f"This model's context holds {limit} tokens, but {n_prompt + max_tokens} were asked for "
-            f"({n_prompt} in the prompt, {max_tokens} in max_tokens): lower max_tokens or shorten the prompt.",
-            "max_tokens",
-            "context_length_exceeded",
-        )
-    pool, bs = core.kv.pool.num_blocks, core.kv.block_size
-    seqs = plan.sampling.group_size
-    # The least the request can ever run in: its prompt and first token (with max_tokens: all
-    # of them, for every sequence). A group's samples or beams share the prompt's full blocks;
-    # each writes its own copy of the partial one onwards.
-    tokens = max_tokens if plan.max_tokens_given else 1
-    if seqs == 1:
-        need = -(-(n_prompt + tokens) // bs)
-    else:
-        need = n_prompt // bs + seqs * -(-(n_prompt % bs + tokens) // bs)
-    what = f"its {n_prompt}-token prompt"
-    if plan.max_tokens_given:
-        what += f" and {max_tokens} new tokens" + (f" for each of {seqs} sequences" if seqs > 1 else "")
-    if need > pool:
-        raise ServeError(
-            f"The KV pool ({pool} blocks of {bs} tokens, {pool * bs} tokens) can never hold this request: "
-            f"{what} need {need} blocks. Lower max_tokens or n, or start the server with a larger KV budget.",
-            "max_tokens" if plan.max_tokens_given else param,
-            "kv_cache_too_small",
-        )
+    """Refuse what the model's context or the KV pool can never hold (before it starts), with the
+    engine's own reason (engine.limits) in OpenAI's error shape."""
+    given = plan.sampling.max_new_tokens if plan.max_tokens_given else None
+    refusal = core.limits.refusal(len(ids), given, plan.sampling.group_size)
+    if refusal is None:
+        return
+    code = {"empty": "invalid_value", "context": "context_length_exceeded", "pool": "kv_cache_too_small"}
+    raise ServeError(refusal.message, "max_tokens" if refusal.new_tokens else param, code[refusal.limit])

@@ -25,6 +25,7 @@ from engine.events import BlockEvent, Event, ModelInfo
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
+from engine.serve.logprobs import token_bytes_table
 from engine.serve.metrics import ServeMetrics
 from engine.serve.snapshot import BlockMirror, state_events
 
@@ -72,16 +73,15 @@ class EngineBridge:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Load the model (on the engine thread) and wait for it; raises with the load error."""
-        from engine.serve.logprobs import token_bytes_table
 
         self.engine.start()
-        info = self.engine.wait_until_loaded(timeout)
+        info = self.engine.info if self.engine.wait_until_loaded(timeout) else None
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
         self.metrics = ServeMetrics(self.model_name)
-        self.max_model_len, self.token_bytes = self.engine.call(
-            lambda core: (core.max_model_len, token_bytes_table(core.tokenizer))
+        self.max_model_len, self.token_bytes = self.engine._call(
+            lambda core: (core.limits.context_window, token_bytes_table(core.tokenizer))
         ).result()
 
     def shutdown(self) -> None:
@@ -134,7 +134,7 @@ class EngineBridge:
             core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
             return Started(request_id, len(ids))
 
-        return await asyncio.wrap_future(self.engine.call(begin))
+        return await asyncio.wrap_future(self.engine._call(begin))
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
@@ -156,7 +156,7 @@ class EngineBridge:
             with self._lock:
                 self._subscribers.add(channel)
 
-        await asyncio.wrap_future(self.engine.call(attach))
+        await asyncio.wrap_future(self.engine._call(attach))
         return channel
 
     def unsubscribe(self, channel: Channel) -> None:

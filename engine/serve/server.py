@@ -60,6 +60,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_uvicorn(bridge: EngineBridge, api_key: str | None, log_level: str = "warning") -> uvicorn.Server:
+    # uvicorn and fastapi (the app): imported when a server is made, so the CLI checks its
+    # arguments and the bind address (this module's other helpers) before paying for them.
     import uvicorn
 
     from engine.serve.app import build_app

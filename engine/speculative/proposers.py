@@ -9,14 +9,33 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers import DynamicCache
 
-from engine.core.sequence import Sequence
+from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.model.loaded import LoadedModel
+from engine.model.loading import load_model
 from engine.sampling.sampler import Sampler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from engine.config import EngineConfig
-    from engine.model.loaded import LoadedModel
+
+class Sequence(Protocol):
+    """What a proposer reads of a sequence (engine.core.sequence.Sequence): its committed tokens,
+    where its prompt ends, and its sampling settings."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
 
 
 class Proposer(Protocol):
@@ -167,9 +186,6 @@ def make_proposer(config: EngineConfig, loaded: LoadedModel) -> Proposer:
     if spec.method == "self":
         layers = spec.self_draft_layers or max(1, loaded.info.num_layers // 4)
         return DraftModelProposer(first_layers(loaded.model, layers), name=f"self ({layers} layers)")
-    from engine.config import ModelSpec
-    from engine.model.loading import load_model
-
     assert spec.draft_model, "SpeculativeConfig requires a draft model for 'draft'"
     draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
@@ -185,8 +201,6 @@ def check_same_tokenizer(
     target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """Draft tokens are target tokens: the two vocabularies must agree."""
-    from engine.config import ConfigError
-
     same = len(target_tokenizer) == len(draft_tokenizer) and target_tokenizer.encode(
         PROBE_TEXT
     ) == draft_tokenizer.encode(PROBE_TEXT)

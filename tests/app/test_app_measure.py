@@ -6,8 +6,8 @@ import math
 
 from app_windows import TEST_NUM_BLOCKS
 
-from app.measure import TARGET_THROUGHPUT_RATIO, TARGET_WORST_DELAY_MS, run_measurement
 from engine.config import EngineConfig
+from tools.measure_app import TARGET_THROUGHPUT_RATIO, TARGET_WORST_DELAY_MS, run_measurement
 
 
 def test_measurement_reports_probe_delay_and_throughput_ratio(qtbot, tiny_loaded):

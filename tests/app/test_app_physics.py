@@ -17,9 +17,9 @@ from app.physics.limits import roof_of
 from app.physics.sweep import sweep_device
 from engine.config import SamplingParams
 from engine.events import StepStats
-from engine.kv.storage import PagedKVStorage
 from engine.measure import device_limits
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
+from engine.model.kv_storage import PagedKVStorage
 from engine.units import GIB
 
 # The engine tests' hand-written model folders (tests/engine is on the path only when its tests run).
@@ -206,7 +206,7 @@ def test_a_pools_kv_dtype_is_read_from_its_size():
 
     from app.physics.calculator import pool_kv_dtype
     from engine.events import ModelLoaded
-    from engine.model.shapes import kv_bytes_per_token
+    from engine.shapes import kv_bytes_per_token
 
     info = model_info(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
     for kv_dtype in ("auto", "int8"):

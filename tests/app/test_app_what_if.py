@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 from test_app_chat import send_and_wait, use_params
 
-from engine.sampling import what_if as what_if_module
-from engine.sampling.what_if import WhatIf
+from engine.core import what_if as what_if_module
+from engine.core.what_if import WhatIf
 from widgets.what_if_state import WHAT_IF_HOW
 
 TIMEOUT_MS = 60_000

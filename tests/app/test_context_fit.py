@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.chat.context_fit import fit, reply_room
+from app.chat.context_fit import refusal
+from engine.api import fit, reply_room
 from engine.request import ChatMessage
 
 SYSTEM = [ChatMessage("system", "s" * 10)]
@@ -46,7 +47,7 @@ def test_refuse_sends_nothing_and_says_what_to_do():
     history = turns(40, 40, 40, 40)
     result = fit(count, SYSTEM, history, [ChatMessage("user", "q")], 120, 1000, 20, "refuse")
     assert not result.fits and result.dropped == 0
-    message = result.refusal()
+    message = refusal(result)
     assert "context window holds 120" in message and "Drop the oldest turns" in message
 
 
@@ -55,12 +56,12 @@ def test_a_message_too_long_on_its_own_is_refused_under_either_setting():
     for policy in ("drop", "refuse"):
         result = fit(count, SYSTEM, turns(10, 10), long, 200, 1000, 20, policy)
         assert not result.fits
-    assert "shorten it" in fit(count, SYSTEM, [], long, 200, 1000, 20, "drop").refusal()
+    assert "shorten it" in refusal(fit(count, SYSTEM, [], long, 200, 1000, 20, "drop"))
 
 
 def test_the_kv_pool_can_be_the_tighter_limit():
     result = fit(count, SYSTEM, turns(50, 50), [ChatMessage("user", "q")], 2048, 100, 20, "refuse")
-    assert result.limit == 100 and not result.fits and "KV pool holds 100" in result.refusal()
+    assert result.limit == 100 and not result.fits and "KV pool holds 100" in refusal(result)
 
 
 @pytest.mark.parametrize("max_new, limit, room", [(256, 8192, 256), (4096, 8192, 2048), (0, 100, 1)])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from app.paths import asset_path
-from engine.model.errors import ModelLoadError
+from engine.errors import ModelLoadError
 from engine.model.sources import DEFAULT_GGUF_NAME, default_gguf_path
 from engine.resources import resource
 

@@ -18,8 +18,8 @@ from app.quality.jobs import CONVERSATION, EVAL_TEXT, QualityJob, QualityUnavail
 from app.settings import ModelChoice
 from engine.config import ModelSpec, SamplingParams
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
-from engine.model.shapes import ModelShapes
 from engine.quant.schemes import get_scheme
+from engine.shapes import ModelShapes
 
 QUALITY_TIMEOUT_MS = 180_000
 INT8 = "int8-weight-only"
@@ -237,8 +237,7 @@ def test_short_memory_is_said_instead_of_running_the_reference(tiny_folder, monk
 
 
 def test_a_long_conversation_keeps_its_last_tokens_and_the_reply_position(tiny_loaded, monkeypatch):
-    from app.quality import compute as quality_compute
-    from app.quality.jobs import ReplyTokens
+    from engine.bench import quality_run
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     from engine.request import ChatMessage, Request
@@ -246,16 +245,16 @@ def test_a_long_conversation_keeps_its_last_tokens_and_the_reply_position(tiny_l
     messages = (ChatMessage("user", "Tell me about the sea, the sky and the wind in a few words."),)
     prompt = LLMEngine(tiny_loaded, EngineConfig(num_blocks=1)).prompt_ids(Request(messages=messages))
     reply_ids = (101, 102, 103)
-    monkeypatch.setattr(quality_compute, "MAX_TOKENS", len(prompt) - 5)
+    monkeypatch.setattr(quality_run, "MAX_TOKENS", len(prompt) - 5)
 
-    def job(prompt_tokens: int) -> QualityJob:
-        reply = ReplyTokens(1, 7, prompt_tokens, reply_ids, ((),) * 3)
-        return QualityJob(ModelSpec("test"), "auto", CONVERSATION, messages, reply)
+    def token_ids(prompt_tokens: int):
+        # the run's text for a job whose reply the engine counted `prompt_tokens` of prompt for
+        return quality_run._token_ids(tiny_loaded, ModelSpec("test"), messages, reply_ids, prompt_tokens)
 
-    ids, start, cut = quality_compute._token_ids(job(len(prompt)), tiny_loaded)
+    ids, start, cut = token_ids(len(prompt))
     assert cut == 8 and len(ids) == len(prompt) - 5
     assert ids == [*prompt, *reply_ids][8:]
     assert start == len(prompt) - 8 and tuple(ids[start:]) == reply_ids
     # a prompt that no longer matches the engine's count: the text is compared, without positions
-    ids, start, _ = quality_compute._token_ids(job(len(prompt) + 1), tiny_loaded)
+    ids, start, _ = token_ids(len(prompt) + 1)
     assert start is None and tuple(ids[-3:]) == reply_ids

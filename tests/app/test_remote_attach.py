@@ -66,7 +66,7 @@ def test_attached_to_kvscope_every_panel_works_from_its_events(qtbot, make_windo
     assert reply.content == server_reply(server) and reply.model == host.model_name  # stored, server named
     # the remote engine's own state, folded from its events exactly as a local engine's
     assert live.page_map.num_blocks == 128
-    truth = server.bridge.engine.call(
+    truth = server.bridge.engine._call(
         lambda core: [(b.ref_cnt, b.num_tokens, b.block_hash is not None) for b in core.kv.pool.blocks]
     ).result(10)
     qtbot.waitUntil(lambda: not live.page_map.ref_count.any(), timeout=REPLY_TIMEOUT_MS)

@@ -112,7 +112,8 @@ def test_host_call_runs_on_the_engine_thread(qtbot, tiny_loaded):
             report(threading.current_thread().name)
             return core.kv.pool.num_blocks
 
-        call = host.call(work, progress=True)
+        # a question of the test's own, asked the way every EngineClient question is
+        call = host.ask(lambda engine, report: engine._call(lambda core: work(core, report)), progress=True)
         seen = record(call)
         with qtbot.waitSignal(call.finished, timeout=TIMEOUT_MS):
             pass
@@ -122,13 +123,13 @@ def test_host_call_runs_on_the_engine_thread(qtbot, tiny_loaded):
             ("returned", (64,), gui),
             ("finished", (), gui),
         ]
-        failing = host.call(lambda core: core.no_such_thing)
+        failing = host.ask(lambda engine: engine._call(lambda core: core.no_such_thing))
         with qtbot.waitSignal(failing.errored, timeout=TIMEOUT_MS) as errored:
             pass
         assert errored.args[0].startswith("AttributeError:")
     finally:
         host.shutdown()
-    stopped = host.call(lambda core: 1)
+    stopped = host.ask(lambda engine: engine.limits())
     with qtbot.waitSignal(stopped.errored, timeout=TIMEOUT_MS) as errored:
         pass
     assert errored.args == ["no model is loaded"]

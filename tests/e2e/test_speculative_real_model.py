@@ -3,10 +3,10 @@ the n-gram and the self-draft proposers, and repeating a text gets drafts accept
 
 import pytest
 
+from engine.bench.bench_speculative import PASSAGE
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
-from engine.measure.bench_speculative import PASSAGE
 from engine.request import Request
 
 pytestmark = pytest.mark.slow

@@ -11,14 +11,14 @@ from tiny_models import make_tiny_llama
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestStarted
-from engine.model.chat_template import (
+from engine.model.loaded import LoadedModel
+from engine.request import ChatMessage, Request
+from engine.text.chat_template import (
     NOTE_PLAIN_TEXT,
     NOTE_SYSTEM_MERGED,
     chat_note,
     render_chat,
 )
-from engine.model.loaded import LoadedModel
-from engine.request import ChatMessage, Request
 
 # google/gemma-2-2b-it's tokenizer_config.json chat_template, verbatim.
 GEMMA_TEMPLATE = (

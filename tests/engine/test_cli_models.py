@@ -14,7 +14,8 @@ from hub_server import TOKEN, Fault, HubServer, Repo, repo_from_folder, use_hub
 from model_folders import save_tiny_model
 
 from engine.cli.main import main
-from engine.model.local_models import find_local_models, ollama_models
+from engine.hub.cache import find_local_models
+from engine.model.local_models import ollama_models
 from engine.model.sources import default_gguf_path, resolve_source
 
 TINY = "kvscope-test/tiny-llama-chat"

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from engine.kv.attention import LayerAttention, PagedBatch, SeqSlice, attend
-from engine.kv.storage import PagedKVStorage, block_index
+from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
+from engine.model.layer_attention import LayerAttention
+from engine.model.paged_attention import PagedBatch, attend
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 3, 16, 4, 1024
 

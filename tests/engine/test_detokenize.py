@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.text.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 TEXTS = {
     "chinese": "你好，世界！今天天气很好，我们去公园散步吧。",

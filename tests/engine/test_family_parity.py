@@ -18,9 +18,9 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished
-from engine.kv import attention
-from engine.kv.storage import PagedKVStorage
 from engine.model import llama_forward
+from engine.model import paged_attention as attention
+from engine.model.kv_storage import PagedKVStorage
 from engine.model.loaded import LoadedModel
 from engine.model.support import SUPPORTED, support_for
 from engine.request import Request

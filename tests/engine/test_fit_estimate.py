@@ -10,11 +10,12 @@ import gc
 
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf_files import KQUANT_HIDDEN, VOCAB, write_kquant_llama
+from gguf_files import write_kquant_llama
 
 from engine.config import EngineConfig, ModelSpec
 from engine.core.service import Engine
 from engine.events import MemorySample, ModelLoaded
+from engine.kernels import native
 from engine.model import gguf_plan, loading
 from engine.model.inspect import inspect_model
 from engine.model.runtime_memory import give_back_freed_memory, runtime_estimate
@@ -22,6 +23,10 @@ from engine.model.runtime_memory import give_back_freed_memory, runtime_estimate
 MIB = 2**20
 POOL = 64 * MIB
 TOLERANCE = 0.10
+# The process's resident set after the same load differs from one load to the next by up to ~9%
+# on the packaged model here (two loads in one process: 829 and 907 MiB; freed memory the
+# allocator keeps, the garbage of the engine before): the estimate is held within 15%.
+PROCESS_TOLERANCE = 0.15
 
 
 @pytest.fixture
@@ -46,68 +51,92 @@ def any_tokenizer(monkeypatch, default_tokenizer):
     )
 
 
-def lines_of(plan) -> dict[str, tuple[str, str, int]]:
-    return {line.ggml_type: (line.kind, line.held_as, line.tensors) for line in plan.lines}
+def lines_of(plan) -> dict[tuple[str, str], tuple[str, int]]:
+    return {(line.ggml_type, line.held_as): (line.kind, line.tensors) for line in plan.lines}
 
 
-def test_the_plan_says_per_type_what_a_native_load_holds(kquant_files):
+@pytest.fixture(params=["kvk", "without kvk"])
+def kernels(request, monkeypatch):
+    """The two ways a load keeps a file here: the kvk kernels, or torch's layouts without them."""
+    if request.param == "kvk" and native.kernels() is None:
+        pytest.skip(f"no kvk kernels here: {native.status()}")
+    if request.param != "kvk":
+        monkeypatch.setattr(native, "kernels", lambda: None)
+    return request.param
+
+
+def test_the_plan_says_per_type_what_a_native_load_holds(kquant_files, kernels):
     tied, untied = kquant_files
     plan = gguf_plan.plan_file(tied, "float32")
-    assert lines_of(plan) == {
-        "Q4_K": ("kept", "int4-g32", 10),  # q, k, o, gate, up of 2 layers
-        "Q6_K": ("dequantized", "float32", 5),  # v, down of 2 layers and the embedding
-        "F32": ("dequantized", "float32", 5),  # the norms
-    }
-    assert plan.head_copy_bytes == 0  # tied to a dequantized embedding: the head is that tensor
-    q4k = next(line for line in plan.lines if line.ggml_type == "Q4_K")
-    # int4 groups of 32: half a byte a weight and a bfloat16 scale and zero per group
-    assert q4k.held_bytes == q4k.file_bytes // 144 * 256 * 5 // 8
+    if kernels == "kvk":  # every type as the file stores it, memory-mapped
+        assert lines_of(plan) == {
+            ("Q4_K", "q4_k"): ("kept", 10),  # q, k, o, gate, up of 2 layers
+            ("Q6_K", "q6_k"): ("kept", 5),  # v, down of 2 layers and the embedding
+            ("F32", "float32"): ("dequantized", 5),  # the norms, in the load dtype
+        }
+        assert plan.held_bytes == plan.file_bytes
+    else:
+        assert lines_of(plan) == {
+            ("Q4_K", "int4-g32"): ("kept", 10),
+            ("Q6_K", "bfloat16"): ("dequantized", 4),  # linear weights no kernel keeps: bfloat16
+            ("Q6_K", "float32"): ("dequantized", 1),  # the embedding, in the load dtype
+            ("F32", "float32"): ("dequantized", 5),
+        }
+        q4k = next(line for line in plan.lines if line.ggml_type == "Q4_K")
+        # int4 groups of 32: half a byte a weight and a bfloat16 scale and zero per group
+        assert q4k.held_bytes == q4k.file_bytes // 144 * 256 * 5 // 8
+    assert plan.head_copy_bytes == 0  # the head reads the embedding's storage: one copy
     plan = gguf_plan.plan_file(untied, "bfloat16")
-    assert lines_of(plan)["Q8_0"] == ("kept", "q8_0", 1)  # the embedding's blocks, looked up as they are
-    assert lines_of(plan)["Q6_K"] == ("dequantized", "bfloat16", 1)  # the head, dequantized
-    assert plan.head_copy_bytes == 0  # a dense head needs no copy
+    assert lines_of(plan)[("Q8_0", "q8_0")] == ("kept", 1)  # the embedding's blocks, rows looked up
+    head = ("Q6_K", "q6_k") if kernels == "kvk" else ("Q6_K", "bfloat16")
+    assert lines_of(plan)[head] == ("kept" if kernels == "kvk" else "dequantized", 1)
     # the transformers path: every tensor in the dtype
-    assert {
-        kind for kind, _, _ in lines_of(gguf_plan.plan_file(untied, "float32", native=False)).values()
-    } == {"dequantized"}
+    kinds = {kind for kind, _ in lines_of(gguf_plan.plan_file(untied, "float32", native=False)).values()}
+    assert kinds == {"dequantized"}
 
 
-def test_a_q8_0_head_counts_its_per_row_copy(tmp_path):
-    path = write_kquant_llama(tmp_path / "q8-head.gguf", embedding_type=Q.Q8_0)
-    plan = gguf_plan.plan_file(path, "float32")
-    assert plan.head_copy_bytes == (
-        gguf_plan.per_row_int8_bytes(VOCAB, KQUANT_HIDDEN) if "q8_0" in gguf_plan.HEAD_COPIES else 0
-    )
-
-
-def load(source: str) -> tuple[ModelLoaded, MemorySample]:
+def start(source: str) -> tuple[Engine, ModelLoaded, MemorySample]:
+    """An engine loaded from `source`, still running, and its first events."""
     events: list = []
     engine = Engine(
         EngineConfig(model=ModelSpec(source, "float32", "cpu"), kv_budget_bytes=POOL), sink=events.append
     )
     engine.start()
-    try:
-        assert engine.wait_until_loaded(600) is not None, engine.load_error
-    finally:
+    if engine.wait_until_loaded(600) is None:
         engine.shutdown()
+        pytest.fail(f"{source} did not load: {engine.load_error}")
     loaded = next(e for e in events if isinstance(e, ModelLoaded))
     memory = next(e for e in events if isinstance(e, MemorySample))
+    return engine, loaded, memory
+
+
+def release(engine: Engine) -> None:
+    """As the app replaces an engine: stopped, its model collected, the freed memory handed back."""
+    engine.shutdown()
+    del engine
+    gc.collect()
+    give_back_freed_memory()
+
+
+def load(source: str) -> tuple[ModelLoaded, MemorySample]:
+    engine, loaded, memory = start(source)
+    release(engine)
     return loaded, memory
 
 
-def assert_close(estimated: int, measured: int, what: str) -> None:
-    assert abs(estimated - measured) <= TOLERANCE * measured, (
+def assert_close(estimated: int, measured: int, what: str, tolerance: float = TOLERANCE) -> None:
+    assert abs(estimated - measured) <= tolerance * measured, (
         f"{what}: estimated {estimated / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB"
     )
 
 
-def estimate_then_load(source: str) -> None:
-    # the engine before is gone (the app collects a replaced engine before the next load)
-    gc.collect()
-    give_back_freed_memory()
+def estimate_then_replace(running: Engine, source: str) -> Engine:
+    """As the app does it: the estimate made while the last model runs (the picker reads it when
+    the choice changes), then that engine replaced by a load of `source`; the two compared."""
     est = inspect_model(source, dtype="float32")
     runtime = runtime_estimate()
-    loaded, memory = load(source)
+    release(running)
+    engine, loaded, memory = start(source)
     process = runtime.process_with(est["weight_bytes"] + POOL)
     print(  # shown with -s: the figures the app puts side by side
         f"{source}: weights {est['weight_bytes'] / MIB:.1f} -> {loaded.info.weight_bytes / MIB:.1f} MiB, "
@@ -115,10 +144,11 @@ def estimate_then_load(source: str) -> None:
     )
     assert_close(est["weight_bytes"], loaded.info.weight_bytes, f"{source}: weights")
     # the process: the measured runtime beside the planned weights and the pool asked for
-    assert_close(process, memory.process_bytes, f"{source}: process")
+    assert_close(process, memory.process_bytes, f"{source}: process", PROCESS_TOLERANCE)
+    return engine
 
 
-def test_the_weights_estimate_holds_for_k_quant_files(kquant_files, any_tokenizer):
+def test_the_weights_estimate_holds_for_k_quant_files(kquant_files, any_tokenizer, kernels):
     for path in kquant_files:
         est = inspect_model(str(path), dtype="float32")
         loaded, _ = load(str(path))
@@ -127,13 +157,14 @@ def test_the_weights_estimate_holds_for_k_quant_files(kquant_files, any_tokenize
 
 
 @pytest.mark.slow
-def test_estimate_and_measured_within_10_percent_for_the_packaged_model_and_k_quant_files(
+def test_estimate_and_measured_side_by_side_for_the_packaged_model_and_k_quant_files(
     kquant_files, any_tokenizer
 ):
-    """Weights and the whole process, as the app shows them side by side after a load: the
-    packaged model (loaded once first, so the runtime is this process's, measured), then the
-    K-quant files beside the same runtime."""
-    load("default")
-    estimate_then_load("default")
+    """Weights (within 10%) and the whole process (within 15%), as the app shows them side by
+    side after a load: the packaged model replacing itself (loaded once first, so the runtime is
+    this process's, measured), then the K-quant files replacing it."""
+    engine, _, _ = start("default")
+    engine = estimate_then_replace(engine, "default")
     for path in kquant_files:
-        estimate_then_load(str(path))
+        engine = estimate_then_replace(engine, str(path))
+    release(engine)

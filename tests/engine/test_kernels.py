@@ -13,9 +13,9 @@ from tiny_models import make_tiny_llama
 from engine.kernels import int4_layout
 from engine.kernels import policy as policy_module
 from engine.kernels.linear import KernelLinear, fuse_projections
+from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.policy import ROW_BUCKETS, KernelPolicy, table_key
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight
-from engine.quant.packing import quantize_int4_groups, quantize_int8_per_row
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

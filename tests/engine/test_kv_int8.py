@@ -6,11 +6,11 @@ import torch
 from test_paged_attention import paged_forward
 from tiny_models import make_tiny_llama
 
+from engine.bench.quality import greedy_agreement
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
-from engine.kv.storage import PagedKVStorage
-from engine.measure.quality import greedy_agreement
+from engine.model.kv_storage import PagedKVStorage
 from engine.request import Request
 
 VOCAB = 500

@@ -16,13 +16,13 @@ from model_folders import (
     write_config,
 )
 
+from engine.cache_dirs import SOURCE_MARKER, is_converted, publish_atomically, source_fingerprint
 from engine.config import ModelSpec
+from engine.errors import ModelLoadError, describe_load_error
+from engine.hub.cache import hf_cache_models
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
 from engine.model import default_model
-from engine.model.cache_dirs import SOURCE_MARKER, is_converted, publish_atomically, source_fingerprint
-from engine.model.errors import ModelLoadError, describe_load_error
 from engine.model.loading import load_model
-from engine.model.local_models import hf_cache_models
 from engine.model.sources import default_gguf_path
 
 

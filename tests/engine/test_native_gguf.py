@@ -1,6 +1,7 @@
-"""`--quantization native`: GGUF blocks read with their codes exact (gguf's own dequantization
-bit for bit), the model they make close to its dequantized twin, batched decoding equal to lone
-decoding, and clear messages for files that cannot be kept or read."""
+"""`--quantization native`: GGUF tensors kept as the file's blocks (every common type, on kvk's
+kernels; the int4/Q8_0 torch layouts on the slower path, their codes exact), the model they make
+close to its dequantized twin, an exact head, batched decoding equal to lone decoding, and clear
+messages for files that cannot be kept or read."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from tiny_models import IdTokenizer
 
 from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
+from engine.errors import ModelLoadError
 from engine.events import RequestFinished
-from engine.kernels import gguf_blocks
-from engine.kernels.linear import KernelLinear
+from engine.kernels import gguf_blocks, native
+from engine.kernels.gguf_weight import GGUFWeight
+from engine.kernels.linear import FusedProjection, KernelHead, KernelLinear, StackedLinear
 from engine.kernels.policy import KernelPolicy
-from engine.model.errors import ModelLoadError
 from engine.model.gguf_native import QuantEmbedding, load_native
+from engine.model.llama_forward import EXECUTOR
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model, resolve_scheme
 from engine.model.sources import resolve_source
@@ -79,6 +82,18 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_llama(path, {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "ffn_down": Q.Q8_0})
 
 
+def maps_the_file(array: np.ndarray) -> bool:
+    """Whether the array is a view of a file mapping (not a copy in memory)."""
+    import mmap
+
+    base: object = array
+    while isinstance(base, np.ndarray):
+        if isinstance(base, np.memmap):
+            return True
+        base = base.base
+    return isinstance(base, mmap.mmap)
+
+
 def reference_model(path):
     """The same file dequantized by transformers' own GGUF loader: the 'none' twin."""
     from transformers import AutoModelForCausalLM
@@ -90,16 +105,15 @@ def test_native_model_keeps_the_blocks_and_matches_its_dequantized_twin(tiny_ggu
     model, report = load_native(tiny_gguf, torch.float32, KernelPolicy(), lambda s, f: None)
     assert report.kept == {"Q4_1": 10, "Q4_0": 2, "Q8_0": 3}  # 2 layers x (5 Q4_1, q, down), embedding
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
-    assert (
-        isinstance(model.lm_head, KernelLinear) and model.lm_head.storage is model.model.embed_tokens.storage
-    )
+    # one copy of the tied head: the embedding's blocks
+    assert isinstance(model.lm_head, KernelHead) and model.lm_head.storage is model.model.embed_tokens.storage
     attn = model.model.layers[0].self_attn
-    assert (
-        attn.q_proj.storage.kind == "int4-g32" and model.model.layers[0].mlp.down_proj.storage.kind == "q8_0"
-    )
+    assert attn.q_proj.storage.kind == "q4_0" and model.model.layers[0].mlp.down_proj.storage.kind == "q8_0"
+    # the blocks are views of the file's mapping, not copies
+    assert isinstance(attn.q_proj.storage, GGUFWeight) and maps_the_file(attn.q_proj.storage.blocks)
     twin = reference_model(tiny_gguf)
     # the weights are the file's exactly (q/k rows in transformers' order, llama.cpp's RoPE
-    # permutation undone), so only the kernels' bfloat16 activations differ
+    # permutation undone by the kernel's row map), so only the kernels' 8-bit activations differ
     for name in (
         "model.layers.0.self_attn.q_proj",
         "model.layers.1.self_attn.k_proj",
@@ -138,7 +152,7 @@ def test_batched_native_decoding_equals_lone_native_decoding(tiny_gguf):
     loaded = native_loaded(tiny_gguf)
     prompts = [list(range(5, 30)), [7, 8, 9], list(range(60, 71))]
     together, engine = run(loaded, prompts)
-    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert engine.runner.executor == EXECUTOR
     alone = [run(loaded, [p])[0][0] for p in prompts]
     assert together == alone
 
@@ -157,22 +171,57 @@ def test_step_stats_name_the_kernels_and_count_the_bytes_they_read(tiny_gguf):
     from engine.events import StepStats
 
     decode = [e for e in events if isinstance(e, StepStats) and e.decode_tokens][-1]
-    assert "int4-g32/" in decode.kernel and "q8_0/" in decode.kernel
-    # what each layer's matmul reads: its storage, or for the head its per-row scout
-    read = [
-        getattr(m, "scout", None) or m.storage for m in loaded.model.modules() if isinstance(m, KernelLinear)
-    ]
+    assert "q4_1/kvk" in decode.kernel and "q8_0/exact" in decode.kernel  # the layers, the exact head
+    read = [s for m in loaded.model.modules() if isinstance(m, KernelLinear) for s in m.storages()]
     packed_bytes = sum({id(s): s.nbytes for s in read}.values())
     assert decode.cost is not None and decode.logit_rows == 1
     assert decode.cost.breakdown["bytes_layer_weights"] >= packed_bytes
 
 
-def test_a_tensor_type_without_a_kernel_is_dequantized_and_said(tmp_path):
-    path = write_tiny_llama(tmp_path / "q5.gguf", {"attn_v": Q.Q5_0})
+def test_a_tensor_type_without_a_kernel_is_dequantized_to_bfloat16_and_said(tmp_path):
+    path = write_tiny_llama(tmp_path / "mxfp4.gguf", {"attn_v": Q.MXFP4})
     model, report = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
-    assert report.dequantized["Q5_0"] == 2
-    assert "dequantized (no kernel keeps them): Q5_0 x2" in report.summary()
-    assert type(model.model.layers[0].self_attn.v_proj) is torch.nn.Linear
+    assert report.dequantized["MXFP4"] == 2
+    assert "dequantized to bfloat16 (no kernel keeps them): MXFP4 x2" in report.summary()
+    v_proj = model.model.layers[0].self_attn.v_proj
+    assert isinstance(v_proj, KernelLinear) and v_proj.storage.kind == "dense-bf16"  # never float32
+    assert report.dequantized_bytes == 2 * v_proj.out_features * v_proj.in_features * 2
+
+
+def test_without_kvk_the_slower_path_keeps_what_torch_kernels_hold_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    path = write_tiny_llama(tmp_path / "slow.gguf", {"attn_q": Q.Q4_0, "attn_v": Q.Q5_0})
+    model, report = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.storage.kind == "int4-g32" and attn.k_proj.storage.kind == "int4-g32"
+    assert attn.v_proj.storage.kind == "dense-bf16" and report.dequantized["Q5_0"] == 2
+    assert any(note.startswith("slower path:") for note in report.notes)
+    assert model.model.embed_tokens.storage.kind == "q8_0"  # the torch Q8_0 block layout
+
+
+def test_a_k_quant_file_is_kept_whole_with_mixed_fused_projections(tmp_path):
+    """A Q4_K_M-like file: Q4_K layers with Q6_K v and down projections, a Q6_K output tensor and a
+    Q4_K embedding: every tensor at its own bits, q/k/v and gate/up fused across the formats, the
+    head exact, the model close to its dequantized twin, batched equal to alone."""
+    types = {r: Q.Q4_K for r in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+    types |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
+    path = write_tiny_llama(tmp_path / "q4km.gguf", types, hidden=256, embedding_type=Q.Q4_K, output_type=Q.Q6_K)
+    model, report = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
+    assert report.kept == {"Q4_K": 11, "Q6_K": 5} and not report.dequantized.get("Q4_K")
+    loaded = LoadedModel.from_model(model, IdTokenizer(VOCAB), name="q4km", source=str(path), scheme="native")
+    attn = loaded.model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, FusedProjection) and isinstance(attn.qkv_proj.linear, StackedLinear)
+    assert [p.storage.kind for p in attn.qkv_proj.linear.parts] == ["q4_k", "q4_k", "q6_k"]
+    assert loaded.model.lm_head.storage.kind == "q6_k"
+    twin = reference_model(path)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        got, want = model(ids).logits.float(), twin(ids).logits.float()
+    assert float((got - want).norm() / want.norm()) < 3e-2
+    prompts = [list(range(5, 30)), [7, 8, 9], list(range(60, 71))]
+    together, engine = run(loaded, prompts)
+    assert engine.runner.executor == "kvscope's own forward"
+    assert together == [run(loaded, [p])[0][0] for p in prompts]
 
 
 def test_a_truncated_gguf_is_a_message_not_a_traceback(tmp_path):
@@ -203,5 +252,31 @@ def test_the_own_forward_still_runs_the_hooks_someone_registered(tiny_gguf):
         tokens, engine = run(loaded, [list(range(5, 12))])
     finally:
         handle.remove()
-    assert engine.runner.executor == "kvscope Llama-family forward"
+    assert engine.runner.executor == EXECUTOR
     assert seen == [7] + [1] * (len(tokens[0]) - 1)  # the prefill's 7 rows, then one per decode
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The conversion reads kvscope's own parse of the header, and its result is kept: the second
+    load does not convert again, and both tokenize as transformers does (the packaged GGUF)."""
+    from transformers import AutoTokenizer
+
+    from engine.model import gguf_tokenizer
+    from engine.model.sources import default_gguf_path
+
+    tiny_chat_gguf = default_gguf_path()
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    first = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
+    converted = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k)
+    )
+    second = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
+    assert converted == [None]  # read from the cached folder, not converted from the GGUF
+    reference = real(tiny_chat_gguf.parent, gguf_file=tiny_chat_gguf.name)
+    for text in ("Hello, world!", "two  spaces\tand a tab"):
+        assert first(text)["input_ids"] == second(text)["input_ids"] == reference(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -5,8 +5,8 @@ import torch
 from tiny_models import make_tiny_llama
 from transformers import DynamicCache
 
-from engine.kv.attention import PagedBatch, PagedCache, SeqSlice, paged_attention
-from engine.kv.storage import PagedKVStorage, block_index
+from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
+from engine.model.paged_attention import PagedBatch, PagedCache, paged_attention
 
 VOCAB = 500
 

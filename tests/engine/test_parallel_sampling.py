@@ -18,7 +18,7 @@ from engine.events import (
     StepStats,
     TokenGenerated,
 )
-from engine.kv.storage import block_index
+from engine.model.kv_storage import block_index
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama
 
-from engine.measure.quality import (
+from engine.bench.quality import (
     compare_logits,
     compare_models,
     eval_token_ids,
     greedy_agreement,
     layer_output_errors,
-    teacher_forced_logits,
 )
+from engine.model.logits import teacher_forced_logits
 from engine.quant.schemes import quantize_model
 
 

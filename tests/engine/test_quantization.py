@@ -10,7 +10,7 @@ import torch
 from tiny_models import make_tiny_llama
 from torch import nn
 
-from engine.quant import packing
+from engine.kernels import packing
 from engine.quant.base import missing_kernels, model_weight_bytes, target_linears
 from engine.quant.schemes import (
     QuantizationError,

@@ -9,7 +9,7 @@ from gguf_files import write_tiny_llama
 from model_folders import LLAMA_8B_CONFIG, fake_hf_cache
 
 from engine.cli.main import build_parser, main
-from engine.model.errors import ModelLoadError
+from engine.errors import ModelLoadError
 from engine.model.inspect import inspect_model
 from engine.model.sources import default_gguf_path, repo_file_of, resolve_source, with_gguf_file
 

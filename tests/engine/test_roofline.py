@@ -8,8 +8,8 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import StepStats
 from engine.measure.roofline import attainable_flops, bound, step_cost
-from engine.model.shapes import ModelShapes
 from engine.request import Request
+from engine.shapes import ModelShapes
 from engine.units import mbu, mfu
 
 

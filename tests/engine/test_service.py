@@ -52,7 +52,7 @@ def running(tiny_loaded):
     sink = Sink()
     engine = Engine(EngineConfig(block_size=4, num_blocks=256), sink, loaded=tiny_loaded)
     engine.start()
-    assert engine.wait_until_loaded(30) is not None
+    assert engine.wait_until_loaded(30)
     yield engine, sink
     engine.shutdown()
     assert not engine.is_alive()
@@ -138,7 +138,7 @@ def test_a_model_that_fails_to_load_reports_and_stops(tmp_path):
     sink = Sink()
     engine = Engine(EngineConfig(model=ModelSpec(str(tmp_path / "nope"))), sink)
     engine.start()
-    assert engine.wait_until_loaded(30) is None
+    assert not engine.wait_until_loaded(30)
     (failed,) = sink.of(ModelLoadFailed)
     assert failed.message == engine.load_error and "nope" in failed.message
     engine.shutdown()
@@ -150,15 +150,15 @@ def test_call_runs_on_the_engine_thread_and_returns_its_result(tiny_loaded):
     engine.start()
     try:
         engine.wait_until_loaded(60)
-        where = engine.call(lambda core: (threading.current_thread().name, core.kv.pool.num_blocks))
+        where = engine._call(lambda core: (threading.current_thread().name, core.kv.pool.num_blocks))
         assert where.result(60) == ("kvscope-engine", 16)
-        failing = engine.call(lambda core: 1 / 0)
+        failing = engine._call(lambda core: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             failing.result(60)
-        assert engine.call(lambda core: "still serving").result(60) == "still serving"
+        assert engine._call(lambda core: "still serving").result(60) == "still serving"
     finally:
         engine.shutdown()
-    late = engine.call(lambda core: "never runs")
+    late = engine._call(lambda core: "never runs")
     with pytest.raises(RuntimeError, match="stopped"):
         late.result(5)
 
@@ -173,6 +173,6 @@ def test_call_fails_when_the_model_did_not_load(tmp_path):
     try:
         engine.wait_until_loaded(60)
         with pytest.raises(RuntimeError, match="did not load"):
-            engine.call(lambda core: 1).result(10)
+            engine._call(lambda core: 1).result(10)
     finally:
         engine.shutdown()

@@ -13,7 +13,7 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, StepStats
-from engine.kv.decode_attention import DecodeGroup
+from engine.model.decode_attention import DecodeGroup
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from live.page_map import PageMap

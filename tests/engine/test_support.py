@@ -14,11 +14,11 @@ from family_configs import tiny_config
 from model_folders import LLAMA_8B_CONFIG, write_config
 
 from engine.config import ModelSpec
-from engine.model.errors import ModelLoadError
+from engine.errors import ModelLoadError
 from engine.model.layer_attention import AttentionProbeError, mask_shape, probe_attention
 from engine.model.loading import load_model
-from engine.model.shapes import ModelShapes
 from engine.model.support import SUPPORTED, check_support, support_for
+from engine.shapes import ModelShapes
 
 
 def default_config(model_type: str):

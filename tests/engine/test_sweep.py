@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from engine.config import ConfigError
-from engine.measure import device_limits
-from engine.measure.roofline import step_cost
-from engine.measure.sweep import (
+from engine.bench.sweep import (
     measure_roofline_points,
     prompt_ids,
     sweep_context_lengths,
     sweep_prompt_lengths,
 )
-from engine.model.shapes import ModelShapes
+from engine.config import ConfigError
+from engine.measure import device_limits
+from engine.measure.roofline import step_cost
+from engine.shapes import ModelShapes
 
 
 def test_prompt_ids_have_the_asked_length(default_tokenizer):

@@ -1,4 +1,4 @@
-"""The what-if is exact (engine.sampling.what_if): a generated token recomputed under its own
+"""The what-if is exact (engine.core.what_if): a generated token recomputed under its own
 settings is its recorded snapshot, and under other settings it is what the engine itself shows
 for that token under them (a request continuing the reply from the same tokens), whatever the
 tail of the vocabulary holds. The tiny random model's distribution is nearly flat over 49k
@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core import what_if as what_if_module
 from engine.core.llm_engine import LLMEngine
+from engine.core.what_if import WhatIf, what_if_notes
 from engine.events import TokenGenerated
 from engine.request import ChatMessage, Request
-from engine.sampling import what_if as what_if_module
-from engine.sampling.what_if import WhatIf, what_if_notes
 
 MESSAGES = (ChatMessage("system", "You are terse."), ChatMessage("user", "Name three colours."))
 TOKENS = 5

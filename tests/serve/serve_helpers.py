@@ -17,7 +17,7 @@ def chat(user: str = "Hello there", system: str | None = None) -> list[dict]:
 
 
 def pool_used(server) -> int:
-    return server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10)
+    return server.bridge.engine._call(lambda core: core.kv.pool.num_used).result(10)
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):

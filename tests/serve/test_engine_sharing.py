@@ -194,7 +194,7 @@ def test_the_events_stream_rebuilds_the_page_map_exactly(server, client):
             wait_for(lambda: len(late.all()) > 50, what="events after the snapshot")
             stream.close()
             wait_for(lambda: pool_used(server) == 0, what="the reply to be cancelled")
-            truth = server.bridge.engine.call(pool_state).result(10)
+            truth = server.bridge.engine._call(pool_state).result(10)
             wait_for(lambda: page_state(late.all())["ref"].sum() == 0, what="the late stream to see the free")
             wait_for(
                 lambda: page_state(early.all())["ref"].sum() == 0, what="the early stream to see the free"

@@ -56,7 +56,7 @@ def remote(request, server):
     events, records = Sink(), Sink()
     engine = RemoteEngine(RemoteTarget.parse(server.url), events, records, use_events=request.param)
     engine.start()
-    assert engine.wait_until_loaded(30) is not None
+    assert engine.wait_until_loaded(30)
     yield engine, events, records
     engine.shutdown(10)
     assert not engine.is_alive()
@@ -106,7 +106,7 @@ def test_cancel_closes_the_stream_and_the_server_frees_the_blocks(remote, server
     wait(lambda: events.of(RequestFinished, rid))
     (done,) = events.of(RequestFinished, rid)
     assert done.finish_reason == "cancelled" and done.text
-    wait(lambda: server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10) == 0)
+    wait(lambda: server.bridge.engine._call(lambda core: core.kv.pool.num_used).result(10) == 0)
 
 
 def test_a_refused_request_fails_with_the_servers_words(remote):
@@ -126,7 +126,7 @@ def test_shutdown_cancels_what_is_in_flight(server):
     wait(lambda: events.of(TokenGenerated, rid))
     engine.shutdown(10)
     assert not engine.is_alive()
-    wait(lambda: server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10) == 0)
+    wait(lambda: server.bridge.engine._call(lambda core: core.kv.pool.num_used).result(10) == 0)
     with pytest.raises(RuntimeError, match="not connected"):
         engine.submit(long_request())
 
@@ -138,4 +138,4 @@ def test_a_reply_cancelled_at_once_still_ends(remote, server):
     wait(lambda: events.of(RequestFinished, rid) or events.of(RequestFailed, rid))
     (done,) = events.of(RequestFinished, rid)
     assert done.finish_reason == "cancelled"
-    wait(lambda: server.bridge.engine.call(lambda core: core.kv.pool.num_used).result(10) == 0)
+    wait(lambda: server.bridge.engine._call(lambda core: core.kv.pool.num_used).result(10) == 0)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engine.config import DTYPES
-from engine.kv.storage import PagedKVStorage
-from engine.model.shapes import ModelShapes
+from engine.model.kv_storage import PagedKVStorage
+from engine.shapes import ModelShapes
 from engine.units import GIB
 from live.state import LiveState
 from widgets.kv_calculator import KVCalculator

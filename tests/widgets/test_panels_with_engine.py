@@ -33,7 +33,7 @@ def engine_store(tiny_loaded):
         EngineConfig(block_size=4, num_blocks=96, max_model_len=512), sink=store.push, loaded=tiny_loaded
     )
     engine.start()
-    assert engine.wait_until_loaded(60) is not None, engine.load_error
+    assert engine.wait_until_loaded(60), engine.load_error
     yield engine, store
     engine.shutdown(30)
     assert not engine.is_alive()

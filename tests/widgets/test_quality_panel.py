@@ -13,9 +13,9 @@ from hand_events import finished, model_loaded, snapshot, token
 
 from app.quality.compute import QualityResult, SpeedFigures
 from app.quality.jobs import CONVERSATION, QUALITY_SOURCES, QualityJob
+from engine.bench.quality import compare_logits
 from engine.config import ModelSpec
 from engine.events import MemorySample, RequestStarted
-from engine.measure.quality import compare_logits
 from live.state import LiveState
 from widgets.memory_panel import MemoryPanel
 from widgets.probability_panel import ProbabilityPanel

@@ -9,7 +9,7 @@ from hand_events import model_info
 
 from engine.events import KVStats, ModelLoaded, StepStats
 from engine.measure.roofline import step_cost
-from engine.model.shapes import ModelShapes
+from engine.shapes import ModelShapes
 from engine.units import mbu, mfu
 from live.state import LiveState
 from widgets.roofline_panel import Roof, RooflinePanel

@@ -3,11 +3,11 @@ engine's RequestStats once it ends; round rows with their verdicts; a slowdown s
 
 import pytest
 
-from app.speculation.measure import SpeedRun, SpeedupResult
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished, RequestStats, SpecRound
 from engine.request import Request
+from engine.results import SpeedRun, SpeedupResult
 from live.state import LiveState
 from widgets.speculation_panel import SpeculationPanel, acceptance_of, round_rows
 

@@ -47,7 +47,7 @@ def test_chunked_prefill_beside_a_decode_shows_mixed_steps(qtbot, tiny_loaded):
     engine = Engine(config, sink=store.push, loaded=tiny_loaded)
     engine.start()
     try:
-        assert engine.wait_until_loaded(60) is not None, engine.load_error
+        assert engine.wait_until_loaded(60), engine.load_error
         sampling = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
         engine.submit(Request.chat("Hi.", **sampling))
         engine.submit(Request.chat(LONG_PROMPT, **sampling))

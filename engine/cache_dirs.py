@@ -9,7 +9,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.model.errors import ModelLoadError
+from platformdirs import user_cache_dir
+
+from engine.errors import ModelLoadError
 
 # Written last into a converted folder: names the source file it came from, so a changed GGUF
 # (new wheel) re-converts and a half-written folder never counts as converted.
@@ -23,7 +25,6 @@ def cache_root() -> Path:
     override = os.environ.get("KVSCOPE_CACHE_DIR")
     if override:
         return Path(override).expanduser()
-    from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("kvscope"))
 
@@ -89,6 +90,7 @@ def exclusive(name: str) -> Iterator[None]:
     waits, then finds the folder already converted. No-op where fcntl is missing (Windows)."""
     root = writable_cache_dir(cache_root())
     try:
+        # fcntl: POSIX only; where it is missing (Windows) the lock is a no-op
         import fcntl
     except ImportError:
         yield

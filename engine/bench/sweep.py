@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, RequestFailed, RequestFinished, StepCost, StepStats
-from engine.measure.device_limits import DeviceLimits
 from engine.measure.roofline import bound, step_cost
-from engine.model.shapes import ModelShapes
+from engine.model.loading import load_model
 from engine.request import Request
+from engine.results import DeviceLimits
+from engine.shapes import ModelShapes
 from engine.units import mbu, mfu
 
 if TYPE_CHECKING:
@@ -235,7 +236,6 @@ def compare_dtypes(
     interleaved), each row with its ratio to the first dtype's figure at the same length.
 
     Raises ModelLoadError for a source or dtype that cannot be loaded (float16 on a CPU)."""
-    from engine.model.loading import load_model
 
     report = _progress(progress)
     if not dtypes or len(set(dtypes)) != len(dtypes):

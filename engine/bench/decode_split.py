@@ -13,12 +13,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+import engine.model.llama_forward as forward_module
+import engine.model.paged_attention as attention_module
+from engine.config import SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import Event, StepStats
-
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+from engine.kernels.linear import KernelLinear
+from engine.request import Request
 
 R = TypeVar("R")
 
@@ -47,12 +50,6 @@ class _Clock:
 
 def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> dict[str, float]:
     """Median milliseconds per decode step (one sequence, so per token) in each part."""
-    import engine.kv.attention as attention_module
-    import engine.model.llama_forward as forward_module
-    from engine.config import SamplingParams
-    from engine.kernels.linear import KernelLinear
-    from engine.request import Request
-
     clock = _Clock()
     restore: list[tuple[object, str, object]] = []
 
@@ -68,28 +65,24 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
     patch(attention_module, "attend", "attention")
     patch(engine.post, "sample", "sampling")
     steps: list[tuple[StepStats, dict[str, float]]] = []
-    emit = engine.emit
+    sink = engine.sink
     events_s = [0.0]
 
-    def timed_emit(event: Event) -> None:
+    def timed_sink(event: Event) -> None:
         start = time.perf_counter()
-        emit(event)
+        sink(event)
         events_s[0] += time.perf_counter() - start
         if isinstance(event, StepStats):
             parts = clock.take()
             parts["events"], events_s[0] = events_s[0], 0.0
             steps.append((event, parts))
 
-    engine.emit = timed_emit
-    # the sink is also held by the pool and the group driver: route them through the timer too
-    engine.kv.pool._emit, engine.groups.emit = timed_emit, timed_emit
+    engine.sink = timed_sink  # every event of the engine passes here
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-        engine.add_request(Request(prompt_token_ids=tuple(prompt_ids), sampling=params))
-        while engine.has_work():
-            engine.step()
+        engine.run([Request(prompt_token_ids=tuple(prompt_ids), sampling=params)])
     finally:
-        engine.emit = engine.kv.pool._emit = engine.groups.emit = emit
+        engine.sink = sink
         for owner, name, original in restore:
             if isinstance(owner, KernelLinear):
                 del owner.forward  # the instance attribute: back to the class's method

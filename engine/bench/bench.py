@@ -3,6 +3,10 @@ weight-only), transformers' generate() and llama.cpp's llama-bench on the same m
 new tokens and threads, interleaved round by round in one process and reported as ratios; the
 split of a decode token (matmuls, attention, the rest, sampling, events); and each path's
 bandwidth floor (bytes read per token / measured memory bandwidth) and MBU.
+
+`--model FILE` with any GGUF file (a 1.7B or 8B download) compares the native engine with
+llama-bench on it by default (no float32 twin of a large file is loaded): ITL, prefill of a
+`--prompt-tokens` long prompt (llama-bench's -p), load time and peak RSS side by side.
 """
 
 from __future__ import annotations
@@ -13,12 +17,23 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
+from engine.bench.bench_concurrency import run_concurrency_bench
+from engine.bench.bench_speculative import run_speculative_bench
+from engine.bench.decode_split import decode_split
+from engine.bench.llama_bench import BUILD_HINT, find_llama_bench, llama_load_seconds, run_llama_bench
+from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.events import Event, TokenGenerated
+from engine.measure.memory import device_name, measure_memory_bandwidth
+from engine.model.loading import load_model, load_transformers_model
+from engine.model.sources import resolve_source
+from engine.request import Request
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -76,8 +91,6 @@ def run_hf(
 def run_engine(
     engine: LLMEngine, prompt_ids: list[int], new_tokens: int, events: list[Event]
 ) -> tuple[float, list[float], list[int]]:
-    from engine.config import SamplingParams
-    from engine.request import Request
 
     events.clear()
     start = time.perf_counter()
@@ -114,10 +127,26 @@ PATHS = ("native", "fp32", "int8", "int4", "generate", "llama.cpp")
 SCHEMES = {"native": "native", "fp32": "none", "int8": "int8-weight-only", "int4": "int4-weight-only"}
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from engine.config import ModelSpec
-    from engine.model.loading import load_model
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (VmHWM), or 0 where /proc does not say."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
+
+def synthetic_prompt(vocab_size: int, length: int) -> list[int]:
+    """`length` token ids spread over the vocabulary, the same every run (llama-bench prefills
+    random tokens too: a prompt's cost does not depend on which tokens it holds)."""
+    step = 7919  # a prime: the ids cycle the vocabulary
+    return [(1000 + i * step) % vocab_size for i in range(length)]
+
+
+def run_bench(args: argparse.Namespace) -> int:
     def progress(stage: str, f: float) -> None:
         print(f"[{f:4.0%}] {stage}", file=sys.stderr)
 
@@ -125,10 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
         spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
         loaded = load_model(spec, progress=progress)
         if args.speculation:
-            from engine.measure.bench_speculative import run_speculative_bench
-
             return run_speculative_bench(args, loaded)
-        from engine.measure.bench_concurrency import run_concurrency_bench
 
         return run_concurrency_bench(args, loaded)
     report = bench_paths(args, progress)
@@ -138,21 +164,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]) -> Report:
     """Every path on the same prompt, new tokens and threads, interleaved round by round."""
-    from engine.config import EngineConfig, ModelSpec
-    from engine.core.llm_engine import LLMEngine
-    from engine.measure.decode_split import decode_split
-    from engine.measure.llama_bench import BUILD_HINT, find_llama_bench, run_llama_bench
-    from engine.measure.memory import device_name, measure_memory_bandwidth
-    from engine.model.loading import load_model
-    from engine.model.sources import resolve_source
 
-    wanted = [p.strip() for p in (args.paths or ",".join(PATHS)).split(",") if p.strip()]
+    gguf = resolve_source(args.model).gguf
+    file_mode = gguf is not None and args.model != "default"
+    default_paths = "native,llama.cpp" if file_mode else ",".join(PATHS)
+    wanted = [p.strip() for p in (args.paths or default_paths).split(",") if p.strip()]
     unknown = [p for p in wanted if p not in PATHS]
     if unknown:
-        from engine.config import ConfigError
-
         raise ConfigError(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
-    gguf = resolve_source(args.model).gguf
     notes: dict[str, str] = {}
     if gguf is None:
         for path in ("native", "llama.cpp"):
@@ -169,24 +188,37 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
     sinks: dict[str, list[Event]] = {}
     baseline: PreTrainedModel | None = None
     if "generate" in wanted:  # stock transformers: its own modules, not the engine's kernel layers
-        from engine.model.loading import load_transformers_model
-
         progress("loading transformers' own model for generate()", 0.0)
         baseline = load_transformers_model(args.model, "float32")
-    for path in [p for p in wanted if p in SCHEMES] + (["fp32"] if "generate" in wanted else []):
+    load_s: dict[str, float] = {}
+    peak_rss: dict[str, int] = {}
+    # the native path first: the process's peak RSS right after it is the native load's own
+    order = sorted(
+        [p for p in wanted if p in SCHEMES] + (["fp32"] if "generate" in wanted else []),
+        key=lambda p: p != "native",
+    )
+    for path in order:
         if path in loaded_by:
             continue
         spec = ModelSpec(args.model, dtype="float32", device=args.device, quantization=SCHEMES[path])
         progress(f"loading {path}", 0.0)
+        start = time.perf_counter()
         loaded_by[path] = load_model(spec, progress=progress)
+        load_s[path] = time.perf_counter() - start
+        if not peak_rss:
+            peak_rss[path] = peak_rss_bytes()
         # prefix caching off: every round prefills the whole prompt, as generate() and llama.cpp do
         config = EngineConfig(model=spec, block_size=args.block_size, enable_prefix_caching=False)
         sinks[path] = []
         engines[path] = LLMEngine(loaded_by[path], config, sinks[path].append)
     reference = loaded_by.get("fp32") or next(iter(loaded_by.values()))
-    messages = [{"role": "user", "content": BENCH_PROMPT}]
-    text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = list(reference.tokenizer(text, add_special_tokens=False)["input_ids"])
+    if args.prompt_tokens:
+        prompt_ids = synthetic_prompt(reference.info.vocab_size, args.prompt_tokens)
+    else:
+        messages = [{"role": "user", "content": BENCH_PROMPT}]
+        text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = list(reference.tokenizer(text, add_special_tokens=False)["input_ids"])
+    llama_runs: list[Any] = []
 
     def run(path: str) -> Run:
         if path == "generate":
@@ -197,6 +229,7 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
             result = run_llama_bench(
                 llama_bench, gguf, len(prompt_ids), args.new_tokens, torch.get_num_threads()
             )
+            llama_runs.append(result)
             return len(prompt_ids) / result.prefill_tokens_per_s, [result.itl_s] * (args.new_tokens - 1), None
         return run_engine(engines[path], prompt_ids, args.new_tokens, sinks[path])
 
@@ -223,6 +256,11 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
         results[p]["prefill_tokens_per_s"] = len(prompt_ids) / statistics.median(samples[p][0])
     if "llama.cpp" in results:
         notes["llama.cpp"] = "llama-bench reports one mean rate per run: its ITL is the median of those means"
+        assert llama_bench is not None and gguf is not None
+        load_s["llama.cpp"] = llama_load_seconds(llama_bench, gguf, torch.get_num_threads())
+        peak_rss["llama.cpp"] = max(run.peak_rss_bytes for run in llama_runs)
+    if "native" in peak_rss and len(loaded_by) == 1:
+        peak_rss["native"] = peak_rss_bytes()  # after the runs too (the KV pool, the kernels' buffers)
     split: dict[str, Any] = {}
     if engines:
         which = "native" if "native" in engines else next(iter(engines))
@@ -235,6 +273,11 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
         if path in results:
             floor = (loaded.info.weight_bytes + mean_context * loaded.info.kv_bytes_per_token) / bandwidth
             mbu[path] = {"floor_itl_s": floor, "mbu": floor / results[path]["median_itl_s"]}
+    file_bytes = gguf.stat().st_size if gguf is not None else 0
+    if "llama.cpp" in results and "native" in loaded_by:  # the same file's bytes, llama.cpp's ITL
+        native_info = loaded_by["native"].info
+        floor = (file_bytes + mean_context * native_info.kv_bytes_per_token) / bandwidth
+        mbu["llama.cpp"] = {"floor_itl_s": floor, "mbu": floor / results["llama.cpp"]["median_itl_s"]}
     return {
         "model": reference.info.name,
         "device": device_name(reference.device),
@@ -251,6 +294,12 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
             p: ids == outputs.get("fp32") for p, ids in outputs.items() if "fp32" in outputs
         },
         "weights_bytes": {p: m.info.weight_bytes for p, m in loaded_by.items()},
+        "file_bytes": file_bytes,
+        "load_s": load_s,
+        "peak_rss_bytes": peak_rss,
+        "memory_ratios": {
+            f"{p}_peak_rss_vs_file": rss / file_bytes for p, rss in peak_rss.items() if file_bytes
+        },
         "kernels": {p: list(m.info.notes) for p, m in loaded_by.items()},
         "notes": notes,
     }
@@ -270,6 +319,7 @@ def _ratios(r: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
 
     return {
         "native_itl_vs_llamacpp": ratio("native", "llama.cpp", "median_itl_s"),
+        "native_prefill_vs_llamacpp": ratio("native", "llama.cpp", "prefill_tokens_per_s"),
         "native_decode_vs_generate": ratio("native", "generate", "decode_tokens_per_s"),
         "fp32_decode_vs_generate": ratio("fp32", "generate", "decode_tokens_per_s"),
         "int8_decode_vs_fp32": ratio("int8", "fp32", "decode_tokens_per_s"),
@@ -305,6 +355,19 @@ def _table(r: Report) -> str:
             + ", ".join(f"{p} {split[p + '_ms']:.2f}" for p in parts)
             + f"; outside matmuls {split['outside_matmuls_ms']:.2f} ms"
         )
+    for path in r["paths"]:
+        if path in r["load_s"] or path in r["peak_rss_bytes"]:
+            load = r["load_s"].get(path)
+            rss = r["peak_rss_bytes"].get(path)
+            lines.append(
+                f"{path}: load {'-' if load is None else f'{load:.1f} s'}, peak RSS "
+                f"{'-' if rss is None else f'{rss / 2**30:.2f} GiB'}"
+                + (
+                    f" ({rss / r['file_bytes']:.2f}x the file's {r['file_bytes'] / 2**30:.2f} GiB)"
+                    if rss and r["file_bytes"]
+                    else ""
+                )
+            )
     for path, m in r["mbu"].items():
         lines.append(f"{path}: bandwidth floor {m['floor_itl_s'] * 1e3:.2f} ms/token, MBU {m['mbu']:.0%}")
     for path, note in r["notes"].items():

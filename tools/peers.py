@@ -92,26 +92,19 @@ class Client:
         self.records: list = []
         self.engine = RemoteEngine(RemoteTarget.parse(url), self.events.append, self.records.append)
         self.engine.start()
-        if self.engine.wait_until_loaded(60) is None:
+        if not self.engine.wait_until_loaded(60):
             raise RuntimeError(self.engine.load_error or "did not attach")
 
     def ask(self, text: str, system: str | None = None, timeout: float = 300, **sampling):
         from engine.config import SamplingParams
-        from engine.events import RequestFailed, RequestFinished
         from engine.request import Request
 
-        rid = self.engine.submit(Request.chat(text, system=system, sampling=SamplingParams(**sampling)))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ends = [
-                e
-                for e in list(self.events)
-                if isinstance(e, (RequestFinished, RequestFailed)) and e.request_id == rid
-            ]
-            if ends:
-                return rid, ends[0]
-            time.sleep(0.05)
-        raise RuntimeError("no reply in time")
+        request = Request.chat(text, system=system, sampling=SamplingParams(**sampling))
+        try:
+            (end,) = self.engine.run([request]).result(timeout)
+        except TimeoutError:
+            raise RuntimeError("no reply in time") from None
+        return end.request_id, end
 
     def tokens(self, rid: int) -> list:
         from engine.events import TokenGenerated

@@ -2,7 +2,7 @@
 
 Blocks outermost, then heads: a block's keys for one KV head are one contiguous [block_size,
 head_dim] matrix, and a run of blocks is a uniform batch of them. Decode attention
-(engine/kv/decode_attention) multiplies exactly those matrices, so a sequence whose blocks are
+(engine/model/decode_attention) multiplies exactly those matrices, so a sequence whose blocks are
 consecutive (a fresh pool hands out ids in order: the common case of one conversation) is read
 as a plain view of the pool, and a scattered block table is gathered with one index_select per
 layer. A prefill chunk's attention wants [kv_heads, tokens, head_dim], which `read` assembles.
@@ -23,9 +23,12 @@ the KV calculator).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine.shapes import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from engine.model.layer_attention import AttentionSpec
@@ -37,6 +40,16 @@ _INT8_MAX = 127
 _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
 
 Blocks = slice | torch.Tensor  # consecutive block ids as a slice, else an index tensor
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's share of a packed forward."""
+
+    q_start: int  # first of its query tokens in the packed row
+    q_len: int  # query tokens this step
+    context_len: int  # tokens in the cache after this step (past + new)
+    blocks: Blocks  # the blocks covering context_len tokens (see storage.block_index)
 
 
 class PagedKVStorage:
@@ -93,7 +106,6 @@ class PagedKVStorage:
         kv_dtype: str = "auto",
     ) -> int:
         """Bytes one block takes over all layers, K and V, scales included (pool sizing)."""
-        from engine.model.shapes import kv_bytes_per_token
 
         return block_size * kv_bytes_per_token(
             num_layers, num_kv_heads, head_dim, _dtype_name(dtype), kv_dtype

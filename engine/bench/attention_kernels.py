@@ -16,12 +16,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine.bench.sweep import _Bench, _check_lengths, prompt_ids
 from engine.config import ConfigError
 
 if TYPE_CHECKING:
     from torch.nn.attention import SDPBackend
 
-    from engine.measure.sweep import Progress, _Bench
+    from engine.bench.sweep import Progress, _Bench
     from engine.model.loaded import LoadedModel
 
 KERNELS = ("math", "flash")
@@ -30,8 +33,6 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def _backend(kernel: str) -> SDPBackend:
-    from torch.nn.attention import SDPBackend
-
     return {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}[kernel]
 
 
@@ -54,7 +55,6 @@ def _reset_peak() -> bool:
 
 def measure_prefill(bench: _Bench, prompt: list[int], kernel: str) -> tuple[float, int | None]:
     """(seconds, peak bytes above the start) of one prefill of `prompt` under `kernel`."""
-    from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel([_backend(kernel)]):
         peak_known = _reset_peak()
@@ -72,7 +72,6 @@ def compare_attention_kernels(
     loaded: LoadedModel, lengths: list[int], repeats: int = 2, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Rows per (prompt length, kernel): median prefill time, largest peak memory, score bytes."""
-    from engine.measure.sweep import _Bench, _check_lengths, prompt_ids
 
     report = progress or (lambda message: None)
     lengths = _check_lengths(list(lengths), "prompt length")

@@ -30,15 +30,11 @@ computation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv.storage import Blocks, block_index
-
-if TYPE_CHECKING:
-    from engine.kv.attention import LayerAttention, SeqSlice
-    from engine.kv.storage import PagedKVStorage
+from engine.model.kv_storage import Blocks, PagedKVStorage, SeqSlice, block_index
+from engine.model.layer_attention import LayerAttention
 
 
 @dataclass(frozen=True, slots=True)

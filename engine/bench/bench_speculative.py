@@ -1,23 +1,22 @@
 """`python -m engine bench --speculation`: speculative decoding against plain decoding on the
 same engine, model and prompts, in one run: a repeat-this-text task (where n-gram lookup
 shines) and free chat, for the n-gram and the self-draft proposers. Speedup < 1 is reported as
-it is: speculation costs a draft and a wider verify forward, and pays only when drafts land."""
+it is: speculation costs a draft and a wider verify forward, and pays only when drafts land.
+Each run is timed and its speedup counted as the app's "Measure speedup" does (engine.core.speedup)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
-from engine.core.llm_engine import LLMEngine
-from engine.events import Event, RequestFinished
+from engine.core.speedup import timed_run
+from engine.events import RequestFinished
+from engine.model.loaded import LoadedModel
 from engine.request import Request
-
-if TYPE_CHECKING:
-    from engine.model.loaded import LoadedModel
+from engine.results import SpeedRun, SpeedupResult
 
 PASSAGE = (
     "The lighthouse stood at the end of the long stone pier. Every night the keeper climbed "
@@ -38,23 +37,27 @@ def proposers(num_layers: int, num_draft: int) -> dict[str, SpeculativeConfig | 
     }
 
 
-def _one(
-    loaded: LoadedModel, spec: SpeculativeConfig | None, prompt: str, new_tokens: int, block_size: int
-) -> tuple[RequestFinished, float]:
-    events: list[Event] = []
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, speculative=spec), events.append)
+def _request(prompt: str, new_tokens: int) -> Request:
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    engine.add_request(Request.chat(prompt, sampling=params))
-    start = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    (done,) = [e for e in events if isinstance(e, RequestFinished)]
-    return done, time.perf_counter() - start
+    return Request.chat(prompt, sampling=params)
+
+
+def _row(done: RequestFinished, run: SpeedRun, speedup: float, equals_plain: bool) -> dict[str, Any]:
+    s = done.stats
+    return {
+        "tokens_per_s": run.tokens_per_s,
+        "acceptance_rate": s.acceptance_rate,
+        "mean_accepted_length": s.mean_accepted_length,
+        "target_forwards_per_token": s.target_forwards / s.generated_tokens,
+        "speedup": speedup,
+        "output_equals_plain": equals_plain,
+    }
 
 
 def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     configs = proposers(loaded.info.num_layers, args.num_draft)
-    _one(loaded, None, "Hello", 4, args.block_size)  # warm-up
+    plain_config = EngineConfig(block_size=args.block_size)
+    timed_run(loaded, plain_config, _request("Hello", 4))  # warm-up
     report: dict[str, Any] = {
         "model": loaded.info.name,
         "dtype": loaded.info.dtype,
@@ -62,22 +65,17 @@ def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
         "tasks": {},
     }
     for task, prompt in TASKS.items():
-        rows: dict[str, dict[str, Any]] = {}
+        request = _request(prompt, args.new_tokens)
+        print(f"{task}: none", file=sys.stderr)
+        plain_done, plain = timed_run(loaded, plain_config, request)
+        rows = {"none": _row(plain_done, plain, 1.0, True)}
         for name, spec in configs.items():
+            if spec is None:
+                continue
             print(f"{task}: {name}", file=sys.stderr)
-            done, seconds = _one(loaded, spec, prompt, args.new_tokens, args.block_size)
-            s = done.stats
-            rows[name] = {
-                "tokens_per_s": s.generated_tokens / seconds,
-                "acceptance_rate": s.acceptance_rate,
-                "mean_accepted_length": s.mean_accepted_length,
-                "target_forwards_per_token": s.target_forwards / s.generated_tokens,
-                "token_ids": list(done.token_ids),
-            }
-        plain_ids, plain_speed = rows["none"]["token_ids"], rows["none"]["tokens_per_s"]
-        for row in rows.values():
-            row["speedup"] = row["tokens_per_s"] / plain_speed
-            row["output_equals_plain"] = row.pop("token_ids") == plain_ids
+            done, run = timed_run(loaded, EngineConfig(block_size=args.block_size, speculative=spec), request)
+            speedup = SpeedupResult(name, run, plain).speedup
+            rows[name] = _row(done, run, speedup, done.token_ids == plain_done.token_ids)
         report["tasks"][task] = rows
     if args.json:
         print(json.dumps(report, indent=2))

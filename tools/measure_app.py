@@ -1,4 +1,4 @@
-"""Responsiveness and throughput of the app while it generates: `python -m app.measure --json`.
+"""Responsiveness and throughput of the app while it generates: `python -m tools.measure_app --json`.
 
 Two figures, each against its target:
 - GUI responsiveness: a 10 ms probe QTimer runs on the GUI thread during generation in the
@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
@@ -51,28 +50,20 @@ def measured_params(max_new_tokens: int):
 
 def headless_run(loaded, config, request) -> float:
     """tokens/s of `request` on an Engine whose events go into a list (no GUI at all)."""
-    from engine.core.service import Engine
-    from engine.events import RequestFailed, RequestFinished
+    from engine.api import local_engine
+    from engine.events import RequestFailed
 
-    events: list = []
-    done = threading.Event()
-
-    def sink(event) -> None:
-        events.append(event)
-        if isinstance(event, (RequestFinished, RequestFailed)):
-            done.set()
-
-    engine = Engine(config, sink=sink, loaded=loaded)
+    engine = local_engine(config, [].append, loaded)
     engine.start()
     try:
-        if engine.wait_until_loaded(RUN_TIMEOUT_S) is None:
+        if not engine.wait_until_loaded(RUN_TIMEOUT_S):
             raise MeasureError(f"headless engine did not start: {engine.load_error}")
-        engine.submit(request)
-        if not done.wait(RUN_TIMEOUT_S):
-            raise MeasureError("headless run did not finish")
+        try:
+            (end,) = engine.run([request]).result(RUN_TIMEOUT_S)
+        except TimeoutError:
+            raise MeasureError("headless run did not finish") from None
     finally:
         engine.shutdown()
-    end = next(e for e in reversed(events) if isinstance(e, (RequestFinished, RequestFailed)))
     if isinstance(end, RequestFailed):
         raise MeasureError(f"headless run failed: {end.message}")
     return end.stats.tokens_per_s
@@ -284,7 +275,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.measure", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.measure_app", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default", help="model source (default: the packaged SmolLM2)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
@@ -305,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.paths import asset_path
     from app.runtime import gui_torch_threads, paint_on_the_gui_thread_only, share_gil_finely
     from engine.config import ConfigError, ModelSpec
-    from engine.model.errors import ModelLoadError, describe_load_error
+    from engine.errors import ModelLoadError, describe_load_error
     from engine.model.loading import load_model
     from widgets.theme import apply_theme
 

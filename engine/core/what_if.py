@@ -25,6 +25,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.events import TokenSnapshot
+from engine.model.logits import context_logits
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.sampling.stages import build_stages
@@ -39,19 +40,6 @@ HOW = (
     "recomputed on the engine: this token's full logits from one forward over its context, "
     "then the sampler's own stages under the new settings"
 )
-
-
-@torch.inference_mode()
-def context_logits(model: PreTrainedModel, token_ids: Sequence[int], kv_dtype: str = "auto") -> torch.Tensor:
-    """float32 logits [vocab] of the token that follows `token_ids`, from one forward."""
-    if kv_dtype != "auto":
-        from engine.measure.quality import teacher_forced_logits
-
-        return teacher_forced_logits(model, list(token_ids), kv_dtype)[-1]
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-    logits: torch.Tensor = model(input_ids=ids, logits_to_keep=1).logits
-    return logits[0, -1].float()
 
 
 def what_if_notes(params: SamplingParams) -> tuple[str, ...]:

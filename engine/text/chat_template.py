@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jinja2.exceptions import TemplateError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -78,8 +80,6 @@ class ChatTemplateError(ValueError):
 
 
 def _render_or_refuse(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
-    from jinja2.exceptions import TemplateError
-
     try:
         return _render(tokenizer, messages)
     except TemplateError as exc:
@@ -88,7 +88,6 @@ def _render_or_refuse(tokenizer: PreTrainedTokenizerBase, messages: list[Message
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> ChatPrompt:
     """`messages` ({'role', 'content'} dicts) as the model's prompt, ending where its reply starts."""
-    from jinja2.exceptions import TemplateError
 
     if not has_chat_template(tokenizer):
         text = plain_text(messages)

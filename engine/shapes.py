@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
-# int8 KV keeps one float16 scale per (token, head) beside the codes (engine/kv/storage.py).
+# int8 KV keeps one float16 scale per (token, head) beside the codes (engine/model/kv_storage.py).
 KV_INT8_SCALE_BYTES = 2
 
 

@@ -1,6 +1,6 @@
 """What the HTTP layer costs: 4 concurrent HTTP clients against the same 4 requests in-process.
 
-    python -m engine.serve.bench [--model default] [--new-tokens 64] [--rounds 3] [--json]
+    python -m tools.serve_bench [--model default] [--new-tokens 64] [--rounds 3] [--json]
 
 Both sides run the same engine on its own thread (`engine.core.service.Engine`, one loaded model
 shared between them, never running at the same time) with the same config (prefix caching off,
@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from engine.units import tokens_per_s
 
 if TYPE_CHECKING:
     from engine.config import SamplingParams
@@ -120,7 +122,7 @@ def run_http(url: str, model: str, new_tokens: int) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.serve.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.serve_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             http_s, http_tokens = clients.apply(run_http, (server.url, model, args.new_tokens))
             row: dict[str, Any] = {
                 "round": i + 1,
-                "in_process_tokens_per_s": in_tokens / in_s,
-                "http_tokens_per_s": http_tokens / http_s,
+                "in_process_tokens_per_s": tokens_per_s(in_tokens, in_s),
+                "http_tokens_per_s": tokens_per_s(http_tokens, http_s),
                 "tokens": http_tokens,
             }
             row["ratio"] = row["http_tokens_per_s"] / row["in_process_tokens_per_s"]

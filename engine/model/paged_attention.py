@@ -5,7 +5,7 @@ step's metadata (`PagedBatch`) is built once per step (the slot of every new tok
 sequence's blocks as a view or an index, the causal masks of prefill chunks), not once per layer.
 
 Each sequence attends over exactly its own keys. The step's decoding sequences (one query each)
-go through one batched computation per layer (engine/kv/decode_attention: one gather of their
+go through one batched computation per layer (engine/model/decode_attention: one gather of their
 blocks, fixed-shape products per block, a sequential sum over blocks), which is batch invariant by
 construction: a request's tokens never depend on its neighbours. Each prefill chunk (and each
 speculative verification, several rows) is causal after its cached tokens, one SDPA per chunk.
@@ -40,23 +40,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from engine.kv.decode_attention import DecodeGroup, decode_attention
-from engine.kv.storage import Blocks, PagedKVStorage
+from engine.model.decode_attention import DecodeGroup, decode_attention
+from engine.model.kv_storage import PagedKVStorage, SeqSlice
+from engine.model.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 ATTN_IMPLEMENTATION = "kvscope_paged"
-
-
-@dataclass(slots=True)
-class SeqSlice:
-    """One sequence's share of a packed forward."""
-
-    q_start: int  # first of its query tokens in the packed row
-    q_len: int  # query tokens this step
-    context_len: int  # tokens in the cache after this step (past + new)
-    blocks: Blocks  # the blocks covering context_len tokens (see storage.block_index)
 
 
 @dataclass(slots=True)
@@ -102,16 +93,6 @@ class PagedBatch:
                 mask &= keys > pos - window
             self._causal[key] = mask
         return mask
-
-
-@dataclass(frozen=True, slots=True)
-class LayerAttention:
-    """How one layer attends, as its family defines it."""
-
-    scaling: float | None = None
-    window: int | None = None  # sliding window in tokens, None for full attention
-    softcap: float | None = None  # logit soft-capping (Gemma 2)
-    sinks: torch.Tensor | None = None  # [heads] sink logits (gpt-oss)
 
 
 def attend(

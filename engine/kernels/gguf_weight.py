@@ -1,0 +1,182 @@
+"""A GGUF tensor kept as the file stores it: its blocks, memory-mapped, multiplied by kvk.
+
+Two kernels, chosen per row count by the kernel table (engine/kernels/policy.py):
+  "kvk"         the C kernel on the blocks themselves, activations quantized to 8 bits per
+                block (one scale per 32 inputs for the 32-weight types, per 256 for the K-quants
+                and IQ4_XS: llama.cpp's scheme); every row computed alone, so a sequence's rows
+                never depend on the rows beside them.
+  "dense-bf16"  the layer decoded to bfloat16 into a reused buffer, then oneDNN's bfloat16 GEMM
+                with bfloat16 activations: faster for long prefill chunks (the weights are read
+                once per chunk; the GEMM reuses them across rows), never for a decode row. It
+                multiplies by the file's weights rounded to bfloat16, not by the weights.
+`exact_matmul` (the LM head) multiplies every weight, decoded to float32 as gguf decodes it, by
+float32 activations: every logit comes from the file's weights with no activation rounding.
+
+Nothing here copies the tensor: `blocks` is a view of the file's mapping, so the process holds the
+file's pages (shared with the page cache), not a second copy of the weights. A row permutation
+(llama.cpp stores Llama's q/k rows interleaved for its RoPE) is applied by the kernel, not to the
+data.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.kernels import native
+from engine.kernels.weights import WeightStorage
+
+# The types kvk keeps at their own bits: the tensors of Q4_K_M, Q5_K_M, Q6_K, Q8_0 and IQ4_XS
+# files and the older 32-weight formats.
+KVK_TYPES = frozenset(
+    GGMLQuantizationType[name]
+    for name in (
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
+    )
+)
+
+
+class GGUFWeight(WeightStorage):
+    def __init__(
+        self,
+        ggml_type: GGMLQuantizationType,
+        blocks: np.ndarray,
+        in_features: int,
+        row_map: np.ndarray | None = None,
+        lib: native.Kvk | None = None,
+    ):
+        """`blocks`: uint8 [rows, bytes per row], a view of the file; `row_map`: the stored row
+        each output row reads (None: in order)."""
+        kvk = lib or native.kernels()
+        if kvk is None:
+            raise RuntimeError(f"GGUF {ggml_type.name} weights need the kvk kernels: {native.status()}")
+        block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        if in_features % block_weights or blocks.shape[1] != in_features // block_weights * block_bytes:
+            raise ValueError(
+                f"a {ggml_type.name} row of {in_features} weights is {in_features // block_weights * block_bytes} "
+                f"bytes, the tensor has {blocks.shape[1]}"
+            )
+        self.lib = kvk
+        self.ggml_type = ggml_type
+        self.blocks = blocks
+        self.row_map = None if row_map is None else np.ascontiguousarray(row_map, dtype=np.int32)
+        self.in_features = in_features
+        self.out_features = blocks.shape[0] if row_map is None else len(row_map)
+        self.kind = ggml_type.name.lower()
+        self.native_kernel = "kvk"
+
+    def __deepcopy__(self, memo: dict[int, object]) -> GGUFWeight:
+        """A copy with its own blocks in memory (the kernel table's probes); the library is shared."""
+        return GGUFWeight(self.ggml_type, self.blocks.copy(), self.in_features, self.row_map, self.lib)
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("kvk", "dense-bf16")
+
+    def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        if kernel == "kvk":
+            y = self.lib.matmul(
+                self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map
+            )
+        else:
+            weight = self.lib.dequantize_bf16(
+                self.ggml_type, self.blocks, self.in_features, self.row_map, out=_bf16_scratch(self)
+            )
+            y = F.linear(x.to(torch.bfloat16), weight)
+        return y.to(x.dtype)
+
+    def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 activations times every weight decoded to float32 (the exact LM head)."""
+        y = self.lib.matmul(
+            self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map, exact=True
+        )
+        return y.to(x.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` dequantized exactly as gguf does (an embedding lookup): [len(ids), in]."""
+        flat = ids.reshape(-1)
+        if self.row_map is not None:
+            flat = torch.from_numpy(self.row_map).to(torch.int64)[flat]
+        return self.lib.dequantize_rows(self.ggml_type, self.blocks, self.in_features, flat).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features), dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (torch.from_numpy(self.blocks),)
+
+    def bytes_read(self, kernel: str) -> int:
+        if kernel in ("kvk", "exact"):
+            return self.nbytes
+        return self.nbytes + 2 * 2 * self.out_features * self.in_features  # the bf16 copy written, read
+
+
+# One bfloat16 buffer for the dense kernel's copy of a layer, reused across calls and layers (a
+# fresh 30+ MB tensor a call costs its page faults: measured 10x the decoding itself).
+_SCRATCH = threading.local()
+
+
+def _bf16_scratch(storage: GGUFWeight) -> torch.Tensor:
+    size = storage.out_features * storage.in_features
+    buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH.buf = torch.empty(size, dtype=torch.bfloat16)
+    return buf[:size].view(storage.out_features, storage.in_features)
+
+
+def random_blocks(
+    ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int = 0, magnitude: float = 0.05
+) -> np.ndarray:
+    """Valid blocks of `ggml_type` with random codes, [rows, bytes per row], whose weights are of
+    the order of `magnitude`: any bytes are valid codes, only the float16 scale fields are set
+    (kernel probes and tests; random weights in the shapes people download)."""
+    rng = np.random.default_rng(seed)
+    if ggml_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        w = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+        if ggml_type == GGMLQuantizationType.F16:
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    per_row = cols // block_weights
+    raw = rng.integers(0, 256, size=(rows, per_row, block_bytes), dtype=np.uint8)
+    for offset, divisor in SCALE_FIELDS[ggml_type]:
+        scale = magnitude / divisor * rng.uniform(0.5, 1.5, size=(rows, per_row))
+        raw[..., offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, per_row, 2)
+    return raw.reshape(rows, per_row * block_bytes)
+
+
+# Per type, each block's float16 scale fields: (byte offset, how many times the field the largest
+# code times sub-scale reaches), so that random codes make weights of a given magnitude.
+SCALE_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, float], ...]] = {
+    GGMLQuantizationType[name]: fields
+    for name, fields in (
+        ("Q4_0", ((0, 8.0),)),
+        ("Q4_1", ((0, 15.0), (2, -2.0))),
+        ("Q5_0", ((0, 16.0),)),
+        ("Q5_1", ((0, 31.0), (2, -2.0))),
+        ("Q8_0", ((0, 127.0),)),
+        ("IQ4_NL", ((0, 127.0),)),
+        ("Q2_K", ((80, 45.0), (82, 30.0))),
+        ("Q3_K", ((108, 128.0),)),
+        ("Q4_K", ((0, 945.0), (2, 126.0))),
+        ("Q5_K", ((0, 1953.0), (2, 126.0))),
+        ("Q6_K", ((208, 4064.0),)),
+        ("IQ4_XS", ((0, 4064.0),)),
+    )
+}

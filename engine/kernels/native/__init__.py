@@ -1,0 +1,219 @@
+"""kvscope's C kernels for GGUF blocks (kvk.c), loaded with ctypes.
+
+`kernels()` is the library for this CPU (the best instruction set it runs: AVX-512 VNNI, AVX2, or
+portable C), or None with `status()` saying why (no build and no compiler, or KVSCOPE_KVK=off);
+the engine then keeps the types torch's packed kernels hold (Q4_0, Q4_1, Q4_K, Q8_0) on them and
+dequantizes the rest, and its load notes say so.
+
+A build made by `./dev setup` lives in engine/kernels/native/lib/ (the frozen app carries it);
+without one, the library is built once into the user cache dir when a compiler is there (a few
+seconds), named by the source's hash so that a stale build is never loaded. ctypes releases the
+GIL for the call, so the GUI thread runs while a kernel does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True, slots=True)
+class Kvk:
+    lib: ctypes.CDLL
+    variant: str  # "avx512", "avx2", "portable"
+    path: Path
+
+    def supported(self, ggml_type: int) -> bool:
+        return bool(self.lib.kvk_supported(ggml_type))
+
+    def row_bytes(self, ggml_type: int, k: int) -> int:
+        return int(self.lib.kvk_row_bytes(ggml_type, k))
+
+    def matmul(
+        self,
+        ggml_type: int,
+        blocks: np.ndarray,
+        k: int,
+        x: torch.Tensor,
+        row_map: np.ndarray | None = None,
+        exact: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x float32 [R, k] (rows contiguous) times the weights `blocks` [N, row bytes] (or the
+        rows `row_map` picks) -> float32 [R, N]. `exact`: float32 activations (every weight
+        decoded to float32), else 8-bit activations as llama.cpp's CPU kernels use them."""
+        rows = blocks.shape[0] if row_map is None else row_map.shape[0]
+        r = x.shape[0]
+        if out is None:
+            out = torch.empty(r, rows, dtype=torch.float32)
+        fn = self.lib.kvk_matmul_f32 if exact else self.lib.kvk_matmul
+        status = fn(
+            ggml_type,
+            blocks.ctypes.data,
+            blocks.strides[0],
+            rows,
+            k,
+            None if row_map is None else row_map.ctypes.data,
+            x.data_ptr(),
+            x.stride(0),
+            r,
+            out.data_ptr(),
+            out.stride(0),
+        )
+        if status != 0:
+            raise RuntimeError(f"kvk_matmul refused GGML type {ggml_type} with {k} inputs (status {status})")
+        return out
+
+    def dequantize_rows(self, ggml_type: int, blocks: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weights as float32 [len(ids), k], bit for bit gguf's dequantization."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        status = self.lib.kvk_dequantize_rows(
+            ggml_type, blocks.ctypes.data, blocks.strides[0], k, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        if status != 0:
+            raise RuntimeError(f"kvk_dequantize_rows refused GGML type {ggml_type}")
+        return out
+
+    def dequantize_bf16(
+        self,
+        ggml_type: int,
+        blocks: np.ndarray,
+        k: int,
+        row_map: np.ndarray | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The weights [N, k] rounded to bfloat16 (a dense kernel's temporary copy of a layer)."""
+        rows = blocks.shape[0] if row_map is None else row_map.shape[0]
+        if out is None:
+            out = torch.empty(rows, k, dtype=torch.bfloat16)
+        status = self.lib.kvk_dequantize_bf16(
+            ggml_type,
+            blocks.ctypes.data,
+            blocks.strides[0],
+            rows,
+            k,
+            None if row_map is None else row_map.ctypes.data,
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
+        return out
+
+    def unpack_block(
+        self, ggml_type: int, block: np.ndarray, weights: int, subs: int
+    ) -> tuple[np.ndarray, ...]:
+        """One block's codes and per-sub-block (a, b): w = a * code + b (tests)."""
+        codes = np.zeros(weights, dtype=np.uint8)
+        a = np.zeros(subs, dtype=np.float32)
+        b = np.zeros(subs, dtype=np.float32)
+        block = np.ascontiguousarray(block)
+        if self.lib.kvk_unpack_block(
+            ggml_type, block.ctypes.data, codes.ctypes.data, a.ctypes.data, b.ctypes.data
+        ):
+            raise RuntimeError(f"kvk_unpack_block refused GGML type {ggml_type}")
+        return codes, a, b
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kvk_isa.restype = _c_int
+    lib.kvk_supported.argtypes, lib.kvk_supported.restype = [_c_int], _c_int
+    lib.kvk_row_bytes.argtypes, lib.kvk_row_bytes.restype = [_c_int, _c_i64], _c_i64
+    matmul: list[Any] = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
+    for fn in (lib.kvk_matmul, lib.kvk_matmul_f32):
+        fn.argtypes, fn.restype = matmul, _c_int
+    lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr]
+    lib.kvk_dequantize_rows.restype = _c_int
+    lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr]
+    lib.kvk_dequantize_bf16.restype = _c_int
+    lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
+
+
+def cpu_variants() -> list[str]:
+    """The variants this CPU runs, best first."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["portable"]
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        capability = torch.backends.cpu.get_cpu_capability()
+        flags = {"avx2", "fma", "f16c"} if capability in ("AVX2", "AVX512") else set()
+    out = []
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        out.append("avx512")
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    return [*out, "portable"]
+
+
+def _cache_dir() -> Path:
+    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
+
+    return cache_root() / "kvk"
+
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+def kernels() -> Kvk | None:
+    """The library for this CPU (loaded once), or None: see status()."""
+    with _LOCK:
+        if "kvk" not in _STATE:
+            _STATE["kvk"], _STATE["status"] = _load()
+        found = _STATE["kvk"]
+        return found if isinstance(found, Kvk) else None
+
+
+def status() -> str:
+    """One line: which kernels run GGUF blocks, or why none does."""
+    lib = kernels()
+    if lib is not None:
+        return f"kvk {lib.variant} ({lib.path.name})"
+    return str(_STATE.get("status", "not loaded"))
+
+
+def _load() -> tuple[Kvk | None, str]:
+    # not at the top: `python -m engine.kernels.native.build` imports this package first
+    from engine.kernels.native import build
+
+    if os.environ.get("KVSCOPE_KVK", "").lower() in ("0", "off", "no"):
+        return None, "kvk kernels off (KVSCOPE_KVK=off)"
+    digest = build.source_hash()
+    wanted = cpu_variants()
+    folders = [build.PACKAGE_LIB, _cache_dir()]
+    for variant in wanted:
+        for folder in folders:
+            path = folder / build.library_name(variant, digest)
+            if path.exists():
+                return _open(path, variant)
+    if build.compiler() is None:
+        return None, "no kvk build and no C compiler: GGUF types run on torch's kernels or dequantized"
+    try:
+        path = build.build(wanted[0], _cache_dir())
+    except (RuntimeError, OSError) as exc:
+        return None, f"kvk could not be built ({str(exc).splitlines()[0]})"
+    return _open(path, wanted[0])
+
+
+def _open(path: Path, variant: str) -> tuple[Kvk | None, str]:
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as exc:
+        return None, f"kvk library {path.name} could not be loaded ({exc})"
+    return Kvk(lib, variant, path), ""

@@ -1,0 +1,179 @@
+"""kvk, the C kernels for GGUF blocks: for every type and every build of this machine (AVX-512,
+AVX2, portable C), dequantization bit for bit gguf-py's, the kernel's (code, a, b) reading of a
+block equal to it, the 8-bit-activation product equal to the exact product of the same rounded
+activations, the float32 path equal to a float64 reference, and each output row the same whatever
+the rows beside it (alone, batched, in any tile)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from engine.kernels import native
+from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight, random_blocks
+from engine.kernels.native import Kvk, build
+
+QUANTIZED = sorted((t for t in KVK_TYPES if t not in (Q.F16, Q.BF16)), key=int)
+SUPER_BLOCK = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # 256 weights, activations per 256
+
+
+def _variants() -> list[Kvk]:
+    """Every build of this source that this CPU runs (./dev setup builds them all)."""
+    libs = []
+    for variant in native.cpu_variants():
+        path = build.PACKAGE_LIB / build.library_name(variant)
+        if not path.exists():
+            path = build.build(variant, native._cache_dir())
+        lib = ctypes.CDLL(str(path))
+        native._declare(lib)
+        libs.append(Kvk(lib, variant, path))
+    return libs
+
+
+VARIANTS = _variants()
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda k: k.variant)
+def kvk(request):
+    return request.param
+
+
+def widths(qtype):
+    return (256, 512) if qtype in SUPER_BLOCK else (32, 96, 576)
+
+
+def test_this_machine_runs_its_best_build():
+    lib = native.kernels()
+    assert lib is not None, native.status()
+    assert lib.variant == native.cpu_variants()[0]
+    assert lib.lib.kvk_isa() == (512 if lib.variant == "avx512" else 0)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_dequantization_is_gguf_bit_for_bit(kvk, qtype):
+    for cols in widths(qtype):
+        blocks = random_blocks(qtype, 37, cols, seed=cols)
+        want = dequantize(blocks, qtype).reshape(37, cols).astype(np.float32)
+        got = kvk.dequantize_rows(qtype, blocks, cols, torch.arange(37)).numpy()
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        bf16 = kvk.dequantize_bf16(qtype, blocks, cols)
+        assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_the_kernels_codes_and_scales_are_the_blocks_weights(kvk, qtype):
+    """w = a * code + b per sub-block: what the integer dot products compute with."""
+    weights, size = GGML_QUANT_SIZES[qtype]
+    blocks = random_blocks(qtype, 4, weights, seed=1)
+    want = dequantize(blocks, qtype).reshape(4, weights).astype(np.float64)
+    subs = {Q.Q2_K: 16, Q.Q3_K: 16, Q.Q6_K: 16}.get(qtype, 8 if qtype in SUPER_BLOCK else 1)
+    for row in range(4):
+        codes, a, b = kvk.unpack_block(qtype, blocks[row], weights, subs)
+        sub = weights // subs
+        mine = np.repeat(a.astype(np.float64), sub) * codes + np.repeat(b.astype(np.float64), sub)
+        assert np.allclose(mine, want[row], rtol=1e-6, atol=1e-9)
+
+
+def rounded_activations(x: torch.Tensor, block: int) -> np.ndarray:
+    """x quantized per `block` inputs as kvk does, back in float64: d = amax / 127, a high plane
+    round(x / d) and a low plane round(256 * (x - d * hi) / d) (round to nearest even, float32
+    arithmetic), x ~ d * (hi + lo / 256)."""
+    f32 = np.float32
+    v = x.numpy().astype(f32).reshape(x.shape[0], -1, block)
+    amax = np.abs(v).max(-1, keepdims=True)
+    d = (amax / f32(127)).astype(f32)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, 1), 0).astype(f32)
+    hi = np.clip(np.rint((v * inv).astype(f32)), -127, 127).astype(f32)
+    rest = (v - (d * hi).astype(f32)).astype(f32)
+    inv_lo = np.where(d > 0, f32(256) / np.where(d > 0, d, 1), 0).astype(f32)
+    lo = np.clip(np.rint((rest * inv_lo).astype(f32)), -127, 127)
+    return (d.astype(np.float64) * (hi.astype(np.float64) + lo / 256.0)).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_the_integer_product_is_exact_for_its_rounded_activations(kvk, qtype):
+    cols = 512
+    blocks = random_blocks(qtype, 64, cols, seed=2)
+    weights = dequantize(blocks, qtype).reshape(64, cols).astype(np.float64)
+    x = torch.randn(3, cols)
+    want = rounded_activations(x, 256 if qtype in SUPER_BLOCK else 32) @ weights.T
+    got = kvk.matmul(qtype, blocks, cols, x).numpy()
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    # and the rounding itself costs what ~16 bits of each block's range cost
+    exact = x.double().numpy() @ weights.T
+    assert np.abs(got - exact).max() <= 2e-4 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZED, Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_the_float_path_is_the_float64_product(kvk, qtype):
+    cols = 512
+    blocks = random_blocks(qtype, 40, cols, seed=3)
+    weights = dequantize(blocks, qtype).reshape(40, cols).astype(np.float64)
+    x = torch.randn(5, cols)
+    got = kvk.matmul(qtype, blocks, cols, x, exact=True).numpy()
+    want = x.double().numpy() @ weights.T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZED, Q.F16], ids=lambda t: t.name)
+def test_a_row_is_the_same_alone_and_among_others(kvk, qtype):
+    """Batch invariance by construction: threads split the weight rows, never a dot product, and
+    every tile shape runs the same operations per output."""
+    cols = 512
+    blocks = random_blocks(qtype, 131, cols, seed=4)  # not a multiple of the 4-row tiles
+    x = torch.randn(23, cols)
+    for exact in (False, True):
+        together = kvk.matmul(qtype, blocks, cols, x, exact=exact)
+        for r in (0, 7, 22):
+            alone = kvk.matmul(qtype, blocks, cols, x[r : r + 1].contiguous(), exact=exact)
+            assert torch.equal(alone[0], together[r])
+        assert torch.equal(kvk.matmul(qtype, blocks, cols, x[:5].contiguous(), exact=exact), together[:5])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_row_map_reads_the_rows_it_names(kvk, qtype):
+    cols = 256
+    blocks = random_blocks(qtype, 48, cols, seed=5)
+    order = np.random.default_rng(6).permutation(48).astype(np.int32)
+    x = torch.randn(4, cols)
+    assert torch.equal(kvk.matmul(qtype, blocks, cols, x, order), kvk.matmul(qtype, blocks, cols, x)[:, order])
+    bf16 = kvk.dequantize_bf16(qtype, blocks, cols, order)
+    assert torch.equal(bf16, kvk.dequantize_bf16(qtype, blocks, cols)[order])
+
+
+def test_the_builds_agree_with_each_other():
+    """The instruction sets sum in different orders; their products agree to float32 rounding."""
+    if len(VARIANTS) < 2:
+        pytest.skip("one build on this machine")
+    blocks = random_blocks(Q.Q4_K, 64, 1024, seed=7)
+    x = torch.randn(3, 1024)
+    results = [lib.matmul(Q.Q4_K, blocks, 1024, x) for lib in VARIANTS]
+    for other in results[1:]:
+        assert torch.allclose(other, results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_shapes_the_kernel_cannot_take_are_refused(kvk):
+    with pytest.raises(RuntimeError, match="refused"):
+        kvk.matmul(Q.Q4_K, random_blocks(Q.Q4_K, 4, 256), 200, torch.randn(1, 200))
+    assert kvk.row_bytes(Q.Q4_K, 250) == -1 and not kvk.supported(int(Q.IQ2_XXS))
+    with pytest.raises(ValueError, match="bytes"):
+        GGUFWeight(Q.Q4_0, random_blocks(Q.Q4_0, 4, 64), 96, lib=kvk)
+
+
+def test_the_storage_multiplies_embeds_and_counts_as_the_file():
+    blocks = random_blocks(Q.Q6_K, 32, 256, seed=8)
+    storage = GGUFWeight(Q.Q6_K, blocks, 256)
+    x = torch.randn(2, 256)
+    want = x.double() @ torch.from_numpy(dequantize(blocks, Q.Q6_K).reshape(32, 256)).double().T
+    assert torch.allclose(storage.matmul("kvk", x).double(), want, rtol=0, atol=2e-4 * float(want.abs().max()))
+    assert torch.allclose(storage.exact_matmul(x).double(), want, rtol=1e-5, atol=1e-6)
+    dense = storage.matmul("dense-bf16", x).double()
+    assert torch.allclose(dense, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+    assert torch.equal(storage.rows(torch.tensor([3, 9])), storage.dequantize()[[3, 9]])
+    assert storage.nbytes == blocks.nbytes and storage.tensors()[0].data_ptr() == blocks.ctypes.data
