@@ -9,16 +9,32 @@ the engine's RequestStats (`cached_prompt_tokens`, `ttft_s`), so the two TTFTs s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, TypeVar
 
-from engine.events import RequestStats
+
+class PromptFigures(Protocol):
+    """What the note reads of a reply's figures (the engine's RequestStats, or the kept stats of a
+    stored reply)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def cached_prompt_tokens(self) -> int: ...
+
+    @property
+    def ttft_s(self) -> float: ...
 
 
-def first_uncached(earlier: Iterable[RequestStats | None]) -> RequestStats | None:
+F = TypeVar("F", bound=PromptFigures)
+
+
+def first_uncached(earlier: Iterable[F | None]) -> F | None:
     """The first earlier reply whose prompt was computed in full (no prefix-cache hit)."""
     return next((s for s in earlier if s is not None and s.cached_prompt_tokens == 0), None)
 
 
-def prefix_cache_note(stats: RequestStats, uncached: RequestStats | None) -> str:
+def prefix_cache_note(stats: PromptFigures, uncached: PromptFigures | None) -> str:
     """e.g. "412 of 430 prompt tokens from the prefix cache; uncached turn 800 ms"; "" when this
     reply found nothing in the cache."""
     if stats.cached_prompt_tokens <= 0:

@@ -161,12 +161,32 @@ class MainWindow(QMainWindow):
         self.physics = PhysicsViews(self.host, self.panels.roofline, parent=self)
         self.what_if = WhatIfController(self.host, self.panels.probabilities, parent=self)
         self.load_tool = LoadToolPanel(self.host)
-        self.speculation = SpeculationController(self, self.start_engine, parent=self)
+        self.speculation = SpeculationController(
+            self.host,
+            self.controller,
+            self.chat_tabs,
+            self.controls.sampling,
+            self.controls.speculation,
+            self.panels.speculation,
+            self.start_engine,
+            parent=self,
+        )
         token_view, colour = settings.get("chat/view", [False, False])
         self.chat.token_view.setChecked(bool(token_view))
         self.chat.colour_tokens.setChecked(bool(colour))
 
-        self.chat_actions = ChatWindowActions(self)  # export, import, rename, delete, branch, limit
+        # export, import, rename, delete, branch, limit: the window only as the dialogs' parent
+        self.chat_actions = ChatWindowActions(
+            self,
+            self.host,
+            self.sidebar,
+            self.panels.probabilities,
+            settings,
+            self.chat_tabs,
+            self.controller,
+            conversations,
+            self.status,
+        )
         self.controls.sampling.set_token_resolver(self.chat_actions.resolve_tokens)
         self.docks: dict[str, QDockWidget] = {}
         # Sized first: resizeDocks() below shares out this width and height among the docks.
@@ -175,7 +195,19 @@ class MainWindow(QMainWindow):
         self._build_docks()
         self._build_toolbar()
         self._build_menus()
-        self.remote_views = RemoteViews(self)
+        self.remote_views = RemoteViews(
+            self,
+            self.host,
+            self.docks,
+            self._beside_latency,
+            self.menuBar(),
+            settings,
+            self.controller,
+            self.status,
+            self.physics.sweep,
+            refresh_status=self.refresh_status,
+            detach=lambda: self.load_model(self.controls.model.choice()),
+        )
         self._connect()
         self._default_state = self.saveState()
         self._restore_layout()
@@ -242,6 +274,13 @@ class MainWindow(QMainWindow):
             if bar.parent() is self:  # the main window's dock tab bars, not a panel's own tabs
                 bar.setElideMode(Qt.TextElideMode.ElideNone)
                 bar.setUsesScrollButtons(True)
+
+    def _beside_latency(self, key: str, title: str, widget: QWidget) -> QDockWidget:
+        """A dock along the bottom, tabbed behind the latency graph (which stays in front)."""
+        dock = self._dock(key, title, widget, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.tabifyDockWidget(self.docks["latency"], dock)
+        self.docks["latency"].raise_()
+        return dock
 
     def _build_docks(self) -> None:
         left, right, bottom = (

@@ -320,6 +320,13 @@ class BlockEvent:
     t: float = 0.0
     src_block_ids: tuple[int, ...] = ()  # "cow": the shared block each of `block_ids` copies
 
+    def block_start(self, i: int, block_size: int) -> int:
+        """Position of the first slot of the event's i-th block in its sequence. Blocks are
+        position-aligned: the i-th block of an event covering tokens from `token_start` holds
+        logical block token_start // block_size + i. (The pool keeps it on its blocks, the page
+        map folds it from the events: one rule for both.)"""
+        return (self.token_start // block_size + i) * block_size
+
 
 @dataclass(frozen=True, slots=True)
 class KVStats:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from engine.units import tokens_per_s
 from live.ring_buffer import RingBuffer
 
 # Rolling tokens/s over the last TPS_WINDOW_S seconds or the last TPS_MIN_TOKENS tokens,
@@ -82,4 +83,4 @@ class LatencySeries:
             count = sum(1 for x in recent if x > start)  # at most TPS_MIN_TOKENS + 1 to look at
         else:
             count = len(window)  # more tokens since `start` than `recent` holds: start == edge
-        return count / (t - start)
+        return tokens_per_s(count, t - start)

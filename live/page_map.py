@@ -57,7 +57,7 @@ class PageMap:
                     problems.append(f"block {block} written while free")
                 if i < len(fills):
                     self.fill[block] = fills[i]
-                self.token_start[block] = self._block_start(event.token_start, i)
+                self.token_start[block] = event.block_start(i, self.block_size)
             elif op == "rollback":
                 # Rejected speculative slots: the block keeps only its verified tokens. A block
                 # left empty keeps its reference until the "free" that follows.
@@ -72,7 +72,7 @@ class PageMap:
                     problems.append(f"block {block} copied into while free")
                 if i < len(fills):
                     self.fill[block] = fills[i]
-                self.token_start[block] = self._block_start(event.token_start, i)
+                self.token_start[block] = event.block_start(i, self.block_size)
                 if i < len(event.src_block_ids):
                     self.copied_from[block] = event.src_block_ids[i]
             elif op == "free":
@@ -101,18 +101,13 @@ class PageMap:
             self.touched_t[block] = event.t
         return problems
 
-    def _block_start(self, token_start: int, i: int) -> int:
-        # Blocks are position-aligned: the i-th block of an event covering tokens from
-        # `token_start` holds logical block token_start // block_size + i.
-        return (token_start // self.block_size + i) * self.block_size
-
     def _fills_from_range(self, event: BlockEvent) -> tuple[int, ...]:
         """Fill levels implied by an append/share's token range, for events without `fills`."""
         if event.op not in ("append", "share"):
             return ()
         fills = []
         for i in range(len(event.block_ids)):
-            start = self._block_start(event.token_start, i)
+            start = event.block_start(i, self.block_size)
             fills.append(max(0, min(event.token_end, start + self.block_size) - start))
         return tuple(fills)
 

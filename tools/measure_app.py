@@ -53,7 +53,7 @@ def headless_run(loaded, config, request) -> float:
     from engine.api import local_engine
     from engine.events import RequestFailed
 
-    engine = local_engine(config, [].append, loaded)
+    engine = local_engine(config, lambda event: None, loaded)  # its end comes from run()
     engine.start()
     try:
         if not engine.wait_until_loaded(RUN_TIMEOUT_S):

@@ -22,7 +22,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.units import tokens_per_s
@@ -30,7 +29,6 @@ from engine.units import tokens_per_s
 if TYPE_CHECKING:
     from engine.config import SamplingParams
     from engine.core.service import Engine
-    from engine.events import Event, RequestFailed, RequestFinished
 
 PROMPTS = (
     "Explain how a bicycle gear works.",
@@ -41,37 +39,15 @@ PROMPTS = (
 CLIENTS = len(PROMPTS)
 
 
-class Router:
-    """The in-process engine's sink: hands events to whatever the current round listens with."""
-
-    def __init__(self) -> None:
-        self.target: Callable[[Event], None] = lambda event: None
-
-    def __call__(self, event: Event) -> None:
-        self.target(event)
-
-
-def run_in_process(engine: Engine, router: Router, params: SamplingParams) -> tuple[float, int]:
+def run_in_process(engine: Engine, params: SamplingParams) -> tuple[float, int]:
     from engine.events import RequestFailed, RequestFinished
     from engine.request import Request
 
-    done = threading.Event()
-    ended: list[RequestFinished | RequestFailed] = []
-    lock = threading.Lock()
-
-    def sink(event: Event) -> None:
-        if isinstance(event, (RequestFinished, RequestFailed)):
-            with lock:
-                ended.append(event)
-                if len(ended) == CLIENTS:
-                    done.set()
-
-    router.target = sink
     start = time.perf_counter()
-    for prompt in PROMPTS:
-        engine.submit(Request.chat(prompt, sampling=params))
-    if not done.wait(600):
-        raise RuntimeError("the in-process round did not finish")
+    try:
+        ended = engine.run([Request.chat(prompt, sampling=params) for prompt in PROMPTS]).result(600)
+    except TimeoutError:
+        raise RuntimeError("the in-process round did not finish") from None
     wall = time.perf_counter() - start
     failed = [e for e in ended if isinstance(e, RequestFailed)]
     if failed:
@@ -143,18 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     print(f"loading {args.model} ...", file=sys.stderr)
     loaded = load_model(config.model)
-    router = Router()
-    local = Engine(config, sink=router, loaded=loaded)
+    local = Engine(config, sink=lambda event: None, loaded=loaded)  # the rounds read their ends from run()
     local.start()
     local.wait_until_loaded()
     rows: list[dict[str, Any]] = []
     clients = multiprocessing.get_context("spawn").Pool(1)  # started once, reused every round
     with clients, BackgroundServer(config, loaded=loaded) as server:
         model = server.bridge.model_name
-        run_in_process(local, router, params)  # warm-up both paths (first forwards, allocator, sockets)
+        run_in_process(local, params)  # warm-up both paths (first forwards, allocator, sockets)
         clients.apply(run_http, (server.url, model, 4))
         for i in range(args.rounds):
-            in_s, in_tokens = run_in_process(local, router, params)
+            in_s, in_tokens = run_in_process(local, params)
             http_s, http_tokens = clients.apply(run_http, (server.url, model, args.new_tokens))
             row: dict[str, Any] = {
                 "round": i + 1,

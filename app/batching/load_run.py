@@ -18,6 +18,7 @@ from app.engine_host import EngineHost
 from engine.config import SamplingParams
 from engine.events import RequestFailed, RequestFinished, RequestStarted, TokenGenerated
 from engine.request import Request
+from engine.units import tokens_per_s
 from widgets.throughput_view import ThroughputPoint
 
 # Sentences the prompts are cut from: ordinary prose, so the tokenizer sees realistic text.
@@ -103,7 +104,7 @@ class LoadRun:
         if end <= start or not itl:
             return None
         generated = sum(r.finished.stats.generated_tokens for r in rows)
-        return ThroughputPoint(len(rows), generated / (end - start), statistics.median(itl))
+        return ThroughputPoint(len(rows), tokens_per_s(generated, end - start), statistics.median(itl))
 
 
 class LoadRunner(QObject):

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -132,12 +132,12 @@ class MessageBubble(QFrame):
         self.actions_button.setToolTip("What to do with this message")
         self.actions_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self._menu = QMenu(self)
-        self.actions: dict = {}
+        self.menu_actions: dict[str, QAction] = {}
         for name, label, tip in MESSAGE_ACTIONS["user" if role == "user" else "assistant"]:
             action = self._menu.addAction(label)
             action.setToolTip(tip)
             action.triggered.connect(lambda _=False, n=name: self.action_requested.emit(n))
-            self.actions[name] = action
+            self.menu_actions[name] = action
         self._menu.setToolTipsVisible(True)
         self.actions_button.setMenu(self._menu)
         self.continue_button = QPushButton("Continue")
@@ -162,7 +162,7 @@ class MessageBubble(QFrame):
         footer.addWidget(self._context_note)
         footer.addStretch(1)
         footer.addWidget(self.continue_button)
-        layout = QVBoxLayout(self)
+        layout = self._layout = QVBoxLayout(self)  # kept: subclasses add to it
         layout.setContentsMargins(12, 8, 12, 10)
         layout.setSpacing(4)
         layout.addLayout(header)
@@ -205,7 +205,7 @@ class MessageBubble(QFrame):
         self.continue_button.setEnabled(not busy)
 
     def set_action_enabled(self, name: str, enabled: bool, reason: str = "") -> None:
-        action = self.actions.get(name)
+        action = self.menu_actions.get(name)
         if action is not None:
             action.setEnabled(enabled)
             tip = next(t for n, _, t in MESSAGE_ACTIONS[self._role_key()] if n == name)
@@ -270,10 +270,13 @@ class MessageBubble(QFrame):
         if self.role == "user":
             html = plain_html(self.text)
         elif self.shows_tokens and self._spec_marks is not None and self.request_id is not None:
-            source, tokens = self._spec_marks, self.tokens
-            html = spec_token_html(
-                tokens, lambda i: source(*self.token_key(i)), self._selected, self._colour, self.token_lead
-            )
+            source, tokens, own = self._spec_marks, self.tokens, self.request_id
+
+            def mark(i: int) -> str:
+                request_id, index = self.token_key(i)
+                return source(own if request_id is None else request_id, index)
+
+            html = spec_token_html(tokens, mark, self._selected, self._colour, self.token_lead)
         elif self.shows_tokens:
             html = token_html(self.tokens, self._selected, self._colour, self.token_lead)
         else:

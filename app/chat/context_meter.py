@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import QEvent, QRectF, QSize, Qt
-from PySide6.QtGui import QBrush, QColor, QPainter, QPen
+from PySide6.QtGui import QBrush, QColor, QPainter, QPaintEvent, QPen, QResizeEvent
 from PySide6.QtWidgets import QBoxLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.chat.context_fit import refusal
@@ -47,7 +47,7 @@ class MeterBar(QWidget):
             self.segments, self.capacity = segments, capacity
             self.update()
 
-    def paintEvent(self, event) -> None:  # noqa: N802 - Qt override
+    def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802 - Qt override
         painter = QPainter(self)
         rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
         painter.fillRect(rect, QColor(theme.SURFACE))
@@ -122,11 +122,11 @@ class ContextMeter(QWidget):
         widest = max(half.minimumSize().width() for half in self.halves)
         return QSize(widest + 4, hint.height())
 
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt's name
         self._arrange(event.size().width())
         super().resizeEvent(event)
 
-    def event(self, event) -> bool:
+    def event(self, event: QEvent) -> bool:
         if event.type() == QEvent.Type.LayoutRequest:  # a label's text changed its width
             self._arrange(self.width())
         return super().event(event)
@@ -180,6 +180,8 @@ class ContextMeter(QWidget):
     # ---- drawing ------------------------------------------------------------------------------
     def _draw(self) -> None:
         fit = self.fit
+        if fit is None:
+            return
         used = fit.prompt_tokens + self.generated
         new = max(0, fit.prompt_tokens - self.sent_tokens) if fit.dropped == 0 else 0
         sent = fit.prompt_tokens - new

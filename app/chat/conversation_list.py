@@ -147,7 +147,7 @@ class ConversationList(QWidget):
             self._show_conversations()
 
     @Slot(QListWidgetItem, QListWidgetItem)
-    def _on_current_changed(self, current: QListWidgetItem | None, _previous) -> None:
+    def _on_current_changed(self, current: QListWidgetItem | None, _previous: QListWidgetItem | None) -> None:
         if current is None or self._populating:
             return
         message_id = current.data(HIT_ROLE)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from app.chat.schema import SchemaError, prepare, probe
 from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
@@ -122,7 +122,7 @@ class ConversationStore:
             "INSERT INTO conversations (title, system_prompt, created_at, updated_at) VALUES (?, ?, ?, ?)",
             (title, system_prompt, now, now),
         )
-        return Conversation(cur.lastrowid, title, system_prompt, now, now)
+        return Conversation(_row_id(cur), title, system_prompt, now, now)
 
     def summaries(self) -> list[ConversationSummary]:
         """Newest first, as the sidebar lists them; counts are of every message, all branches."""
@@ -171,18 +171,22 @@ class ConversationStore:
         content: str,
         finish_reason: str | None = None,
         model: str | None = None,
-        meta: dict | None = None,
-        parent_id=_AT_LEAF,
+        meta: dict[str, Any] | None = None,
+        parent_id: int | None | object = _AT_LEAF,
         token_ids: Sequence[int] = (),
     ) -> StoredMessage:
         """A message under `parent_id` (by default the end of the visible path, None for a first
         message); the visible path then ends at it."""
         now = self._clock()
+        parent: int | None
         if parent_id is _AT_LEAF:
             row = self._db.execute(
                 "SELECT current_leaf_id FROM conversations WHERE id = ?", (conversation_id,)
             ).fetchone()
-            parent_id = row[0] if row else None
+            parent = row[0] if row else None
+        else:
+            assert parent_id is None or isinstance(parent_id, int), "a parent is a message id or None"
+            parent = parent_id
         cur = self._write(
             "INSERT INTO messages (conversation_id, role, content, finish_reason, model, created_at, updated_at, "
             "meta, parent_id, token_ids) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -195,16 +199,17 @@ class ConversationStore:
                 now,
                 now,
                 _to_json(meta),
-                parent_id,
+                parent,
                 _ids_to_json(token_ids),
             ),
         )
+        message_id = _row_id(cur)
         self._write(
             "UPDATE conversations SET updated_at = ?, current_leaf_id = ? WHERE id = ?",
-            (now, cur.lastrowid, conversation_id),
+            (now, message_id, conversation_id),
         )
         return StoredMessage(
-            cur.lastrowid, role, content, finish_reason, model, now, meta, parent_id, tuple(token_ids), now
+            message_id, role, content, finish_reason, model, now, meta, parent, tuple(token_ids), now
         )
 
     def update_message(
@@ -212,7 +217,7 @@ class ConversationStore:
         message_id: int,
         content: str,
         finish_reason: str | None = None,
-        meta: dict | None = None,
+        meta: dict[str, Any] | None = None,
         token_ids: Sequence[int] | None = None,
     ) -> None:
         """Rewrite a message's text, finish reason and metadata (all three: pass what it has),
@@ -295,7 +300,7 @@ class ConversationStore:
                 "INSERT INTO conversations (title, system_prompt, created_at, updated_at) VALUES (?, ?, ?, ?)",
                 (title, system_prompt, created_at, updated_at),
             )
-            conversation_id = cur.lastrowid
+            conversation_id = _row_id(cur)
             new_ids: dict[int, int] = {}
             for m in messages:
                 cur = self._db.execute(
@@ -314,7 +319,7 @@ class ConversationStore:
                         _ids_to_json(m.token_ids),
                     ),
                 )
-                new_ids[m.id] = cur.lastrowid
+                new_ids[m.id] = _row_id(cur)
             self._db.execute(
                 "UPDATE conversations SET current_leaf_id = ? WHERE id = ?",
                 (new_ids.get(current) if current is not None else None, conversation_id),
@@ -326,14 +331,20 @@ class ConversationStore:
         return conversation_id
 
     # ---- internals -------------------------------------------------------------------------
-    def _write(self, sql: str, params: tuple) -> sqlite3.Cursor:
+    def _write(self, sql: str, params: tuple[object, ...]) -> sqlite3.Cursor:
         try:
             return self._db.execute(sql, params)
         except sqlite3.Error as exc:
             raise StorageError(f"Could not save to the conversation database ({self.path}): {exc}") from exc
 
 
-def _message(row: tuple) -> StoredMessage:
+def _row_id(cursor: sqlite3.Cursor) -> int:
+    row_id = cursor.lastrowid
+    assert row_id is not None, "an INSERT gives its row an id"
+    return row_id
+
+
+def _message(row: tuple[Any, ...]) -> StoredMessage:
     mid, role, content, finish, model, created, meta, parent, token_ids, updated = row
     return StoredMessage(
         mid,
@@ -349,11 +360,11 @@ def _message(row: tuple) -> StoredMessage:
     )
 
 
-def _to_json(meta: dict | None) -> str | None:
+def _to_json(meta: dict[str, Any] | None) -> str | None:
     return None if meta is None else json.dumps(meta, ensure_ascii=False)
 
 
-def _from_json(raw: str | None) -> dict | None:
+def _from_json(raw: str | None) -> dict[str, Any] | None:
     """A row's metadata; unreadable JSON (a damaged row) reads as none rather than failing the load."""
     if raw is None:
         return None
@@ -394,10 +405,12 @@ class ReplyCheckpoint:
         self._interval = interval_s
         self._clock = clock
         self._last_write = clock()
-        self._written: tuple[str, dict | None, int] = ("", None, 0)
+        self._written: tuple[str, dict[str, Any] | None, int] = ("", None, 0)
         self.writes = 0
 
-    def update(self, text: str, meta: dict | None = None, token_ids: Sequence[int] | None = None) -> bool:
+    def update(
+        self, text: str, meta: dict[str, Any] | None = None, token_ids: Sequence[int] | None = None
+    ) -> bool:
         """Offer the reply so far (its metadata and tokens); returns True when it was written."""
         now = self._clock()
         count = len(token_ids) if token_ids is not None else self._written[2]
@@ -407,11 +420,22 @@ class ReplyCheckpoint:
         return True
 
     def finish(
-        self, text: str, finish_reason: str, meta: dict | None = None, token_ids: Sequence[int] | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        meta: dict[str, Any] | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         self._write(text, finish_reason, meta, token_ids, self._clock())
 
-    def _write(self, text, finish_reason, meta, token_ids, now: float) -> None:
+    def _write(
+        self,
+        text: str,
+        finish_reason: str | None,
+        meta: dict[str, Any] | None,
+        token_ids: Sequence[int] | None,
+        now: float,
+    ) -> None:
         self._store.update_message(self.message_id, text, finish_reason, meta, token_ids)
         count = len(token_ids) if token_ids is not None else self._written[2]
         self._written = (text, meta, count)

@@ -60,7 +60,7 @@ def export_json(conv: Conversation, scope: str = "tree") -> str:
         "system_prompt": conv.system_prompt,
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
-        "current": local.get(leaf),
+        "current": local.get(leaf) if leaf is not None else None,
         "messages": [
             {
                 "id": local[m.id],
@@ -97,7 +97,8 @@ def import_json(store: ConversationStore, text: str) -> int:
             f"This export was written by a newer kvscope (version {data['version']}); update kvscope to import it."
         )
     linear = "format" not in data  # the first release's export: a flat list, each after the last
-    messages, previous = [], None
+    messages: list[StoredMessage] = []
+    previous: int | None = None
     for i, raw in enumerate(data["messages"]):
         message = _message(raw, i + 1, linear, previous, {m.id for m in messages})
         messages.append(message)
@@ -125,9 +126,10 @@ def _message(raw: Any, position: int, linear: bool, previous: int | None, seen: 
     if linear:
         message_id, parent = position, previous
     else:
-        message_id, parent = raw.get("id"), raw.get("parent")
-        if not isinstance(message_id, int) or message_id in seen:
+        raw_id, parent = raw.get("id"), raw.get("parent")
+        if not isinstance(raw_id, int) or raw_id in seen:
             raise ImportFailed(f"Not a kvscope conversation: {where} has a missing or repeated id.")
+        message_id = raw_id
         if parent is not None and parent not in seen:
             raise ImportFailed(
                 f"Not a kvscope conversation: {where} answers a message that comes later or not at all."
@@ -153,14 +155,14 @@ def _message(raw: Any, position: int, linear: bool, previous: int | None, seen: 
     )
 
 
-def _text(data: dict, key: str, where: str) -> str:
+def _text(data: dict[str, Any], key: str, where: str) -> str:
     value = data.get(key, "")
     if not isinstance(value, str):
         raise ImportFailed(f"Not a kvscope conversation: the {key} of {where} is not text.")
     return value
 
 
-def _number(data: dict, key: str, where: str) -> float:
+def _number(data: dict[str, Any], key: str, where: str) -> float:
     value = data.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ImportFailed(f"Not a kvscope conversation: the {key} of {where} is not a time.")

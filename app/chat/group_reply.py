@@ -9,6 +9,7 @@ sequences best first; the best is kept until the user keeps another.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from engine.events import RequestFinished
 
@@ -29,7 +30,7 @@ class GroupReply:
     kind: str  # "samples" | "beams"
     alternatives: list[Alternative]  # samples by index, beams by rank
     kept: int | None  # branch of the kept alternative (None: nothing finished yet)
-    group: dict = field(default_factory=dict)  # GroupStats' figures once finished
+    group: dict[str, Any] = field(default_factory=dict)  # GroupStats' figures once finished
 
     @classmethod
     def from_finished(cls, event: RequestFinished, kind: str) -> GroupReply:
@@ -66,9 +67,9 @@ class GroupReply:
     @property
     def best_branch(self) -> int | None:
         scored = [a for a in self.alternatives if a.score is not None]
-        return max(scored, key=lambda a: a.score).branch if scored else None
+        return max(scored, key=lambda a: a.score or 0.0).branch if scored else None
 
-    def to_meta(self) -> dict:
+    def to_meta(self) -> dict[str, Any]:
         return {
             "group_reply": META_VERSION,
             "kind": self.kind,
@@ -78,7 +79,7 @@ class GroupReply:
         }
 
     @classmethod
-    def from_meta(cls, meta: dict | None) -> GroupReply | None:
+    def from_meta(cls, meta: dict[str, Any] | None) -> GroupReply | None:
         """The stored reply, or None when the metadata is not a group reply this version reads."""
         if not isinstance(meta, dict) or meta.get("group_reply") != META_VERSION:
             return None

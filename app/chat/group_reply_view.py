@@ -8,7 +8,10 @@ transcript, regenerate and edit treat it like any reply; its own text (`text`) i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from PySide6.QtCore import Qt, Signal, Slot
+from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import (
     QFrame,
     QGridLayout,
@@ -20,9 +23,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.chat.bubble import MessageBubble
 from app.chat.group_reply import Alternative, GroupReply
 from app.chat.rich_text import markdown_html, plain_html
-from app.chat.view import MessageBubble
 from live.state import LiveState
 from widgets import theme
 from widgets.beam_tree import BeamTreeView, format_score
@@ -136,7 +139,7 @@ class GroupReplyCard(MessageBubble):
         parent: QWidget | None = None,
     ):
         super().__init__("assistant", author, request_id, parent)
-        self.kind, self.size, self.live = kind, size, live
+        self.kind, self.num_sequences, self.live = kind, size, live
         self.reply: GroupReply | None = None
         self.message_id: int | None = None  # the stored message it shows (set by the controller)
         self.cards: dict[int, SequenceCard] = {}
@@ -144,7 +147,7 @@ class GroupReplyCard(MessageBubble):
         self._keep_reason = ""
         self._columns = 1
         self._body.hide()  # the kept text is shown in its card
-        layout = self.layout()
+        layout = self._layout
         self.heading = QLabel("")
         self.heading.setObjectName("bubbleMeta")
         self.heading.setWordWrap(True)
@@ -171,7 +174,7 @@ class GroupReplyCard(MessageBubble):
         else:
             self.heading.setText(f"beam search, {size} beams: each step keeps the {size} best-scoring")
 
-    def _make_cards(self, branches) -> None:
+    def _make_cards(self, branches: Iterable[int]) -> None:
         for card in self.cards.values():
             self._grid.removeWidget(card)
             card.deleteLater()
@@ -194,9 +197,9 @@ class GroupReplyCard(MessageBubble):
         for column in range(MAX_COLUMNS):  # equal widths for the columns in use
             self._grid.setColumnStretch(column, 1 if column < self._columns else 0)
 
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
         super().resizeEvent(event)
-        margins = self.layout().contentsMargins()
+        margins = self._layout.contentsMargins()
         width = event.size().width() - margins.left() - margins.right()
         columns = max(1, min(MAX_COLUMNS, len(self.cards), width // MIN_CARD_PX))
         if columns != self._columns:
@@ -225,6 +228,7 @@ class GroupReplyCard(MessageBubble):
 
     def _fit_tree_height(self) -> None:
         # As tall as the tree (plus its horizontal scroll bar), up to TREE_MAX_HEIGHT_PX.
+        assert self.tree is not None, "a beam search's card has its tree"
         bar = self.tree_scroll.horizontalScrollBar().sizeHint().height()
         self.tree_scroll.setFixedHeight(min(TREE_MAX_HEIGHT_PX, self.tree.height() + bar + 2))
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.chat.bubble import MessageBubble
 from app.chat.conversations import ReplyCheckpoint, StoredMessage
 from app.chat.group_reply_view import GroupReplyCard
 from app.chat.rich_text import ReplyToken
-from app.chat.view import MessageBubble
 from engine.config import SamplingParams
 from engine.events import RequestStats
+from engine.request import ChatMessage
 
 # What starts a reply: a sent message, a new version of a reply (regenerate), a reply cut at a
 # token with another candidate put there (branch), or more of an existing reply (continue).
@@ -58,8 +59,26 @@ class ActiveReply:
     record: ReplyRecord
     plan: ReplyPlan
     text: str = ""  # everything the message holds so far (a prefix's text included)
-    context: dict | None = None  # what the context limit left out of its prompt
+    context: dict[str, int] | None = None  # what the context limit left out of its prompt
     # n samples or beams: the card they stream into, and each sample's text and token count.
     group: GroupReplyCard | None = None
     sample_texts: dict[int, str] = field(default_factory=dict)
     sample_tokens: dict[int, int] = field(default_factory=dict)
+
+
+PromptParts = tuple[tuple[ChatMessage, ...], list[ChatMessage], list[ChatMessage], list[StoredMessage]]
+
+
+def prompt_parts(system: str, plan: ReplyPlan) -> PromptParts:
+    """(head, history, tail) of the plan's prompt as ChatMessages, and the stored messages behind
+    `history`: the system prompt, the messages before, and the new message (a send) or the user
+    message the reply answers."""
+    head = (ChatMessage("system", system),) if system else ()
+    sent = [m for m in plan.history if m.content]
+    if plan.kind == "send":
+        tail, before = [ChatMessage("user", plan.user_text or "")], sent
+    else:
+        tail = [ChatMessage(m.role, m.content) for m in sent[-1:]]
+        before = sent[:-1]
+    history = [ChatMessage(m.role, m.content) for m in before]
+    return head, history, tail, before

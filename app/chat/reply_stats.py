@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import ModelInfo, RequestStats
@@ -41,7 +42,7 @@ class KeptStats:
     dtype: str = ""
     device: str = ""
     kv_dtype: str = "auto"
-    speculative: dict | None = None  # method, num_draft, rounds, drafted, accepted, rates
+    speculative: dict[str, Any] | None = None  # method, num_draft, rounds, drafted, accepted, rates
 
     @classmethod
     def from_engine(
@@ -73,11 +74,11 @@ class KeptStats:
             speculative=spec,
         )
 
-    def to_meta(self) -> dict:
+    def to_meta(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_meta(cls, meta: dict | None) -> KeptStats | None:
+    def from_meta(cls, meta: dict[str, Any] | None) -> KeptStats | None:
         raw = (meta or {}).get(STATS_KEY)
         if not isinstance(raw, dict):
             return None
@@ -89,11 +90,11 @@ class KeptStats:
 
 
 def with_reply_facts(
-    meta: dict | None,
+    meta: dict[str, Any] | None,
     stats: KeptStats | None,
     sampling: SamplingParams | None,
-    context: dict | None = None,
-) -> dict | None:
+    context: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
     """`meta` (a group reply's alternatives, or nothing) plus the kept stats and settings."""
     out = dict(meta or {})
     if stats is not None:
@@ -105,7 +106,7 @@ def with_reply_facts(
     return out or None
 
 
-def stored_sampling(meta: dict | None) -> SamplingParams | None:
+def stored_sampling(meta: dict[str, Any] | None) -> SamplingParams | None:
     """The settings a reply was made with (None when it predates kept settings or they no
     longer validate in this version)."""
     raw = (meta or {}).get(SAMPLING_KEY)
@@ -118,7 +119,7 @@ def stored_sampling(meta: dict | None) -> SamplingParams | None:
         return None
 
 
-def dropped_before(meta: dict | None) -> int:
+def dropped_before(meta: dict[str, Any] | None) -> int:
     """How many leading messages of the path the reply's prompt left out (the context limit):
     the path position of the first message it was given."""
     raw = (meta or {}).get(CONTEXT_KEY)

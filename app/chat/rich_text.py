@@ -14,8 +14,12 @@ import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from markdown_it import MarkdownIt
+from markdown_it.renderer import RendererHTML
+from markdown_it.token import Token
+from markdown_it.utils import EnvType, OptionsDict
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
@@ -56,7 +60,9 @@ def highlighted(code: str, lang: str) -> str:
     return html.escape(code)
 
 
-def _render_code(self, tokens, idx, options, env) -> str:
+def _render_code(
+    self: RendererHTML, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType
+) -> str:
     token = tokens[idx]
     code = token.content.rstrip("\n")
     lang = token.info.strip().split(" ")[0] if token.type == "fence" else ""
@@ -73,7 +79,9 @@ def _render_code(self, tokens, idx, options, env) -> str:
     )
 
 
-def _render_inline_code(self, tokens, idx, options, env) -> str:
+def _render_inline_code(
+    self: RendererHTML, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType
+) -> str:
     code = html.escape(tokens[idx].content)
     return (
         f'<code style="background-color: {theme.CODE_BG}; color: {theme.CODE_TEXT};'
@@ -96,7 +104,7 @@ _MD = _markdown()
 def render_markdown(text: str) -> tuple[str, list[str]]:
     """A reply as Markdown, and the text of each of its code blocks (for their Copy links). An
     unfinished code fence (mid-stream) renders as code."""
-    env: dict = {}
+    env: dict[str, Any] = {}
     rendered = _MD.render(text, env)
     return rendered, env.get("code_blocks", [])
 

@@ -1,71 +1,85 @@
-"""The chat controller's replies: from a plan, measured against the context limit on the engine
-thread, to a request, then the engine's tokens streaming into the transcript and the database,
-and the finished reply stored with its kept stats and settings.
+"""The chat's replies: from a plan, measured against the context limit on the engine thread, to a
+request, then the engine's tokens streaming into the transcript and the database, and the
+finished reply stored with its kept stats and settings.
 
 Every reply goes the same way (a sent message, a regenerated or branched reply, a continued
-one): `_prepare(plan)` asks the engine to count the prompt (app.chat.context_fit) and, for a
-branch, to decode the chosen token after the prefix; `_launch` then stores the new messages
-and submits the request, or says why it cannot (the context limit under the "refuse" setting).
-A mixin of ChatController (app.chat.controller).
+one): `prepare(plan)` asks the engine to fit the prompt into its limits (EngineClient.fit_context)
+and, for a branch, to decode the chosen token after the prefix; `_launch` then stores the new
+messages and submits the request, or says why it cannot (the context limit under "refuse").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from app.chat.context import ContextTracking
 from app.chat.context_fit import refusal
-from app.chat.conversations import DEFAULT_TITLE, ReplyCheckpoint, StorageError, title_from
+from app.chat.conversations import DEFAULT_TITLE, ConversationStore, ReplyCheckpoint, StorageError, title_from
 from app.chat.group_reply import GroupReply
-from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord
+from app.chat.group_reply_view import GroupReplyCard
+from app.chat.pinning import TokenPinning
+from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord, prompt_parts
 from app.chat.reply_stats import KeptStats, with_reply_facts
 from app.chat.rich_text import ReplyToken
-from app.chat.tree import StoredMessage
+from app.chat.session import ChatSession, ChatSignals, set_editing, write_or_say
+from app.chat.transcript import Transcript
+from app.chat.tree import Conversation, StoredMessage
+from app.chat.view import ChatPane
+from app.engine_calls import EngineCalls
+from app.engine_host import EngineHost
 from app.workers import gather
-from engine.api import ContextFit
+from engine.api import ContextFit, EngineClient
 from engine.config import ConfigError
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
 from engine.request import ChatMessage, Request
 
 
 class ReplyStreaming:
-    @property
-    def busy(self) -> bool:
-        """A reply is streaming, or one is being measured before it starts."""
-        return self.active is not None or self.preparing is not None
+    def __init__(
+        self,
+        pane: ChatPane,
+        store: ConversationStore,
+        host: EngineHost,
+        calls: EngineCalls,
+        session: ChatSession,
+        signals: ChatSignals,
+        transcript: Transcript,
+        context: ContextTracking,
+        pinning: TokenPinning,
+        policy: Callable[[], str],
+    ) -> None:
+        self.pane, self.store, self.host, self.calls = pane, store, host, calls
+        self.session, self.signals = session, signals
+        self.transcript, self.context, self.pinning = transcript, context, pinning
+        self._policy = policy
+
+    def _system(self) -> str:
+        return self.pane.system_prompt.toPlainText().strip()
 
     # ---- a plan, measured -------------------------------------------------------------------
-    def _prompt_parts(self, plan: ReplyPlan):
-        """(head, history, tail) as ChatMessages, and the stored messages behind `history`."""
-        system = self.pane.system_prompt.toPlainText().strip()
-        head = (ChatMessage("system", system),) if system else ()
-        sent = [m for m in plan.history if m.content]
-        if plan.kind == "send":
-            tail_messages, before = [ChatMessage("user", plan.user_text)], sent
-        else:
-            tail_messages = [ChatMessage(m.role, m.content) for m in sent[-1:]]
-            before = sent[:-1]
-        history = [ChatMessage(m.role, m.content) for m in before]
-        return head, history, tail_messages, before
-
-    def _prepare(self, plan: ReplyPlan) -> bool:
-        if self.busy:
+    def prepare(self, plan: ReplyPlan) -> bool:
+        session = self.session
+        if session.busy:
             return False
         if not self.host.status().ready:
             self._refuse("No model is loaded: load one in the Controls panel first.")
             return False
         if not self.calls.local:
             return self._prepare_remote(plan)
-        head, history, tail, _ = self._prompt_parts(plan)
-        policy, prefix, chosen = self.context_policy(), plan.prefix_ids, plan.chosen
+        head, history, tail, _ = prompt_parts(self._system(), plan)
+        policy, prefix, chosen = self._policy(), plan.prefix_ids, plan.chosen
         before = prefix[: len(prefix) - len(chosen)]
         max_new = plan.sampling.max_new_tokens
-
         tail_is_new = plan.kind == "send"
 
-        def ask(engine):
+        def ask(engine: EngineClient) -> Future[tuple[Any, ...]]:
             fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new)
             return gather(fit, engine.decode(chosen, after=before)) if chosen else gather(fit)
 
-        self.preparing = plan
-        self.sync_state()
+        session.preparing = plan
+        self.signals.sync()
         self.calls.ask(
             ask, lambda answers: self._on_prepared(plan, *answers), lambda m: self._on_unprepared(plan, m)
         )
@@ -84,10 +98,10 @@ class ReplyStreaming:
         return True
 
     def _on_prepared(self, plan: ReplyPlan, fit: ContextFit, chosen_text: str = "") -> None:
-        if self.preparing is not plan:
+        if self.session.preparing is not plan:
             return
-        self.preparing = None
-        self.show_measured(fit)
+        self.session.preparing = None
+        self.context.show_measured(fit)
         if not fit.fits:
             self._refuse(refusal(fit))
             return
@@ -98,30 +112,32 @@ class ReplyStreaming:
         self._launch(plan, fit)
 
     def _on_unprepared(self, plan: ReplyPlan, message: str) -> None:
-        if self.preparing is plan:
-            self.preparing = None
+        if self.session.preparing is plan:
+            self.session.preparing = None
             self._refuse(f"Could not start the reply: {message}")
 
     def _refuse(self, message: str) -> None:
         """Nothing was sent; what the user typed stays in the input."""
-        self.status_message.emit(message, "error")
-        self.reply_refused.emit(message)
-        self.sync_state()
+        self.signals.status(message, "error")
+        self.signals.refused(message)
+        self.signals.sync()
 
     # ---- a plan, started ------------------------------------------------------------------
     def _launch(self, plan: ReplyPlan, fit: ContextFit | None) -> None:
         """Store and submit the plan; `fit` None: not measured (a remote server's engine)."""
-        head, _, tail, before = self._prompt_parts(plan)
+        session = self.session
+        head, _, tail, before = prompt_parts(self._system(), plan)
         dropped = fit.dropped if fit is not None else 0
         kept = before[dropped:]
         first_kept = plan.history.index(kept[0]) if kept else len(plan.history) - (plan.kind != "send")
         messages = head + tuple(ChatMessage(m.role, m.content) for m in kept) + tuple(tail)
         context = None
-        if dropped:
+        if dropped and fit is not None:
             context = {"first_kept": first_kept, "prompt_tokens": fit.prompt_tokens, "limit": fit.limit}
-        request_id = stored_user = None
+        request_id: int | None = None
+        stored_user: StoredMessage | None = None
         try:
-            conv = self._conversation_for(plan)
+            conv = self._conversation_for()
             if plan.kind == "send":
                 answered = stored_user = self._store_user_message(conv, plan)
             else:
@@ -146,14 +162,15 @@ class ReplyStreaming:
             if request_id is not None:
                 self.host.cancel(request_id)
             if stored_user is not None:  # kept, and shown: the input can be cleared
-                self._set_editing(None)
+                set_editing(session, self.pane, None)
                 self.pane.input.clear()
-                self._render_transcript()
+                self.transcript.render()
             self._refuse(f"Could not start the reply: {exc}")
             return
         if plan.kind == "send":
-            self._set_editing(None)
+            set_editing(session, self.pane, None)
             self.pane.input.clear()
+        assert request_id is not None, "submitted above"
         record = ReplyRecord(
             self.host.generation,
             request_id,
@@ -161,68 +178,60 @@ class ReplyStreaming:
             token_ids=list(plan.prefix_ids),
             lead_text="" if plan.prefix_tokens else plan.prefix_text,
         )
-        self._records[msg.id] = record
+        session.records[msg.id] = record
         sampling = plan.sampling
         live_group = ("beams" if sampling.beam_search else "samples", sampling.group_size)
-        bubble = self._sync_path_bubbles(msg, live_group if sampling.group_size > 1 else None)
+        bubble = self.transcript.sync_path(msg, live_group if sampling.group_size > 1 else None)
         bubble.set_meta("generating…", "live")
-        group_card = bubble if sampling.group_size > 1 else None
+        group_card = bubble if isinstance(bubble, GroupReplyCard) and sampling.group_size > 1 else None
         checkpoint = ReplyCheckpoint(self.store, msg.id)
-        self.active = ActiveReply(
+        session.active = ActiveReply(
             msg, bubble, checkpoint, record, plan, plan.prefix_text, context, group_card
         )
-        self._mark_context()
-        self._unpin()
-        self.token_inspected.emit(None, None)  # follow the newest token
+        self.transcript.mark_context()
+        self.pinning.unpin()
+        self.signals.inspected(None, None)  # follow the newest token
         if plan.note:
-            self.status_message.emit(plan.note, "info")
-        self.refresh_sidebar()
-        self.sync_state()
-        self.reply_started.emit(request_id)
+            self.signals.status(plan.note, "info")
+        self.signals.listed()
+        self.signals.sync()
+        self.signals.started(request_id)
 
-    def _conversation_for(self, plan: ReplyPlan):
-        if self.conversation is None:
-            self.conversation = self.store.create(self.pane.system_prompt.toPlainText())
-        return self.conversation
+    def _conversation_for(self) -> Conversation:
+        session = self.session
+        if session.conversation is None:
+            session.conversation = self.store.create(self.pane.system_prompt.toPlainText())
+        return session.conversation
 
-    def _store_user_message(self, conv, plan: ReplyPlan) -> StoredMessage:
+    def _store_user_message(self, conv: Conversation, plan: ReplyPlan) -> StoredMessage:
+        text = plan.user_text or ""
         if conv.title == DEFAULT_TITLE and not conv.nodes:
-            conv.title = title_from(plan.user_text)
+            conv.title = title_from(text)
             self.store.rename(conv.id, conv.title)
-        msg = self.store.add_message(conv.id, "user", plan.user_text, parent_id=plan.parent_id)
+        msg = self.store.add_message(conv.id, "user", text, parent_id=plan.parent_id)
         conv.add(msg)
         return msg
 
-    def _sync_path_bubbles(self, reply: StoredMessage, live_group: tuple[str, int] | None):
-        """Make the transcript show the conversation's path: append what is new when the shown
-        bubbles are its beginning, else draw it again. Returns the reply's bubble."""
-        path = self.conversation.messages
-        shown = [b.message_id for b in self.pane.transcript.bubbles]
-        if shown != [m.id for m in path[: len(shown)]] or reply.id in shown:
-            self._unpin()
-            self.pane.transcript.clear()
-            shown = []
-        for msg in path[len(shown) :]:
-            self._add_bubble(msg, live_group if msg.id == reply.id else None)
-        return self.pane.transcript.bubbles[-1]
-
     # ---- the reply streaming in ----------------------------------------------------------------
     def stop(self) -> None:
-        if self.active is not None:
-            self.host.cancel(self.active.record.request_id)
+        if self.session.active is not None:
+            self.host.cancel(self.session.active.record.request_id)
 
-    def _is_active(self, request_id: int) -> bool:
-        a = self.active
-        return (
+    def _active_for(self, request_id: int) -> ActiveReply | None:
+        """The reply streaming now, when `request_id` is its request on the running engine."""
+        a = self.session.active
+        if (
             a is not None
             and a.record.request_id == request_id
             and a.record.generation == self.host.generation
-        )
+        ):
+            return a
+        return None
 
-    def _on_tokens(self, request_id: int, events: list[TokenGenerated]) -> None:
-        if not self._is_active(request_id):
+    def on_tokens(self, request_id: int, events: list[TokenGenerated]) -> None:
+        a = self._active_for(request_id)
+        if a is None:
             return
-        a = self.active
         if a.group is not None:
             self._on_sample_tokens(a, events)
             return
@@ -233,31 +242,34 @@ class ReplyStreaming:
         a.bubble.add_tokens(new, a.text)
         generated = len(a.record.token_ids) - len(a.plan.prefix_ids)
         a.bubble.set_meta(f"generating… {generated} tokens", "live")
-        self.show_generated(generated)
-        self._write(lambda: a.checkpoint.update(a.text, a.message.meta, a.record.token_ids))
+        self.context.show_generated(generated)
+        write_or_say(self.signals, lambda: a.checkpoint.update(a.text, a.message.meta, a.record.token_ids))
 
     def _on_sample_tokens(self, a: ActiveReply, events: list[TokenGenerated]) -> None:
         """n samples: each token extends its own sample's column (TokenGenerated.branch)."""
+        group = a.group
+        assert group is not None, "samples stream into their card"
         for e in events:
             a.sample_texts[e.branch] = a.sample_texts.get(e.branch, "") + e.text_delta
             a.sample_tokens[e.branch] = a.sample_tokens.get(e.branch, 0) + 1
         for branch in {e.branch for e in events}:
-            a.group.set_sample_text(branch, a.sample_texts[branch], a.sample_tokens[branch])
+            group.set_sample_text(branch, a.sample_texts[branch], a.sample_tokens[branch])
         a.text = a.sample_texts.get(0, "")
         a.bubble.set_meta(f"generating… {sum(a.sample_tokens.values())} tokens", "live")
-        self.show_generated(max(a.sample_tokens.values(), default=0))
-        partial = GroupReply.streaming(a.sample_texts, a.group.size)
-        self._write(lambda: a.checkpoint.update(a.text, partial.to_meta()))
+        self.context.show_generated(max(a.sample_tokens.values(), default=0))
+        partial = GroupReply.streaming(a.sample_texts, group.num_sequences)
+        write_or_say(self.signals, lambda: a.checkpoint.update(a.text, partial.to_meta()))
 
-    def _on_frame(self, dirty: set[str]) -> None:
-        if self.active is not None and self.active.group is not None:
-            self.active.group.refresh(dirty)
-        self.refresh_pool(dirty)
+    def on_frame(self, dirty: set[str]) -> None:
+        a = self.session.active
+        if a is not None and a.group is not None:
+            a.group.refresh(dirty)
+        self.context.refresh_pool(dirty)
 
-    def _on_finished(self, event: RequestFinished) -> None:
-        if not self._is_active(event.request_id):
+    def on_finished(self, event: RequestFinished) -> None:
+        a = self._active_for(event.request_id)
+        if a is None:
             return
-        a = self.active
         a.record.stats = event.stats
         loaded = self.host.live.loaded
         kept = KeptStats.from_engine(event.stats, loaded.info if loaded else None, self.host.config)
@@ -273,34 +285,35 @@ class ReplyStreaming:
         meta = with_reply_facts(reply.to_meta(), kept, a.plan.sampling, a.context)
         self._end_reply(reply.kept_text, event.finish_reason, meta, list(event.token_ids))
 
-    def _on_failed(self, event: RequestFailed) -> None:
-        if self._is_active(event.request_id):
-            self.status_message.emit(f"The reply failed: {event.message}", "error")
-            a = self.active
-            partial = GroupReply.streaming(a.sample_texts, a.group.size).to_meta() if a.sample_texts else None
-            meta = with_reply_facts(partial or self._own_meta(a), None, a.plan.sampling, a.context)
-            self._end_reply(a.text, "failed", meta, a.record.token_ids)
+    def on_failed(self, event: RequestFailed) -> None:
+        a = self._active_for(event.request_id)
+        if a is None:
+            return
+        self.signals.status(f"The reply failed: {event.message}", "error")
+        partial = (
+            GroupReply.streaming(a.sample_texts, a.group.num_sequences).to_meta()
+            if a.sample_texts and a.group is not None
+            else None
+        )
+        meta = with_reply_facts(partial or self._own_meta(a), None, a.plan.sampling, a.context)
+        self._end_reply(a.text, "failed", meta, a.record.token_ids)
 
     @staticmethod
-    def _own_meta(a: ActiveReply) -> dict | None:
+    def _own_meta(a: ActiveReply) -> dict[str, Any] | None:
         """What a continued reply already kept beyond stats and settings (a fresh one: nothing)."""
         return dict(a.message.meta) if a.plan.kind == "continue" and a.message.meta else None
 
-    def _end_reply(self, text: str, finish_reason: str, meta: dict | None, token_ids) -> None:
-        a, self.active = self.active, None
+    def _end_reply(
+        self, text: str, finish_reason: str, meta: dict[str, Any] | None, token_ids: Sequence[int]
+    ) -> None:
+        a, self.session.active = self.session.active, None
+        assert a is not None, "a reply ends once"
         a.message.content, a.message.finish_reason, a.message.meta = text, finish_reason, meta
         a.message.token_ids = tuple(token_ids)
         a.bubble.set_text(text)
-        self._write(lambda: a.checkpoint.finish(text, finish_reason, meta, token_ids))
-        self._decorate(a.bubble, a.message)
-        self._mark_context()
-        self.refresh_sidebar()
-        self.sync_state()
-        self.schedule_measure()
-
-    def _write(self, write) -> None:
-        """A database write whose failure is shown, never raised into a Qt slot."""
-        try:
-            write()
-        except StorageError as exc:
-            self.status_message.emit(str(exc), "error")
+        write_or_say(self.signals, lambda: a.checkpoint.finish(text, finish_reason, meta, token_ids))
+        self.transcript.decorate(a.bubble, a.message)
+        self.transcript.mark_context()
+        self.signals.listed()
+        self.signals.sync()
+        self.signals.measure()

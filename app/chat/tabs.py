@@ -95,6 +95,7 @@ class ChatTabs(QTabWidget):
             self.status_message.emit("Stop this tab's reply before closing the tab", "info")
             return
         pane = self.widget(index)
+        assert pane is not None, "a tab holds its pane"
         self.removeTab(index)
         self.controllers.pop(index)
         controller.sidebar.deleteLater()
@@ -103,20 +104,14 @@ class ChatTabs(QTabWidget):
 
     def controller_for_request(self, request_id: int) -> ChatController | None:
         """The tab whose replies include the tokens of `request_id` (a branch point)."""
-        for controller in self.controllers:
-            if any(
-                r.generation == self.host.generation and any(t.request_id == request_id for t in r.tokens)
-                for r in controller._records.values()
-            ):
-                return controller
-        return None
+        return next((c for c in self.controllers if c.owns_request(request_id)), None)
 
     def active_request_ids(self) -> list[int | None]:
         """Each tab's generating request id (None when idle), in tab order."""
         return [c.active.record.request_id if c.active else None for c in self.controllers]
 
     @Slot()
-    def _sync_swatches(self, _event=None) -> None:
+    def _sync_swatches(self, _event: object = None) -> None:
         for i, request_id in enumerate(self.active_request_ids()):
             if request_id is None:
                 self.setTabIcon(i, QIcon())
@@ -128,7 +123,7 @@ class ChatTabs(QTabWidget):
                 )
 
     @Slot()
-    def _refresh_main_sidebar(self, _event=None) -> None:
+    def _refresh_main_sidebar(self, _event: object = None) -> None:
         # Replies in other tabs add and retitle conversations the window's sidebar lists.
         if self.count() > 1 and self.controllers[0].active is None:
             self.controllers[0].refresh_sidebar()

@@ -12,6 +12,7 @@ Pure data and tree walks: no Qt, no database (app.chat.conversations stores it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -23,7 +24,7 @@ class StoredMessage:
     finish_reason: str | None = None
     model: str | None = None
     created_at: float = 0.0
-    meta: dict | None = None  # a reply's alternatives, kept stats, sampling settings, context cut
+    meta: dict[str, Any] | None = None  # a reply's alternatives, kept stats, sampling settings, context cut
     parent_id: int | None = None
     token_ids: tuple[int, ...] = ()  # a reply's generated tokens (to continue it after a crash)
     updated_at: float = 0.0

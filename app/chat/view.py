@@ -218,7 +218,7 @@ class ChatPane(QWidget):
     # ---- state the controller sets ----------------------------------------------------------
     def set_state(
         self, *, model_ready: bool, loading: bool, generating: bool, can_regenerate: bool, can_edit: bool
-    ):
+    ) -> None:
         if generating:
             label = "Generating…"
         elif loading:

@@ -22,6 +22,7 @@ from engine.events import (
     TokenGenerated,
     TokenSnapshot,
 )
+from engine.units import tokens_per_s
 from live.remote import REMOTE_TOP_K
 
 UNKNOWN_TOKEN_ID = -1  # the server streams text; which vocabulary id it was is not said
@@ -153,7 +154,7 @@ class ReplyAdapter:
             cached_prompt_tokens=int(details.get("cached_tokens") or 0),
             ttft_s=ttft,
             itl_s=itl,
-            tokens_per_s=(len(first.times) - 1) * len(self.branches) / decode if decode > 0 else 0.0,
+            tokens_per_s=tokens_per_s((len(first.times) - 1) * len(self.branches), decode),
             preemptions=0,
             peak_blocks=0,
         )

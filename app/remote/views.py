@@ -9,14 +9,21 @@ remote engine does not expose (and where its metrics are), instead of an empty o
 
 from __future__ import annotations
 
-from PySide6.QtCore import QObject, Qt, Slot
-from PySide6.QtWidgets import QDockWidget, QLabel, QMenu, QVBoxLayout, QWidget
+from collections.abc import Callable
 
+from PySide6.QtCore import QObject, Qt, Slot
+from PySide6.QtWidgets import QDockWidget, QLabel, QMenu, QMenuBar, QVBoxLayout, QWidget
+
+from app.chat.controller import ChatController
 from app.remote.attach_dialog import AttachDialog
+from app.remote.host import AttachableHost
 from app.remote.metrics_panel import RemoteMetricsPanel
 from app.remote.target import RemoteSource, RemoteTarget
 from app.remote.vllm_kv import PrefixCacheState
+from app.settings import AppSettings
+from app.status_bar import StatusBar
 from widgets import theme
+from widgets.sweep_panel import SweepPanel
 
 URL_SETTING = "remote/url"
 
@@ -99,34 +106,47 @@ class Covered(QWidget):
 
 
 class RemoteViews(QObject):
+    """Given what it works through: the window only as the parent of its dialog, the attachable
+    host, the docks it covers and a way to add its own, the menu bar, the settings (the last URL),
+    the chat (stopped and synced around an attach), the status bar, the sweep panel (no local
+    sweep of a remote model), and the window's status refresh and detach."""
+
     COVERED = ("page_map", "roofline", "memory", "step_timeline")
 
-    def __init__(self, window) -> None:
-        super().__init__(window)
-        self.window = window
-        self.host = window.host
+    def __init__(
+        self,
+        dialogs: QWidget,
+        host: AttachableHost,
+        docks: dict[str, QDockWidget],
+        add_dock: Callable[[str, str, QWidget], QDockWidget],
+        menu_bar: QMenuBar,
+        settings: AppSettings,
+        chat: ChatController,
+        status: StatusBar,
+        sweep: SweepPanel,
+        refresh_status: Callable[[], None],
+        detach: Callable[[], None],
+    ) -> None:
+        super().__init__(dialogs)
+        self.dialogs, self.host, self.settings, self.chat, self.status = dialogs, host, settings, chat, status
+        self.sweep, self._refresh_status, self._detach = sweep, refresh_status, detach
         self.covers: dict[str, Covered] = {}
         for key in self.COVERED:
-            dock = window.docks[key]
+            dock = docks[key]
             cover = Covered(dock.widget())
             dock.setWidget(cover)
             self.covers[key] = cover
         self.panel = RemoteMetricsPanel(self.host)
-        dock = window._dock(
-            "remote_metrics", "Remote metrics", self.panel, Qt.DockWidgetArea.BottomDockWidgetArea
-        )
-        window.tabifyDockWidget(window.docks["latency"], dock)
-        window.docks["latency"].raise_()
+        dock = add_dock("remote_metrics", "Remote metrics", self.panel)
         dock.hide()
         self.dock: QDockWidget = dock
-        self._build_menu()
+        self._build_menu(menu_bar)
         self.host.source_changed.connect(self._on_source_changed)
         self.host.metrics_changed.connect(self._refresh_notices)
         self.host.model_loaded.connect(self._on_model_loaded)
         self.host.model_load_failed.connect(self._on_load_failed)
 
-    def _build_menu(self) -> None:
-        bar = self.window.menuBar()
+    def _build_menu(self, bar: QMenuBar) -> None:
         menu = QMenu("&Remote", bar)
         bar.insertMenu(bar.actions()[-1], menu)  # before Help, which stays last
         self.menu = menu
@@ -141,41 +161,39 @@ class RemoteViews(QObject):
     # ---- attaching -------------------------------------------------------------------------
     @Slot()
     def ask_and_attach(self) -> None:
-        dialog = AttachDialog(self.window.settings.get(URL_SETTING, "") or "", self.window)
+        dialog = AttachDialog(self.settings.get(URL_SETTING, "") or "", self.dialogs)
         if dialog.exec() and dialog.target is not None:
             self.attach(dialog.target)
 
     def attach(self, target: RemoteTarget, use_events: bool = True) -> None:
-        window = self.window
-        if window.controller.active is not None:
-            window.controller.stop()
-        window.settings.set(URL_SETTING, target.url)  # never the key
+        if self.chat.active is not None:
+            self.chat.stop()
+        self.settings.set(URL_SETTING, target.url)  # never the key
         self.host.attach(target, use_events=use_events)
         self.detach_action.setEnabled(True)
-        window.status.showMessage(f"Attaching to {target.url}…", 5000)
-        window.controller.sync_state()
-        window.refresh_status()
+        self.status.showMessage(f"Attaching to {target.url}…", 5000)
+        self.chat.sync_state()
+        self._refresh_status()
 
     @Slot()
     def detach(self) -> None:
         """Back to the local engine, on the model chosen in the Controls panel."""
-        self.window.load_model(self.window.controls.model.choice())
+        self._detach()
 
     # ---- following the source --------------------------------------------------------------
     @Slot(object)
     def _on_source_changed(self, source: RemoteSource | None) -> None:
-        window = self.window
         self.detach_action.setEnabled(self.host.attached)
         if source is not None:
             self.dock.show()
             self.dock.raise_()
             if not source.events:
-                window.controller.forget_token_data()
-                window.chat.input.setPlaceholderText(
+                self.chat.forget_token_data()
+                self.chat.pane.input.setPlaceholderText(
                     f"Message {source.display_name}…  (Enter sends, Shift+Enter for a new line)"
                 )
         self._refresh_notices()
-        window.refresh_status()
+        self._refresh_status()
 
     @Slot()
     def _refresh_notices(self) -> None:
@@ -194,7 +212,7 @@ class RemoteViews(QObject):
             return
         # A sweep would load and measure the model on this machine, not on the server's. (The
         # roofline places a kvscope server's steps by the costs its events carry.)
-        self.window.physics.sweep.set_model(None)
+        self.sweep.set_model(None)
 
     @Slot(str)
     def _on_load_failed(self, _message: str) -> None:

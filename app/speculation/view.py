@@ -13,10 +13,16 @@ from dataclasses import replace
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from app.chat.controller import ChatController
+from app.chat.tabs import ChatTabs
+from app.engine_host import EngineHost
+from app.sampling_controls import SamplingControls
+from app.speculation.controls import SpeculationControls
 from app.workers import EngineCall
 from engine.api import SpeedupResult
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.request import ChatMessage, Request
+from widgets.speculation_panel import SpeculationPanel
 
 JOIN_TIMEOUT_S = 60.0  # a measurement is two short generations; closing waits for it
 
@@ -24,13 +30,19 @@ JOIN_TIMEOUT_S = 60.0  # a measurement is two short generations; closing waits f
 class SpeculationController(QObject):
     measured = Signal(object)  # SpeedupResult, once shown
 
-    def __init__(self, window, start_engine: Callable[..., None], parent: QObject | None = None):
+    def __init__(
+        self,
+        host: EngineHost,
+        chat: ChatController,
+        tabs: ChatTabs | None,
+        sampling: SamplingControls,
+        controls: SpeculationControls,
+        panel: SpeculationPanel,
+        start_engine: Callable[..., None],
+        parent: QObject | None = None,
+    ):
         super().__init__(parent)
-        self.host = window.host
-        self.chat = window.controller
-        self.sampling = window.controls.sampling
-        self.controls = window.controls.speculation
-        self.panel = window.panels.speculation
+        self.host, self.chat, self.sampling, self.controls, self.panel = host, chat, sampling, controls, panel
         self._start_engine = start_engine
         self.applied: SpeculativeConfig | None = None  # what the running engine was started with
         self.call: EngineCall | None = None  # the speedup measurement in flight
@@ -46,9 +58,9 @@ class SpeculationController(QObject):
             return token.spec if token is not None else ""
 
         self._mark_of = mark_of
-        window.chat.set_spec_mark_source(mark_of)
+        chat.pane.set_spec_mark_source(mark_of)
         # Extra chat tabs: their tokens select rounds too, and each new tab's pane shows marks.
-        self._tabs = getattr(window, "chat_tabs", None)
+        self._tabs = tabs
         if self._tabs is not None:
             self._tabs.token_inspected.connect(self.panel.show_token)
             self._tabs.currentChanged.connect(self._mark_every_tab)

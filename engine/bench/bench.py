@@ -34,6 +34,7 @@ from engine.measure.memory import device_name, measure_memory_bandwidth
 from engine.model.loading import load_model, load_transformers_model
 from engine.model.sources import resolve_source
 from engine.request import Request
+from engine.units import tokens_per_s
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -95,9 +96,7 @@ def run_engine(
     events.clear()
     start = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    engine.add_request(Request(prompt_token_ids=tuple(prompt_ids), sampling=params))
-    while engine.has_work():
-        engine.step()
+    engine.run([Request(prompt_token_ids=tuple(prompt_ids), sampling=params)])
     tokens = [e for e in events if isinstance(e, TokenGenerated)]
     times = [e.t for e in tokens]
     return times[0] - start, _gaps(times), [e.token_id for e in tokens]
@@ -118,7 +117,7 @@ def _summary(ttfts: list[float], itls: list[float], per_token: bool = True) -> d
         "ttft_s": statistics.median(ttfts),
         "median_itl_s": median,
         "p99_itl_s": p99 if per_token else None,
-        "decode_tokens_per_s": 1.0 / median,
+        "decode_tokens_per_s": tokens_per_s(1, median),
     }
 
 
@@ -253,7 +252,7 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
                 outputs[path] = ids
     results = {p: _summary(*samples[p], per_token=p != "llama.cpp") for p in wanted}
     for p in results:
-        results[p]["prefill_tokens_per_s"] = len(prompt_ids) / statistics.median(samples[p][0])
+        results[p]["prefill_tokens_per_s"] = tokens_per_s(len(prompt_ids), statistics.median(samples[p][0]))
     if "llama.cpp" in results:
         notes["llama.cpp"] = "llama-bench reports one mean rate per run: its ITL is the median of those means"
         assert llama_bench is not None and gguf is not None

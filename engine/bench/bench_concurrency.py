@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import Event, RequestFinished
+from engine.events import RequestFinished
 from engine.request import Request
-from engine.units import milliseconds
+from engine.units import milliseconds, tokens_per_s
 
 if TYPE_CHECKING:
     from engine.model.loaded import LoadedModel
@@ -41,40 +41,33 @@ def _requests(n: int, new_tokens: int) -> list[Request]:
     ]
 
 
-def _run(
-    engine: LLMEngine, events: list[Event], requests: list[Request]
-) -> tuple[float, list[RequestFinished]]:
+def _run(engine: LLMEngine, requests: list[Request]) -> tuple[float, list[RequestFinished]]:
     """Submit all requests at once and step until they end; returns wall time and results."""
-    events.clear()
     start = time.perf_counter()
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - start, [e for e in events if isinstance(e, RequestFinished)]
+    ends = engine.run(requests)
+    return time.perf_counter() - start, [e for e in ends if isinstance(e, RequestFinished)]
 
 
 def measure_levels(
     loaded: LoadedModel, levels: list[int], new_tokens: int, block_size: int
 ) -> list[dict[str, Any]]:
-    events: list[Event] = []
     config = EngineConfig(block_size=block_size, max_num_seqs=max(levels), enable_prefix_caching=False)
-    engine = LLMEngine(loaded, config, events.append)
-    _run(engine, events, _requests(1, 4))  # warm-up
+    engine = LLMEngine(loaded, config)
+    _run(engine, _requests(1, 4))  # warm-up
     out = []
     for c in levels:
         print(f"concurrency {c}: batched", file=sys.stderr)
         requests = _requests(c, new_tokens)
-        batched_s, batched = _run(engine, events, requests)
+        batched_s, batched = _run(engine, requests)
         print(f"concurrency {c}: one by one", file=sys.stderr)
-        sequential_s = sum(_run(engine, events, [r])[0] for r in requests)
+        sequential_s = sum(_run(engine, [r])[0] for r in requests)
         generated = sum(f.stats.generated_tokens for f in batched)
         itls = [x for f in batched for x in f.stats.itl_s]
         out.append(
             {
                 "concurrency": c,
-                "total_tokens_per_s": generated / batched_s,
-                "sequential_tokens_per_s": generated / sequential_s,
+                "total_tokens_per_s": tokens_per_s(generated, batched_s),
+                "sequential_tokens_per_s": tokens_per_s(generated, sequential_s),
                 "speedup": sequential_s / batched_s,
                 "median_itl_s": statistics.median(itls),
                 "median_ttft_s": statistics.median(f.stats.ttft_s for f in batched),
@@ -84,12 +77,11 @@ def measure_levels(
 
 
 def measure_prefix_cache(loaded: LoadedModel, block_size: int) -> dict[str, Any]:
-    events: list[Event] = []
-    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, enable_prefix_caching=True), events.append)
+    engine = LLMEngine(loaded, EngineConfig(block_size=block_size, enable_prefix_caching=True))
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     results = []
     for question in ("What is rule 3 about?", "Summarise rule 7."):
-        _, (done,) = _run(engine, events, [Request.chat(question, system=SHARED_SYSTEM, sampling=params)])
+        _, (done,) = _run(engine, [Request.chat(question, system=SHARED_SYSTEM, sampling=params)])
         results.append(done.stats)
     cold, cached = results
     return {

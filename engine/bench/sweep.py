@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, RequestFailed, RequestFinished, StepCost, StepStats
+from engine.limits import blocks_for_tokens
 from engine.measure.roofline import bound, step_cost
 from engine.model.loading import load_model
 from engine.request import Request
 from engine.results import DeviceLimits
 from engine.shapes import ModelShapes
-from engine.units import mbu, mfu
+from engine.units import mbu, mfu, tokens_per_s
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,7 +71,7 @@ class _Bench:
         self.loaded = loaded
         self.shapes = ModelShapes.from_config(loaded.model.config)
         self.dtype_bytes = loaded.dtype.itemsize
-        blocks_per_seq = -(-max_tokens // BLOCK_SIZE)
+        blocks_per_seq = blocks_for_tokens(max_tokens, BLOCK_SIZE)
         config = EngineConfig(
             block_size=BLOCK_SIZE,
             num_blocks=blocks_per_seq * max_seqs,
@@ -87,14 +88,11 @@ class _Bench:
         """Submit `copies` identical requests at once and step until all end."""
         self.events.clear()
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-        for _ in range(copies):
-            self.engine.add_request(Request(prompt_token_ids=tuple(prompt), sampling=params))
-        while self.engine.has_work():
-            self.engine.step()
-        failed = [e for e in self.events if isinstance(e, RequestFailed)]
+        ends = self.engine.run([Request(prompt_token_ids=tuple(prompt), sampling=params)] * copies)
+        failed = [e for e in ends if isinstance(e, RequestFailed)]
         if failed:
             raise ConfigError(f"a sweep request failed: {failed[0].message}")
-        return [e for e in self.events if isinstance(e, RequestFinished)]
+        return [e for e in ends if isinstance(e, RequestFinished)]
 
     def warm_up(self) -> None:
         """The first forwards pay one-off costs (allocator, kernel selection) no length should carry."""
@@ -149,7 +147,7 @@ def _prompt_rows(
                 "prompt_tokens": n,
                 "ttft_s": ttft,
                 "ttft_min_s": min(ttfts),
-                "prefill_tokens_per_s": n / ttft,
+                "prefill_tokens_per_s": tokens_per_s(n, ttft),
                 "flops": cost.flops,
                 "bytes": cost.bytes_total,
                 "intensity": cost.intensity,
@@ -182,7 +180,7 @@ def _context_rows(
                 "dtype": name,
                 "context_tokens": n,
                 "median_itl_s": itl,
-                "decode_tokens_per_s": 1 / itl,
+                "decode_tokens_per_s": tokens_per_s(1, itl),
                 "kv_read_bytes": statistics.fmean(c.kv_read_bytes for c in costs),
                 "bytes_per_token": nbytes,
                 "flops_per_token": flops,

@@ -44,14 +44,8 @@ def run_to_end(engine: LLMEngine, request: Request, collector: Collector) -> Req
     """Drive the engine until the request ends; Ctrl-C cancels the request, keeping its text."""
     collector.tokens.clear()
     collector.outcome = None
-    request_id = engine.add_request(request)
-    try:
-        while engine.has_work():
-            engine.step()
-    except KeyboardInterrupt:
-        engine.abort(request_id)
-    assert collector.outcome is not None, "the engine ends every request it took, finished or failed"
-    return collector.outcome
+    (outcome,) = engine.run([request], interruptible=True)
+    return outcome
 
 
 def load_engine(args: argparse.Namespace, collector: Collector) -> LLMEngine:

@@ -20,9 +20,10 @@ from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.errors import ModelLoadError
 from engine.events import RequestFailed, RequestFinished
 from engine.request import Request
+from engine.units import tokens_per_s
 
 if TYPE_CHECKING:
-    from engine.events import Event, RequestFinished
+    from engine.events import RequestFinished
     from engine.model.loaded import LoadedModel
     from engine.quant.schemes import SchemeStatus
     from engine.results import QualityReport
@@ -242,14 +243,13 @@ class _SpeedRun:
         # torch and the model code: imported by the command that runs, not by `--help`
         from engine.core.llm_engine import LLMEngine
 
-        self.events: list[Event] = []
         self.new_tokens = args.new_tokens
         spec = ModelSpec(args.model, args.dtype, args.device)
         blocks = (args.new_tokens + 256) // 16 + 1  # the chat-templated prompt is under 256 tokens
         config = EngineConfig(
             model=spec, num_blocks=blocks, kv_dtype=args.kv_dtype, enable_prefix_caching=False
         )
-        self.engine = LLMEngine(loaded, config, self.events.append)
+        self.engine = LLMEngine(loaded, config)
         self.prefill_tok_s: list[float] = []
         self.decode_tok_s: list[float] = []
         self.output_ids: list[int] = []
@@ -257,19 +257,15 @@ class _SpeedRun:
         self._request(2)  # warm-up: first-call allocations, lazy imports
 
     def _request(self, new_tokens: int) -> RequestFinished:
-        self.events.clear()
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-        self.engine.add_request(Request.chat(REPORT_PROMPT, sampling=params))
-        while self.engine.has_work():
-            self.engine.step()
-        for event in self.events:
-            if isinstance(event, RequestFailed):
-                raise RuntimeError(event.message)
-        return next(e for e in self.events if isinstance(e, RequestFinished))
+        (end,) = self.engine.run([Request.chat(REPORT_PROMPT, sampling=params)])
+        if isinstance(end, RequestFailed):
+            raise RuntimeError(end.message)
+        return end
 
     def measure(self) -> None:
         reply = self._request(self.new_tokens)
-        self.prefill_tok_s.append(reply.stats.prompt_tokens / reply.stats.ttft_s)
+        self.prefill_tok_s.append(tokens_per_s(reply.stats.prompt_tokens, reply.stats.ttft_s))
         self.decode_tok_s.append(reply.stats.tokens_per_s)
         self.output_ids, self.text = list(reply.token_ids), reply.text
 

@@ -272,7 +272,7 @@ class LLMEngine:
         counts = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.target_forwards += 1
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.num_computed_tokens + n == seq.num_tokens_with_spec:
                 counts[seq.seq_id] = 1 + seq.num_draft_tokens
         for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
             group.measure_blocks()
@@ -326,8 +326,8 @@ class LLMEngine:
 
     # ---- speculative decoding: drafts before the schedule ----------------------------------
     def _propose_drafts(self) -> None:
-        """Give each decoding sequence a round of draft tokens, appended (unverified) to its
-        tokens so the scheduler and runner treat them as ordinary tokens to compute."""
+        """Give each decoding sequence a round of draft tokens, kept apart from its tokens
+        (spec_token_ids) until verified; the scheduler and the runner compute them after it."""
         spec = self.config.speculative
         assert spec is not None and self.proposer is not None
         for seq in self.scheduler.running:
@@ -341,9 +341,8 @@ class LLMEngine:
             if k <= 0:
                 continue
             drafts, qs = self.proposer.propose(seq, k)
-            seq.token_ids.extend(drafts)
+            seq.spec_token_ids = list(drafts)
             seq.draft_q = list(qs)
-            seq.num_draft_tokens = len(drafts)
 
     def _trim_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts of sequences the scheduler did not run (preempted) or ran only in part (the
@@ -356,7 +355,7 @@ class LLMEngine:
                 keep = max(0, scheduled.get(seq.seq_id, 0) - 1)
                 if keep < seq.num_draft_tokens:
                     seq.drop_drafts(keep)
-                    self.proposer.on_verified(seq, seq.num_tokens)
+                    self.proposer.on_verified(seq, seq.num_tokens_with_spec)
 
     def _fail_unschedulable(self) -> None:
         """Nothing could run. With nothing running, the head of the queue cannot fit even in an

@@ -131,9 +131,9 @@ class Postprocessor:
     # ---- speculative ---------------------------------------------------------------------
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
         d = seq.num_draft_tokens
-        drafts = seq.token_ids[-d:]
+        drafts = list(seq.spec_token_ids)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        history = seq.output_ids[:-d]
+        history = seq.output_ids
         p = torch.stack(
             [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
         )
@@ -142,7 +142,7 @@ class Postprocessor:
     def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
         proposer, spec = self.proposer, self.speculative
         assert proposer is not None and spec is not None
-        drafts = seq.token_ids[-seq.num_draft_tokens :]
+        drafts = list(seq.spec_token_ids)
         seq.drop_drafts(0)
         emitted = drafts[: verdict.accepted] + [verdict.token]
         proposer.on_verified(seq, seq.num_tokens + verdict.accepted)

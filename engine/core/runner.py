@@ -18,6 +18,7 @@ import torch
 from engine.core.sequence import Sequence
 from engine.kernels.policy import KernelPolicy, StepRecord
 from engine.kv.manager import KVCacheManager
+from engine.limits import blocks_for_tokens
 from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
 from engine.model.llama_forward import EXECUTOR, LlamaForward, ResidualObserver, unsupported_reason
 from engine.model.paged_attention import PagedBatch, PagedCache, paged_attention
@@ -84,11 +85,11 @@ class ModelRunner:
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             q_start = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.tokens_with_spec(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(self.kv.slot_ids(seq, start, n))
             context = start + n
-            table = [b.block_id for b in seq.block_table[: -(-context // bs)]]
+            table = [b.block_id for b in seq.block_table[: blocks_for_tokens(context, bs)]]
             slices.append(SeqSlice(q_start, n, context, block_index(table, self.device)))
             count = logit_counts.get(seq.seq_id, 0)
             if count:

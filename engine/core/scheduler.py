@@ -126,12 +126,12 @@ class Scheduler:
         lockstep group either all reach their last token this step or none does."""
         plan = []
         for seq, done in zip(members, computed):
-            n = self._chunk(seq.num_tokens - done, budget)
+            n = self._chunk(seq.num_tokens_with_spec - done, budget)
             plan.append(n)
             budget -= n
         lockstep = members[0].group is not None and members[0].group.lockstep
-        if lockstep and any(done + n < s.num_tokens for s, done, n in zip(members, computed, plan)):
-            plan = [min(n, s.num_tokens - done - 1) for s, done, n in zip(members, computed, plan)]
+        if lockstep and any(done + n < s.num_tokens_with_spec for s, done, n in zip(members, computed, plan)):
+            plan = [min(n, s.num_tokens_with_spec - done - 1) for s, done, n in zip(members, computed, plan)]
         return plan
 
     def schedule(self) -> ScheduledBatch:

@@ -39,7 +39,7 @@ class SeqStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
-    token_ids: list[int]  # prompt followed by generated tokens
+    token_ids: list[int]  # prompt followed by generated tokens: committed ones, never a draft
     num_prompt_tokens: int
     params: SamplingParams
     status: SeqStatus = SeqStatus.WAITING
@@ -52,9 +52,10 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     target_forwards: int = 0  # engine steps that ran this sequence through the model
-    # Speculative decoding: draft tokens appended to token_ids for the current round (not yet
-    # verified), their draft distributions, the round size and the running record.
-    num_draft_tokens: int = 0
+    # Speculative decoding: the current round's draft tokens, kept apart from token_ids until the
+    # verifier decides (vLLM's spec_token_ids; the scheduler and the runner count and compute them
+    # after the committed tokens), their draft distributions, the round size and the record.
+    spec_token_ids: list[int] = field(default_factory=list)
     draft_q: list[torch.Tensor | None] = field(default_factory=list)  # None: a one-hot proposal
     draft_k: int = 0
     spec_rounds: int = 0
@@ -93,7 +94,25 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Committed tokens (prompt and output; no draft)."""
         return len(self.token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What the scheduler counts: the committed tokens and the round's drafts after them."""
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the committed tokens followed by the drafts: what a forward
+        computes at those positions."""
+        committed = self.token_ids
+        if end <= len(committed):
+            return committed[start:end]
+        return (committed + self.spec_token_ids)[start:end]
 
     @property
     def output_ids(self) -> list[int]:
@@ -106,16 +125,13 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """Still has more than the newest token to put in the cache."""
-        uncomputed = self.num_tokens - self.num_draft_tokens - self.num_computed_tokens
-        return uncomputed > 1 or self.num_output_tokens - self.num_draft_tokens == 0
+        uncomputed = self.num_tokens - self.num_computed_tokens
+        return uncomputed > 1 or self.num_output_tokens == 0
 
     def drop_drafts(self, keep: int = 0) -> None:
         """Remove unverified draft tokens beyond the first `keep`."""
-        extra = self.num_draft_tokens - keep
-        if extra > 0:
-            del self.token_ids[-extra:]
-            del self.draft_q[keep:]
-            self.num_draft_tokens = keep
+        del self.spec_token_ids[keep:]
+        del self.draft_q[keep:]
 
 
 class SequenceGroup:

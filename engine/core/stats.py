@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from engine.core.sequence import Sequence
 from engine.events import RequestStats
+from engine.units import tokens_per_s
 
 
 def request_stats(
@@ -29,7 +30,7 @@ def request_stats(
         cached_prompt_tokens=first.num_cached_tokens,
         ttft_s=times[0] - first.arrival_time if times else 0.0,
         itl_s=tuple(b - a for a, b in zip(times, times[1:])),
-        tokens_per_s=(len(times) - 1) * streams / decode_time if decode_time > 0 else 0.0,
+        tokens_per_s=tokens_per_s((len(times) - 1) * streams, decode_time),
         preemptions=first.preemptions if preemptions is None else preemptions,
         peak_blocks=first.peak_blocks if peak_blocks is None else peak_blocks,
         target_forwards=first.target_forwards if target_forwards is None else target_forwards,

@@ -75,51 +75,75 @@ class GGUFWeight(WeightStorage):
             )
         self.lib = kvk
         self.ggml_type = ggml_type
-        self.blocks = blocks
-        self.row_map = None if row_map is None else np.ascontiguousarray(row_map, dtype=np.int32)
+        # the tensors whose rows the table points into (kept alive here)
+        self.parts: tuple[np.ndarray, ...] = (blocks,)
+        self.row_table = native.row_addresses(blocks, row_map)  # output row -> its weights' address
         self.in_features = in_features
-        self.out_features = blocks.shape[0] if row_map is None else len(row_map)
+        self.out_features = self.row_table.shape[0]
         self.kind = ggml_type.name.lower()
         self.native_kernel = "kvk"
 
+    @classmethod
+    def cat(cls, parts: list[GGUFWeight]) -> GGUFWeight:
+        """One storage over several tensors of one type and width, their output rows one after
+        another (a fused q/k/v or gate/up: one kernel call), each still where the file has it."""
+        first = parts[0]
+        fused = object.__new__(cls)
+        fused.lib, fused.ggml_type, fused.kind = first.lib, first.ggml_type, first.kind
+        fused.parts = tuple(b for p in parts for b in p.parts)
+        fused.row_table = np.concatenate([p.row_table for p in parts])
+        fused.in_features, fused.out_features = first.in_features, int(fused.row_table.shape[0])
+        fused.native_kernel = "kvk"
+        return fused
+
     def __deepcopy__(self, memo: dict[int, object]) -> GGUFWeight:
         """A copy with its own blocks in memory (the kernel table's probes); the library is shared."""
-        return GGUFWeight(self.ggml_type, self.blocks.copy(), self.in_features, self.row_map, self.lib)
+        blocks = self.dequantizable_copy()
+        return GGUFWeight(self.ggml_type, blocks, self.in_features, lib=self.lib)
+
+    def dequantizable_copy(self) -> np.ndarray:
+        """The rows' blocks copied in output order into one array [rows, bytes per row]."""
+        row_bytes = self.parts[0].shape[1]
+        out = np.empty((self.out_features, row_bytes), dtype=np.uint8)
+        for part in self.parts:
+            base = part.ctypes.data
+            span = part.shape[0] * part.strides[0]
+            inside = (self.row_table >= base) & (self.row_table < base + span)
+            rows = ((self.row_table[inside] - np.uint64(base)) // np.uint64(part.strides[0])).astype(np.int64)
+            out[inside] = part[rows]
+        return out
 
     def kernels(self) -> tuple[str, ...]:
         return ("kvk", "dense-bf16")
 
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         if kernel == "kvk":
-            y = self.lib.matmul(
-                self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map
-            )
+            y = self.lib.matmul(self.ggml_type, self.row_table, self.in_features, flat)
         else:
             weight = self.lib.dequantize_bf16(
-                self.ggml_type, self.blocks, self.in_features, self.row_map, out=_bf16_scratch(self)
+                self.ggml_type, self.row_table, self.in_features, _bf16_scratch(self)
             )
-            y = F.linear(x.to(torch.bfloat16), weight)
-        return y.to(x.dtype)
+            y = F.linear(flat.to(torch.bfloat16), weight)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 activations times every weight decoded to float32 (the exact LM head)."""
-        y = self.lib.matmul(
-            self.ggml_type, self.blocks, self.in_features, x.float().contiguous(), self.row_map, exact=True
-        )
-        return y.to(x.dtype)
+        flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = self.lib.matmul(self.ggml_type, self.row_table, self.in_features, flat, exact=True)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` dequantized exactly as gguf does (an embedding lookup): [len(ids), in]."""
-        flat = ids.reshape(-1)
-        if self.row_map is not None:
-            flat = torch.from_numpy(self.row_map).to(torch.int64)[flat]
-        return self.lib.dequantize_rows(self.ggml_type, self.blocks, self.in_features, flat).to(dtype)
+        return self.lib.dequantize_rows(self.ggml_type, self.row_table, self.in_features, ids.reshape(-1)).to(
+            dtype
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features), dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (torch.from_numpy(self.blocks),)
+        return tuple(torch.from_numpy(part) for part in self.parts)
 
     def bytes_read(self, kernel: str) -> int:
         if kernel in ("kvk", "exact"):

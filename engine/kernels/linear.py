@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, WeightStorage
 
@@ -107,12 +108,12 @@ class StackedLinear(nn.Module):
     mapping: stacking them would copy the weights). Each part runs the kernel the table picks for
     its own format and rows."""
 
-    def __init__(self, parts: list[KernelLinear]):
+    def __init__(self, parts: list[KernelLinear] | list[KernelLinear | StackedLinear]):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self._linears = tuple(parts)  # the same modules, typed (the ModuleList registers them)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
+        self.in_features: int = parts[0].in_features
+        self.out_features: int = sum(p.out_features for p in parts)
         self._offsets = [0]
         for p in parts:
             self._offsets.append(self._offsets[-1] + p.out_features)
@@ -142,9 +143,9 @@ def as_kernel_linear(module: nn.Module, policy: KernelPolicy) -> KernelLinear | 
 
 
 def cat_storages(parts: list[WeightStorage]) -> WeightStorage | None:
-    """One storage holding `parts` stacked along the output rows, or None when they differ in
-    format or must stay where they are (GGUF blocks: a view of the file): then they are stacked
-    side by side (StackedLinear)."""
+    """One storage holding `parts` stacked along the output rows (GGUF tensors of one type: one
+    table of their rows, each left where the file has it), or None when they differ in format:
+    then they run side by side (StackedLinear)."""
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
         return None
@@ -154,6 +155,8 @@ def cat_storages(parts: list[WeightStorage]) -> WeightStorage | None:
         return Int8RowWeight.cat(int8)
     if int4 := _all_of(parts, Int4GroupWeight):
         return Int4GroupWeight.cat(int4)
+    if gguf := _all_of(parts, GGUFWeight):
+        return GGUFWeight.cat(gguf) if len({p.in_features for p in gguf}) == 1 else None
     return None
 
 
@@ -228,22 +231,10 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
             linears = [lin for lin in maybe if lin is not None]
             if len(linears) != len(maybe):
                 continue
-            storage = cat_storages([lin.storage for lin in linears])
             sizes = [lin.out_features for lin in linears]
-            fused_linear: KernelLinear | StackedLinear
-            if storage is None:  # other formats, or blocks that stay where the file has them
-                fused_linear = StackedLinear(linears)
-            else:
-                biases = [lin.bias for lin in linears]
-                bias = None
-                if any(b is not None for b in biases):
-                    bias = torch.cat(
-                        [
-                            b if b is not None else torch.zeros(lin.out_features)
-                            for b, lin in zip(biases, linears)
-                        ]
-                    )
-                fused_linear = KernelLinear(storage, bias, policy)
+            # each run of one format as one layer; runs of different formats side by side
+            runs = [_joined(run, policy) for run in _runs_of_one_format(linears)]
+            fused_linear: KernelLinear | StackedLinear = runs[0] if len(runs) == 1 else StackedLinear(runs)
             group = FusedProjection(fused_linear, sizes)
             setattr(owner, fused_name, group)
             for index, name in enumerate(names):
@@ -251,6 +242,34 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
             fused += 1
     _wrap_remaining(model, policy)
     return fused
+
+
+def _runs_of_one_format(linears: list[KernelLinear]) -> list[list[KernelLinear]]:
+    """Consecutive projections grouped by format (q, k in Q4_K and v in Q6_K: two runs)."""
+    runs: list[list[KernelLinear]] = []
+    for lin in linears:
+        if runs and runs[-1][0].storage.kind == lin.storage.kind:
+            runs[-1].append(lin)
+        else:
+            runs.append([lin])
+    return runs
+
+
+def _joined(run: list[KernelLinear], policy: KernelPolicy) -> KernelLinear | StackedLinear:
+    """One layer computing the run's projections side by side: one storage where the format can
+    be joined (dense, int8, int4, GGUF tensors of one type), else the parts stacked."""
+    if len(run) == 1:
+        return run[0]
+    storage = cat_storages([lin.storage for lin in run])
+    if storage is None:
+        return StackedLinear(run)
+    biases = [lin.bias for lin in run]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [b if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, run)]
+        )
+    return KernelLinear(storage, bias, policy)
 
 
 def _wrap_remaining(model: nn.Module, policy: KernelPolicy) -> None:

@@ -1,7 +1,9 @@
 """The KV block pool: which physical blocks are free, used (by ref count) or cached for reuse.
 
 Bookkeeping only; the tensors live in `engine.model.kv_storage.PagedKVStorage`, indexed by the
-same block ids. Every mutation is reported as a `BlockEvent` so the app's page map is exact.
+same block ids. Every mutation is reported as a `BlockEvent` so the app's page map is exact, and
+each block keeps what those events told of it (where it sits in its sequence, the block it was
+copied from, when it last changed): the server's snapshot of the pool reads it there.
 
 Free queue (LRU, front = reused first). A block whose ref count drops to 0 keeps its prefix hash
 ("cached-free"): a later request with the same prefix can take it back without recomputing.
@@ -26,6 +28,11 @@ class Block:
     ref_cnt: int = 0
     block_hash: Hashable | None = None
     num_tokens: int = 0  # slots written (fill level)
+    # As its events told (BlockEvent.block_start): the position of its first slot in its sequence
+    # (-1: never written), the shared block a copy-on-write copied into it, its last change.
+    token_start: int = -1
+    copied_from: int | None = None
+    touched_t: float = 0.0
 
 
 class PoolExhausted(RuntimeError):
@@ -41,8 +48,21 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[Hashable, Block] = {}
-        self._emit = emit or (lambda event: None)
+        self._sink = emit or (lambda event: None)
         self.evictions = 0
+
+    def _emit(self, event: BlockEvent) -> None:
+        """Every block event, this pool's and its KV manager's: noted on the blocks, then sent."""
+        for i, block_id in enumerate(event.block_ids):
+            block = self.blocks[block_id]
+            block.touched_t = event.t
+            if event.op in ("append", "share", "cow"):
+                block.token_start = event.block_start(i, self.block_size)
+            if event.op == "cow" and i < len(event.src_block_ids):
+                block.copied_from = event.src_block_ids[i]
+            elif event.op == "allocate":
+                block.copied_from = None
+        self._sink(event)
 
     # ---- queries ---------------------------------------------------------------------------
     @property

@@ -27,6 +27,7 @@ class BlockTableOwner(Protocol):
 
     seq_id: int
     token_ids: list[int]
+    spec_token_ids: list[int]
     num_computed_tokens: int
     block_table: list[Block]
     peak_blocks: int
@@ -64,8 +65,11 @@ class KVCacheManager:
     # ---- prefix cache ----------------------------------------------------------------------
     def _block_keys(self, seq: BlockTableOwner, num_full_blocks: int) -> list[Hashable]:
         keys, parent, bs = [], None, self.block_size
+        tokens = seq.token_ids
+        if num_full_blocks * bs > len(tokens):  # a round's accepted drafts, committed after this
+            tokens = tokens + seq.spec_token_ids
         for i in range(num_full_blocks):
-            parent = chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             keys.append(parent)
         return keys
 

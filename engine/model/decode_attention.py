@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.limits import blocks_for_tokens
 from engine.model.kv_storage import Blocks, PagedKVStorage, SeqSlice, block_index
 from engine.model.layer_attention import LayerAttention
 
@@ -55,7 +56,7 @@ class DecodeGroup:
         tables: list[list[int]] = []
         firsts: list[int] = []  # first kept block of each sequence, in blocks
         for seq in seqs:
-            ids = _block_ids(seq)[: -(-seq.context_len // bs)]
+            ids = _block_ids(seq)[: blocks_for_tokens(seq.context_len, bs)]
             first = 0 if window is None else max(0, seq.context_len - window) // bs
             tables.append(ids[first:])
             firsts.append(first)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.limits import blocks_for_tokens
 from engine.shapes import kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class PagedKVStorage:
         result covering at least `stop` tokens): two [kv_heads, stop - start, head_dim] tensors
         in `dtype` (dequantized when stored as int8)."""
         skip = start // self.block_size  # blocks wholly before the window are not read at all
-        last = -(-stop // self.block_size)
+        last = blocks_for_tokens(stop, self.block_size)
         blocks = (
             blocks[skip:last]
             if not isinstance(blocks, slice)

@@ -43,6 +43,7 @@ from transformers.cache_utils import Cache
 from engine.model.decode_attention import DecodeGroup, decode_attention
 from engine.model.kv_storage import PagedKVStorage, SeqSlice
 from engine.model.layer_attention import LayerAttention
+from engine.model.row_attention import RowPlan, row_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,6 +60,7 @@ class PagedBatch:
     _causal: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
     _decode: dict[int | None, DecodeGroup | None] = field(default_factory=dict)
     _rows: torch.Tensor | None = None
+    _row_plan: RowPlan | None | bool = False  # False: not built yet this step
     # transformers' layers that wrote K/V and that attended through the pool, this forward
     written: list[int] = field(default_factory=list)
     attended: list[int] = field(default_factory=list)
@@ -68,6 +70,14 @@ class PagedBatch:
         if self._rows is None:
             self._rows = self.storage.slot_rows(self.slot_mapping)
         return self._rows
+
+    def row_plan(self) -> RowPlan | None:
+        """The sequences that attend row by row on kvk this step (engine/model/row_attention), or
+        None without kvk."""
+        if self._row_plan is False:
+            self._row_plan = RowPlan.build(self.storage, self.seqs)
+        plan = self._row_plan
+        return plan if isinstance(plan, RowPlan) else None
 
     def decode_group(self, window: int | None) -> DecodeGroup | None:
         """The sequences with one query row this step (None: there are none)."""
@@ -99,16 +109,47 @@ def attend(
     storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
 ) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
-    [T, heads, head_dim]. The decoding sequences in one batched call (decode_attention), each
-    prefill chunk by itself."""
+    [T, heads, head_dim]. With kvk: every sequence of at most ROW_LIMIT rows row by row in one C
+    call (row_attention), each longer chunk by itself (SDPA). Without: the decoding sequences in
+    one batched torch computation (decode_attention), every chunk by itself."""
+    plan = batch.row_plan()
+    if plan is not None:
+        if plan.count == q.shape[0]:  # every row (a decode-only step, the common one)
+            return row_attention(storage, layer, q, plan, how).to(q.dtype)
+        out = torch.empty_like(q)
+        out[plan.rows] = row_attention(storage, layer, q[plan.rows], plan, how).to(q.dtype)
+        _chunks(storage, layer, q, batch, how, out, skip=plan.covered)
+        return out
     group = batch.decode_group(how.window)
     if group is not None and group.count == len(batch.seqs):  # a decode-only step, the common one
         return decode_attention(storage, layer, q[group.rows], group, how)
     out = torch.empty_like(q)
     if group is not None:
         out[group.rows] = decode_attention(storage, layer, q[group.rows], group, how)
+    _chunks(
+        storage,
+        layer,
+        q,
+        batch,
+        how,
+        out,
+        skip=frozenset(i for i, s in enumerate(batch.seqs) if s.q_len == 1),
+    )
+    return out
+
+
+def _chunks(
+    storage: PagedKVStorage,
+    layer: int,
+    q: torch.Tensor,
+    batch: PagedBatch,
+    how: LayerAttention,
+    out: torch.Tensor,
+    skip: frozenset[int],
+) -> None:
+    """Each sequence not in `skip`: one SDPA over its chunk, causal after its cached tokens."""
     for index, seq in enumerate(batch.seqs):
-        if seq.q_len == 1:
+        if index in skip:
             continue
         start = 0 if how.window is None else max(0, seq.context_len - seq.q_len - how.window + 1)
         k, v = storage.read(layer, seq.blocks, start, seq.context_len, q.dtype)  # [kv_heads, L, d]
@@ -118,7 +159,6 @@ def attend(
             mask = mask[:, start:]
         o = _sdpa(rows.transpose(0, 1)[None], k[None], v[None], mask, how, causal=mask is None)
         out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
-    return out
 
 
 def _sdpa(

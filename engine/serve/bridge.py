@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core.service import Engine
-from engine.events import BlockEvent, Event, ModelInfo
+from engine.events import Event, ModelInfo
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
 from engine.serve.logprobs import token_bytes_table
 from engine.serve.metrics import ServeMetrics
-from engine.serve.snapshot import BlockMirror, state_events
+from engine.serve.snapshot import state_events
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -62,7 +62,6 @@ class EngineBridge:
         self.engine = Engine(config, sink=self._on_event, loaded=loaded)
         self._model_name = model_name
         self.metrics: ServeMetrics | None = None
-        self.mirror = BlockMirror(config.block_size)
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._subscribers: set[Channel] = set()
@@ -93,8 +92,6 @@ class EngineBridge:
 
     # ---- the sink (engine thread) ----------------------------------------------------------
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, BlockEvent):
-            self.mirror.apply(event)
         if self.metrics is not None:
             self.metrics.observe(event)
         rid = getattr(event, "request_id", None)
@@ -152,7 +149,7 @@ class EngineBridge:
         channel = Channel(loop, SUBSCRIBER_LIMIT)
 
         def attach(core: LLMEngine) -> None:
-            channel.push_many(state_events(core, self.mirror))
+            channel.push_many(state_events(core))
             with self._lock:
                 self._subscribers.add(channel)
 

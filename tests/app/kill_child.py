@@ -66,7 +66,7 @@ def main() -> None:
     wait(lambda: window.controller.conversation is not None and window.controller.active is None and
          window.controller.conversation.messages[-1].finish_reason == "length")  # fmt: skip
     first = window.controller.conversation.messages[-1]
-    record = window.controller._records[first.id]
+    record = window.controller.session.records[first.id]
     token = window.host.live.token(record.request_id, 2)
     chosen = next(t for t in token.snapshot.candidate_ids if t != token.token_id)
     say("FIRST", {"message_id": first.id, "token_ids": list(record.token_ids), "chosen": chosen})

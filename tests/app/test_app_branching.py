@@ -95,7 +95,7 @@ def test_continue_from_a_candidate_is_a_branch_equal_to_a_fresh_request_sharing_
     stored = window.conversations.load(conv.id).nodes[versions[1].id]
     assert stored.token_ids == (*prefix, *branch.token_ids)
     assert stored.content.startswith(
-        "".join(t.text_delta for t in window.controller._records[original.id].tokens[:4])
+        "".join(t.text_delta for t in window.controller.session.records[original.id].tokens[:4])
     )
     assert window.conversations.load(conv.id).nodes[original.id].content == original.content  # kept
     bubble = window.chat.transcript.bubbles[-1]

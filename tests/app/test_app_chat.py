@@ -285,7 +285,7 @@ def test_hovering_a_token_shows_it_until_the_pointer_leaves(make_window, qtbot):
     bubble.token_clicked.emit(1)
     bubble.token_hovered.emit(3)
     bubble.token_hovered.emit(None)  # with a token pinned, leaving returns to the pinned one
-    assert not panel.following and window.controller._pinned == (event.request_id, 1)
+    assert not panel.following and window.controller.pinning.pinned == (event.request_id, 1)
 
 
 def test_rename_and_delete_conversations(make_window, qtbot):

@@ -120,7 +120,7 @@ def test_a_reply_left_streaming_is_marked_interrupted_and_continues_like_a_fresh
     window = make_window()
     bubble = window.chat.transcript.bubbles[-1]
     assert window.conversations.load(conv.id).nodes[cut.id].finish_reason == "interrupted"
-    assert bubble.continue_button.isVisibleTo(bubble) and bubble.actions["continue"].isEnabled()
+    assert bubble.continue_button.isVisibleTo(bubble) and bubble.menu_actions["continue"].isEnabled()
     window.controls.sampling.set_params(SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=4))
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS) as finished:
         bubble.continue_button.click()

@@ -30,7 +30,7 @@ def test_scripted_run_replies_screenshots_and_finishes_with_0(
     assert not window.host.threads_alive()
     # The probability panel shows a token of that reply: the most uncertain one.
     view = window.host.live.requests[run.request_id]
-    assert window.controller._pinned == (run.request_id, most_uncertain_token(view.tokens))
+    assert window.controller.pinning.pinned == (run.request_id, most_uncertain_token(view.tokens))
 
 
 def test_scripted_run_reports_a_load_failure_with_exit_code_1(make_window, qtbot, tmp_path, capsys):

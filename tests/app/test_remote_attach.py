@@ -76,7 +76,7 @@ def test_attached_to_kvscope_every_panel_works_from_its_events(qtbot, make_windo
     # the server samples its memory a few times a second: the first sample may follow a quick reply
     qtbot.waitUntil(lambda: len(live.memory) > 0, timeout=REPLY_TIMEOUT_MS)
     assert live.steps
-    view = live.requests[window.controller._records[reply.id].request_id]
+    view = live.requests[window.controller.session.records[reply.id].request_id]
     assert len(view.tokens) == PARAMS.max_new_tokens
     # the app's own reply (the server's stream also carries server_reply's request, from another client)
     window.panels.probabilities.show_token(view.request_id, len(view.tokens) - 1)  # draws at once
@@ -98,7 +98,7 @@ def test_attached_as_a_plain_openai_server(qtbot, make_window, server, tiny_load
     assert conv.messages[-1].content == server_reply(server)
     assert "(kvscope)" in conv.messages[-1].model
     # latency timed on this client: a point per token, the first from when the request was sent
-    request_id = window.controller._records[conv.messages[-1].id].request_id
+    request_id = window.controller.session.records[conv.messages[-1].id].request_id
     view = live.requests[request_id]
     assert len(view.tokens) == PARAMS.max_new_tokens and view.finished.stats.ttft_s > 0
     rows = np.asarray(live.latency.column("request_id")) == request_id

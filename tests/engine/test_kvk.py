@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 
 from engine.kernels import native
 from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight, random_blocks
-from engine.kernels.native import Kvk, build
+from engine.kernels.native import Kvk, build, row_addresses
 
 QUANTIZED = sorted((t for t in KVK_TYPES if t not in (Q.F16, Q.BF16)), key=int)
 SUPER_BLOCK = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # 256 weights, activations per 256
@@ -60,9 +60,9 @@ def test_dequantization_is_gguf_bit_for_bit(kvk, qtype):
     for cols in widths(qtype):
         blocks = random_blocks(qtype, 37, cols, seed=cols)
         want = dequantize(blocks, qtype).reshape(37, cols).astype(np.float32)
-        got = kvk.dequantize_rows(qtype, blocks, cols, torch.arange(37)).numpy()
+        got = kvk.dequantize_rows(qtype, row_addresses(blocks), cols, torch.arange(37)).numpy()
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-        bf16 = kvk.dequantize_bf16(qtype, blocks, cols)
+        bf16 = kvk.dequantize_bf16(qtype, row_addresses(blocks), cols)
         assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
 
 
@@ -103,7 +103,7 @@ def test_the_integer_product_is_exact_for_its_rounded_activations(kvk, qtype):
     weights = dequantize(blocks, qtype).reshape(64, cols).astype(np.float64)
     x = torch.randn(3, cols)
     want = rounded_activations(x, 256 if qtype in SUPER_BLOCK else 32) @ weights.T
-    got = kvk.matmul(qtype, blocks, cols, x).numpy()
+    got = kvk.matmul(qtype, row_addresses(blocks), cols, x).numpy()
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
     # and the rounding itself costs what ~16 bits of each block's range cost
     exact = x.double().numpy() @ weights.T
@@ -116,7 +116,7 @@ def test_the_float_path_is_the_float64_product(kvk, qtype):
     blocks = random_blocks(qtype, 40, cols, seed=3)
     weights = dequantize(blocks, qtype).reshape(40, cols).astype(np.float64)
     x = torch.randn(5, cols)
-    got = kvk.matmul(qtype, blocks, cols, x, exact=True).numpy()
+    got = kvk.matmul(qtype, row_addresses(blocks), cols, x, exact=True).numpy()
     want = x.double().numpy() @ weights.T
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -129,11 +129,13 @@ def test_a_row_is_the_same_alone_and_among_others(kvk, qtype):
     blocks = random_blocks(qtype, 131, cols, seed=4)  # not a multiple of the 4-row tiles
     x = torch.randn(23, cols)
     for exact in (False, True):
-        together = kvk.matmul(qtype, blocks, cols, x, exact=exact)
+        together = kvk.matmul(qtype, row_addresses(blocks), cols, x, exact=exact)
         for r in (0, 7, 22):
-            alone = kvk.matmul(qtype, blocks, cols, x[r : r + 1].contiguous(), exact=exact)
+            alone = kvk.matmul(qtype, row_addresses(blocks), cols, x[r : r + 1].contiguous(), exact=exact)
             assert torch.equal(alone[0], together[r])
-        assert torch.equal(kvk.matmul(qtype, blocks, cols, x[:5].contiguous(), exact=exact), together[:5])
+        assert torch.equal(
+            kvk.matmul(qtype, row_addresses(blocks), cols, x[:5].contiguous(), exact=exact), together[:5]
+        )
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
@@ -142,9 +144,12 @@ def test_a_row_map_reads_the_rows_it_names(kvk, qtype):
     blocks = random_blocks(qtype, 48, cols, seed=5)
     order = np.random.default_rng(6).permutation(48).astype(np.int32)
     x = torch.randn(4, cols)
-    assert torch.equal(kvk.matmul(qtype, blocks, cols, x, order), kvk.matmul(qtype, blocks, cols, x)[:, order])
-    bf16 = kvk.dequantize_bf16(qtype, blocks, cols, order)
-    assert torch.equal(bf16, kvk.dequantize_bf16(qtype, blocks, cols)[order])
+    assert torch.equal(
+        kvk.matmul(qtype, row_addresses(blocks, order), cols, x),
+        kvk.matmul(qtype, row_addresses(blocks), cols, x)[:, order],
+    )
+    bf16 = kvk.dequantize_bf16(qtype, row_addresses(blocks, order), cols)
+    assert torch.equal(bf16, kvk.dequantize_bf16(qtype, row_addresses(blocks), cols)[order])
 
 
 def test_the_builds_agree_with_each_other():
@@ -153,14 +158,15 @@ def test_the_builds_agree_with_each_other():
         pytest.skip("one build on this machine")
     blocks = random_blocks(Q.Q4_K, 64, 1024, seed=7)
     x = torch.randn(3, 1024)
-    results = [lib.matmul(Q.Q4_K, blocks, 1024, x) for lib in VARIANTS]
+    results = [lib.matmul(Q.Q4_K, row_addresses(blocks), 1024, x) for lib in VARIANTS]
     for other in results[1:]:
         assert torch.allclose(other, results[0], rtol=1e-4, atol=1e-5)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused(kvk):
+    blocks = random_blocks(Q.Q4_K, 4, 256)  # alive while the table points into it
     with pytest.raises(RuntimeError, match="refused"):
-        kvk.matmul(Q.Q4_K, random_blocks(Q.Q4_K, 4, 256), 200, torch.randn(1, 200))
+        kvk.matmul(Q.Q4_K, row_addresses(blocks), 200, torch.randn(1, 200))
     assert kvk.row_bytes(Q.Q4_K, 250) == -1 and not kvk.supported(int(Q.IQ2_XXS))
     with pytest.raises(ValueError, match="bytes"):
         GGUFWeight(Q.Q4_0, random_blocks(Q.Q4_0, 4, 64), 96, lib=kvk)
@@ -171,9 +177,24 @@ def test_the_storage_multiplies_embeds_and_counts_as_the_file():
     storage = GGUFWeight(Q.Q6_K, blocks, 256)
     x = torch.randn(2, 256)
     want = x.double() @ torch.from_numpy(dequantize(blocks, Q.Q6_K).reshape(32, 256)).double().T
-    assert torch.allclose(storage.matmul("kvk", x).double(), want, rtol=0, atol=2e-4 * float(want.abs().max()))
+    assert torch.allclose(
+        storage.matmul("kvk", x).double(), want, rtol=0, atol=2e-4 * float(want.abs().max())
+    )
     assert torch.allclose(storage.exact_matmul(x).double(), want, rtol=1e-5, atol=1e-6)
     dense = storage.matmul("dense-bf16", x).double()
     assert torch.allclose(dense, want, rtol=0, atol=2e-2 * float(want.abs().max()))
     assert torch.equal(storage.rows(torch.tensor([3, 9])), storage.dequantize()[[3, 9]])
     assert storage.nbytes == blocks.nbytes and storage.tensors()[0].data_ptr() == blocks.ctypes.data
+
+
+def test_tensors_of_one_type_fuse_into_one_table_of_their_rows():
+    """A fused q/k/v over three separate tensors: one kernel call, every output as each tensor's
+    own, and nothing copied (the table points into the parts)."""
+    parts = [GGUFWeight(Q.Q4_K, random_blocks(Q.Q4_K, n, 256, seed=n), 256) for n in (32, 8, 8)]
+    fused = GGUFWeight.cat(parts)
+    x = torch.randn(3, 256)
+    assert torch.equal(fused.matmul("kvk", x), torch.cat([p.matmul("kvk", x) for p in parts], 1))
+    assert torch.equal(fused.exact_matmul(x), torch.cat([p.exact_matmul(x) for p in parts], 1))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert fused.nbytes == sum(p.nbytes for p in parts) and fused.out_features == 48
+    assert np.array_equal(fused.dequantizable_copy(), np.concatenate([p.parts[0] for p in parts]))

@@ -110,7 +110,7 @@ def test_native_model_keeps_the_blocks_and_matches_its_dequantized_twin(tiny_ggu
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.storage.kind == "q4_0" and model.model.layers[0].mlp.down_proj.storage.kind == "q8_0"
     # the blocks are views of the file's mapping, not copies
-    assert isinstance(attn.q_proj.storage, GGUFWeight) and maps_the_file(attn.q_proj.storage.blocks)
+    assert isinstance(attn.q_proj.storage, GGUFWeight) and maps_the_file(attn.q_proj.storage.parts[0])
     twin = reference_model(tiny_gguf)
     # the weights are the file's exactly (q/k rows in transformers' order, llama.cpp's RoPE
     # permutation undone by the kernel's row map), so only the kernels' 8-bit activations differ
@@ -211,7 +211,10 @@ def test_a_k_quant_file_is_kept_whole_with_mixed_fused_projections(tmp_path):
     loaded = LoadedModel.from_model(model, IdTokenizer(VOCAB), name="q4km", source=str(path), scheme="native")
     attn = loaded.model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, FusedProjection) and isinstance(attn.qkv_proj.linear, StackedLinear)
-    assert [p.storage.kind for p in attn.qkv_proj.linear.parts] == ["q4_k", "q4_k", "q6_k"]
+    # q and k (Q4_K) one kernel call over both tensors' rows, v (Q6_K) another
+    q_and_k, v = attn.qkv_proj.linear.parts
+    assert (q_and_k.storage.kind, v.storage.kind) == ("q4_k", "q6_k")
+    assert q_and_k.out_features == attn.q_proj.out_features + attn.k_proj.out_features
     assert loaded.model.lm_head.storage.kind == "q6_k"
     twin = reference_model(path)
     ids = torch.tensor([list(range(3, 40))])

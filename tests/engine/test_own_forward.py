@@ -335,7 +335,7 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     note = loaded.info.notes[0]
     assert note == f"forward: {EXECUTOR} (Llama)"
     attn = loaded.model.model.layers[0].self_attn
-    assert [p.storage.kind for p in attn.qkv_proj.linear.parts] == ["q4_1", "q4_1", "q8_0"]
+    assert [p.storage.kind for p in attn.qkv_proj.linear.parts] == ["q4_1", "q8_0"]  # q+k, then v
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (30, 4, 12)]
     config = SETTINGS["chunk 7, block 5"]

@@ -13,6 +13,8 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, StepStats
+from engine.kernels import native
+from engine.model import paged_attention
 from engine.model.decode_attention import DecodeGroup
 from engine.model.loaded import LoadedModel
 from engine.request import Request
@@ -40,17 +42,28 @@ def reference(model, prompt: list[int]) -> list[int]:
 
 def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees(mistral, monkeypatch):
     model, loaded = mistral
-    reads = []  # (context length, blocks gathered, keys attended) of each decode's sliding layers
-    real_build = DecodeGroup.build.__func__
+    reads = []  # (context length, blocks read, keys attended) of each decode's sliding layers
+    if native.kernels() is not None:  # row by row on kvk: each row attends [start, stop) of its table
+        real_rows = paged_attention.row_attention
 
-    def build(cls, storage, seqs, window):
-        group = real_build(cls, storage, seqs, window)
-        attended = torch.isfinite(group.bias.view(len(seqs), -1, storage.num_kv_heads, BLOCK)[:, :, 0])
-        for seq, keys in zip(seqs, attended.sum(dim=(1, 2)).tolist()):
-            reads.append((seq.context_len, group.blocks_per_row, keys))
-        return group
+        def rows(storage, layer, q, plan, how):
+            if how.window is not None:
+                for start, stop in zip(plan.starts(how.window).tolist(), plan.stops.tolist()):
+                    reads.append((stop, (stop - 1) // BLOCK - start // BLOCK + 1, stop - start))
+            return real_rows(storage, layer, q, plan, how)
 
-    monkeypatch.setattr(DecodeGroup, "build", classmethod(build))
+        monkeypatch.setattr(paged_attention, "row_attention", rows)
+    else:  # the torch decode path gathers the window's blocks
+        real_build = DecodeGroup.build.__func__
+
+        def build(cls, storage, seqs, window):
+            group = real_build(cls, storage, seqs, window)
+            attended = torch.isfinite(group.bias.view(len(seqs), -1, storage.num_kv_heads, BLOCK)[:, :, 0])
+            for seq, keys in zip(seqs, attended.sum(dim=(1, 2)).tolist()):
+                reads.append((seq.context_len, group.blocks_per_row, keys))
+            return group
+
+        monkeypatch.setattr(DecodeGroup, "build", classmethod(build))
     events = []
     page_map = PageMap(num_blocks=64, block_size=BLOCK)
 
@@ -82,8 +95,9 @@ def test_a_long_conversation_past_the_window_stays_exact_and_the_page_map_agrees
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK)
         (done,) = [e for e in events if isinstance(e, RequestFinished) and e.request_id == rid]
         assert list(done.token_ids) == expected, f"turn {turn}: {len(history)} tokens of history"
-        # each decode of a sliding layer gathered only the blocks of its window and attended to
-        # its last WINDOW keys, never the whole history
+        # each decode of a sliding layer read only the blocks of its window and attended to its
+        # last WINDOW keys, never the whole history (short prefill chunks take the row path too:
+        # only the decodes, past the prompt, are checked here)
         decodes = [r for r in reads if r[0] > len(history)]
         assert decodes and all(
             blocks == (n - 1) // BLOCK - max(0, n - WINDOW) // BLOCK + 1 and keys == min(n, WINDOW)

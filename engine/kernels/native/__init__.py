@@ -42,28 +42,25 @@ class Kvk:
     def matmul(
         self,
         ggml_type: int,
-        blocks: np.ndarray,
+        rows: np.ndarray,
         k: int,
         x: torch.Tensor,
-        row_map: np.ndarray | None = None,
         exact: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x float32 [R, k] (rows contiguous) times the weights `blocks` [N, row bytes] (or the
-        rows `row_map` picks) -> float32 [R, N]. `exact`: float32 activations (every weight
-        decoded to float32), else 8-bit activations as llama.cpp's CPU kernels use them."""
-        rows = blocks.shape[0] if row_map is None else row_map.shape[0]
+        """x float32 [R, k] (rows contiguous) times the weight rows whose addresses `rows` holds
+        (row_addresses: one tensor, several fused, or a permutation) -> float32 [R, len(rows)].
+        `exact`: float32 activations (every weight decoded to float32), else the two 8-bit
+        activation planes."""
         r = x.shape[0]
         if out is None:
-            out = torch.empty(r, rows, dtype=torch.float32)
+            out = torch.empty(r, rows.shape[0], dtype=torch.float32)
         fn = self.lib.kvk_matmul_f32 if exact else self.lib.kvk_matmul
         status = fn(
             ggml_type,
-            blocks.ctypes.data,
-            blocks.strides[0],
-            rows,
+            rows.ctypes.data,
+            rows.shape[0],
             k,
-            None if row_map is None else row_map.ctypes.data,
             x.data_ptr(),
             x.stride(0),
             r,
@@ -74,41 +71,90 @@ class Kvk:
             raise RuntimeError(f"kvk_matmul refused GGML type {ggml_type} with {k} inputs (status {status})")
         return out
 
-    def dequantize_rows(self, ggml_type: int, blocks: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weights as float32 [len(ids), k], bit for bit gguf's dequantization."""
+    def dequantize_rows(self, ggml_type: int, rows: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (of the address table `rows`) as float32 [len(ids), k], bit for bit gguf's
+        dequantization."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
         status = self.lib.kvk_dequantize_rows(
-            ggml_type, blocks.ctypes.data, blocks.strides[0], k, ids.data_ptr(), ids.numel(), out.data_ptr()
+            ggml_type, rows.ctypes.data, k, ids.data_ptr(), ids.numel(), out.data_ptr()
         )
         if status != 0:
             raise RuntimeError(f"kvk_dequantize_rows refused GGML type {ggml_type}")
         return out
 
     def dequantize_bf16(
-        self,
-        ggml_type: int,
-        blocks: np.ndarray,
-        k: int,
-        row_map: np.ndarray | None = None,
-        out: torch.Tensor | None = None,
+        self, ggml_type: int, rows: np.ndarray, k: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The weights [N, k] rounded to bfloat16 (a dense kernel's temporary copy of a layer)."""
-        rows = blocks.shape[0] if row_map is None else row_map.shape[0]
+        """The weight rows [len(rows), k] rounded to bfloat16 (a dense kernel's temporary copy)."""
         if out is None:
-            out = torch.empty(rows, k, dtype=torch.bfloat16)
-        status = self.lib.kvk_dequantize_bf16(
-            ggml_type,
-            blocks.ctypes.data,
-            blocks.strides[0],
-            rows,
-            k,
-            None if row_map is None else row_map.ctypes.data,
-            out.data_ptr(),
-        )
+            out = torch.empty(rows.shape[0], k, dtype=torch.bfloat16)
+        status = self.lib.kvk_dequantize_bf16(ggml_type, rows.ctypes.data, rows.shape[0], k, out.data_ptr())
         if status != 0:
             raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
         return out
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        tables: list[list[int]],
+        starts: list[int],
+        stops: list[int],
+        scale: float,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+        probs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [R, heads, d] float32; pools [num_blocks, kv_heads, block_size, d] (float32, float16,
+        bfloat16, or int8 with float16 scales [num_blocks, kv_heads, block_size]). Row r attends
+        positions [starts[r], stops[r]) through tables[r]. -> (out [R, heads, d] float32, the
+        probabilities [R, heads, longest] when asked)."""
+        rows, heads, d = q.shape
+        kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+        kinds = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+        if k_pool.dtype not in kinds or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"a KV pool of {k_pool.dtype} (contiguous float32/16, bfloat16 or int8)")
+        q = q.float().contiguous()
+        flat = [b for t in tables for b in t]
+        offsets = np.cumsum([0, *map(len, tables)])[:-1].astype(np.int64)
+        table_arr = np.asarray(flat or [0], dtype=np.int32)
+        start_arr, stop_arr = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        out = torch.empty(rows, heads, d, dtype=torch.float32)
+        width = int((stop_arr - start_arr).max()) if rows else 0
+        prob_out = torch.empty(rows, heads, width, dtype=torch.float32) if probs else None
+        sink_arr = None if sinks is None else sinks.float().contiguous()
+        status = self.lib.kvk_paged_attention(
+            q.data_ptr(),
+            heads * d,
+            rows,
+            heads,
+            d,
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            kinds[k_pool.dtype],
+            None if k_scales is None else k_scales.data_ptr(),
+            None if v_scales is None else v_scales.data_ptr(),
+            block_size,
+            kv_heads,
+            table_arr.ctypes.data,
+            offsets.ctypes.data,
+            start_arr.ctypes.data,
+            stop_arr.ctypes.data,
+            scale,
+            softcap or 0.0,
+            None if sink_arr is None else sink_arr.data_ptr(),
+            out.data_ptr(),
+            heads * d,
+            None if prob_out is None else prob_out.data_ptr(),
+            width,
+        )
+        if status != 0:
+            raise ValueError("kvk_paged_attention refused its arguments (a row with no position?)")
+        return out, prob_out
 
     def unpack_block(
         self, ggml_type: int, block: np.ndarray, weights: int, subs: int
@@ -125,17 +171,54 @@ class Kvk:
         return codes, a, b
 
 
+def row_addresses(blocks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """The address of each row of `blocks` (uint8 [rows, bytes per row]), in `order` when given:
+    the table the kernels read rows through. The table holds raw addresses: keep `blocks` alive."""
+    base = blocks.ctypes.data
+    index = (
+        np.arange(blocks.shape[0], dtype=np.uint64) if order is None else np.asarray(order, dtype=np.uint64)
+    )
+    table: np.ndarray = (np.uint64(base) + index * np.uint64(blocks.strides[0])).astype(np.uint64)
+    return table
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_isa.restype = _c_int
     lib.kvk_supported.argtypes, lib.kvk_supported.restype = [_c_int], _c_int
     lib.kvk_row_bytes.argtypes, lib.kvk_row_bytes.restype = [_c_int, _c_i64], _c_i64
-    matmul: list[Any] = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
+    matmul: list[Any] = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
     for fn in (lib.kvk_matmul, lib.kvk_matmul_f32):
         fn.argtypes, fn.restype = matmul, _c_int
-    lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr]
+    lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr]
     lib.kvk_dequantize_rows.restype = _c_int
-    lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, _ptr]
+    lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr]
     lib.kvk_dequantize_bf16.restype = _c_int
+    lib.kvk_paged_attention.argtypes = [
+        _ptr,
+        _c_i64,
+        _c_i64,
+        _c_int,
+        _c_int,
+        _ptr,
+        _ptr,
+        _c_int,
+        _ptr,
+        _ptr,
+        _c_i64,
+        _c_int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        ctypes.c_float,
+        ctypes.c_float,
+        _ptr,
+        _ptr,
+        _c_i64,
+        _ptr,
+        _c_i64,
+    ]
+    lib.kvk_paged_attention.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
 
 

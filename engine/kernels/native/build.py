@@ -1,4 +1,5 @@
-"""Build kvscope's C kernels (kvk.c) into one shared library per instruction set.
+"""Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention) into one
+shared library per instruction set.
 
     python -m engine.kernels.native.build [--out DIR] [--variants avx512,avx2,portable]
 
@@ -31,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "kvk.c"
+SOURCES = (HERE / "kvk.c", HERE / "attention.c")
 PACKAGE_LIB = HERE / "lib"
 
 # Compiler flags per variant. -ffp-contract=off: the dequantization must round where gguf-py does
@@ -46,7 +47,10 @@ ARM_VARIANTS = {"portable": ["-march=armv8-a"]}
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def variants_for_machine() -> dict[str, list[str]]:
@@ -75,7 +79,7 @@ def build(variant: str, out_dir: Path, cc: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so.tmp", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        cmd = [cc, *COMMON, *flags, str(SOURCE), "-o", str(tmp_path), "-lm"]
+        cmd = [cc, *COMMON, *flags, *map(str, SOURCES), "-o", str(tmp_path), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")

@@ -500,15 +500,15 @@ static inline uint16_t ld16(const uint8_t *p) {
     return h;
 }
 
-// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register.
+// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register: a
+// masked gather of 32-bit words (each reads its field and the 2 bytes after it, inside its block),
+// then their low halves. Building the vector from scalars went through the stack (the compiler's
+// choice) and stalled store forwarding at every group.
 static inline __m128i halves8(const uint8_t *p, int stride, int n) {
-    if (n == 8)
-        return _mm_setr_epi16((short)ld16(p), (short)ld16(p + stride), (short)ld16(p + 2 * stride),
-                              (short)ld16(p + 3 * stride), (short)ld16(p + 4 * stride), (short)ld16(p + 5 * stride),
-                              (short)ld16(p + 6 * stride), (short)ld16(p + 7 * stride));
-    uint16_t h[8] = {0};  // a row's last, partial group: once a row
-    for (int j = 0; j < n; j++) h[j] = ld16(p + j * stride);
-    return _mm_loadu_si128((const __m128i *)h);
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    const __mmask8 m = n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << n) - 1);
+    const __m256i w = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), m, idx, (const void *)p, 1);
+    return _mm256_cvtepi32_epi16(w);
 }
 
 // Group g (chunks 4g.. of the row; blocks 8g..) of a 32-weight-type row: codes, lane scales, and
@@ -785,7 +785,7 @@ static inline __attribute__((always_inline)) void tile(const int t, const int by
 // The weight rows [i0, i1) of one thread, in tiles of NW (the last tile may be narrower: the
 // same per-output operations).
 static inline __attribute__((always_inline)) void rows_typed(const int t, const int bytes, const int act, const int sub,
-                                                             const uint8_t *w, int64_t rb, const int32_t *map,
+                                                             const uint8_t *const *rowp,
                                                              int64_t i0, int64_t i1, int64_t k, const uint8_t *A,
                                                              const act_layout *l, int64_t nr, float *y, int64_t ys) {
     const int64_t ostride = ((k / 32 + 8) / 16 + 1) * 16 * 2;  // room for k/16 entries and a tail
@@ -799,7 +799,7 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     for (int64_t i = i0; i < i1; i += step) {
         const int nw = i1 - i < step ? (int)(i1 - i) : step;
         const uint8_t *rows[NW];
-        for (int j = 0; j < nw; j++) rows[j] = w + (map ? map[i + j] : i + j) * rb;
+        for (int j = 0; j < nw; j++) rows[j] = rowp[i + j];
         if (nw == NW) {
             tile(t, bytes, act, sub, rows, NW, k, A, l, nr, acc, o, ostride, y + i, ys);
         } else {  // a narrower tile: its rows one by one (the same operations per output)
@@ -810,10 +810,10 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     free(o);
 }
 
-static void rows_avx512(int t, const uint8_t *w, int64_t rb, const int32_t *map, int64_t i0, int64_t i1, int64_t k,
+static void rows_avx512(int t, const uint8_t *const *rowp, int64_t i0, int64_t i1, int64_t k,
                         const uint8_t *A, const act_layout *l, int64_t nr, float *y, int64_t ys) {
 #define KVK_CASE(T, BYTES, ACT, SUB) \
-    case T: rows_typed(T, BYTES, ACT, SUB, w, rb, map, i0, i1, k, A, l, nr, y, ys); return;
+    case T: rows_typed(T, BYTES, ACT, SUB, rowp, i0, i1, k, A, l, nr, y, ys); return;
     switch (t) {
         KVK_CASE(T_Q4_0, 18, 32, 32)
         KVK_CASE(T_Q4_1, 20, 32, 32)
@@ -994,12 +994,11 @@ static inline __attribute__((always_inline)) void f32_row(const int t, const int
 }
 
 static inline __attribute__((always_inline)) void rows_f32_typed(const int t, const int bytes, const int act,
-                                                                 const int sub, const uint8_t *wts, int64_t rb,
-                                                                 const int32_t *map, int64_t i0, int64_t i1, int64_t k,
+                                                                 const int sub, const uint8_t *const *rowp, int64_t i0, int64_t i1, int64_t k,
                                                                  const float *x, int64_t xs, int64_t nr, float *y,
                                                                  int64_t ys) {
     for (int64_t i = i0; i < i1; i++) {
-        const uint8_t *row = wts + (map ? map[i] : i) * rb;
+        const uint8_t *row = rowp[i];
         int64_t r0 = 0;
         for (; r0 + F32R <= nr; r0 += F32R) f32_row(t, bytes, act, sub, F32R, row, k, x + r0 * xs, xs, y + r0 * ys + i, ys);
         for (; r0 < nr; r0++) f32_row(t, bytes, act, sub, 1, row, k, x + r0 * xs, xs, y + r0 * ys + i, ys);
@@ -1015,12 +1014,11 @@ static inline __m256i to_bf16(__m512 v) {
 }
 
 static inline __attribute__((always_inline)) void rows_bf16_typed(const int t, const int bytes, const int act,
-                                                                  const int sub, const uint8_t *wts, int64_t rb,
-                                                                  const int32_t *map, int64_t i0, int64_t i1, int64_t k,
+                                                                  const int sub, const uint8_t *const *rowp, int64_t i0, int64_t i1, int64_t k,
                                                                   uint16_t *out) {
     const int64_t groups = (k + 255) / 256, blocks = k / 32;
     for (int64_t i = i0; i < i1; i++) {
-        const uint8_t *row = wts + (map ? map[i] : i) * rb;
+        const uint8_t *row = rowp[i];
         uint16_t *dst = out + i * k;
         for (int64_t g = 0; g < groups; g++) {
             __m512 w[16];
@@ -1044,18 +1042,18 @@ static inline __attribute__((always_inline)) void rows_bf16_typed(const int t, c
     X(T_Q6_K, 210, 256, 16)       \
     X(T_IQ4_XS, 136, 256, 32)
 
-static void rows_f32_avx512(int t, const uint8_t *w, int64_t rb, const int32_t *map, int64_t i0, int64_t i1,
+static void rows_f32_avx512(int t, const uint8_t *const *rowp, int64_t i0, int64_t i1,
                             int64_t k, const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
 #define KVK_F32(T, BYTES, ACT, SUB) \
-    case T: rows_f32_typed(T, BYTES, ACT, SUB, w, rb, map, i0, i1, k, x, xs, nr, y, ys); return;
+    case T: rows_f32_typed(T, BYTES, ACT, SUB, rowp, i0, i1, k, x, xs, nr, y, ys); return;
     switch (t) { KVK_TYPES(KVK_F32) }
 #undef KVK_F32
 }
 
-static void rows_bf16_avx512(int t, const uint8_t *w, int64_t rb, const int32_t *map, int64_t i0, int64_t i1,
+static void rows_bf16_avx512(int t, const uint8_t *const *rowp, int64_t i0, int64_t i1,
                              int64_t k, uint16_t *out) {
 #define KVK_BF16(T, BYTES, ACT, SUB) \
-    case T: rows_bf16_typed(T, BYTES, ACT, SUB, w, rb, map, i0, i1, k, out); return;
+    case T: rows_bf16_typed(T, BYTES, ACT, SUB, rowp, i0, i1, k, out); return;
     switch (t) { KVK_TYPES(KVK_BF16) }
 #undef KVK_BF16
 }
@@ -1096,10 +1094,12 @@ KVK_API int64_t kvk_row_bytes(int t, int64_t k) {
     return k / ti.block * ti.bytes;
 }
 
-// y[r * ys + i] = sum_k W[row(i), k] * x[r * xs + k] for i < n, r < nr, where W's rows are `rb`
-// bytes apart and row(i) = map ? map[i] : i. Quantized types quantize x to 8 bits; float types
+// y[r * ys + i] = sum_k W[i, k] * x[r * xs + k] for i < n, r < nr, where rowp[i] is where output
+// row i's weights are (a table of row addresses: the rows of several tensors of one type fused into
+// one call, a permutation of a tensor's rows, or a tensor's rows in order). Quantized types
+// quantize x to two 8-bit planes; float types
 // multiply it as it is. Returns 0, or -1 for a type or shape it does not take.
-KVK_API int kvk_matmul(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k, const int32_t *map,
+KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
                        const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
     kvk_type ti = {0, 0, 0, 0};
     if (!type_info(t, &ti) || k % ti.block || nr < 0 || n < 0) return -1;
@@ -1108,7 +1108,7 @@ KVK_API int kvk_matmul(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k
     if (ti.sub == 0) {  // F16 / BF16: float32 activations as they are
 #pragma omp parallel for schedule(static) if (par)
         for (int64_t i = 0; i < n; i++) {
-            const uint8_t *row = w + (map ? map[i] : i) * rb;
+            const uint8_t *row = rowp[i];
 #ifdef KVK_AVX512
             dot_rows_float_avx512(t, row, k, x, xs, nr, y + i, ys);
 #else
@@ -1141,12 +1141,12 @@ KVK_API int kvk_matmul(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k
 #endif
         const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
         const int64_t i0 = t0 * NW, i1 = t1 * NW < n ? t1 * NW : n;
-        if (i0 < i1) rows_avx512(t, w, rb, map, i0, i1, k, act, &l, nr, y, ys);
+        if (i0 < i1) rows_avx512(t, rowp, i0, i1, k, act, &l, nr, y, ys);
     }
 #else
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + (map ? map[i] : i) * rb;
+        const uint8_t *row = rowp[i];
         for (int64_t r = 0; r < nr; r++) y[r * ys + i] = dot_row_portable(t, &ti, row, k, act + r * l.stride, &l);
     }
 #endif
@@ -1155,11 +1155,11 @@ KVK_API int kvk_matmul(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k
 
 // The same product with float32 activations for every type (each weight decoded to float32):
 // what an exact LM head needs.
-KVK_API int kvk_matmul_f32(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k, const int32_t *map,
+KVK_API int kvk_matmul_f32(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
                            const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
     kvk_type ti;
     if (!type_info(t, &ti) || k % ti.block || nr < 0 || n < 0) return -1;
-    if (ti.sub == 0) return kvk_matmul(t, w, rb, n, k, map, x, xs, nr, y, ys);
+    if (ti.sub == 0) return kvk_matmul(t, rowp, n, k, x, xs, nr, y, ys);
     if (nr == 0 || n == 0) return 0;
     const int par = nr * n * (k / ti.block) * ti.bytes >= PARALLEL_MIN_BYTES;
 #ifdef KVK_AVX512
@@ -1171,12 +1171,12 @@ KVK_API int kvk_matmul_f32(int t, const uint8_t *w, int64_t rb, int64_t n, int64
         const int64_t nth = 1, me = 0;
 #endif
         const int64_t i0 = n * me / nth, i1 = n * (me + 1) / nth;
-        if (i0 < i1) rows_f32_avx512(t, w, rb, map, i0, i1, k, x, xs, nr, y, ys);
+        if (i0 < i1) rows_f32_avx512(t, rowp, i0, i1, k, x, xs, nr, y, ys);
     }
 #else
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + (map ? map[i] : i) * rb;
+        const uint8_t *row = rowp[i];
         float *tmp = (float *)malloc((size_t)k * sizeof(float));
         for (int64_t r = 0; r < nr; r++) y[r * ys + i] = dot_row_f32_portable(t, &ti, row, k, x + r * xs, tmp);
         free(tmp);
@@ -1185,9 +1185,9 @@ KVK_API int kvk_matmul_f32(int t, const uint8_t *w, int64_t rb, int64_t n, int64
     return 0;
 }
 
-// W's rows (map ? map[i] : i, i < n) decoded and rounded to bfloat16 into out [n, k] (a dense
+// The rows rowp[0..n) decoded and rounded to bfloat16 into out [n, k] (a dense
 // kernel's temporary copy of a layer).
-KVK_API int kvk_dequantize_bf16(int t, const uint8_t *w, int64_t rb, int64_t n, int64_t k, const int32_t *map,
+KVK_API int kvk_dequantize_bf16(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
                                 uint16_t *out) {
     kvk_type ti;
     if (!type_info(t, &ti) || k % ti.block) return -1;
@@ -1202,7 +1202,7 @@ KVK_API int kvk_dequantize_bf16(int t, const uint8_t *w, int64_t rb, int64_t n, 
             const int64_t nth = 1, me = 0;
 #endif
             const int64_t i0 = n * me / nth, i1 = n * (me + 1) / nth;
-            if (i0 < i1) rows_bf16_avx512(t, w, rb, map, i0, i1, k, out);
+            if (i0 < i1) rows_bf16_avx512(t, rowp, i0, i1, k, out);
         }
         return 0;
     }
@@ -1210,7 +1210,7 @@ KVK_API int kvk_dequantize_bf16(int t, const uint8_t *w, int64_t rb, int64_t n, 
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t i = 0; i < n; i++) {
         float *tmp = (float *)malloc((size_t)k * sizeof(float));
-        dequant_row(t, w + (map ? map[i] : i) * rb, k, tmp);
+        dequant_row(t, rowp[i], k, tmp);
         for (int64_t j = 0; j < k; j++) {
             uint32_t bits;
             memcpy(&bits, tmp + j, 4);
@@ -1222,13 +1222,13 @@ KVK_API int kvk_dequantize_bf16(int t, const uint8_t *w, int64_t rb, int64_t n, 
     return 0;
 }
 
-// Rows ids[0..m) of W dequantized to float32 (an embedding lookup), bit for bit gguf-py's values.
-KVK_API int kvk_dequantize_rows(int t, const uint8_t *w, int64_t rb, int64_t k, const int64_t *ids,
+// Rows rowp[ids[0..m)] dequantized to float32 (an embedding lookup), bit for bit gguf-py's values.
+KVK_API int kvk_dequantize_rows(int t, const uint8_t *const *rowp, int64_t k, const int64_t *ids,
                                 int64_t m, float *out) {
     kvk_type ti = {0, 0, 0, 0};
     if (!type_info(t, &ti) || k % ti.block) return -1;
 #pragma omp parallel for schedule(static) if (m * k >= 262144)
-    for (int64_t j = 0; j < m; j++) dequant_row(t, w + ids[j] * rb, k, out + j * k);
+    for (int64_t j = 0; j < m; j++) dequant_row(t, rowp[ids[j]], k, out + j * k);
     return 0;
 }
 

@@ -1,0 +1,327 @@
+// Paged attention for query rows, each over exactly its own positions of the KV pool.
+//
+// A row r attends the keys at positions [start[r], stop[r]) of its sequence, read through its
+// block table (block = table[p / block_size], slot = p % block_size). Every (row, query head) is
+// computed alone, in one fixed order: the scores in position order, their max, the exponentials
+// summed in position order, the values weighted in position order. So a row's output depends on
+// nothing but its query, its positions and the pool: a decode row, a speculative verification row
+// at the same position and a prefill row at the same position are the same computation, whatever
+// else the step holds (batch invariant by construction, and chunk invariant).
+//
+// The pool is laid out as engine/kv/storage.py keeps it: per layer K then V, each
+// [num_blocks, kv_heads, block_size, head_dim], in float32, float16, bfloat16, or int8 with one
+// float16 scale per (block, kv head, slot). GQA: query head h reads KV head h / (heads / kv_heads).
+// Soft-capping (Gemma 2: s = cap * tanh(s / cap)) and attention sinks (gpt-oss: one logit per head
+// that takes probability mass and gives no value) are built in. `probs`, when given, receives each
+// row's probabilities over its positions (the attention-per-head view reads the step's own numbers).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ATT_AVX512 1
+#endif
+
+#define KVK_API __attribute__((visibility("default")))
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do { e++; man <<= 1; } while ((man & 0x400) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// One key or value vector of the pool decoded to float32 into dst[0..d).
+static inline void load_vec(const void *pool, int kv_type, const uint16_t *scales, int64_t index, int d,
+                            float *dst) {
+    const int64_t base = index * d;
+    switch (kv_type) {
+        case KV_F32: memcpy(dst, (const float *)pool + base, (size_t)d * 4); return;
+        case KV_F16: {
+            const uint16_t *p = (const uint16_t *)pool + base;
+            for (int i = 0; i < d; i++) dst[i] = h2f(p[i]);
+            return;
+        }
+        case KV_BF16: {
+            const uint16_t *p = (const uint16_t *)pool + base;
+            for (int i = 0; i < d; i++) {
+                uint32_t bits = (uint32_t)p[i] << 16;
+                memcpy(dst + i, &bits, 4);
+            }
+            return;
+        }
+        default: {  // int8 codes times the slot's float16 scale, as storage.gather_blocks does
+            const int8_t *p = (const int8_t *)pool + base;
+            const float s = h2f(scales[index]);
+            for (int i = 0; i < d; i++) dst[i] = (float)p[i] * s;
+        }
+    }
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+#ifdef ATT_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+#else
+    float s = 0.0f;
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+static inline void axpy(float w, const float *x, float *y, int d) {
+#ifdef ATT_AVX512
+    const __m512 wv = _mm512_set1_ps(w);
+    int i = 0;
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < d; i++) y[i] += w * x[i];
+#else
+    for (int i = 0; i < d; i++) y[i] += w * x[i];
+#endif
+}
+
+// e^x for x <= 0, x in float32 (the scores minus their max): libm's expf, which is correctly
+// rounded to within an ulp on glibc; the same function for every row.
+static inline float exp_nonpositive(float x) { return expf(x); }
+
+#ifdef ATT_AVX512
+// e^x for 16 lanes, x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
+// polynomial (Cephes' expf coefficients, within ~1 ulp), scaled by 2^n; e^x = 0 below -87.
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, n));
+}
+
+// 16 horizontal sums at once: out[j] = sum of the lanes of v[j].
+static inline __m512 hsum16(__m512 v[16]) {
+    // pairwise: interleave halves and add, 4 levels (each level halves the vector count)
+    for (int width = 16, step = 8; step >= 1; step /= 2, width /= 2) {
+        for (int j = 0; j < width / 2; j++) {
+            const __m512 a = v[j], b = v[j + width / 2];
+            __m512 lo, hi;
+            if (step == 8) {
+                lo = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0));
+                hi = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2));
+            } else if (step == 4) {
+                lo = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+                hi = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+            } else if (step == 2) {
+                lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+                hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+            } else {
+                lo = _mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+                hi = _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+            }
+            v[j] = _mm512_add_ps(lo, hi);
+        }
+    }
+    return v[0];  // lane order scrambled by the shuffles: fixed, undone by the caller's permute
+}
+#endif
+
+// The lane order hsum16 leaves its 16 sums in (found once, by summing vectors that name themselves).
+#ifdef ATT_AVX512
+static int hsum_order[16];
+#endif
+static int hsum_order_ready = 0;
+
+// One (row, KV head): the G query heads that share it. scratch: G * n floats (scores) + 16 * d.
+static void attend_one(const float *q, int g, int d, const void *k_pool, const void *v_pool, int kv_type,
+                       const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads,
+                       int kvh, const int32_t *table, int64_t start, int64_t stop, float scale, float softcap,
+                       const float *sinks, float *out, float *probs, int64_t probs_head_stride,
+                       float *scratch) {
+    const int64_t n = stop - start;
+    float *scores = scratch, *vec = scratch + (int64_t)g * n;
+    // scores, position by position (16 at a time where the pool is float32 and d a multiple of 16)
+    int64_t j = 0;
+#ifdef ATT_AVX512
+    if (kv_type == KV_F32 && d % 16 == 0 && d <= 256) {
+        const float *kp = (const float *)k_pool;
+        for (; j + 16 <= n; j += 16) {
+            for (int h = 0; h < g; h++) {
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    const int64_t p = start + j + t;
+                    const float *key =
+                        kp + (((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size) * d;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * d), _mm512_loadu_ps(key));
+                    for (int i = 16; i < d; i += 16)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i), _mm512_loadu_ps(key + i), acc);
+                    part[t] = acc;
+                }
+                __m512 sums = hsum16(part);
+                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
+                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+                _mm512_storeu_ps(scores + h * n + j, sums);
+            }
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        const int64_t p = start + j;
+        const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+        load_vec(k_pool, kv_type, k_scales, index, d, vec);
+        for (int h = 0; h < g; h++) scores[h * n + j] = dot(q + h * d, vec, d) * scale;
+    }
+    for (int h = 0; h < g; h++) {
+        float *sh = scores + h * n;
+        if (softcap > 0.0f)
+            for (int64_t t = 0; t < n; t++) sh[t] = tanhf(sh[t] / softcap) * softcap;
+        float peak = sinks ? sinks[h] : -INFINITY;
+        for (int64_t t = 0; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
+        float total = 0.0f;
+        int64_t t = 0;
+#ifdef ATT_AVX512
+        __m512 tv = _mm512_setzero_ps();
+        for (; t + 16 <= n; t += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), _mm512_set1_ps(peak)));
+            _mm512_storeu_ps(sh + t, e);
+            tv = _mm512_add_ps(tv, e);
+        }
+        total = _mm512_reduce_add_ps(tv);
+        if (t < n) {
+            const __mmask16 m = (__mmask16)((1u << (n - t)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + t), _mm512_set1_ps(peak)));
+            _mm512_mask_storeu_ps(sh + t, m, e);
+            total += _mm512_reduce_add_ps(_mm512_maskz_mov_ps(m, e));
+        }
+        if (sinks) {
+            float sink_e[16];
+            _mm512_storeu_ps(sink_e, exp16(_mm512_set1_ps(sinks[h] - peak)));
+            total += sink_e[0];
+        }
+#else
+        for (; t < n; t++) {
+            sh[t] = expf(sh[t] - peak);
+            total += sh[t];
+        }
+        if (sinks) total += expf(sinks[h] - peak);
+#endif
+        const float inv = 1.0f / total;
+        for (t = 0; t < n; t++) sh[t] *= inv;  // probabilities
+        if (probs) memcpy(probs + h * probs_head_stride, sh, (size_t)n * 4);
+    }
+    // values weighted, position by position, into register accumulators where they fit
+#ifdef ATT_AVX512
+    if (kv_type == KV_F32 && d % 16 == 0 && g * d <= 512) {
+        __m512 acc[32];
+        const int per = d / 16;
+        for (int i = 0; i < g * per; i++) acc[i] = _mm512_setzero_ps();
+        const float *vp = (const float *)v_pool;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t p = start + t;
+            const float *val =
+                vp + (((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size) * d;
+            for (int h = 0; h < g; h++) {
+                const __m512 w = _mm512_set1_ps(scores[h * n + t]);
+                for (int i = 0; i < per; i++)
+                    acc[h * per + i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * i), acc[h * per + i]);
+            }
+        }
+        for (int h = 0; h < g; h++)
+            for (int i = 0; i < per; i++) _mm512_storeu_ps(out + h * d + 16 * i, acc[h * per + i]);
+        return;
+    }
+#endif
+    for (int h = 0; h < g; h++) memset(out + h * d, 0, (size_t)d * 4);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t p = start + t;
+        const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+        load_vec(v_pool, kv_type, v_scales, index, d, vec);
+        for (int h = 0; h < g; h++) axpy(scores[h * n + t], vec, out + h * d, d);
+    }
+}
+
+static void find_hsum_order(void) {
+#ifdef ATT_AVX512
+    __m512 probe[16];
+    for (int j = 0; j < 16; j++) {  // vector j sums to j: where its sum lands names its lane
+        float lanes[16] = {0};
+        lanes[0] = (float)j;
+        probe[j] = _mm512_loadu_ps(lanes);
+    }
+    float got[16];
+    _mm512_storeu_ps(got, hsum16(probe));
+    for (int lane = 0; lane < 16; lane++) hsum_order[(int)got[lane]] = lane;
+#endif
+    hsum_order_ready = 1;
+}
+
+// Rows 0..nrows of q [nrows, heads, d] (row stride q_stride floats) into out (same layout, stride
+// out_stride). Row r reads its block table at tables + table_start[r] and attends positions
+// [start[r], stop[r]). sinks: [heads] or NULL; softcap <= 0: none. probs: NULL or
+// [nrows, heads, probs_width] (probs_width >= every row's stop - start), zero past a row's end.
+// Returns 0, or -1 for a row with no position or a bad argument.
+KVK_API int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows, int heads, int d,
+                                const void *k_pool, const void *v_pool, int kv_type, const uint16_t *k_scales,
+                                const uint16_t *v_scales, int64_t block_size, int kv_heads,
+                                const int32_t *tables, const int64_t *table_start, const int64_t *start,
+                                const int64_t *stop, float scale, float softcap, const float *sinks,
+                                float *out, int64_t out_stride, float *probs, int64_t probs_width) {
+    if (heads % kv_heads || d <= 0 || nrows < 0) return -1;
+    if (!hsum_order_ready) find_hsum_order();
+    const int g = heads / kv_heads;
+    int64_t longest = 0, work = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t n = stop[r] - start[r];
+        if (n <= 0 || start[r] < 0 || (probs && n > probs_width)) return -1;
+        longest = n > longest ? n : longest;
+        work += n;
+    }
+    if (probs) memset(probs, 0, (size_t)(nrows * heads * probs_width) * 4);
+    const int64_t tasks = nrows * kv_heads;
+    const int par = work * heads * d >= 65536;
+#pragma omp parallel if (par)
+    {
+        float *scratch = (float *)malloc((size_t)((int64_t)g * longest + 16 * d) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t r = task / kv_heads;
+            const int kvh = (int)(task % kv_heads);
+            attend_one(q + r * q_stride + (int64_t)kvh * g * d, g, d, k_pool, v_pool, kv_type, k_scales, v_scales,
+                       block_size, kv_heads, kvh, tables + table_start[r], start[r], stop[r], scale, softcap,
+                       sinks ? sinks + kvh * g : NULL, out + r * out_stride + (int64_t)kvh * g * d,
+                       probs ? probs + (r * heads + (int64_t)kvh * g) * probs_width : NULL, probs_width, scratch);
+        }
+        free(scratch);
+    }
+    return 0;
+}

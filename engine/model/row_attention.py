@@ -1,0 +1,145 @@
+"""Attention row by row over the paged cache, on kvk's C kernel (engine/kernels/native/attention.c).
+
+Every query row attends exactly its own positions through its sequence's block table, computed
+alone in one fixed order: a decode row, a speculative verification row and a short prefill row at
+the same position are the same computation, whatever else shares the step. The sequences of a step
+with at most ROW_LIMIT rows (every decoding sequence, a verification round's k + 1 rows, a tiny
+chunk) take this path; longer prefill chunks keep one SDPA each (a GEMM over the chunk's rows is
+faster there, and a chunk that long is computed once).
+
+The step's layout (which rows, their block tables and positions) is built once per step and read
+by every layer; a layer's attention is then one C call on views of its query rows and its pool.
+Without kvk (no build and no compiler) the torch decode path (engine/model/decode_attention.py)
+runs the decoding sequences instead, and other short chunks take SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.kernels import native
+
+if TYPE_CHECKING:
+    from engine.model.kv_storage import PagedKVStorage, SeqSlice
+    from engine.model.layer_attention import LayerAttention
+
+# A sequence with at most this many query rows in a step attends row by row: decode (1), a
+# speculative verification (k + 1 <= 9 for k <= 8), a chunk this short.
+ROW_LIMIT = 16
+
+_POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """The rows of one step that attend row by row: built once per step, used by every layer."""
+
+    lib: native.Kvk
+    rows: slice | torch.Tensor  # their rows in the packed forward
+    count: int
+    tables: np.ndarray  # int32, every row's sequence's block table, one after another
+    table_start: np.ndarray  # int64 [count]: where row r's table starts in `tables`
+    stops: np.ndarray  # int64 [count]: position + 1 of each row (it attends [start, stop))
+    covered: frozenset[int]  # indices of the batch's sequences handled here
+    _starts: dict[int | None, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, storage: PagedKVStorage, seqs: list[SeqSlice]) -> RowPlan | None:
+        lib = native.kernels()
+        if lib is None or storage.kv[0].dtype not in _POOL_KINDS:
+            return None
+        chosen = [i for i, seq in enumerate(seqs) if seq.q_len <= ROW_LIMIT]
+        if not chosen:
+            return None
+        tables: list[int] = []
+        table_start: list[int] = []
+        stops: list[int] = []
+        rows: list[int] = []
+        bs = storage.block_size
+        for i in chosen:
+            seq = seqs[i]
+            ids = _block_ids(seq)[: -(-seq.context_len // bs)]
+            first = len(tables)
+            tables.extend(ids)
+            past = seq.context_len - seq.q_len
+            for r in range(seq.q_len):
+                table_start.append(first)
+                stops.append(past + r + 1)
+                rows.append(seq.q_start + r)
+        where: slice | torch.Tensor
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            where = slice(rows[0], rows[0] + len(rows))  # the runner puts decode rows first
+        else:
+            where = torch.tensor(rows, dtype=torch.long, device=storage.device)
+        return cls(
+            lib,
+            where,
+            len(rows),
+            np.asarray(tables, dtype=np.int32),
+            np.asarray(table_start, dtype=np.int64),
+            np.asarray(stops, dtype=np.int64),
+            frozenset(chosen),
+        )
+
+    def starts(self, window: int | None) -> np.ndarray:
+        """Each row's first attended position: 0, or the sliding window's (keys in
+        (position - window, position])."""
+        if window not in self._starts:
+            self._starts[window] = (
+                np.zeros_like(self.stops) if window is None else np.maximum(self.stops - window, 0)
+            )
+        return self._starts[window]
+
+
+def _block_ids(seq: SeqSlice) -> list[int]:
+    blocks = seq.blocks
+    if isinstance(blocks, slice):
+        return list(range(blocks.start or 0, blocks.stop))
+    ids: list[int] = blocks.tolist()
+    return ids
+
+
+def row_attention(
+    storage: PagedKVStorage, layer: int, q: torch.Tensor, plan: RowPlan, how: LayerAttention
+) -> torch.Tensor:
+    """q [count, heads, d] (the plan's rows; any row stride, heads contiguous) -> [count, heads, d]."""
+    count, heads, d = q.shape
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        q = q.float().contiguous()
+    out = torch.empty(count, heads, d, dtype=torch.float32, device=q.device)
+    k_pool, v_pool = storage.k[layer], storage.v[layer]
+    quantized = storage.quantized
+    sinks = None if how.sinks is None else how.sinks.float().contiguous()
+    starts = plan.starts(how.window)
+    status = plan.lib.lib.kvk_paged_attention(
+        q.data_ptr(),
+        q.stride(0),
+        count,
+        heads,
+        d,
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        _POOL_KINDS[k_pool.dtype],
+        storage.k_scale[layer].data_ptr() if quantized else None,
+        storage.v_scale[layer].data_ptr() if quantized else None,
+        storage.block_size,
+        storage.num_kv_heads,
+        plan.tables.ctypes.data,
+        plan.table_start.ctypes.data,
+        starts.ctypes.data,
+        plan.stops.ctypes.data,
+        how.scaling if how.scaling is not None else d**-0.5,
+        how.softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
+        out.data_ptr(),
+        heads * d,
+        None,
+        0,
+    )
+    if status != 0:
+        raise RuntimeError(f"kvk_paged_attention refused layer {layer}'s rows (status {status})")
+    return out
