@@ -23,10 +23,11 @@ from engine.model.runtime_memory import give_back_freed_memory, runtime_estimate
 MIB = 2**20
 POOL = 64 * MIB
 TOLERANCE = 0.10
-# The process's resident set after the same load differs from one load to the next by up to ~9%
-# on the packaged model here (two loads in one process: 829 and 907 MiB; freed memory the
-# allocator keeps, the garbage of the engine before): the estimate is held within 15%.
-PROCESS_TOLERANCE = 0.15
+# The whole process is held to the same 10%. Measured here: within 2% (packaged model replacing
+# itself 842 -> 843 MiB, the K-quant files replacing it 700 -> 685 and 685 -> 687 MiB), once the
+# replaced engine's last reference goes before the next load (a caller's variable kept its
+# weights, up to 110 MiB, in the next load's resident set).
+PROCESS_TOLERANCE = TOLERANCE
 
 
 @pytest.fixture
@@ -111,7 +112,8 @@ def start(source: str) -> tuple[Engine, ModelLoaded, MemorySample]:
 
 
 def release(engine: Engine) -> None:
-    """As the app replaces an engine: stopped, its model collected, the freed memory handed back."""
+    """As the app replaces an engine: stopped, its model collected, the freed memory handed back
+    (the caller holds no other reference)."""
     engine.shutdown()
     del engine
     gc.collect()
@@ -130,13 +132,16 @@ def assert_close(estimated: int, measured: int, what: str, tolerance: float = TO
     )
 
 
-def estimate_then_replace(running: Engine, source: str) -> Engine:
+def estimate_then_replace(running: list[Engine], source: str) -> None:
     """As the app does it: the estimate made while the last model runs (the picker reads it when
-    the choice changes), then that engine replaced by a load of `source`; the two compared."""
+    the choice changes), then that engine replaced by a load of `source`; the two compared.
+    `running` holds the one reference to the running engine: released, nothing else keeps its
+    model alive (a caller's variable would, and its weights would count in the next load)."""
     est = inspect_model(source, dtype="float32")
     runtime = runtime_estimate()
-    release(running)
+    release(running.pop())
     engine, loaded, memory = start(source)
+    running.append(engine)
     process = runtime.process_with(est["weight_bytes"] + POOL)
     print(  # shown with -s: the figures the app puts side by side
         f"{source}: weights {est['weight_bytes'] / MIB:.1f} -> {loaded.info.weight_bytes / MIB:.1f} MiB, "
@@ -145,7 +150,6 @@ def estimate_then_replace(running: Engine, source: str) -> Engine:
     assert_close(est["weight_bytes"], loaded.info.weight_bytes, f"{source}: weights")
     # the process: the measured runtime beside the planned weights and the pool asked for
     assert_close(process, memory.process_bytes, f"{source}: process", PROCESS_TOLERANCE)
-    return engine
 
 
 def test_the_weights_estimate_holds_for_k_quant_files(kquant_files, any_tokenizer, kernels):
@@ -160,11 +164,14 @@ def test_the_weights_estimate_holds_for_k_quant_files(kquant_files, any_tokenize
 def test_estimate_and_measured_side_by_side_for_the_packaged_model_and_k_quant_files(
     kquant_files, any_tokenizer
 ):
-    """Weights (within 10%) and the whole process (within 15%), as the app shows them side by
+    """Weights and the whole process (each within 10%), as the app shows them side by
     side after a load: the packaged model replacing itself (loaded once first, so the runtime is
     this process's, measured), then the K-quant files replacing it."""
-    engine, _, _ = start("default")
-    engine = estimate_then_replace(engine, "default")
-    for path in kquant_files:
-        engine = estimate_then_replace(engine, str(path))
-    release(engine)
+    running = [start("default")[0]]
+    try:
+        estimate_then_replace(running, "default")
+        for path in kquant_files:
+            estimate_then_replace(running, str(path))
+    finally:
+        while running:  # a failed comparison leaves no engine thread to the next test
+            release(running.pop())
