@@ -2,7 +2,8 @@
 the toolbar with their shortcuts, the Controls dock's buttons whole at common screen sizes with Load
 model never scrolled away, one action from a Hub file to a running model (a file already downloaded
 used as it is), and from an empty HF cache to a reply through the Hub browser, against the local
-test Hub server."""
+test Hub server; the first-run layout on the screens people have (chat, token probabilities and
+the page map in front at once)."""
 
 from __future__ import annotations
 
@@ -192,3 +193,39 @@ def test_after_a_load_the_estimate_stands_beside_the_measurement(make_window, qt
     assert f"weights {format_bytes(estimated)} → {format_bytes(weights)}" in text
     assert "\nprocess " in text and "(estimate " in text
     assert "Q4_1 x210 kept as " in picker.estimate.text()  # the per-type plan it counted
+
+
+# The screens people have, in logical pixels: a laptop, a desktop, a 1440p screen at 100% and the
+# same screen at 200% (1280x720 logical).
+SCREENS = [(1366, 768), (1920, 1080), (2560, 1440), (1280, 720)]
+
+
+@pytest.mark.parametrize("screen", SCREENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_first_run_layout_shows_the_chat_the_probabilities_and_the_page_map_at_once(
+    make_window, qtbot, monkeypatch, screen
+):
+    """A first launch on each screen: the window fits it, and the chat, the token probabilities
+    and the page map are each in front (no tab hides them) and big enough to read."""
+    import app.window
+
+    monkeypatch.setattr(app.window, "first_run_size", lambda available: screen)
+    window = make_window(start=False)
+    qtbot.waitUntil(lambda: window.width() == screen[0])
+    assert window.width() <= screen[0] and window.height() <= screen[1]
+    docks = window.docks
+    shown = {"chat": window.chat, "probabilities": docks["probabilities"], "page map": docks["page_map"]}
+    # the least each needs to be read: a message and its input, ~15 bars, a grid of pages
+    least = {"chat": (420, 380), "probabilities": (250, 380), "page map": (250, 150)}
+    for name, widget in shown.items():
+        assert widget.isVisible(), f"the {name} is hidden"
+        assert not widget.visibleRegion().isEmpty(), f"the {name} is behind another tab"
+        width, height = least[name]
+        assert widget.width() >= width and widget.height() >= height, (
+            f"the {name} is {widget.width()}x{widget.height()} on {screen}"
+        )
+    # the Controls dock has room for its fields at every size
+    controls = window.controls
+    for button in controls.findChildren(QAbstractButton):
+        if button.isVisibleTo(controls) and button.text():
+            assert button.width() >= button.sizeHint().width(), f"{button.text()!r} squeezed on {screen}"
+    window.controls.model.wait_for_estimate()
