@@ -33,7 +33,7 @@ from engine.config import DTYPES
 from engine.units import format_bytes
 
 RESULT_COLUMNS = ("Model", "Downloads", "Likes", "Params", "Size", "Licence", "Gated", "kvscope")
-FILE_COLUMNS = ("Weights", "Size", "Downloaded", "Weights + KV", "Fits here?", "Note")
+FILE_COLUMNS = ("Weights", "Size", "Downloaded", "Weights + KV", "Fits here?", "Process", "Note")
 ON_DISK = "✓ on disk"
 SORTS = (("Most downloaded", "downloads"), ("Most liked", "likes"), ("Trending", "trending_score"))
 
@@ -57,6 +57,23 @@ def fit_text(choice) -> tuple[str, str]:
     if est["weights_fit_in_budget"]:
         return total, f"weights only: {est['max_context_tokens_in_budget']:,} tokens of KV fit"
     return total, f"no: {format_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}"
+
+
+def _served(supported: bool | None) -> str:
+    return "–" if supported is None else ("serves" if supported else "refuses")
+
+
+def process_text(choice) -> tuple[str, str]:
+    """(the process once this file runs, how that is made up) for a WeightChoice's estimate: the
+    measured runtime (engine.model.runtime_memory) beside its weights and KV for the context."""
+    est = choice.estimate
+    if est is None or "process_bytes" not in est:
+        return "–", ""
+    tip = (
+        f"the runtime {format_bytes(est['runtime_bytes'])} ({est['runtime_source']}) + weights "
+        f"{format_bytes(est['weight_bytes'])} + KV {format_bytes(est['kv_bytes_for_context'])}"
+    )
+    return f"≈ {format_bytes(est['process_bytes'])}", tip
 
 
 class ModelBrowser(QDialog):
@@ -191,7 +208,7 @@ class ModelBrowser(QDialog):
                 if h.params and h.params >= 1e9
                 else (f"{h.params / 1e6:.0f} M" if h.params else "?")
             )
-            served = "–" if h.supported is None else ("serves" if h.supported else "refuses")
+            served = _served(h.supported)
             cells = (
                 item(h.repo_id, tip=h.repo_id),
                 item(_count(h.downloads), h.downloads),
@@ -211,6 +228,13 @@ class ModelBrowser(QDialog):
         )
         if hits:
             self.results.selectRow(0)
+
+    def _mark_served(self, repo_id: str, supported: bool | None, note: str) -> None:
+        """The search result's kvscope cell, once the repo's files tell (a GGUF repo's search hit
+        has no config to judge by; its file's header does)."""
+        for row, hit in enumerate(self._hits):
+            if hit.repo_id == repo_id and supported is not None:
+                self.results.setItem(row, len(RESULT_COLUMNS) - 1, item(_served(supported), tip=note))
 
     # ---- files -----------------------------------------------------------------------------
     def _selected_hit(self):
@@ -244,15 +268,19 @@ class ModelBrowser(QDialog):
         self.repo_title.setText(f"{files.repo_id} @ {files.revision[:10]}{gated}")
         verdict = {True: "kvscope serves it", False: "kvscope refuses it", None: "kvscope: not known yet"}
         self.support.setText(f"{verdict[files.supported]}: {files.support}")
+        self._mark_served(files.repo_id, files.supported, files.support)
         self.files_table.setRowCount(len(files.choices))
         for row, c in enumerate(files.choices):
             total, verdict_text = fit_text(c)
+            process, process_tip = process_text(c)
+            held = (c.estimate or {}).get("weights_summary", "")  # a GGUF's plan per tensor type
             cells = (
                 item(c.label, tip="\n".join(c.files)),
                 item(format_bytes(c.weights_bytes), c.weights_bytes),
                 item(ON_DISK if c.cached_source else "–", tip=c.cached_source or ""),
-                item(total),
+                item(total, tip=f"weights as the load holds them: {held}" if held else ""),
                 item(verdict_text),
+                item(process, tip=process_tip),
                 item(c.note or ("" if c.loadable else "not loadable by kvscope")),
             )
             for col, cell in enumerate(cells):

@@ -11,6 +11,7 @@ from app.models.picker import ModelPicker
 from app.settings import MIB, ModelChoice
 from engine.hub.online import OFFLINE_IS_DEFAULT
 from engine.model.sources import default_gguf_path
+from engine.units import format_bytes
 
 
 def open_browser(qtbot) -> ModelBrowser:
@@ -76,6 +77,14 @@ def test_gguf_files_are_offered_by_quantization(qtbot, hub):
     qtbot.waitUntil(lambda: browser.files_table.rowCount() == 1, timeout=30_000)
     assert browser.files_table.item(0, 0).text() == "Q4_1"
     assert browser.download_button.text().startswith("Download Q4_1 (")
+    # the fit counts what the load holds, per tensor type from the header, and the runtime beside it
+    est = browser._files.choices[0].estimate
+    assert "Q4_1 x210 " in browser.files_table.item(0, 3).toolTip()
+    process = browser.files_table.item(0, 5)
+    assert process.text() == f"≈ {format_bytes(est['process_bytes'])}"
+    assert est["process_bytes"] > est["weight_bytes"] + est["kv_bytes_for_context"]
+    assert process.toolTip().startswith("the runtime ") and "+ weights " in process.toolTip()
+    assert browser.results.item(0, 7).text() == "serves"  # its header told, the search hit could not
     browser.worker.wait()
 
 
