@@ -46,6 +46,8 @@ from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
+# How long the status bar shows a load's estimate beside its measurement (then the model's name).
+MEASURED_VISIBLE_MS = 20_000
 DEFAULT_SIZE = (1560, 960)
 # Of the window, the first-run layout gives the left column (conversations over controls) and the
 # probability bars on the right this much width, and the row of live graphs this much height;
@@ -484,7 +486,13 @@ class MainWindow(QMainWindow):
         if loaded is None or not len(memory) or memory.column("t")[-1] < loaded.t:
             return
         self._measuring = None
-        self.controls.model.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
+        picker = self.controls.model
+        picker.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
+        # also where the eye is after a load, for a while: the picker's note may be scrolled away
+        _, *figures = picker.measured.text().split("\n")
+        self.status.showMessage(
+            f"Loaded {loaded.info.name}. Estimated → measured: {'; '.join(figures)}", MEASURED_VISIBLE_MS
+        )
 
     def _on_model_loading(self, event) -> None:
         self.controls.model.show_loading(event.stage, event.fraction)

@@ -192,6 +192,11 @@ def test_after_a_load_the_estimate_stands_beside_the_measurement(make_window, qt
     assert abs(estimated - weights) <= 0.1 * weights
     assert f"weights {format_bytes(estimated)} → {format_bytes(weights)}" in text
     assert "\nprocess " in text and "(estimate " in text
+    message = window.status.currentMessage()  # where the eye is after a load, too
+    assert message.startswith(f"Loaded {loaded.args[0].info.name}. Estimated → measured: weights ")
+    assert (
+        f"weights {format_bytes(estimated)} → {format_bytes(weights)}" in message and "; process " in message
+    )
     assert "Q4_1 x210 kept as " in picker.estimate.text()  # the per-type plan it counted
 
 
