@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QMenu,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QToolButton,
     QVBoxLayout,
@@ -175,11 +176,14 @@ class ModelPicker(QWidget):
         # what it names at once, with the settings below.
         self.actions = ModelActions(self)
         self.open_button = QToolButton()
+        self.open_button.setObjectName("openModel")  # its menu arrow gets room of its own (style.qss)
         self.open_button.setText("Open…")
         self.open_button.setToolTip(
             "Open a GGUF file or model folder, browse the Hub, or the models on this machine"
         )
         self.open_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        # as tall as Load model beside it (a tool button keeps its own, smaller height)
+        self.open_button.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
         open_menu = QMenu(self.open_button)
         open_menu.addActions(list(self.actions.all()))
         self.open_button.setMenu(open_menu)
