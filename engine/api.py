@@ -47,6 +47,7 @@ from engine.limits import POLICIES, ContextFit, Limits, Refusal, fit, reply_room
 from engine.model.local_models import LocalModel, gpt4all_models, lmstudio_models, ollama_models
 from engine.model.runtime_memory import estimate_process, give_back_freed_memory
 from engine.model.sources import hf_cache_dir, repo_file_of, with_gguf_file
+from engine.private import create_private_file, private_dir
 from engine.request import ChatMessage, Request
 from engine.resources import resource
 from engine.results import (
@@ -94,6 +95,7 @@ __all__ = [
     "SpeedupResult",
     "Tokens",
     "check_scheme_name",
+    "create_private_file",
     "cli_main",
     "command_names",
     "compare_dtypes",
@@ -114,6 +116,7 @@ __all__ = [
     "local_engine",
     "measure_quality",
     "offline_by_default",
+    "private_dir",
     "ollama_models",
     "reply_room",
     "repo_file_of",

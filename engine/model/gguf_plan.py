@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.kernels import gguf_blocks, native
 from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight
-from engine.model.configs import open_gguf
+from engine.model.configs import gguf_header
 from engine.shapes import DTYPE_BYTES
 from engine.units import format_bytes
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from engine.kernels.native import Kvk
     from engine.kernels.weights import WeightStorage
+    from engine.model.gguf_header import GGUFHeader
 
 LINEAR, EMBEDDING, OTHER = "linear", "embedding", "other"
 KEPT, DEQUANTIZED = "kept", "dequantized"
@@ -317,9 +318,13 @@ def plan_entries(entries: Iterable[TensorEntry], dtype: str, native: bool = True
     return GGUFPlan(dtype, native, lines, copy)
 
 
+def plan_header(header: GGUFHeader, dtype: str, native: bool = True) -> GGUFPlan:
+    """The plan of the GGUF file whose header this is (a local file's, or one on the Hub read
+    over range requests before any download)."""
+    return plan_entries((entry_from_gguf(t.name, t.ggml_type, t.dims) for t in header.tensors), dtype, native)
+
+
 def plan_file(path: Path, dtype: str, native: bool = True) -> GGUFPlan:
-    """The plan of a local GGUF file (its header read once, engine.model.configs.open_gguf)."""
-    reader = open_gguf(path)
-    return plan_entries(
-        (entry_from_gguf(t.name, int(t.tensor_type), t.shape) for t in reader.tensors), dtype, native
-    )
+    """The plan of a local GGUF file (its lean header, read once: engine.model.configs.gguf_header,
+    the one the loader reads too)."""
+    return plan_header(gguf_header(path), dtype, native)
