@@ -69,9 +69,16 @@ def process_text(choice) -> tuple[str, str]:
     est = choice.estimate
     if est is None or "process_bytes" not in est:
         return "–", ""
+    kv = format_bytes(est["kv_bytes_for_context"])
     tip = (
-        f"the runtime {format_bytes(est['runtime_bytes'])} ({est['runtime_source']}) + weights "
-        f"{format_bytes(est['weight_bytes'])} + KV {format_bytes(est['kv_bytes_for_context'])}"
+        f"once loaded: the runtime {format_bytes(est['runtime_bytes'])} ({est['runtime_source']}) + "
+        f"weights {format_bytes(est['weight_bytes'])}"
+        + (
+            f"; its KV pages resident as the cache fills: {format_bytes(est['process_full_pool_bytes'])} "
+            f"with {kv} of KV"
+            if est["pool_fills_lazily"]
+            else f" + KV {kv}"
+        )
     )
     return f"≈ {format_bytes(est['process_bytes'])}", tip
 

@@ -64,24 +64,33 @@ def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
     ]
     process = process_estimate(est, kv_budget_bytes)
     if process is not None:
+        lazy = est.get("pool_fills_lazily", False)
+        runtime = process - est["weight_bytes"] - (0 if lazy else kv_budget_bytes)
         lines.append(
-            f"Process ≈ {format_bytes(process)}: the runtime {format_bytes(process - est['weight_bytes'] - kv_budget_bytes)} "
-            f"({est['runtime_source']}) + weights + KV budget"
+            f"Process ≈ {format_bytes(process)} once loaded: the runtime {format_bytes(runtime)} "
+            f"({est['runtime_source']}) + weights"
+            + (
+                f"; the KV pool's pages as the cache fills, up to {format_bytes(process + kv_budget_bytes)}"
+                if lazy
+                else " + KV budget"
+            )
         )
     return "\n".join(lines)
 
 
 def process_estimate(est: dict, kv_budget_bytes: int) -> int | None:
-    """The process once the estimated model runs with this KV budget (None: no runtime figures)."""
+    """The process once the estimated model is loaded with this KV budget (a pool that fills
+    lazily not yet resident; None: no runtime figures)."""
     from engine.api import estimate_process
 
     if "runtime_process_now_bytes" not in est:
         return None
+    pool = 0 if est.get("pool_fills_lazily", False) else kv_budget_bytes
     return estimate_process(
         est["runtime_process_now_bytes"],
         est["runtime_last_held_bytes"],
         est["runtime_first_load_bytes"],
-        est["weight_bytes"] + kv_budget_bytes,
+        est["weight_bytes"] + pool,
     )
 
 

@@ -301,10 +301,10 @@ class Engine:
         sample = core.sample_memory()
         if loads and self._loaded.device.type == "cpu":  # what the runtime adds to a load, measured
             runtime_memory.record_load(
-                before, sample.process_bytes, self.info.weight_bytes, storage.total_bytes, self.info.name
+                before, sample.process_bytes, self.info.weight_bytes, storage, self.info.name
             )
         else:
-            runtime_memory.engine_holds(self.info.weight_bytes + storage.total_bytes)
+            runtime_memory.engine_holds(self.info.weight_bytes, storage)
 
     def _loaded_core(self) -> LLMEngine:
         assert self._core is not None, "commands are served only after the model loaded"

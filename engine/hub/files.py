@@ -24,6 +24,7 @@ from engine.errors import ModelLoadError
 from engine.hub.cache import cached_source
 from engine.hub.gguf_header import config_from_header, header_plan, read_header, remote_fetcher
 from engine.hub.online import HubError, api, describe, endpoint, hub_call, token
+from engine.measure.device import resolve_device
 from engine.model.configs import read_folder_config
 from engine.model.inspect import budget_bytes_for, keeps_own_bits, memory_estimate
 from engine.model.runtime_memory import runtime_estimate
@@ -139,7 +140,8 @@ def _estimate(
 ) -> dict[str, Any]:
 
     estimate = memory_estimate(ModelShapes.from_config(config), dtype, context, budget, plan)
-    estimate.update(runtime_estimate().as_dict(estimate["weight_bytes"] + estimate["kv_bytes_for_context"]))
+    runtime = runtime_estimate(resolve_device("auto").type)
+    estimate.update(runtime.as_dict(estimate["weight_bytes"], estimate["kv_bytes_for_context"]))
     return estimate
 
 

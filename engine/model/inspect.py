@@ -67,7 +67,8 @@ def inspect_model(
             plan = plan_file(src.gguf, dtype, native=native)
     report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), plan))
     # the process with those weights and the KV of `context` tokens beside its runtime, measured
-    report.update(runtime_estimate().as_dict(report["weight_bytes"] + report["kv_bytes_for_context"]))
+    runtime = runtime_estimate(resolve_device("auto").type)
+    report.update(runtime.as_dict(report["weight_bytes"], report["kv_bytes_for_context"]))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
     return report

@@ -10,6 +10,10 @@ too), so a fit estimate counts it instead of a guess.
   weights and pool when this kind of process (the app, the headless engine) last measured one on
   this machine, kept in kvscope's cache. The engine thread measures every load
   (engine/core/service.py: resident set before and after).
+- The KV pool: where it fills lazily (kvk on the CPU: engine.model.kv_storage.fills_lazily) its
+  pages become resident only as blocks are written, so a load's process holds the runtime and
+  the weights, and grows toward the whole pool as the cache fills; both figures are given. What
+  a running engine's pool holds is what of it is resident now (mincore), not its size.
 What is left out: a model whose own tokenizer and metadata are much larger than the last one's
 adds their difference (on the packaged model after a tiny one, ~170 MiB of ~830).
 """
@@ -23,36 +27,61 @@ import os
 import sys
 import threading
 import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 
 from engine.cache_dirs import cache_root
 
+if TYPE_CHECKING:
+    import torch
+
+
+class Pool(Protocol):
+    """What of a KV pool (engine.model.kv_storage.PagedKVStorage) the measurement reads."""
+
+    kv: list[torch.Tensor]
+    k_scale: list[torch.Tensor]
+    v_scale: list[torch.Tensor]
+
+
 FILE_NAME = "runtime-memory.json"
 
 _lock = threading.Lock()
-_state: dict[str, int | None] = {
-    "held": None,  # what this process's running engine holds (weights + pool): 0 when none, None before any
+_state: dict[str, Any] = {
+    "held": None,  # the running engine's weights (+ its pool, see "pool"): 0 when none, None before any
+    "pool": None,  # a weak reference to the running engine's pool: what of it is resident is held too
 }
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeEstimate:
     process_now: int  # this process's resident set now
-    last_held: int | None  # weights + pool of this process's running engine (0: none); None before any load
+    last_held: (
+        int | None
+    )  # of this process's running engine, its weights and resident pool (0: none); None before any load
     first_load_overhead: int  # what a first load adds, measured on this machine (0: not yet)
     source: str  # where the figures come from, for the user
+    pool_lazy: bool  # a new CPU pool here fills lazily: resident only as the cache fills
 
-    def process_with(self, new_bytes: int) -> int:
-        """The process once a load of `new_bytes` (its weights and pool) has taken place."""
-        return estimate_process(self.process_now, self.last_held, self.first_load_overhead, new_bytes)
+    def process_with(self, weight_bytes: int, pool_bytes: int) -> int:
+        """The process once a load of these weights and this pool has taken place (the pool
+        counted only where it is resident at once)."""
+        resident = weight_bytes + (0 if self.pool_lazy else pool_bytes)
+        return estimate_process(self.process_now, self.last_held, self.first_load_overhead, resident)
 
-    def as_dict(self, new_bytes: int) -> dict[str, object]:
+    def as_dict(self, weight_bytes: int, pool_bytes: int) -> dict[str, object]:
+        at_load = self.process_with(weight_bytes, pool_bytes)
+        runtime = at_load - weight_bytes - (0 if self.pool_lazy else pool_bytes)
         return {
-            "runtime_bytes": self.process_with(new_bytes) - new_bytes,
-            "process_bytes": self.process_with(new_bytes),
+            "runtime_bytes": runtime,
+            "process_bytes": at_load,  # once loaded
+            "process_full_pool_bytes": runtime + weight_bytes + pool_bytes,  # its KV pool all written
+            "pool_fills_lazily": self.pool_lazy,
             "runtime_process_now_bytes": self.process_now,
             "runtime_last_held_bytes": self.last_held,
             "runtime_first_load_bytes": self.first_load_overhead,
@@ -61,9 +90,9 @@ class RuntimeEstimate:
 
 
 def estimate_process(process_now: int, last_held: int | None, first_load: int, new_bytes: int) -> int:
-    """The process's resident set after a load of `new_bytes` of weights and pool: now, less the
-    running engine's bytes where this process loaded before (the new ones take their place), else
-    plus what a first load adds; plus the new bytes."""
+    """The process's resident set after a load whose weights and pool make `new_bytes` resident:
+    now, less the running engine's resident bytes where this process loaded before (the new ones
+    take their place), else plus what a first load adds; plus the new bytes."""
     if last_held is not None:
         return max(0, process_now - last_held) + new_bytes
     return process_now + first_load + new_bytes
@@ -90,13 +119,50 @@ def _stored() -> dict[str, dict[str, object]]:
     return raw if isinstance(raw, dict) else {}
 
 
-def record_load(before: int, after: int, weight_bytes: int, pool_bytes: int, model: str) -> int:
+def resident_in(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of these CPU tensors' memory resident now (mincore on their pages): a lazily filled
+    pool holds only the pages its written blocks touched. Where it cannot be asked (not Linux),
+    their whole size."""
+    tensors = list(tensors)
+    whole = sum(t.numel() * t.element_size() for t in tensors)
+    if not sys.platform.startswith("linux"):
+        return whole
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        resident = 0
+        for t in tensors:
+            start = t.data_ptr() // page * page
+            end = t.data_ptr() + t.numel() * t.element_size()
+            pages = -(-(end - start) // page)
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+                return whole
+            resident += sum(v & 1 for v in vec) * page
+        return min(resident, whole)
+    except (OSError, AttributeError, ValueError):
+        return whole
+
+
+def pool_resident(pool: Pool) -> int:
+    return resident_in([*pool.kv, *pool.k_scale, *pool.v_scale])
+
+
+def _held_now() -> int | None:
+    """The running engine's weights and what of its pool is resident now."""
+    held, ref = _state["held"], _state["pool"]
+    pool = ref() if ref is not None else None
+    return None if held is None else held + (pool_resident(pool) if pool is not None else 0)
+
+
+def record_load(before: int, after: int, weight_bytes: int, pool: Pool, model: str) -> int:
     """A load measured around (resident set before and after, in bytes). The first of the
-    process is kept for its kind: what a first load adds beyond its weights and pool. Returns it."""
-    overhead = max(0, after - before - weight_bytes - pool_bytes)
+    process is kept for its kind: what a first load adds beyond its weights and the part of its
+    pool resident by then. Returns it."""
+    overhead = max(0, after - before - weight_bytes - pool_resident(pool))
     with _lock:
         first = _state["held"] is None
-        _state["held"] = weight_bytes + pool_bytes
+        _state["held"], _state["pool"] = weight_bytes, weakref.ref(pool)
         if first:
             _store(process_kind(), overhead, model)
     return overhead
@@ -114,10 +180,10 @@ def give_back_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def engine_holds(nbytes: int) -> None:
-    """An engine of this process holds `nbytes` of weights and pool (one it did not load itself)."""
+def engine_holds(weight_bytes: int, pool: Pool) -> None:
+    """An engine of this process holds these weights and this pool (one it did not load itself)."""
     with _lock:
-        _state["held"] = nbytes
+        _state["held"], _state["pool"] = weight_bytes, weakref.ref(pool)
 
 
 def engine_released() -> None:
@@ -125,7 +191,7 @@ def engine_released() -> None:
     (`release_now` in the app, where the replaced engine would wait for the garbage collector)."""
     with _lock:
         if _state["held"] is not None:
-            _state["held"] = 0
+            _state["held"], _state["pool"] = 0, None
 
 
 def _store(kind: str, overhead: int, model: str) -> None:
@@ -141,22 +207,30 @@ def _store(kind: str, overhead: int, model: str) -> None:
         pass  # an unwritable cache: the next fresh process measures its own
 
 
-def runtime_estimate() -> RuntimeEstimate:
-    """The measured figures a new load's process estimate is made of (RuntimeEstimate.process_with)."""
+def runtime_estimate(device: str = "cpu") -> RuntimeEstimate:
+    """The measured figures a new load's process estimate is made of (RuntimeEstimate.process_with),
+    for a load on `device`."""
+    from engine.model.kv_storage import fills_lazily  # torch: only once an estimate is asked for
+
     kind = process_kind()
+    lazy = fills_lazily(device)
     give_back_freed_memory()  # what the allocator keeps of freed memory is no part of the runtime
     now = resident_bytes()
     with _lock:
-        held = _state["held"]
+        held = _held_now()
     if held is not None:
         return RuntimeEstimate(
-            now, held, 0, "this process now, its last model's weights and KV pool replaced (measured)"
+            now,
+            held,
+            0,
+            "this process now, its last model's weights and KV pool replaced (measured)",
+            lazy,
         )
     entry = _stored().get(kind, {})
     value = entry.get("first_load_overhead_bytes")
     if isinstance(value, int):
         source = f"this process now + what a first {kind} load added here ({entry.get('model')}, measured)"
-        return RuntimeEstimate(now, None, value, source)
+        return RuntimeEstimate(now, None, value, source, lazy)
     return RuntimeEstimate(
-        now, None, 0, "this process now (no load measured here yet: a first load adds to it)"
+        now, None, 0, "this process now (no load measured here yet: a first load adds to it)", lazy
     )

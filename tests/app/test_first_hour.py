@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QAbstractButton, QToolButton, QWidget
 from test_model_browser import search
 
 from app.models.browser import ON_DISK
+from app.models.picker import process_estimate
 from engine.config import SamplingParams
 from engine.units import format_bytes
 
@@ -192,6 +193,13 @@ def test_after_a_load_the_estimate_stands_beside_the_measurement(make_window, qt
     assert abs(estimated - weights) <= 0.1 * weights
     assert f"weights {format_bytes(estimated)} → {format_bytes(weights)}" in text
     assert "\nprocess " in text and "(estimate " in text
+    # the process: the measured runtime (this process's, or a first app load's here: kept in the
+    # cache from another process, and another model's tokenizer) beside the weights; measured
+    # -8% and -4% on this machine, held to 15% (tests/engine/test_fit_estimate.py holds 10%
+    # where the runtime is this process's)
+    expected = process_estimate(*picker._load_estimate)
+    process = int(window.host.live.memory.column("process")[-1])
+    assert abs(expected - process) <= 0.15 * process, f"process {expected} estimated, {process} measured"
     message = window.status.currentMessage()  # where the eye is after a load, too
     assert message.startswith(f"Loaded {loaded.args[0].info.name}. Estimated → measured: weights ")
     assert (

@@ -142,7 +142,7 @@ def estimate_then_replace(running: list[Engine], source: str) -> None:
     release(running.pop())
     engine, loaded, memory = start(source)
     running.append(engine)
-    process = runtime.process_with(est["weight_bytes"] + POOL)
+    process = runtime.process_with(est["weight_bytes"], POOL)
     print(  # shown with -s: the figures the app puts side by side
         f"{source}: weights {est['weight_bytes'] / MIB:.1f} -> {loaded.info.weight_bytes / MIB:.1f} MiB, "
         f"process {process / MIB:.0f} -> {memory.process_bytes / MIB:.0f} MiB"
@@ -175,3 +175,23 @@ def test_estimate_and_measured_side_by_side_for_the_packaged_model_and_k_quant_f
     finally:
         while running:  # a failed comparison leaves no engine thread to the next test
             release(running.pop())
+
+
+def test_what_of_a_lazy_pool_is_resident_is_measured_not_assumed():
+    """A pool that fills lazily holds pages only where blocks were written: the running engine's
+    pool counts what is resident now (the runtime is the process less that, not less its size)."""
+    import torch
+
+    from engine.model.kv_storage import PagedKVStorage, fills_lazily
+    from engine.model.runtime_memory import pool_resident, resident_in
+
+    pool = PagedKVStorage(4, 512, 16, 4, 64, torch.float32, "cpu")  # 4 layers x 8 MiB
+    size = sum(t.numel() * t.element_size() for t in pool.kv)
+    if not fills_lazily("cpu"):  # zeros: every page written at once
+        assert pool_resident(pool) == size
+        return
+    assert pool_resident(pool) < size // 16  # untouched
+    pool.kv[0][:, :256].fill_(1.0)  # half the blocks of one layer written
+    assert abs(pool_resident(pool) - size // 8) <= size // 32
+    written = torch.ones(1 << 20)
+    assert resident_in([written]) == written.numel() * 4
