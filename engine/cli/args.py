@@ -16,7 +16,6 @@ from engine.config import (
 )
 from engine.grammar.compile import GrammarError, check
 
-
 MODEL_HELP = (
     "'default', an HF folder, a .gguf file, or a repo id in the local Hugging Face cache (a GGUF "
     "repo's one .gguf file; REPO:FILE picks one of several)"
