@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.errors import ModelLoadError, first_line
-from engine.model.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, kept, local_header, skipped_count
+from engine.model.gguf_header import (
+    GGUFHeader,
+    GGUFHeaderError,
+    TensorInfo,
+    kept,
+    local_header,
+    skipped_count,
+)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
