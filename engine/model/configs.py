@@ -206,7 +206,9 @@ def gguf_header(path: Path) -> GGUFHeader:
     except (GGUFHeaderError, OSError, struct.error, UnicodeDecodeError):
         raise ModelLoadError(broken) from None
     size = Path(path).stat().st_size
-    if not header.tensors or any(header.data_start + t.offset + _tensor_bytes(t) > size for t in header.tensors):
+    if not header.tensors or any(
+        header.data_start + t.offset + _tensor_bytes(t) > size for t in header.tensors
+    ):
         raise ModelLoadError(broken)
     _HEADER_CACHE["header"] = (key, header)
     return header
