@@ -267,7 +267,9 @@ class McpHub:
             await self._disconnect(name)
 
     # ---- calls -----------------------------------------------------------------------------
-    async def _call_tool(self, server: str, tool: str, arguments: dict[str, Any], timeout: float) -> ToolOutcome:
+    async def _call_tool(
+        self, server: str, tool: str, arguments: dict[str, Any], timeout: float
+    ) -> ToolOutcome:
         loop = asyncio.get_running_loop()
         started = loop.time()
         session = self._sessions.get(server)
