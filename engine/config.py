@@ -224,7 +224,7 @@ class SpeculativeConfig:
     num_draft: int = 4  # draft tokens per round (the most, when adaptive)
     draft_model: str | None = None  # for "draft": a model source sharing the target's tokenizer
     self_draft_layers: int | None = None  # for "self": layers kept (default: a quarter of them)
-    adaptive: bool = False  # shrink/grow the round to what was recently accepted
+    adaptive: bool = True  # each sequence's draft length from its recent acceptance and the measured costs
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}")

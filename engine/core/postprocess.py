@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine.config import SpeculativeConfig
 from engine.core.group_driver import GroupDriver
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
@@ -24,9 +24,21 @@ from engine.core.sequence import Sequence
 from engine.events import Event, SpecRound, TokenGenerated
 from engine.kv.manager import KVCacheManager
 from engine.sampling.sampler import SampleResult
+from engine.speculative.adaptive import DraftTuner
 from engine.speculative.proposers import Proposer
-from engine.speculative.verify import Verdict, verify
+from engine.speculative.verify import Verdict, verify, verify_greedy
 from engine.text.token_text import TokenText
+
+
+@dataclass(frozen=True, slots=True)
+class RoundContext:
+    """What a step's speculative rounds are measured against: the step's time up to its
+    postprocess (scheduling and the forward), its decode rows (drafts included) and how many
+    sequences decoded in it."""
+
+    step_s: float
+    rows: int
+    decoding: int
 
 
 class Postprocessor:
@@ -43,15 +55,20 @@ class Postprocessor:
         finish: Callable[[Sequence, str], None],
         max_model_len: int,
         proposer: Proposer | None,
-        speculative: SpeculativeConfig | None,
+        tuner: DraftTuner | None,
     ):
         self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
         self.max_model_len = max_model_len
-        self.proposer, self.speculative = proposer, speculative
+        self.proposer, self.tuner = proposer, tuner
         self.step_count = 0  # the step being postprocessed (run() sets it)
+        self.rounds = RoundContext(0.0, 0, 0)  # the step's, for its speculative rounds
 
-    def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
+    def run(
+        self, batch: ScheduledBatch, result: ForwardResult, step: int, rounds: RoundContext | None = None
+    ) -> None:
         self.step_count = step
+        if rounds is not None:
+            self.rounds = rounds
         logits = result.logits
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
@@ -132,6 +149,8 @@ class Postprocessor:
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
         d = seq.num_draft_tokens
         drafts = list(seq.spec_token_ids)
+        if seq.sampler.plain_greedy:
+            return verify_greedy(logits, drafts)  # one argmax over the round's rows
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
         p = torch.stack(
@@ -140,8 +159,8 @@ class Postprocessor:
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
     def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
-        proposer, spec = self.proposer, self.speculative
-        assert proposer is not None and spec is not None
+        proposer, tuner = self.proposer, self.tuner
+        assert proposer is not None and tuner is not None
         drafts = list(seq.spec_token_ids)
         seq.drop_drafts(0)
         emitted = drafts[: verdict.accepted] + [verdict.token]
@@ -156,8 +175,17 @@ class Postprocessor:
             counts.extend([0] * (len(drafts) - len(counts)))
             for j in range(n):
                 counts[j] += 1
-        if spec.adaptive:
-            seq.draft_k = min(spec.num_draft, verdict.accepted + 1)
+        context = self.rounds
+        outcome = tuner.round_done(
+            seq.seq_id,
+            len(drafts),
+            verdict.accepted,
+            context.rows,
+            context.step_s,
+            context.decoding,
+            seq.draft_s,
+        )
+        seq.spec_saved_s += outcome.saved_s
         self.emit(
             SpecRound(
                 seq.seq_id,
@@ -171,11 +199,18 @@ class Postprocessor:
                 tuple(emitted),
                 verdict.bonus,
                 time.perf_counter(),
+                seq.draft_length,
+                outcome.draft_s,
+                outcome.saved_s,
             )
         )
         prompt = seq.token_ids[: seq.num_prompt_tokens]
+        greedy = seq.sampler.greedy_results(logits, emitted) if seq.sampler.plain_greedy else None
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
-            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
+            if greedy is not None:
+                result = greedy[i]
+            else:
+                result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
             if self.emit_token(seq, result, kind, seq.spec_rounds):
                 return  # finished: the rest of the round is dropped

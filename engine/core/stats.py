@@ -39,4 +39,5 @@ def request_stats(
         spec_accepted=first.spec_accepted,
         spec_accepted_by_position=tuple(first.spec_accepted_by_position),
         spec_drafted_by_position=tuple(first.spec_drafted_by_position),
+        spec_saved_s=first.spec_saved_s,
     )
