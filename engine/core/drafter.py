@@ -91,7 +91,8 @@ class ModelDrafter:
 
     # ---- Proposer ----------------------------------------------------------------------------
     def memory_bytes(self) -> tuple[int, int]:
-        """(own weights: 0 for a self-draft, the K/V its pool holds now)."""
+        """(own weights: a self-draft's fitted head, a draft model's weights; the K/V its pool
+        holds now)."""
         return self.draft.weight_bytes, self.kv.pool.num_used * self.storage.bytes_per_block
 
     @torch.inference_mode()
