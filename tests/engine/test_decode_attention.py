@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.config import MAX_NUM_DRAFT
 from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
 from engine.model.layer_attention import LayerAttention
 from engine.model.paged_attention import PagedBatch, attend
@@ -110,9 +111,10 @@ def test_decode_rows_beside_a_prefill_chunk_are_unchanged():
     assert torch.equal(mixed[:2], decode_only)
 
 
+@pytest.mark.parametrize("rows", [5, 1 + MAX_NUM_DRAFT])
 @pytest.mark.parametrize("kvk", ["on", "off"])
 @pytest.mark.parametrize("name", ["plain", "window", "sinks"])
-def test_a_verification_rows_are_the_decodes_at_their_positions(name, kvk, monkeypatch):
+def test_a_verification_rows_are_the_decodes_at_their_positions(name, kvk, rows, monkeypatch):
     """A speculative round's k + 1 rows (beside a decoding sequence and a long prefill chunk)
     attend exactly as a lone decode at each of their positions would: on kvk's row attention
     and, without kvk, on the batched torch decode path (SDPA over the chunk would round them
@@ -125,8 +127,8 @@ def test_a_verification_rows_are_the_decodes_at_their_positions(name, kvk, monke
         pytest.skip("kvk is not built on this machine")
     how = HOWS[name]
     storage = filled_storage("auto", seed=3)
-    ids = [5, 9, 1, 30, 31, 60, 61, 62, 63, 64, 65]
-    past, rows = 37, 5  # 37 tokens cached, then the last token and 4 drafts
+    ids = [5, 9, 1, 30, 31, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+    past = 37  # 37 tokens cached, then the last token and rows - 1 drafts
     q = torch.randn(rows, KV_HEADS * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(4))
     other = (23, [70, 71, 72, 73, 74, 75])
     other_q = torch.randn(1, KV_HEADS * GROUP, HEAD_DIM)
