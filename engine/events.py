@@ -149,6 +149,10 @@ class RequestStats:
     spec_drafted_by_position: tuple[int, ...] = ()  # rounds that had an i-th draft
     # Measured saving of its speculative rounds against plain decoding, seconds (negative: a loss)
     spec_saved_s: float = 0.0
+    # vLLM's request phases: arrival -> first scheduled (queued), first scheduled -> first token
+    # (prefill: the prompt's processing, chunks and any wait between them). ttft_s is their sum.
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

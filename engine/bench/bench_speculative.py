@@ -32,6 +32,7 @@ from engine.core.speedup import timed_run
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model
 from engine.request import Request
+from engine.units import tokens_per_s
 
 PASSAGE = (
     "The lighthouse stood at the end of the long stone pier. Every night the keeper climbed "
@@ -102,7 +103,7 @@ def run_tasks(
         for name in names:
             run_s = statistics.median(seconds[name])
             rows[name] = {
-                "tokens_per_s": made / run_s if run_s else 0.0,
+                "tokens_per_s": tokens_per_s(made, run_s),
                 "speedup": plain_s / run_s if run_s else 0.0,
                 "rounds_s": seconds[name],
                 **figures[name],

@@ -75,10 +75,9 @@ def _engines(
     verify.proposer = RejectedDrafts(vocab - 1)
     for engine in (plain, verify):
         engine.add_request(Request(prompt_token_ids=prompt, sampling=params))
-        while engine.has_work() and engine.step_count < 64:
+        for _ in range(64):  # up to the point where it decodes (prefilled, two tokens out)
             engine.step()
-            seq = next(iter(engine.seqs.values()))
-            if seq.num_output_tokens >= 2:  # prefilled and decoding
+            if next(iter(engine.seqs.values())).num_output_tokens >= 2:
                 break
     return plain, verify, sinks
 

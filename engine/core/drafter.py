@@ -48,6 +48,7 @@ class _DraftSeq:
     block_table: list[Block] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # always empty: a draft has no drafts
     peak_blocks: int = 0
+    block_keys: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list)  # the manager's memo
     cow_copies: int = 0
 
     @property

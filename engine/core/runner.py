@@ -3,12 +3,7 @@ cache, logits for the rows that need them, and what ran (kernels, weight bytes).
 
 The packed rows are ordered decode first (one row per decoding sequence), then prefill chunks, so
 each kind of row reaches its kernel in one segment (engine.kernels.policy: every sequence's rows
-take the kernel for its own row count). A speculative round's k + 1 rows are declared to the
-policy as k + 1 decode rows: each takes the decode kernel, as the lone decode at its position
-would, so verifying never rounds a row otherwise than plain decoding does (the table may give 5
-rows a dense bfloat16 matmul: greedy text would then change), and the decode kernels that take
-several rows read each weight once for all of them (kvk: rows computed alone, in one pass over
-the blocks). Two executors: kvscope's own forward for the Llama-shaped
+take the kernel for its own row count). Two executors: kvscope's own forward for the Llama-shaped
 families (engine/model/llama_forward.py) where it applies, transformers' modeling code otherwise;
 both read and write the same pool through the same attention.
 """
@@ -86,6 +81,10 @@ class ModelRunner:
         slices: list[SeqSlice] = []
         keep: list[int] = []
         rows: dict[int, tuple[int, int]] = {}
+        # the row count each sequence's kernels are chosen for (engine.kernels.policy): a
+        # decode (or speculative round) one row, a prefill its whole length, so a prompt's rows
+        # meet the same kernels however it is chunked, cached or batched
+        kernel_rows = [seq.num_tokens if seq.is_prefill else 1 for seq in seqs]
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
@@ -107,7 +106,7 @@ class ModelRunner:
         batch = PagedBatch(self.storage, long_tensor(slots), slices)
         input_ids, position_ids = long_tensor(ids), long_tensor(positions)
         keep_rows = long_tensor(keep)
-        with torch.inference_mode(), self.policy.step(kernel_rows(seqs, num_tokens)) as record:
+        with torch.inference_mode(), self.policy.step(num_tokens, kernel_rows) as record:
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer)
             else:
@@ -128,16 +127,3 @@ class ModelRunner:
             )
         logits: torch.Tensor = out.logits
         return logits[0]
-
-
-def kernel_rows(seqs: list[Sequence], num_tokens: list[int]) -> list[int]:
-    """The step's rows as the kernel policy should see them, in packed order: a prefill chunk as
-    one run of its rows; a decoding sequence's rows (one, or a speculative round's 1 + drafts)
-    each as a decode row of its own."""
-    rows: list[int] = []
-    for seq, n in zip(seqs, num_tokens):
-        if seq.is_prefill:
-            rows.append(n)
-        else:
-            rows.extend([1] * n)
-    return rows

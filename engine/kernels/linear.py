@@ -63,6 +63,15 @@ class KernelLinear(nn.Module):
 REFINED_CANDIDATES = 64
 
 
+def _per_row_products(weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[R, K, H] . [R, H] -> [R, K]. A lone row goes in twice: torch's batched product takes a
+    matrix-vector path for one row whose last bits differ from the same row among others, and a
+    sequence sampling alone would then not get the tokens it gets batched (issue 24)."""
+    if weights.shape[0] == 1:
+        return torch.einsum("rkh,rh->rk", weights.expand(2, -1, -1), hidden.expand(2, -1))[:1]
+    return torch.einsum("rkh,rh->rk", weights, hidden)
+
+
 class KernelHead(KernelLinear):
     """An LM head whose every logit the sampler, the probability panel and the server use.
 
@@ -94,7 +103,7 @@ class KernelHead(KernelLinear):
         hidden = x.reshape(-1, self.in_features).float()
         top = flat.topk(min(REFINED_CANDIDATES, self.out_features), dim=-1).indices  # [R, K]
         weights = rows_of(top.reshape(-1), torch.float32).reshape(*top.shape, self.in_features)
-        refined = torch.einsum("rkh,rh->rk", weights, hidden)
+        refined = _per_row_products(weights, hidden)
         if self.bias is not None:
             refined = refined + self.bias.float()[top]
         flat.scatter_(1, top, refined.to(flat.dtype))

@@ -23,6 +23,7 @@ import torch
 
 from engine.config import MAX_NUM_DRAFT
 from engine.kernels import native
+from engine.limits import blocks_for_tokens
 
 if TYPE_CHECKING:
     from engine.model.kv_storage import PagedKVStorage, SeqSlice
@@ -64,7 +65,7 @@ class RowPlan:
         bs = storage.block_size
         for i in chosen:
             seq = seqs[i]
-            ids = _block_ids(seq)[: -(-seq.context_len // bs)]
+            ids = _block_ids(seq)[: blocks_for_tokens(seq.context_len, bs)]
             first = len(tables)
             tables.extend(ids)
             past = seq.context_len - seq.q_len

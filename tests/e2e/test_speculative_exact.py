@@ -1,6 +1,6 @@
 """Speculative decoding never changes a greedy reply on the packaged SmolLM2 at its own bits
-(Q4_1 layers, a Q8_0 head, kvk's kernels), because a verification row is the decode row it
-stands for, bit for bit.
+(Q4_1 layers, a Q8_0 head, kvk's kernels) and in float32, because a verification row is the
+decode row it stands for, bit for bit.
 
 The first test is the root of it: every logit row a speculative round computes for a position
 whose context is the plain reply's equals, bit for bit, the row the plain engine computed by
@@ -104,27 +104,56 @@ class OracleDrafts:
         return 0, 0
 
 
-def test_a_verification_row_is_the_decode_row_bit_for_bit(native_loaded):
-    """Each prompt decoded alone, then all of them speculatively in one engine: every verified
-    row with the plain reply's context equals that position's lone decode row exactly."""
+def _rows_of_both(loaded):
+    """Each prompt decoded alone, then all of them speculatively in one engine (oracle drafts):
+    (the lone decode rows, the speculative rows, the rows of both with the plain context)."""
     plain_rows: dict[tuple[int, ...], torch.Tensor] = {}
     replies = {}
     for prompt in PROMPTS:
-        (reply,) = _run(native_loaded, None, [prompt], capture=plain_rows)
-        prompt_ids = tuple(LLMEngine(native_loaded, EngineConfig()).prompt_ids(Request.chat(prompt)))
+        (reply,) = _run(loaded, None, [prompt], capture=plain_rows)
+        prompt_ids = tuple(LLMEngine(loaded, EngineConfig()).prompt_ids(Request.chat(prompt)))
         replies[prompt_ids] = reply
-    oracle = OracleDrafts(replies, native_loaded.info.vocab_size)
+    oracle = OracleDrafts(replies, loaded.info.vocab_size)
     spec_rows: dict[tuple[int, ...], torch.Tensor] = {}
     spec = SpeculativeConfig("ngram", num_draft=4, adaptive=False)
-    batched = _run(native_loaded, spec, PROMPTS, proposer=oracle, capture=spec_rows)
+    batched = _run(loaded, spec, PROMPTS, proposer=oracle, capture=spec_rows)
     assert batched == list(replies.values())
     shared = [key for key in spec_rows if key in plain_rows]
-    decode_positions = len(PROMPTS) * (NEW_TOKENS - 1)
     # rows of rounds (several per step) cover every position the plain engine decoded
-    assert len(shared) >= decode_positions
+    assert len(shared) >= len(PROMPTS) * (NEW_TOKENS - 1)
     assert len(spec_rows) - len(shared) > 0, "some rows followed a wrong draft (rolled back)"
+    return plain_rows, spec_rows, shared
+
+
+def test_a_verification_row_is_the_decode_row_bit_for_bit(native_loaded):
+    """At native bits every verified row with the plain reply's context equals that position's
+    lone decode row exactly (and the greedy replies are the plain ones)."""
+    plain_rows, spec_rows, shared = _rows_of_both(native_loaded)
     differing = [key for key in shared if not torch.equal(spec_rows[key], plain_rows[key])]
     assert not differing, f"{len(differing)} of {len(shared)} verification rows differ from their decode rows"
+
+
+@pytest.fixture(scope="module")
+def float32_rows(default_loaded):
+    return _rows_of_both(default_loaded)
+
+
+def test_in_float32_verification_rows_are_the_decode_rows_to_the_last_bits(float32_rows):
+    """On the float32 twin the greedy replies are the plain ones (checked in _rows_of_both) and
+    every verified row is its decode row within float32 rounding."""
+    plain_rows, spec_rows, shared = float32_rows
+    for key in shared:
+        torch.testing.assert_close(spec_rows[key], plain_rows[key], atol=1e-4, rtol=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="float32's tied LM head (DenseWeight rows layout, F.linear) rounds 5+ rows otherwise "
+    "than a lone row (up to ~2e-5 in a logit): the lead's kernels would need a row-invariant head",
+)
+def test_in_float32_verification_rows_are_the_decode_rows_bit_for_bit(float32_rows):
+    plain_rows, spec_rows, shared = float32_rows
+    assert all(torch.equal(spec_rows[key], plain_rows[key]) for key in shared)
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,9 @@ def test_a_k_quant_file_is_kept_whole_with_mixed_fused_projections(tmp_path):
     head exact, the model close to its dequantized twin, batched equal to alone."""
     types = {r: Q.Q4_K for r in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
     types |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
-    path = write_tiny_llama(tmp_path / "q4km.gguf", types, hidden=256, embedding_type=Q.Q4_K, output_type=Q.Q6_K)
+    path = write_tiny_llama(
+        tmp_path / "q4km.gguf", types, hidden=256, embedding_type=Q.Q4_K, output_type=Q.Q6_K
+    )
     model, report = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
     assert report.kept == {"Q4_K": 11, "Q6_K": 5} and not report.dequantized.get("Q4_K")
     loaded = LoadedModel.from_model(model, IdTokenizer(VOCAB), name="q4km", source=str(path), scheme="native")
@@ -273,7 +275,9 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, m
     converted = []
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(
-        AutoTokenizer, "from_pretrained", lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k)
+        AutoTokenizer,
+        "from_pretrained",
+        lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k),
     )
     second = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
     assert converted == [None]  # read from the cached folder, not converted from the GGUF

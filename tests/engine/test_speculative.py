@@ -267,15 +267,3 @@ def test_self_draft_shares_weights_and_truncates_layers(tiny):
     assert draft.model.layers[1] is tiny.model.model.layers[1]
     assert draft.model.embed_tokens is tiny.model.model.embed_tokens
     assert draft.lm_head.storage is tiny.model.lm_head.storage and tiny.model.model is not draft.model
-
-
-def test_a_rounds_rows_reach_the_kernels_as_decode_rows():
-    """The kernel policy sees a speculative round's 1 + k rows as 1 + k decode rows (each takes
-    the one-row kernel, as its lone decode would) and a prefill chunk as one run of rows."""
-    from types import SimpleNamespace
-
-    from engine.core.runner import kernel_rows
-
-    decoding = SimpleNamespace(is_prefill=False)
-    prefilling = SimpleNamespace(is_prefill=True)
-    assert kernel_rows([decoding, decoding, prefilling], [1, 5, 12]) == [1, 1, 1, 1, 1, 1, 12]

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache_dirs import cache_root
+
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
@@ -52,6 +54,11 @@ class Kvk:
         (row_addresses: one tensor, several fused, or a permutation) -> float32 [R, len(rows)].
         `exact`: float32 activations (every weight decoded to float32), else the two 8-bit
         activation planes."""
+        check_table(rows)
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k:
+            raise ValueError(
+                f"activations must be float32 [rows, {k}] with contiguous rows, got {tuple(x.shape)} {x.dtype}"
+            )
         r = x.shape[0]
         if out is None:
             out = torch.empty(r, rows.shape[0], dtype=torch.float32)
@@ -74,7 +81,10 @@ class Kvk:
     def dequantize_rows(self, ggml_type: int, rows: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (of the address table `rows`) as float32 [len(ids), k], bit for bit gguf's
         dequantization."""
+        check_table(rows)
         ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows.shape[0]):
+            raise IndexError(f"row ids outside 0..{rows.shape[0] - 1}")
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
         status = self.lib.kvk_dequantize_rows(
             ggml_type, rows.ctypes.data, k, ids.data_ptr(), ids.numel(), out.data_ptr()
@@ -87,6 +97,7 @@ class Kvk:
         self, ggml_type: int, rows: np.ndarray, k: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The weight rows [len(rows), k] rounded to bfloat16 (a dense kernel's temporary copy)."""
+        check_table(rows)
         if out is None:
             out = torch.empty(rows.shape[0], k, dtype=torch.bfloat16)
         status = self.lib.kvk_dequantize_bf16(ggml_type, rows.ctypes.data, rows.shape[0], k, out.data_ptr())
@@ -171,6 +182,18 @@ class Kvk:
         return codes, a, b
 
 
+def check_table(rows: np.ndarray) -> None:
+    """A table of row addresses (row_addresses), not the blocks themselves: the kernels would read
+    the bytes of anything else as addresses."""
+    if (
+        not isinstance(rows, np.ndarray)
+        or rows.dtype != np.uint64
+        or rows.ndim != 1
+        or not rows.flags.c_contiguous
+    ):
+        raise TypeError("kvk takes a table of row addresses (engine.kernels.native.row_addresses)")
+
+
 def row_addresses(blocks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """The address of each row of `blocks` (uint8 [rows, bytes per row]), in `order` when given:
     the table the kernels read rows through. The table holds raw addresses: keep `blocks` alive."""
@@ -244,8 +267,7 @@ def cpu_variants() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
-
+    """Where kernels built on this machine go: the user cache dir (KVSCOPE_CACHE_DIR)."""
     return cache_root() / "kvk"
 
 
