@@ -105,6 +105,51 @@ class Kvk:
             raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
         return out
 
+    def add_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, RMSNorm of it times weight) for float32 rows [R, n] (layer_ops.c); with
+        no residual, (x, its norm). The sum is written into x: the residual stream in place."""
+        rows, n = x.shape
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or weight.numel() != n
+            or x.stride(1) != 1
+            or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))
+        ):
+            raise ValueError("add_rms_norm takes float32 rows [R, n] with contiguous rows and a weight of n")
+        h = torch.empty(rows, n, dtype=torch.float32)
+        res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        status = self.lib.kvk_add_rms_norm(
+            x.data_ptr(), x.stride(0), res_ptr, res_ld, x.data_ptr(), x.stride(0),
+            weight.data_ptr(), eps, rows, n, h.data_ptr(), n,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("kvk_add_rms_norm refused its shapes")
+        return x, h
+
+    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on qk [R, heads, d] (float32, each head's dims contiguous) over the first
+        width = cos.shape[-1] dims: x * cos + roll(x, width / 2) * sin, sin's first half negated
+        (cos, sin float32 [R, width] contiguous), as the own forward computes it in torch."""
+        rows, heads, d = qk.shape
+        width = cos.shape[-1]
+        if (
+            qk.dtype != torch.float32
+            or qk.stride(2) != 1
+            or width > d
+            or cos.shape != (rows, width)
+            or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError("rope_ takes float32 qk [R, heads, d] and cos/sin [R, width <= d]")
+        status = self.lib.kvk_rope(
+            qk.data_ptr(), qk.stride(0), qk.stride(1), rows, heads, width, cos.data_ptr(), sin.data_ptr(), width
+        )
+        if status != 0:
+            raise RuntimeError("kvk_rope refused its shapes")
+
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -243,6 +288,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.kvk_paged_attention.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
+    lib.kvk_add_rms_norm.argtypes = [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, ctypes.c_float]
+    lib.kvk_add_rms_norm.argtypes += [_c_i64, _c_i64, _ptr, _c_i64]
+    lib.kvk_add_rms_norm.restype = _c_int
+    lib.kvk_rope.argtypes = [_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_i64]
+    lib.kvk_rope.restype = _c_int
 
 
 def cpu_variants() -> list[str]:
