@@ -491,7 +491,8 @@ class MainWindow(QMainWindow):
         picker = self.controls.model
         picker.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
         # also where the eye is after a load, for a while: the picker's note may be scrolled away
-        _, *figures = picker.measured.text().split("\n")
+        # the figures without their "(estimate +4%)": the status bar is one short line
+        figures = [line.split(" (estimate ")[0] for line in picker.measured.text().split("\n")[1:]]
         self.status.showMessage(
             f"Loaded {loaded.info.name}. Estimated → measured: {'; '.join(figures)}", MEASURED_VISIBLE_MS
         )
