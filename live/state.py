@@ -25,6 +25,7 @@ from typing import Any
 from engine.events import (
     BeamStep,
     BlockEvent,
+    DraftLength,
     EngineError,
     Event,
     KVStats,
@@ -128,6 +129,8 @@ class LiveState:
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         # Speculative rounds by (request id, round number): what a selected token's round was.
         self.spec_rounds: dict[tuple[int, int], SpecRound] = {}
+        # Each request's current draft length (adaptive speculation; 0: decoding plainly).
+        self.draft_lengths: dict[int, int] = {}
         # n-sample and beam-search requests by request id, and the request of every forked
         # sequence (a plain request's only sequence has its request's id).
         self.groups: dict[int, GroupView] = {}
@@ -146,6 +149,7 @@ class LiveState:
             SequenceFinished: self._on_sequence_finished,
             BeamStep: self._on_beam_step,
             SpecRound: self._on_spec_round,
+            DraftLength: self._on_draft_length,
             StepStats: self._on_step,
             MemorySample: self._on_memory,
             EngineError: self._on_engine_error,
@@ -246,6 +250,7 @@ class LiveState:
     def _forget_rounds(self, request_id: int) -> None:
         for key in [k for k in self.spec_rounds if k[0] == request_id]:
             del self.spec_rounds[key]
+        self.draft_lengths.pop(request_id, None)
 
     def _on_started(self, event: RequestStarted) -> set[str]:
         # A restarted engine numbers its requests from 1 again: a start always opens a new view.
@@ -297,6 +302,10 @@ class LiveState:
 
     def _on_spec_round(self, event: SpecRound) -> set[str]:
         self.spec_rounds[(event.request_id, event.round)] = event
+        return {"speculation"}
+
+    def _on_draft_length(self, event: DraftLength) -> set[str]:
+        self.draft_lengths[event.request_id] = event.draft_length
         return {"speculation"}
 
     def _on_forked(self, event: SequenceForked) -> set[str]:

@@ -101,6 +101,26 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
         help="with --grammar: llguidance against xgrammar (if installed) on the model's vocabulary",
     )
     b.add_argument(
+        "--verify-models",
+        type=lambda text: [s for s in text.split(",") if s],
+        default=None,
+        metavar="LIST",
+        help="--speculation: also time the verify step on these models (e.g. a 1.7B-shaped .gguf)",
+    )
+    b.add_argument(
+        "--speculation-parts",
+        default="verify,tasks",
+        metavar="LIST",
+        help="--speculation: verify (the verify step vs a decode step), tasks (the proposers vs plain)",
+    )
+    b.add_argument("--draft-model", default=None, help="--speculation: also a draft model of the family")
+    b.add_argument(
+        "--adaptive-draft",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--speculation: draft lengths adapt per sequence (default) or stay at --num-draft",
+    )
+    b.add_argument(
         "--serve-load",
         action="store_true",
         help="a load run against the HTTP server: clients dropping, cancelling, n > 1; lost, mixed up, "

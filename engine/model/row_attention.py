@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.config import MAX_NUM_DRAFT
 from engine.kernels import native
 from engine.limits import blocks_for_tokens
 
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
     from engine.model.layer_attention import LayerAttention
 
 # A sequence with at most this many query rows in a step attends row by row: decode (1), a
-# speculative verification (k + 1 <= 9 for k <= 8), a chunk this short.
-ROW_LIMIT = 16
+# speculative verification (1 + k rows, k <= MAX_NUM_DRAFT: every round's rows, so each is the
+# decode it stands for), a chunk this short.
+ROW_LIMIT = 1 + MAX_NUM_DRAFT
 
 _POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
