@@ -208,7 +208,7 @@ class Postprocessor:
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
         d = seq.num_draft_tokens
         drafts = list(seq.spec_token_ids)
-        if seq.sampler.plain_greedy:
+        if seq.sampler.plain_greedy and seq.grammar is None:
             return verify_greedy(logits, drafts)  # one argmax over the round's rows
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
