@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from engine.config import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_MODEL_LEN, ConfigError, EngineConfig
 from engine.core.group_driver import GroupDriver, GroupError
+from engine.core.kept_logits import KeptLogits
 from engine.core.postprocess import Postprocessor
 from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
@@ -113,6 +114,8 @@ class LLMEngine:
             config.speculative is not None,
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
+        # the logits recorded tokens were drawn from: a what-if under their own settings is exact
+        self.kept_logits = KeptLogits()
         self.post = Postprocessor(
             self.kv,
             self.groups,
@@ -122,6 +125,7 @@ class LLMEngine:
             self.max_model_len,
             self._proposer,
             config.speculative,
+            self.kept_logits,
         )
         self.step_count = 0
         self.peak_blocks_used = 0

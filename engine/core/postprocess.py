@@ -18,6 +18,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.core.group_driver import GroupDriver
+from engine.core.kept_logits import KeptLogits
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
@@ -44,10 +45,13 @@ class Postprocessor:
         max_model_len: int,
         proposer: Proposer | None,
         speculative: SpeculativeConfig | None,
+        kept: KeptLogits | None = None,
     ):
         self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
         self.max_model_len = max_model_len
         self.proposer, self.speculative = proposer, speculative
+        # the logits of the tokens that record a snapshot, for exact what-ifs (None: none kept)
+        self.kept = kept
         self.step_count = 0  # the step being postprocessed (run() sets it)
 
     def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
@@ -84,8 +88,14 @@ class Postprocessor:
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        self._keep(seq, logits)
         result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
         self.emit_token(seq, result)
+
+    def _keep(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The row the sequence's next token is drawn from, kept when the token records a snapshot."""
+        if self.kept is not None and seq.params.snapshot_top_n > 0:
+            self.kept.keep(seq.token_ids, logits)
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
@@ -176,6 +186,7 @@ class Postprocessor:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
+            self._keep(seq, logits[i])
             result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
             if self.emit_token(seq, result, kind, seq.spec_rounds):
                 return  # finished: the rest of the round is dropped

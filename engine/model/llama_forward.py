@@ -31,8 +31,9 @@ Observing the forward: `__call__(..., observer=fn)` calls `fn(stage, hidden)` wi
 stream of the rows that get logits (`logit_rows`, [R, hidden] in the model's dtype): stage 0 is
 the embedding (what enters layer 0), stage i + 1 what layer i leaves. `final_logits(hidden)` turns
 such a residual into logits the way the last layer's is (final norm, head, the family's scaling and
-soft cap), which is what a logit lens needs. With no observer (the engine's hot path) nothing of it
-runs.
+soft cap), which is what a logit lens needs. `edit=fn` replaces the residual stream of every row
+after each stage by `fn(stage, x)` (before the observer sees it): steering adds a direction there.
+With neither (the engine's hot path) nothing of it runs.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ Tensor = torch.Tensor
 Norm = Callable[[Tensor], Tensor]
 # observer(stage, hidden): the residual stream of the logit rows after stage (0: the embedding)
 ResidualObserver = Callable[[int, Tensor], None]
+# edit(stage, x): the residual stream of every row after stage, changed (steering adds a direction)
+ResidualEdit = Callable[[int, Tensor], Tensor]
 
 EXECUTOR = "kvscope's own forward"
 
@@ -337,6 +340,7 @@ class LlamaForward:
         batch: PagedBatch,
         logit_rows: Tensor,  # [R] rows whose logits are needed
         observer: ResidualObserver | None = None,
+        edit: ResidualEdit | None = None,
     ) -> Tensor:
         storage: PagedKVStorage = batch.storage
         d, heads = self.head_dim, self.heads
@@ -347,6 +351,8 @@ class LlamaForward:
         slots = batch.slot_rows()  # where each layer writes the new tokens' K/V
         tokens = x.shape[0]
         residual_multiplier = self.residual_multiplier
+        if edit is not None:
+            x = edit(0, x)
         if observer is not None:
             observer(0, x.index_select(0, logit_rows))
         for index, layer in enumerate(self.layers):
@@ -392,6 +398,8 @@ class LlamaForward:
             if layer.after_mlp is not None:
                 y = layer.after_mlp(y)
             x = x + y if residual_multiplier is None else x + y * residual_multiplier
+            if edit is not None:
+                x = edit(index + 1, x)
             if observer is not None:
                 observer(index + 1, x.index_select(0, logit_rows))
         if logit_rows.numel() == 0:  # a prefill chunk that does not finish its prompt samples nothing

@@ -25,14 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import ConfigError
+from engine.errors import InspectionError
 from engine.events import RequestFailed, RequestFinished, RequestStarted
 from engine.serve import codec
 from engine.serve.bridge import EngineBridge, ServeError, Started
 from engine.serve.channel import Channel, ChannelOverflow
 from engine.serve.logprobs import TokenStrings
-from engine.serve.params import Plan, chat_plan, completion_plan
+from engine.serve.params import Plan, Prompt, chat_plan, completion_plan
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
-from engine.serve.replies import Reply
+from engine.serve.replies import CompletionEntry, EchoedPrompt, Reply
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -164,10 +165,36 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             "completion", _planned(lambda: completion_plan(body, bridge.max_model_len)), body.stream, request
         )
 
+    async def echo(prompt: Prompt, plan: Plan) -> EchoedPrompt:
+        """A completion prompt as echo returns it: its text and, with logprobs, its tokens scored."""
+        top = -1 if plan.top_logprobs is None else plan.top_logprobs
+        try:
+            ids, text, score = await bridge.score_prompt(
+                prompt.token_ids, top, _capacity_check(plan, "prompt")
+            )
+        except InspectionError as exc:
+            raise ServeError(str(exc), "prompt", "invalid_value") from exc
+        if prompt.text is not None:
+            text = prompt.text  # the prompt as given, not as its tokens decode
+        entries: list[CompletionEntry] = []
+        if score is not None:
+            offset = 0
+            for token in score.tokens:
+                piece = strings.text_of(token.token_id)
+                top_map = None
+                if token.top is not None:
+                    top_map = {strings.text_of(i): lp for i, lp in zip(token.top.ids, token.top_logprobs)}
+                entries.append((piece, token.logprob, top_map, offset))
+                offset += len(piece)
+        return EchoedPrompt(text, tuple(entries), len(ids))
+
     async def generate(kind: str, plan: Plan, stream: bool, request: Request) -> Response:
         loop = asyncio.get_running_loop()
         channel = Channel(loop)
         started: list[Started] = []
+        echoed = [await echo(prompt, plan) for prompt in plan.prompts] if plan.echo else []
+        if plan.score_only:
+            return JSONResponse(Reply(kind, plan, [], strings, model, echoed).body())
         try:
             for prompt in plan.prompts:
                 check = _capacity_check(plan, "messages" if kind == "chat" else "prompt")
@@ -183,7 +210,7 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         except BaseException:
             _cancel(started)
             raise
-        reply = Reply(kind, plan, started, strings, model)
+        reply = Reply(kind, plan, started, strings, model, echoed)
         try:
             first = await _opening(channel, reply)
         except BaseException:

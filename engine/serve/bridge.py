@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.scoring import score_ids
 from engine.core.service import Engine
 from engine.events import Event, ModelInfo
+from engine.inside import TextScore
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
@@ -132,6 +134,24 @@ class EngineBridge:
             return Started(request_id, len(ids))
 
         return await asyncio.wrap_future(self.engine._call(begin))
+
+    async def score_prompt(
+        self,
+        prompt_ids: Callable[[LLMEngine], list[int]],
+        top_k: int,
+        check: Callable[[LLMEngine, list[int]], None],
+    ) -> tuple[list[int], str, TextScore | None]:
+        """Tokenize (`prompt_ids(core)`) and check a completion prompt on the engine thread, then
+        its text as the tokens decode and, with `top_k` >= 0, every token scored under the ones
+        before it (engine/core/scoring.py: log-probs, ranks, the top `top_k`)."""
+
+        def score(core: LLMEngine) -> tuple[list[int], str, TextScore | None]:
+            ids = prompt_ids(core)
+            check(core, ids)
+            text = str(core.tokenizer.decode(ids))
+            return ids, text, (score_ids(core, ids, top_k) if top_k >= 0 else None)
+
+        return await asyncio.wrap_future(self.engine._call(score))
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
