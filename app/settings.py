@@ -74,8 +74,8 @@ class AppSettings:
         return self._bytes("window/geometry"), self._bytes("window/state")
 
     def set_window_layout(self, geometry: QByteArray, state: QByteArray) -> None:
-        self._qs.setValue("window/geometry", bytes(geometry.toBase64()).decode())
-        self._qs.setValue("window/state", bytes(state.toBase64()).decode())
+        self._qs.setValue("window/geometry", bytes(geometry.toBase64().data()).decode())
+        self._qs.setValue("window/state", bytes(state.toBase64().data()).decode())
 
     def _bytes(self, key: str) -> QByteArray | None:
         raw = self._qs.value(key)
@@ -123,7 +123,8 @@ class AppSettings:
     # ---- the chat --------------------------------------------------------------------------
     def context_policy(self) -> str:
         """What a send does at the context limit: "drop" the oldest turns, or "refuse"."""
-        from app.chat.context_fit import DEFAULT_POLICY, POLICIES
+        from app.chat.context_fit import DEFAULT_POLICY
+        from engine.api import POLICIES
 
         value = self.get("chat/context_policy", DEFAULT_POLICY)
         return value if value in POLICIES else DEFAULT_POLICY

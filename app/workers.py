@@ -21,6 +21,7 @@ news is still to come: a newer job has superseded this one.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -288,5 +289,5 @@ def gather(*futures: Future[Any]) -> Future[tuple[Any, ...]]:
                 combined.set_result(tuple(answers))
 
     for index, future in enumerate(futures):
-        future.add_done_callback(lambda f, i=index: done(i, f))
+        future.add_done_callback(functools.partial(done, index))
     return combined

@@ -165,9 +165,12 @@ class ProbabilityPanel(QWidget):
     def choose_candidate(self, row: int | None) -> None:
         """Choose a candidate row of the shown token (None: none) for "continue from here"."""
         shown = self._shown
-        valid = row is not None and shown is not None and 0 <= row < len(self.rows)
-        self._chosen_for = (shown.request_id, shown.index) if valid else None
-        self.bars.choose_row(row if valid else None)
+        if row is not None and shown is not None and 0 <= row < len(self.rows):
+            self._chosen_for = (shown.request_id, shown.index)
+            self.bars.choose_row(row)
+        else:
+            self._chosen_for = None
+            self.bars.choose_row(None)
         self._sync_continue()
 
     def chosen_candidate(self) -> tuple[int, int, int] | None:
@@ -191,12 +194,13 @@ class ProbabilityPanel(QWidget):
 
     def _sync_continue(self) -> None:
         chosen = self.chosen_candidate()
+        row = self.bars.chosen_row
         self.continue_button.setEnabled(chosen is not None)
-        if chosen is None:
+        if chosen is None or row is None:
             self.continue_button.setText("↳ Continue from here")
             self.continue_hint.setText(CONTINUE_HINT if self._shown is not None else "")
         else:
-            text = self.rows[self.bars.chosen_row].text
+            text = self.rows[row].text
             self.continue_button.setText(f"↳ Continue with “{text}”")
             self.continue_hint.setText(f"reply #{chosen[0]}, token {chosen[1]}: a new branch from here")
 
@@ -315,7 +319,7 @@ class ProbabilityPanel(QWidget):
             f" <span style='color:{theme.MUTED}'>({where})</span>"
             f" drawn <span style='color:{theme.MARK}'><b>{_html(visible(token.text))}</b></span>"
         )
-        if is_remote_snapshot(snap):
+        if snap is not None and is_remote_snapshot(snap):
             text += (
                 f" p&nbsp;{percent(snap.drawn_prob)}"
                 f" <span style='color:{theme.MUTED}'>(as the server reports it)</span>"
