@@ -18,6 +18,17 @@ from dataclasses import dataclass
 
 from engine.events import TokenSnapshot
 
+# Sequence ids of the engine's replays of a context (engine/core/replay.py): a range of their own,
+# far above any request's and below the forks of a group's samples and beams (1 << 40,
+# engine/core/group_driver.py), so that the page map names a replay's blocks as an
+# inspection's, never a reply's.
+REPLAY_SEQ_BASE = 2_000_000_000
+REPLAY_SEQ_SPAN = 1 << 32
+
+
+def is_replay_seq(seq_id: int) -> bool:
+    return REPLAY_SEQ_BASE <= seq_id < REPLAY_SEQ_BASE + REPLAY_SEQ_SPAN
+
 
 @dataclass(frozen=True, slots=True)
 class Candidates:

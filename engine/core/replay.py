@@ -25,6 +25,7 @@ from engine.config import SamplingParams
 from engine.core.runner import ForwardProbe, ForwardResult
 from engine.core.sequence import Sequence
 from engine.errors import InspectionError
+from engine.inside import REPLAY_SEQ_BASE
 from engine.limits import blocks_for_tokens
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 # Sequence ids of replays: far above any request's (the thread service counts from 1, direct
 # callers from 1_000_000), so the page map never takes a replay's blocks for a reply's.
-REPLAY_SEQ_IDS = itertools.count(2_000_000_000)
+REPLAY_SEQ_IDS = itertools.count(REPLAY_SEQ_BASE)
 
 
 class Replay:
