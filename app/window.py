@@ -24,6 +24,7 @@ from app.chat.view import ChatPane
 from app.chat.window_actions import ChatWindowActions, mark_interrupted
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
+from app.inside.docks import InsideViews
 from app.panels import Panels, PlotPass, build_panels
 from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
@@ -133,6 +134,16 @@ class MainWindow(QMainWindow):
         # Sized first: resizeDocks() below shares out this width and height among the docks.
         self.resize(*DEFAULT_SIZE)
         self._build_docks()
+        # the model's inside for the pinned token: the logit lens under the probabilities, the
+        # attention, experts, scoring and steering tabbed beside them
+        self.inside = InsideViews(
+            self,
+            self.host,
+            lambda: [c.pinning.pinned for c in self.chat_tabs.controllers],
+            self.panels.page_map,
+            self._dock,
+            self.docks["probabilities"],
+        )
         self._build_menus()
         self.remote_views = RemoteViews(
             self,
@@ -367,6 +378,7 @@ class MainWindow(QMainWindow):
     @Slot(object, object)
     def _on_token_inspected(self, request_id, index) -> None:
         self.panels.probabilities.show_token(request_id, index)
+        self.inside.on_token_inspected(request_id, index)
 
     @Slot(object)
     def _on_what_if_changed(self, params) -> None:
