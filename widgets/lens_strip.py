@@ -19,10 +19,13 @@ from widgets.token_text import escape_html, visible
 
 STRIP_PX = 34
 LABEL_PX = 14
+FAINT = 0.03  # shades below this are drawn as EMPTY_CELL (the ramp's bottom is the background)
+EMPTY_CELL = (44, 48, 56)
 
 
-def stage_name(stage: int) -> str:
-    return "embedding" if stage == 0 else f"layer {stage - 1}"
+def after(stage: int) -> str:
+    """Where stage `stage` of the residual stream is read: "after the embedding", "after layer 3"."""
+    return "after the embedding" if stage == 0 else f"after layer {stage - 1}"
 
 
 def top_line(layer: LensLayer, n: int = 5) -> str:
@@ -73,8 +76,10 @@ class LensCells(QWidget):
         count = len(lens.layers)
         for i, layer in enumerate(lens.layers):
             rect = self._cell(i, count)
-            painter.fillRect(rect, heat(log_scale(layer.token_prob)))
-            rank = str(layer.token_rank) if layer.token_rank < 1000 else "1k+"
+            shade = log_scale(layer.token_prob)
+            # below the ramp's floor a cell is still a cell: a dim box, not the background
+            painter.fillRect(rect, heat(shade) if shade > FAINT else QColor(*EMPTY_CELL))
+            rank = str(layer.token_rank) if layer.token_rank < 1000 else f"{layer.token_rank // 1000}k"
             if metrics.horizontalAdvance(rank) + 2 <= rect.width():
                 painter.setPen(QColor("#101010") if layer.token_prob > 0.2 else QColor(theme.TEXT))
                 painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, rank)
@@ -84,7 +89,7 @@ class LensCells(QWidget):
             if i == self.chosen:
                 painter.setPen(QPen(QColor(theme.ACCENT), 2))
                 painter.drawRect(rect.adjusted(1, 1, -1, -1))
-            if layer.stage % 5 == 0 or i == count - 1:
+            if layer.stage == 0 or (layer.stage - 1) % 5 == 0 or i == count - 1:  # emb, 0, 5, 10, ...
                 painter.setPen(QColor(theme.MUTED))
                 label = "emb" if layer.stage == 0 else str(layer.stage - 1)
                 painter.drawText(
@@ -110,7 +115,7 @@ class LensCells(QWidget):
                 layer = self.lens.layers[i]
                 QToolTip.showText(
                     event.globalPos(),
-                    f"<b>after the {stage_name(layer.stage)}</b>: {escape_html(visible(self.lens.token_text))} rank "
+                    f"<b>{after(layer.stage)}</b>: {escape_html(visible(self.lens.token_text))} rank "
                     f"{layer.token_rank}, {percent(layer.token_prob)}<br>top: {top_line(layer)}",
                     self,
                 )
@@ -163,7 +168,7 @@ class LensStrip(QWidget):
     def set_lens(self, lens: LogitLens) -> None:
         self.cells.set_lens(lens)
         lead = (
-            f"first leads after the {stage_name(lens.first_lead)}"
+            f"first leads {after(lens.first_lead)}"
             if lens.first_lead is not None
             else "never the top candidate"
         )
@@ -183,6 +188,4 @@ class LensStrip(QWidget):
         if lens is None:
             return
         layer = lens.layers[stage]
-        self.detail.setText(
-            f"after the {stage_name(layer.stage)}: {top_line(layer)} · entropy {layer.entropy:.2f} nats"
-        )
+        self.detail.setText(f"{after(layer.stage)}: {top_line(layer)} · entropy {layer.entropy:.2f} nats")

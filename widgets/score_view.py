@@ -124,6 +124,6 @@ class ScorePanel(QWidget):
             else ""
         )
         self.summary.setText(
-            f"perplexity <b>{score.perplexity:.2f}</b> over {score.scored} tokens "
-            f"(log-prob {score.total_logprob:.2f}, {len(score.tokens)} tokens){worst_text}{cost}"
+            f"perplexity <b>{score.perplexity:.2f}</b> over the {score.scored} tokens after the first "
+            f"(of {len(score.tokens)}; total log-prob {score.total_logprob:.2f} nats){worst_text}{cost}"
         )

@@ -30,13 +30,17 @@ STRENGTH_MAX = 8.0
 SLIDER_STEPS = 10
 
 
-def candidates_html(title: str, candidates: Candidates, other: Candidates, colour: str) -> str:
-    before = dict(zip(other.ids, other.probs))
+def candidates_html(title: str, candidates: Candidates, other: Candidates | None, colour: str) -> str:
+    """A column of candidates; with `other` (the distribution without the vector), each one's move
+    from there in percentage points, "new" for one that was not among its top."""
+    before = dict(zip(other.ids, other.probs)) if other is not None else {}
     rows = [f"<tr><td colspan=3><b>{escape_html(title)}</b></td></tr>"]
     for token_id, text, p in zip(candidates.ids, candidates.texts, candidates.probs):
         width = max(1, int(p * 120))
         moved = ""
-        if token_id in before:
+        if other is None:
+            moved = ""
+        elif token_id in before:
             delta = p - before[token_id]
             moved = f"{delta * 100:+.1f}" if abs(delta) >= 0.0005 else "="
         else:
@@ -182,8 +186,8 @@ class SteeringPanel(QWidget):
         )
         self.result.setText(
             "<table><tr><td valign=top>"
-            + candidates_html("without", steered.plain, steered.steered, theme.SERIES["raw"])
+            + candidates_html("without (recomputed alike)", steered.plain, None, theme.SERIES["raw"])
             + "</td><td width=16></td><td valign=top>"
-            + candidates_html("with the vector", steered.steered, steered.plain, theme.SERIES["stage"])
+            + candidates_html("with the vector (move)", steered.steered, steered.plain, theme.SERIES["stage"])
             + "</td></tr></table>"
         )

@@ -152,6 +152,17 @@ class TokenViews(QObject):
         self.page_map.set_highlight(())
 
     def _outline(self, blocks: tuple[int, ...], note: str) -> None:
+        inside = self.last_inside
+        if inside is not None and blocks:
+            # the replay reused the reply's full cached blocks and wrote the rest afresh (freed
+            # after it): say which the outline is, so no one takes a fresh block for the reply's
+            att = inside.attention
+            own = set(att.block_ids[: inside.reused_tokens // att.block_size])
+            reused = sum(1 for b in blocks if b in own)
+            note += (
+                f": {reused} the reply's own cached blocks, {len(blocks) - reused} written afresh "
+                "by the replay (free again after it)"
+            )
         self.page_map.set_highlight(blocks, note)
 
     # ---- experts ------------------------------------------------------------------------------

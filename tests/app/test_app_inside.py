@@ -46,6 +46,9 @@ def test_a_pinned_token_shows_its_lens_and_every_heads_attention(make_window, qt
     qtbot.waitUntil(lambda: views.attention.grid.attention is not None, timeout=TIMEOUT_MS)
     assert threads == ["kvscope-engine"]
     assert calls == [(tuple(finished.token_ids[:2]), finished.token_ids[2])]
+    # the strip sits under the probabilities in their dock, on screen with them
+    assert views.lens_split.widget(0) is window.panels.probabilities
+    assert window.docks["probabilities"].widget() is views.lens_split and views.lens.isVisible()
     lens = views.lens.cells.lens
     info = window.host.engine.core.loaded.info
     assert len(lens.layers) == info.num_layers + 1 and lens.last_gap == 0.0
@@ -57,7 +60,8 @@ def test_a_pinned_token_shows_its_lens_and_every_heads_attention(make_window, qt
     # the large map shows the chosen head (the last layer's first), the page map outlines its blocks
     assert views.attention.grid.chosen == (info.num_layers - 1, 0)
     assert window.panels.page_map.canvas.highlighted == attention.blocks_read(info.num_layers - 1)
-    assert window.panels.page_map.highlight_note.text().startswith("outlined: the")
+    note = window.panels.page_map.highlight_note.text()
+    assert note.startswith("outlined: the") and "the reply's own cached blocks" in note
     views.attention.grid.choose(0, 1)
     assert "layer 0, head 1" in views.attention.head_title.text()
     # hovering another token asks nothing; pinning the same token again asks nothing either

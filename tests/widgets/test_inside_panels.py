@@ -47,9 +47,9 @@ def test_the_lens_strip_shows_each_stages_rank_and_where_the_token_first_leads(q
     strip.show()
     strip.set_lens(lens([900, 40, 3, 1, 2, 1]))
     assert strip.cells.lens.first_lead == 3
-    assert "first leads after the layer 2" in strip.title.text()
+    assert "first leads after layer 2" in strip.title.text()
     assert "the model's own logits, to the bit" in strip.title.text()
-    assert "after the layer 4" in strip.detail.text()  # the last stage, shown first
+    assert "after layer 4" in strip.detail.text()  # the last stage, shown first
     strip.cells.stage_clicked.emit(0)
     assert "after the embedding" in strip.detail.text()
     strip.repaint()
