@@ -19,6 +19,7 @@ from widgets.token_text import escape_html, visible
 LABEL_W = 30
 ROW_H = 10
 LOAD_CELL = 14
+KEY_H = 8  # under the load grid: each expert's colour in the routes below (the key to them)
 
 
 def expert_rgb(expert: int, experts: int) -> tuple[int, int, int]:
@@ -76,7 +77,7 @@ class ExpertMaps(QWidget):
         self.update()
 
     def _tokens_top(self) -> int:
-        return 18 + (self._load.height() if self._load is not None else 0) + 22
+        return 18 + (self._load.height() if self._load is not None else 0) + KEY_H + 2 + 22
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
         super().resizeEvent(event)
@@ -93,7 +94,9 @@ class ExpertMaps(QWidget):
         painter.setFont(self._font)
         painter.setPen(QColor(theme.MUTED))
         painter.drawText(
-            QRect(LABEL_W, 0, 600, 16), Qt.AlignmentFlag.AlignLeft, "load over the reply: layer × expert"
+            QRect(LABEL_W, 0, 600, 16),
+            Qt.AlignmentFlag.AlignLeft,
+            "load over the reply: layer × expert (experts 0… left to right)",
         )
         painter.drawImage(LABEL_W, 18, self._load)
         for i, layer in enumerate(routes.moe_layers):
@@ -103,11 +106,22 @@ class ExpertMaps(QWidget):
                 Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
                 str(layer),
             )
+        key_y = 18 + self._load.height() + 2
+        for expert in range(routes.num_experts):
+            painter.fillRect(
+                QRect(LABEL_W + expert * LOAD_CELL, key_y, LOAD_CELL - 1, KEY_H),
+                QColor(*expert_rgb(expert, routes.num_experts)),
+            )
+        painter.drawText(
+            QRect(0, key_y - 3, LABEL_W - 3, KEY_H + 6),
+            Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
+            "e",
+        )
         top = self._tokens_top()
         painter.drawText(
             QRect(LABEL_W, top - 18, 800, 16),
             Qt.AlignmentFlag.AlignLeft,
-            "each token's first expert per layer (prompt dimmed, then the reply)",
+            "each token's first expert per layer, coloured as the key above (prompt dimmed, then the reply)",
         )
         painter.drawImage(LABEL_W, top, self._tokens)
         if self.selected is not None:
