@@ -4,7 +4,7 @@ Both folders honour an environment override so tests (and portable installs) nev
 real user directories: KVSCOPE_DATA_DIR for conversations, KVSCOPE_CONFIG_DIR for settings.
 A folder that cannot be created or written raises DirectoryError with a message for the user
 (a read-only home, a path through a file): the app reports it at startup instead of failing at
-the first save. Assets go through engine.resources, the one lookup that also works frozen.
+the first save. Assets go through engine.api.resource, the one lookup that also works frozen.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_config_dir, user_data_dir
 
-from engine.api import resource
+from engine.api import private_dir, resource
 
 APP_NAME = "kvscope"
 
@@ -25,9 +25,10 @@ class DirectoryError(Exception):
 
 
 def writable_dir(path: Path, what: str, override: str) -> Path:
-    """`path`, created if needed and proven writable (a file made and removed in it)."""
+    """`path`, created if needed (private: 0700, as every folder it creates above it) and
+    proven writable (a file made and removed in it)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         # mkdir(exist_ok=True) succeeds on a folder we cannot write into; find out now.
         with tempfile.TemporaryFile(dir=path):
             pass
@@ -52,8 +53,20 @@ def config_dir() -> Path:
     return writable_dir(path, "settings", "KVSCOPE_CONFIG_DIR")
 
 
+DB_NAME = "conversations.sqlite3"
+
+
 def conversations_db_path() -> Path:
-    return data_dir() / "conversations.sqlite3"
+    """The conversation database. A data folder that cannot be written but already holds one
+    is still its place: the store opens it read-only and the window says so."""
+    try:
+        return data_dir() / DB_NAME
+    except DirectoryError:
+        override = os.environ.get("KVSCOPE_DATA_DIR")
+        folder = Path(override).expanduser() if override else Path(user_data_dir(APP_NAME))
+        if (folder / DB_NAME).is_file():
+            return folder / DB_NAME
+        raise
 
 
 def settings_path() -> Path:

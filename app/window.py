@@ -83,6 +83,8 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         # Replies a crash or a kill cut off mid-stream: marked before anything shows them as finished.
         self.interrupted_replies = mark_interrupted(conversations)
+        if conversations.read_only:
+            self.chat.banner.show_message(conversations.read_only_banner)
         self.controller = ChatController(
             self.chat,
             self.sidebar,

@@ -47,6 +47,7 @@ from engine.inside import ControlVector, ExpertRoutes, Steered, TextScore, Token
 from engine.limits import POLICIES, ContextFit, Limits, Refusal, fit, reply_room
 from engine.model.local_models import LocalModel, gpt4all_models, lmstudio_models, ollama_models
 from engine.model.sources import hf_cache_dir
+from engine.private import create_private_file, private_dir
 from engine.request import ChatMessage, Request
 from engine.resources import resource
 from engine.results import (
@@ -95,6 +96,7 @@ __all__ = [
     "SpeedupResult",
     "Tokens",
     "check_scheme_name",
+    "create_private_file",
     "cli_main",
     "command_names",
     "compare_dtypes",
@@ -113,6 +115,7 @@ __all__ = [
     "local_engine",
     "measure_quality",
     "offline_by_default",
+    "private_dir",
     "ollama_models",
     "reply_room",
     "repo_files",

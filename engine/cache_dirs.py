@@ -12,6 +12,7 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 from engine.errors import ModelLoadError
+from engine.private import private_dir
 
 # Written last into a converted folder: names the source file it came from, so a changed GGUF
 # (new wheel) re-converts and a half-written folder never counts as converted.
@@ -30,10 +31,10 @@ def cache_root() -> Path:
 
 
 def writable_cache_dir(folder: Path) -> Path:
-    """`folder` (inside the cache) created, or a ModelLoadError saying which folder cannot be
-    written and how to choose another: a read-only home must not end in a traceback."""
+    """`folder` (inside the cache) created (private: 0700), or a ModelLoadError saying which folder
+    cannot be written and how to choose another: a read-only home must not end in a traceback."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dir(folder)
     except OSError as exc:
         raise _unwritable(folder, exc) from exc
     return folder

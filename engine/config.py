@@ -28,6 +28,12 @@ DRY_DEFAULT_BREAKERS = ("\n", ":", '"', "*")
 # base^(L - allowed) with L capped at DRY_MAX_MATCH (engine.sampling.stages) stays finite in float32.
 DRY_MAX_BASE = 5.0
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: +-100 already bans or forces a token
+# Dividing logits by less overflows float32 to inf, and the softmax to NaN (found by fuzzing the
+# server: a temperature or repetition penalty of 5e-324 broke the step). vLLM raises a
+# temperature under 0.01 to it; here it is refused, with the range in the message.
+MIN_TEMPERATURE = 0.01
+PENALTY_RANGE = (0.01, 100.0)  # the repetition penalty divides (or multiplies) logits by it
+LENGTH_PENALTY_LIMIT = 10.0  # a beam's score is divided by its length to this power
 # what a logit bias may be given as (the dataclass normalises it to the tuple form)
 BiasPairs = dict[int, float] | Iterable[tuple[int, float]] | Iterable[list[float]]
 
@@ -97,11 +103,16 @@ class SamplingParams:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(
+            self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}",
+        )
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}")
         _check(
-            self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1],
+            f"repetition_penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {self.repetition_penalty}",
         )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -169,7 +180,8 @@ class SamplingParams:
             f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
         )
         _check(
-            math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}"
+            -LENGTH_PENALTY_LIMIT <= self.length_penalty <= LENGTH_PENALTY_LIMIT,
+            f"length_penalty must be in [-{LENGTH_PENALTY_LIMIT:g}, {LENGTH_PENALTY_LIMIT:g}], got {self.length_penalty}",
         )
         if self.num_beams > 1:
             _check(

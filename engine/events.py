@@ -147,6 +147,10 @@ class RequestStats:
     spec_accepted: int = 0
     spec_accepted_by_position: tuple[int, ...] = ()  # rounds whose i-th draft was kept
     spec_drafted_by_position: tuple[int, ...] = ()  # rounds that had an i-th draft
+    # vLLM's request phases: arrival -> first scheduled (queued), first scheduled -> first token
+    # (prefill: the prompt's processing, chunks and any wait between them). ttft_s is their sum.
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -32,12 +32,19 @@ class Request:
     # so the prefix cache shares their blocks with the reply they came from. The request streams
     # only what comes after them.
     reply_prefix_ids: tuple[int, ...] = ()
+    # False: the engine thread makes no text for this request (TokenGenerated.text/text_delta
+    # and RequestFinished.text stay empty); the caller detokenizes the token ids itself, off the
+    # engine thread (the HTTP server does). Only for a request without stop strings and without
+    # beam search, whose ends the engine must find in the text.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.prompt_token_ids):
             raise ConfigError("a request needs either chat messages or prompt token ids (exactly one)")
         if self.reply_prefix_ids and not self.messages:
             raise ConfigError("a reply prefix continues a chat: it needs chat messages")
+        if not self.detokenize and (self.sampling.stop or self.sampling.beam_search):
+            raise ConfigError("stop strings and beam search need the engine's own detokenizer")
 
     @staticmethod
     def chat(

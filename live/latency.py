@@ -43,9 +43,14 @@ class LatencySeries:
         self._last_t.pop(request_id, None)
 
     def point(self, request_id: int, branch: int, t: float, started_t: float) -> tuple[int, bool]:
-        """Add the point of a token of sample `branch` at `t`: (its row, whether it is the first)."""
+        """Add the point of a token of sample `branch` at `t`: (its row, whether it is the first).
+        A token stamped with its stream's previous time came in the same engine step (a
+        speculative round's): it counts in tokens/s but makes no latency point of its own."""
         last_t = self._last_t.setdefault(request_id, {})
         previous_t = last_t.get(branch)
+        if previous_t is not None and t == previous_t:
+            self._rolling_rate(t)
+            return self.ring.appended - 1, False
         is_first = previous_t is None
         latency_s = t - (started_t if previous_t is None else previous_t)
         last_t[branch] = t

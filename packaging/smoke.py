@@ -257,7 +257,10 @@ def _smoke(tarball: Path, work: Path) -> None:
         )
         check(out["model"]["name"] == "SmolLM2-135M-Instruct", "it ran the packaged default model")
         kernels = [n for n in out["model"].get("notes", []) if n.startswith("GGUF kernels: kvk")]
-        check(bool(kernels), f"on the bundled C kernels ({kernels[0] if kernels else out['model'].get('notes')})")
+        check(
+            bool(kernels),
+            f"on the bundled C kernels ({kernels[0] if kernels else out['model'].get('notes')})",
+        )
         check(
             out["kv"]["peak_blocks_used"] > 0 and out["kv"]["blocks_used_end"] == 0,
             "its KV blocks were used and freed",

@@ -9,7 +9,8 @@ real files: point HF_ENDPOINT at `HubServer.url`.
 What the real Hub computes from the files, this computes too: safetensors parameter counts from
 the files' headers, the GGUF total, sizes, sha256 ETags. Gated repos answer 403 GatedRepo to
 downloads without the right token; private ones 401 RepoNotFound. Faults for the tests: drop the
-connection after N bytes of a file (`drop_after`), for a number of requests.
+connection after N bytes of a file (`drop_after`), for a number of requests. `Repo.commit` moves
+`main` to new files; the older commits stay fetchable by their hash, as on the Hub.
 """
 
 from __future__ import annotations
@@ -37,19 +38,37 @@ class Repo:
     private: bool = False
     pipeline_tag: str = "text-generation"
 
-    _etags: dict[str, str] = field(default_factory=dict, repr=False)
+    _etags: dict[int, tuple[bytes, str]] = field(default_factory=dict, repr=False)  # id -> (bytes, sha256)
+    history: dict[str, dict[str, bytes]] = field(default_factory=dict, repr=False)  # older commits
 
     @property
     def sha(self) -> str:
+        return self.sha_of(self.files)
+
+    def sha_of(self, files: dict[str, bytes]) -> str:
         h = hashlib.sha1(self.repo_id.encode())
-        for name in sorted(self.files):
-            h.update(name.encode() + self.etag(name).encode())
+        for name in sorted(files):
+            h.update(name.encode() + self._etag_of(files[name]).encode())
         return h.hexdigest()
 
     def etag(self, name: str) -> str:
-        if name not in self._etags:
-            self._etags[name] = hashlib.sha256(self.files[name]).hexdigest()
-        return self._etags[name]
+        return self._etag_of(self.files[name])
+
+    def _etag_of(self, data: bytes) -> str:
+        if id(data) not in self._etags:  # the bytes are kept with their hash, so the id stays theirs
+            self._etags[id(data)] = (data, hashlib.sha256(data).hexdigest())
+        return self._etags[id(data)][1]
+
+    def commit(self, files: dict[str, bytes]) -> str:
+        """Move `main` to `files` (a new commit); the current one stays reachable by its hash."""
+        self.history[self.sha] = self.files
+        self.files = files
+        return self.sha
+
+    def files_at(self, revision: str) -> dict[str, bytes] | None:
+        if revision in ("main", self.sha):
+            return self.files
+        return self.history.get(revision)
 
     def safetensors(self) -> dict | None:
         params: dict[str, int] = {}
@@ -277,18 +296,19 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self._repo(repo_id)
         if repo is None:
             return
-        if revision not in ("main", repo.sha):
+        files = repo.files_at(revision)
+        if files is None:
             return self._error(404, "RevisionNotFound", "Invalid rev id")
-        if name not in repo.files:
+        if name not in files:
             return self._error(404, "EntryNotFound", f"{name} does not exist")
         if repo.gated and not self._authorized():
             return self._error(
                 403, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access."
             )
-        data = repo.files[name]
+        data = files[name]
         headers = {
-            "X-Repo-Commit": repo.sha,
-            "ETag": f'"{repo.etag(name)}"',
+            "X-Repo-Commit": repo.sha if files is repo.files else revision,
+            "ETag": f'"{repo._etag_of(data)}"',
             "Accept-Ranges": "bytes",
             "Content-Type": "application/octet-stream",
         }
@@ -307,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             for k, v in headers.items():
                 self.send_header(k, v)
-            self.send_header("Content-Length", str(len(repo.files[name])))
+            self.send_header("Content-Length", str(len(files[name])))
             self.end_headers()
             return None
         fault = self.hub.faults.get(name)

@@ -15,7 +15,7 @@ from PySide6.QtCore import QEvent, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QImage, QMouseEvent, QPainter, QPen
 from PySide6.QtWidgets import QLabel, QScrollArea, QSizePolicy, QSplitter, QToolTip, QVBoxLayout, QWidget
 
-from engine.inside import AttentionMap, LayerAttentionMap
+from engine.inside import AttentionMap
 from widgets import theme
 from widgets.heat import heat_rgb
 from widgets.token_flow import TokenFlow
@@ -29,10 +29,11 @@ BEFORE_WINDOW = (58, 62, 70)  # a position the layer's sliding window had left b
 UNUSED_SLOT = (30, 33, 39)  # slots past the query in its last block
 
 
-def head_map(layer: LayerAttentionMap, head: int, positions: int, block_size: int) -> np.ndarray:
-    """One head's weights as uint8 RGB [block rows, block_size]: scaled to its largest weight,
-    before the window greyed, past the query dark."""
-    rows = -(-positions // block_size)
+def head_map(att: AttentionMap, layer_index: int, head: int) -> np.ndarray:
+    """One head's weights as uint8 RGB [block rows, block_size] (a row per block the context
+    fills): scaled to its largest weight, before the window greyed, past the query dark."""
+    layer, block_size = att.layers[layer_index], att.block_size
+    positions, rows = att.query_position + 1, len(att.block_ids)
     values = np.full(rows * block_size, -1.0)
     weights = np.asarray(layer.probs[head], dtype=float)
     top = float(weights.max()) if weights.size else 0.0
@@ -74,8 +75,7 @@ class AttentionGrid(QWidget):
         att = self.attention
         assert att is not None
         heads = att.layers[0].heads
-        positions = att.query_position + 1
-        rows = min(MAX_MAP_ROWS, -(-positions // att.block_size))
+        rows = min(MAX_MAP_ROWS, len(att.block_ids))
         width = max(8, (self.width() - LABEL_W) // heads - GAP)
         px = max(1, width // att.block_size)
         return px * att.block_size, max(4, rows * px), rows
@@ -93,10 +93,9 @@ class AttentionGrid(QWidget):
         height = layers * (cell_h + GAP)
         canvas = np.empty((height, width, 3), np.uint8)
         canvas[:] = (21, 24, 29)
-        positions = att.query_position + 1
-        for li, layer in enumerate(att.layers):
+        for li in range(layers):
             for h in range(heads):
-                small = head_map(layer, h, positions, att.block_size)
+                small = head_map(att, li, h)
                 ys = np.linspace(0, small.shape[0], cell_h, endpoint=False).astype(int)
                 xs = np.linspace(0, small.shape[1], cell_w, endpoint=False).astype(int)
                 y0, x0 = li * (cell_h + GAP), h * (cell_w + GAP)

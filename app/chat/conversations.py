@@ -15,6 +15,7 @@ streaming, finish reason NULL) is marked "interrupted" by `mark_interrupted` on 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 from app.chat.schema import SchemaError, prepare, probe
 from app.chat.search import SearchHit, like_pattern, match_query, snippet_html
 from app.chat.tree import Conversation, StoredMessage, default_leaf
+from engine.api import create_private_file, private_dir
 
 # Re-exported: callers import the data types with the store.
 __all__ = [
@@ -84,12 +86,35 @@ def _when_unlocked(action: Callable[[], T], wait_s: float = BUSY_TIMEOUT_S) -> T
             time.sleep(0.02)
 
 
+READ_ONLY_BANNER = (
+    "The conversation database is in a folder kvscope cannot write ({folder}): it is open read-only. "
+    "Your conversations can be read and searched; new messages are not saved. Make the folder "
+    "writable (or set KVSCOPE_DATA_DIR) and restart to save again."
+)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) and (
+        getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL" or "disk is full" in str(exc)
+    )
+
+
 class ConversationStore:
     def __init__(self, path: Path | str, clock: Callable[[], float] = time.time):
         self.path = Path(path)
         self._clock = clock
+        # An existing database in a folder (or a file) this user cannot write: opened read-only,
+        # the app says so in a banner (READ_ONLY_BANNER) instead of refusing to start.
+        self.read_only = self.path.is_file() and not (
+            os.access(self.path.parent, os.W_OK) and os.access(self.path, os.W_OK)
+        )
+        if self.read_only:
+            self._open_read_only()
+            return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
+            # created 0600 before SQLite opens it (its -wal and -shm files take its permissions)
+            create_private_file(self.path)
             probe(self.path)
             # timeout: a second kvscope on the same database (WAL: readers never wait, writers
             # take turns) waits this long for the other's write to end instead of failing at once
@@ -111,6 +136,30 @@ class ConversationStore:
         except (sqlite3.Error, SchemaError) as exc:
             self._db.close()
             raise StorageError(f"Cannot open the conversation database at {self.path}: {exc}") from exc
+
+    def _open_read_only(self) -> None:
+        """SQLite's read-only mode; a WAL database whose -shm cannot be made in a read-only
+        folder opens as immutable (nothing can write it meanwhile: the folder is read-only)."""
+        uri = self.path.resolve().as_uri()
+        last: Exception | None = None
+        for query in ("mode=ro", "mode=ro&immutable=1"):
+            try:
+                probe(self.path)
+                db = sqlite3.connect(f"{uri}?{query}", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+                db.execute("SELECT COUNT(*) FROM conversations").fetchone()
+            except (OSError, sqlite3.Error, SchemaError) as exc:
+                last = exc
+                continue
+            self._db = db
+            self.full_text_search = bool(
+                db.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages_fts'").fetchone()
+            )
+            return
+        raise StorageError(f"Cannot open the conversation database at {self.path} (read-only): {last}")
+
+    @property
+    def read_only_banner(self) -> str:
+        return READ_ONLY_BANNER.format(folder=self.path.parent) if self.read_only else ""
 
     def close(self) -> None:
         self._db.close()
@@ -294,6 +343,7 @@ class ConversationStore:
         """A whole conversation in one transaction (an import). `messages` are in creation
         order, each parent before its children; their ids and `current` are the caller's own
         numbering, mapped to new rows. Returns the new conversation's id."""
+        self._check_writable()
         try:
             self._db.execute("BEGIN IMMEDIATE")
             cur = self._db.execute(
@@ -331,10 +381,24 @@ class ConversationStore:
         return conversation_id
 
     # ---- internals -------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise StorageError(
+                f"Not saved: the conversation database is read-only (its folder {self.path.parent} "
+                "cannot be written)."
+            )
+
     def _write(self, sql: str, params: tuple[object, ...]) -> sqlite3.Cursor:
+        self._check_writable()
         try:
             return self._db.execute(sql, params)
         except sqlite3.Error as exc:
+            if is_disk_full(exc):
+                raise StorageError(
+                    f"The disk is full: the reply could not be saved to {self.path}. It stays on "
+                    "screen, and what was saved before is intact; free some space and it is saved "
+                    "with the next change."
+                ) from exc
             raise StorageError(f"Could not save to the conversation database ({self.path}): {exc}") from exc
 
 

@@ -67,6 +67,8 @@ class ChatSignals:
     sync: Callable[[], None]  # the controls follow the state (busy, editing, what can be done)
     measure: Callable[[], None]  # count the conversation and the draft again soon
     listed: Callable[[], None]  # the conversation list follows (a new, retitled or updated one)
+    # writes a full disk refused, tried again (in order) before the next one (write_or_say)
+    unsaved: list[Callable[[], object]] = field(default_factory=list)
 
 
 def set_editing(session: ChatSession, pane: ChatPane, message: StoredMessage | None) -> None:
@@ -76,8 +78,15 @@ def set_editing(session: ChatSession, pane: ChatPane, message: StoredMessage | N
 
 
 def write_or_say(signals: ChatSignals, write: Callable[[], object]) -> None:
-    """A database write whose failure is shown, never raised into a Qt slot."""
-    try:
-        write()
-    except StorageError as exc:
-        signals.status(str(exc), "error")
+    """A database write whose failure is shown, never raised into a Qt slot. One that fails (a
+    full disk) is kept and tried again, in order, before the next write: the reply on screen
+    reaches the database once there is room."""
+    pending = [*signals.unsaved, write]
+    signals.unsaved.clear()
+    for i, each in enumerate(pending):
+        try:
+            each()
+        except StorageError as exc:
+            signals.unsaved.extend(pending[i:])
+            signals.status(str(exc), "error")
+            return

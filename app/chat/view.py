@@ -205,6 +205,10 @@ class ChatPane(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.setSpacing(6)
+        from app.banner import Banner
+
+        self.banner = Banner()  # a read-only database, a remote engine gone mid-reply
+        layout.addWidget(self.banner)
         layout.addWidget(self.system_prompt)
         layout.addWidget(self.transcript, 1)
         layout.addLayout(view_row)

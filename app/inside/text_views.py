@@ -22,12 +22,12 @@ class ScoreController(QObject):
     def __init__(self, host: EngineHost, panel: ScorePanel, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.host, self.panel = host, panel
-        self._call = LatestCall(host, "scoring a text", self)
+        self._scoring = LatestCall(host, "scoring a text", self)
         panel.score_requested.connect(self.score)
 
     @Slot(str)
     def score(self, text: str) -> None:
-        self._call.ask(lambda engine: engine.score_text(text), self._show, self.panel.show_error)
+        self._scoring.ask(lambda engine: engine.score_text(text), self._show, self.panel.show_error)
 
     def _show(self, score: TextScore) -> None:
         started = time.perf_counter()

@@ -108,8 +108,9 @@ class Covered(QWidget):
 class RemoteViews(QObject):
     """Given what it works through: the window only as the parent of its dialog, the attachable
     host, the docks it covers and a way to add its own, the menu bar, the settings (the last URL),
-    the chat (stopped and synced around an attach), the status bar, the sweep panel (no local
-    sweep of a remote model), and the window's status refresh and detach."""
+    the chat (stopped and synced around an attach; its banner offers Reattach when a server goes
+    away mid-reply), the status bar, the sweep panel (no local sweep of a remote model), and the
+    window's status refresh and detach."""
 
     COVERED = ("page_map", "roofline", "memory", "step_timeline")
 
@@ -145,6 +146,7 @@ class RemoteViews(QObject):
         self.host.metrics_changed.connect(self._refresh_notices)
         self.host.model_loaded.connect(self._on_model_loaded)
         self.host.model_load_failed.connect(self._on_load_failed)
+        self.host.request_failed.connect(self._on_request_failed)
 
     def _build_menu(self, bar: QMenuBar) -> None:
         menu = QMenu("&Remote", bar)
@@ -179,6 +181,21 @@ class RemoteViews(QObject):
     def detach(self) -> None:
         """Back to the local engine, on the model chosen in the Controls panel."""
         self._detach()
+
+    @Slot(object)
+    def _on_request_failed(self, event: object) -> None:
+        """A remote engine that stopped answering mid-reply (its connection or its events stream
+        broke): the chat kept the partial reply, marked failed; offer to attach again."""
+        target = self.host.target
+        message = getattr(event, "message", "")
+        if not self.host.attached or target is None or not _is_connection_loss(message):
+            return
+        self.chat.pane.banner.show_message(
+            f"{target.label} stopped answering mid-reply ({message}). The partial reply is kept, "
+            "marked failed; Continue or Regenerate it once the server is back.",
+            "Reattach",
+            lambda: self.attach(target),
+        )
 
     # ---- following the source --------------------------------------------------------------
     @Slot(object)
@@ -217,3 +234,9 @@ class RemoteViews(QObject):
     @Slot(str)
     def _on_load_failed(self, _message: str) -> None:
         self.detach_action.setEnabled(self.host.attached)
+
+
+def _is_connection_loss(message: str) -> bool:
+    """RemoteEngine's words for a server that went away (engine.remote: a failed connection, a
+    broken events stream), as against a request the server refused."""
+    return "connection to" in message or "events stream" in message

@@ -88,6 +88,16 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
         help="speculative decoding (n-gram, self-draft) vs plain decoding on a repeat task and free chat",
     )
     b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
+    b.add_argument(
+        "--serve-load",
+        action="store_true",
+        help="a load run against the HTTP server: clients dropping, cancelling, n > 1; lost, mixed up, "
+        "leaked blocks, RSS drift, TTFT and ITL (engine/serve/load.py)",
+    )
+    b.add_argument("--duration", type=int, default=600, help="seconds of --serve-load (default 600)")
+    b.add_argument("--clients", type=int, default=64, help="concurrent clients of --serve-load")
+    b.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched per step (--serve-load)")
+    b.add_argument("--seed", type=int, default=0, help="the prompts and choices of --serve-load")
     b.add_argument("--json", action="store_true")
 
     cli_quant.add_commands(sub)
@@ -122,6 +132,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             return run_chat(args)
         if args.command == "inspect-model":
             return run_inspect(args)
+        if args.command == "bench" and args.serve_load:
+            from engine.serve.load import run_serve_load  # the server's packages: this command only
+
+            return run_serve_load(args)
         if args.command == "bench":
             # torch and the model code: imported by the command that runs, not by `--help`
             from engine.bench.bench import run_bench

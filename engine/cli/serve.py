@@ -12,6 +12,7 @@ import os
 import sys
 
 from engine.cli.args import add_engine_args, engine_config_from
+from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING
 from engine.serve.server import DEFAULT_HOST, DEFAULT_PORT
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
@@ -28,12 +29,33 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     s.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}); needed off loopback",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}); "
+        "needed off loopback",
     )
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences batched in one step at most")
     s.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)"
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests waiting (tokenizing or queued) before new ones get 429 with Retry-After "
+        f"(default {DEFAULT_MAX_WAITING})",
+    )
+    s.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the API (CORS; repeatable; default: none)",
     )
     s.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -49,12 +71,16 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-waiting", args.max_waiting)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     check_bind(args.host, args.api_key)
     config = dataclasses.replace(
         engine_config_from(args), max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len
     )
     sock = bind(args.host, args.port)
-    bridge = EngineBridge(config, model_name=args.served_model_name)
+    bridge = EngineBridge(config, model_name=args.served_model_name, max_waiting=args.max_waiting)
     print(f"loading {config.model.source} ...", file=sys.stderr)
     try:
         bridge.start()
@@ -70,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        make_uvicorn(bridge, args.api_key, args.log_level).run(sockets=[sock])
+        make_uvicorn(bridge, args.api_key, args.log_level, args.max_body_bytes, tuple(args.allow_origin)).run(
+            sockets=[sock]
+        )
     finally:
         bridge.shutdown()
     return 0

@@ -99,7 +99,7 @@ class GroupDriver:
         for branch in range(1, group.size):
             child = self._fork(group, parent, branch)
             child.sampler = Sampler(group.sample_params(branch), decode_token=self.text.text)
-            child.detokenizer = self.text.detokenizer(prompt, group.params.stop)
+            child.detokenizer = self.text.detokenizer(prompt, group.params.stop, parent.makes_text)
             group.members.append(child)
         group.forked = True
         self.scheduler.replace_members([parent], group.members)

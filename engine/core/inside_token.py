@@ -31,6 +31,7 @@ from engine.inside import (
     LogitLens,
     TokenInside,
 )
+from engine.limits import blocks_for_tokens
 from engine.model.attention_probs import AttentionRecorder
 from engine.model.layer_hooks import NoLens, lens_head
 from engine.request import Request
@@ -76,7 +77,7 @@ def inside_token(
     )
     with Replay(core, context) as replay:
         logits = replay.last_row(probe)
-        block_ids = replay.block_ids[: -(-len(context) // core.kv.block_size)]
+        block_ids = replay.block_ids[: blocks_for_tokens(len(context), core.kv.block_size)]
         reused = replay.reused
     lens = None
     if head is not None:

@@ -9,6 +9,11 @@ directly. A step has three parts, as in nano-vllm and vLLM:
                (engine/core/postprocess.py: plain tokens, speculative rounds, samples, beams),
                tokens streamed, requests finished; then the step's stats, with the facts the
                runner knows (rows computed, kernels, bytes, FLOPs) and its phase times.
+
+A request that breaks a step fails alone. A forward that raises is run again one sequence at a
+time to find which sequence raises; those fail, and the others are scheduled again by the next
+step, from the state the failed step found them in (nothing was committed). A failure while one
+sequence's rows are postprocessed fails that sequence (its group) and the others' go on.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import request_stats
+from engine.core.step_clock import DeviceClock
 from engine.events import (
+    EngineError,
     Event,
     KVStats,
     MemorySample,
@@ -100,7 +107,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
         self._proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_chunk_size
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.prefill_chunk_size,
+            decode_tokens=1 + (config.speculative.num_draft if config.speculative else 0),
         )
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
@@ -125,8 +136,11 @@ class LLMEngine:
             self.max_model_len,
             self._proposer,
             config.speculative,
+            self.fail_request,
             self.kept_logits,
         )
+        self.post.live = lambda seq: seq.seq_id in self.seqs
+        self.clock = DeviceClock(loaded.device)  # the forward's time on its device (CUDA events)
         self.step_count = 0
         self.peak_blocks_used = 0
         self._next_id = 1_000_000  # ids for direct callers; the thread service passes its own
@@ -196,11 +210,20 @@ class LLMEngine:
         if refusal is not None:
             raise RequestError(refusal.message)
         params = request.sampling
+        vocab = self.loaded.info.vocab_size
+        for what, given in (
+            ("Token id", ids),
+            ("The logit bias's token id", [t for t, _ in params.logit_bias]),
+            ("The banned token id", params.banned_token_ids),
+        ):
+            bad = next((i for i in given if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what} {bad} is not in the vocabulary (ids 0 to {vocab - 1}).")
         if params.group_size > 1:
             self.groups.check(params)
-        seq = Sequence(request_id, ids, len(ids), params)
+        seq = Sequence(request_id, ids, len(ids), params, makes_text=request.detokenize)
         seq.sampler = Sampler(params, decode_token=self.text.text)
-        seq.detokenizer = self.text.detokenizer(ids, params.stop)
+        seq.detokenizer = self.text.detokenizer(ids, params.stop, request.detokenize)
         return seq
 
     def abort(self, request_id: int) -> None:
@@ -216,6 +239,16 @@ class LLMEngine:
             self.abort(request_id)
         for request_id in list(self.seqs):
             self.abort(request_id)
+
+    def fail_request(self, seq: Sequence, message: str) -> None:
+        """Fail the request `seq` belongs to (its whole group), alone."""
+        if seq.group is not None:
+            if seq.group.request_id in self.groups.active:
+                self.groups.fail(seq.group, message)
+            return
+        if seq.seq_id in self.seqs:
+            self.release(seq)
+            self.emit(RequestFailed(seq.seq_id, message, time.perf_counter()))
 
     def fail_running(self, message: str) -> None:
         """A step raised: every request in flight fails with the message; the engine goes on."""
@@ -260,24 +293,65 @@ class LLMEngine:
             return
         # (query tokens, context tokens after the step) per sequence, before the commit moves them
         shapes = tuple((n, seq.num_computed_tokens + n) for seq, n in zip(batch.seqs, batch.num_tokens))
-        t_forward = time.perf_counter()
-        result = self._forward(batch)
+        mark = self.clock.start()
+        try:
+            result = self._forward(batch)
+        except Exception as exc:  # noqa: BLE001 - find the request that broke it; the rest go on
+            self._isolate_failed_forward(batch, exc)
+            return
+        forward_s = self.clock.stop(mark)  # on CUDA: synchronized, the device's own time
         t_post = time.perf_counter()
         self.post.run(batch, result, self.step_count)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         t_end = time.perf_counter()
         self.step_count += 1
-        phases = (t_drafted - t0, t_post - t_forward, t_end - t_post)
+        phases = (t_drafted - t0, forward_s, t_end - t_post)
         self._emit_step(batch, result, shapes, t0, phases, t_end)
+
+    def _logit_counts(self, seqs: list[Sequence], num_tokens: list[int]) -> dict[int, int]:
+        return {
+            seq.seq_id: 1 + seq.num_draft_tokens
+            for seq, n in zip(seqs, num_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens_with_spec
+        }
+
+    def _isolate_failed_forward(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """The step's forward raised `exc`: run each sequence's part alone; a sequence whose
+        own forward raises fails with its error. When none does, the failure needs the whole
+        batch (memory, say): the request that joined it last fails, so the batch shrinks. The
+        others keep their scheduled blocks and run again next step; drafts are proposed anew."""
+        culprits: list[tuple[Sequence, Exception]] = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            try:
+                self.runner.forward([seq], [n], self._logit_counts([seq], [n]))
+            except Exception as lone:  # noqa: BLE001 - this sequence's own failure
+                culprits.append((seq, lone))
+        if not culprits:
+            culprits = [(max(batch.seqs, key=lambda s: (s.arrival_time, s.seq_id)), exc)]
+        for seq, error in culprits:
+            self.fail_request(
+                seq, f"the request failed in the model's forward: {type(error).__name__}: {error}"
+            )
+        for seq in list(self.seqs.values()):
+            if seq.num_draft_tokens:
+                seq.drop_drafts(0)
+                if self.proposer is not None:
+                    self.proposer.on_verified(seq, seq.num_tokens_with_spec)
+        failed = ", ".join(str(s.group.request_id if s.group else s.seq_id) for s, _ in culprits)
+        self.emit(
+            EngineError(
+                f"a step's forward failed ({type(exc).__name__}: {exc}); request {failed} failed alone, "
+                f"the step runs again without it",
+                time.perf_counter(),
+            )
+        )
 
     def _forward(self, batch: ScheduledBatch) -> ForwardResult:
         """Logit rows: the last packed position of each sequence whose tokens are all in the cache
         after this step, or every verified position of a speculative round."""
-        counts = {}
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for seq in batch.seqs:
             seq.target_forwards += 1
-            if seq.num_computed_tokens + n == seq.num_tokens_with_spec:
-                counts[seq.seq_id] = 1 + seq.num_draft_tokens
+        counts = self._logit_counts(batch.seqs, batch.num_tokens)
         for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
             group.measure_blocks()
         return self.runner.forward(batch.seqs, batch.num_tokens, counts)

@@ -7,12 +7,18 @@ handler of its kind, and stream what they choose.
   samples      the first time a group's prompt is in: fork n ways (shared blocks), each sample
                draws from the same logits with its own generator; then each on its own, as plain
   beams        all of a group's beams at once: rank, re-fork, prune (engine.core.group_driver)
+
+Each sequence's part runs guarded: one that raises (a sampler given impossible logits, a
+detokenizer's error) fails its own request (`fail`) and the others' go on. Every token of one
+step is stamped with the step's time, so a speculative round's tokens share one time and ITL is
+one gap per step (vLLM's meaning).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,27 +51,46 @@ class Postprocessor:
         max_model_len: int,
         proposer: Proposer | None,
         speculative: SpeculativeConfig | None,
+        fail: Callable[[Sequence, str], None],
         kept: KeptLogits | None = None,
     ):
         self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
         self.max_model_len = max_model_len
         self.proposer, self.speculative = proposer, speculative
+        self.fail = fail  # fails a sequence's request alone
+        self.live: Callable[[Sequence], bool] = lambda seq: True  # still in the engine (LLMEngine sets it)
         # the logits of the tokens that record a snapshot, for exact what-ifs (None: none kept)
         self.kept = kept
         self.step_count = 0  # the step being postprocessed (run() sets it)
+        self.step_t = 0.0  # its time, every token it gives is stamped with
+
+    def _guarded(self, seq: Sequence, work: Callable[..., object], *args: Any) -> None:
+        """`work(*args)` for `seq`, unless its request already failed this step; if it raises,
+        the request fails alone with the error."""
+        if not self.live(seq):
+            return  # failed (or finished with its group) earlier in this step
+        try:
+            work(*args)
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
+            self.fail(seq, f"the request failed after the forward: {type(exc).__name__}: {exc}")
 
     def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
         self.step_count = step
+        self.step_t = time.perf_counter()
         logits = result.logits
         rows = result.rows
         verdicts: dict[int, Verdict] = {}
+
+        def verify_round(seq: Sequence, first: int, count: int) -> None:
+            verdicts[seq.seq_id] = self._verify(seq, logits[first : first + count])
+
         for seq in batch.seqs:
             row = rows.get(seq.seq_id)
             if row is not None and row[1] > 1:
-                verdicts[seq.seq_id] = self._verify(seq, logits[row[0] : row[0] + row[1]])
+                self._guarded(seq, verify_round, seq, *row)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             verdict = verdicts.get(seq.seq_id)
-            self.kv.commit(seq, n, None if verdict is None else 1 + verdict.accepted)
+            self._guarded(seq, self.kv.commit, seq, n, None if verdict is None else 1 + verdict.accepted)
         beam_rows: dict[int, dict[int, int]] = {}
         for seq in batch.seqs:
             if seq.seq_id not in rows:
@@ -73,18 +98,24 @@ class Postprocessor:
             start, count = rows[seq.seq_id]
             verdict = verdicts.get(seq.seq_id)
             if verdict is not None:
-                self._emit_round(seq, verdict, logits[start : start + count])
+                self._guarded(seq, self._emit_round, seq, verdict, logits[start : start + count])
             elif seq.group is None:
-                self.sample(seq, logits[start])
+                self._guarded(seq, self.sample, seq, logits[start])
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
             elif not seq.group.forked:  # the prompt is in: every sample draws from its logits
-                for member in self.groups.fork_samples(seq.group):
-                    self.sample(member, logits[start])
+                self._guarded(seq, self._fork_and_sample, seq, logits[start])
             else:
-                self.sample(seq, logits[start])
+                self._guarded(seq, self.sample, seq, logits[start])
         for request_id, seq_rows in beam_rows.items():
-            self.groups.beam_step(self.groups.active[request_id], seq_rows, logits, step)
+            group = self.groups.active.get(request_id)
+            if group is not None:
+                self._guarded(group.members[0], self.groups.beam_step, group, seq_rows, logits, step)
+
+    def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        assert seq.group is not None
+        for member in self.groups.fork_samples(seq.group):
+            self.sample(member, logits)
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -99,10 +130,11 @@ class Postprocessor:
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
-        now = time.perf_counter()
+        now = self.step_t or time.perf_counter()
         token = result.token_id
         seq.token_ids.append(token)
-        seq.token_times.append(now)
+        if not seq.token_times or seq.token_times[-1] != now:
+            seq.token_times.append(now)
         seq.cumulative_logprob += result.logprob
         if seq.group is not None:
             seq.group.mark_token_step(self.step_count, now)
@@ -121,7 +153,7 @@ class Postprocessor:
                 seq.group.request_id if seq.group is not None else seq.seq_id,
                 seq.num_output_tokens - 1,
                 token,
-                self.text.text(token),
+                self.text.text(token) if seq.makes_text else "",
                 delta,
                 result.logprob,
                 result.snapshot,

@@ -107,6 +107,10 @@ class ModelRunner:
         slices: list[SeqSlice] = []
         keep: list[int] = []
         rows: dict[int, tuple[int, int]] = {}
+        # the row count each sequence's kernels are chosen for (engine.kernels.policy): a
+        # decode (or speculative round) one row, a prefill its whole length, so a prompt's rows
+        # meet the same kernels however it is chunked, cached or batched
+        kernel_rows = [seq.num_tokens if seq.is_prefill else 1 for seq in seqs]
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
@@ -130,7 +134,7 @@ class ModelRunner:
         keep_rows = long_tensor(keep)
         if probe is not None:
             batch.recorder = probe.attention
-        with torch.inference_mode(), self.policy.step(num_tokens) as record:
+        with torch.inference_mode(), self.policy.step(num_tokens, kernel_rows) as record:
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
             else:

@@ -2,7 +2,15 @@
 
 One step has a token budget. Running sequences go first, in admission order (a decode costs one
 token; an unfinished prefill takes a chunk). Waiting sequences are then admitted FIFO while the
-budget, the running cap and the KV pool allow, their prompts chunked to fit (chunked prefill).
+budget, the running cap and the KV pool allow (chunked prefill).
+
+A prompt's chunks are the same whatever else runs: they end at fixed positions, multiples of
+`chunk_tokens` (the prefill chunk size, or the budget less one decode token for every other
+sequence that may run beside it), and a chunk that does not fit in what is left of this step's
+budget waits for the next step instead of being cut short. So a prompt's rows meet the same
+kernels and the same attention chunks alone, batched, or after a prefix-cache hit (which ends
+at a block boundary: the first chunk runs from it to the next fixed position). The first
+prefill in line always fits, so prefills never starve behind decodes.
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are released (they stay in the prefix cache) and it is recomputed later.
 
@@ -13,6 +21,7 @@ beam group's members reach their logits in the same step (lockstep) or not at al
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,11 +62,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefill_chunk_size: int | None = None,
+        decode_tokens: int = 1,
     ):
+        """`decode_tokens`: what one decoding sequence can take in a step (1, or 1 + drafts)."""
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
+        beside = (max_num_seqs - 1) * decode_tokens  # what the other sequences' decodes may take
+        self.chunk_tokens = max(
+            1, min(prefill_chunk_size or max_num_batched_tokens, max_num_batched_tokens - beside)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -100,12 +115,16 @@ class Scheduler:
         plain = sum(1 for s in self.running if s.group is None)
         return plain + sum(g.seats for g in groups.values())
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens to run for a sequence with `remaining` uncomputed tokens (chunked prefill)."""
-        n = min(remaining, budget)
-        if self.prefill_chunk_size is not None:
-            n = min(n, self.prefill_chunk_size)
-        return n
+    def _chunk(self, seq: Sequence, done: int, budget: int) -> int:
+        """Tokens to run for `seq`, `done` of whose tokens are in the cache. A decode takes what
+        it has (its token, and drafts the budget allows); a prefill its chunk up to the next
+        fixed position, or nothing this step when that does not fit (see the module doc)."""
+        remaining = seq.num_tokens_with_spec - done
+        if seq.status is SeqStatus.RUNNING and not seq.is_prefill:
+            return min(remaining, budget)
+        end = min(seq.num_tokens_with_spec, (done // self.chunk_tokens + 1) * self.chunk_tokens)
+        n = end - done
+        return n if n <= budget else 0
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Preempt `seq` with its whole group: all their blocks go, all are recomputed later."""
@@ -126,7 +145,7 @@ class Scheduler:
         lockstep group either all reach their last token this step or none does."""
         plan = []
         for seq, done in zip(members, computed):
-            n = self._chunk(seq.num_tokens_with_spec - done, budget)
+            n = self._chunk(seq, done, budget)
             plan.append(n)
             budget -= n
         lockstep = members[0].group is not None and members[0].group.lockstep
@@ -166,13 +185,15 @@ class Scheduler:
             cached = [self.kv.find_cached_prefix(seq) for seq in members]
             bs = self.kv.block_size
             plan = self._plan(members, [len(c) * bs for c in cached], budget)
-            if not self._can_admit(members, cached, plan):
-                break
+            if not any(plan) or not self._can_admit(members, cached, plan):
+                break  # its first chunk waits for a step with room (FIFO: nothing overtakes it)
             for seq, hits, n in zip(members, cached, plan):
                 self.waiting.popleft()
                 self.kv.allocate(seq, hits, n)
                 if seq.preemptions == 0 and seq.num_output_tokens == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.perf_counter()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 if n > 0:

@@ -49,6 +49,8 @@ class Sequence:
     preemptions: int = 0
     peak_blocks: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # when a step first ran it (its prefill began)
+    # One time per engine step that gave it tokens (a speculative round's tokens share one)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     target_forwards: int = 0  # engine steps that ran this sequence through the model
@@ -73,6 +75,11 @@ class Sequence:
     branch: int = 0
     cumulative_logprob: float = 0.0
     cow_copies: int = 0
+    # False: no text made on the engine thread (Request.detokenize), for it and its forks
+    makes_text: bool = True
+    # The prefix-cache keys of its full blocks, each with the tokens it was computed from
+    # (engine.kv.manager: computed once per block, not once per commit).
+    block_keys: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list, repr=False)
 
     @property
     def sampler(self) -> Sampler:
@@ -186,9 +193,11 @@ class SequenceGroup:
             status=parent.status,
             num_cached_tokens=parent.num_cached_tokens,
             arrival_time=parent.arrival_time,
+            first_scheduled_time=parent.first_scheduled_time,
             group=self,
             branch=branch,
             cumulative_logprob=parent.cumulative_logprob,
+            makes_text=parent.makes_text,
         )
         kv.share(parent, child)
         self.every_seq.append(child)

@@ -56,11 +56,28 @@ def _partial_bytes(repo_path: Path) -> int:
     return sum(p.stat().st_size for p in (repo_path / "blobs").glob("*.incomplete"))
 
 
+def _only_partial(known: set[str]) -> list[CachedModel]:
+    """Repos whose first download was stopped before any file completed (a kill -9, a crash):
+    huggingface_hub's scan skips them (no snapshot yet), but their parts are what the next
+    download resumes, so they are listed, with no complete file."""
+    out = []
+    root = hf_cache_dir()
+    for folder in sorted(root.glob("models--*")) if root.is_dir() else []:
+        repo_id = folder.name.removeprefix("models--").replace("--", "/")
+        partial = _partial_bytes(folder) if (folder / "blobs").is_dir() else 0
+        if repo_id in known or not partial:
+            continue
+        mtime = max((p.stat().st_mtime for p in (folder / "blobs").iterdir()), default=0.0)
+        out.append(CachedModel(repo_id, 0, partial, 0, (), mtime, str(folder), (), repo_id))
+    return out
+
+
 def list_cached() -> list[CachedModel]:
-    """Model repos in the HF cache, largest first."""
+    """Model repos in the HF cache (and repos with only a stopped download's parts), largest
+    first."""
     scan = _scan()
     if scan is None:
-        return []
+        return _only_partial(set())
     out = []
     for repo in scan.repos:
         if repo.repo_type != "model":
@@ -90,7 +107,8 @@ def list_cached() -> list[CachedModel]:
                 source=source,
             )
         )
-    return sorted(out, key=lambda m: m.size_bytes, reverse=True)
+    out += _only_partial({m.repo_id for m in out})
+    return sorted(out, key=lambda m: (m.size_bytes, m.partial_bytes), reverse=True)
 
 
 def delete_cached(repo_id: str) -> int:

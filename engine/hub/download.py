@@ -9,6 +9,11 @@ next one; once complete it becomes `blobs/<etag>` and `hf_hub_download` (finding
 the snapshot link and the ref, so the cache is exactly what huggingface_hub itself would leave.
 Each file's byte bar reports into a tally of the whole choice; cancelling raises from it. Before
 anything is fetched the free disk space is checked against what is left to download.
+
+Everything is fetched at the commit the listing named (`model_info(...).sha`), never at `main`:
+a repo whose `main` moves during the download would otherwise mix two versions' files in one
+snapshot. `refs/main` is then set to that commit, as huggingface_hub does after a download of
+`main`, so a later load by repo id (offline) finds this snapshot.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.hub.online import HubError, api, endpoint, hub_call, token
+from engine.private import open_private_append, private_dir
 
 
 class DownloadCancelled(HubError):
@@ -138,6 +144,12 @@ def _repo_dir(repo_id: str) -> Path:
     return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
 
 
+def private_repo_dir(repo_id: str) -> Path:
+    """The repo's folder in the HF cache, created 0700 when missing (what lands in it is the
+    user's alone; an existing folder keeps its permissions)."""
+    return private_dir(_repo_dir(repo_id))
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     name: str
@@ -172,9 +184,9 @@ def _fetch_blob(repo_id: str, plan: _Plan, tally: _Tally) -> None:
     blob, partial = plan.blob(repo_id), plan.partial(repo_id)
     if blob.exists():
         return
-    blob.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(blob.parent)  # the repo's folder too, when this download creates it: 0700
     lock = _repo_dir(repo_id).parent / ".locks" / _repo_dir(repo_id).name / f"{plan.etag}.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(lock.parent)
     with WeakFileLock(str(lock)):
         resume = partial.stat().st_size if partial.exists() else 0
         if plan.size and resume > plan.size:  # not this file's bytes: start over
@@ -206,7 +218,7 @@ def _get(plan: _Plan, partial: Path, resume: int, tally: _Tally) -> None:
     from huggingface_hub.utils import build_hf_headers
 
     constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, PROGRESS_CHUNK)
-    with partial.open("ab") as f:
+    with open(open_private_append(partial), "ab") as f:  # a new part is 0600
         http_get(
             plan.url,
             f,
@@ -253,6 +265,7 @@ def download_files(
         revision = info.sha
         if revision is None:
             raise HubError(f"The Hub did not say which commit of {repo_id} it listed; try again.")
+        private_repo_dir(repo_id)
         plans = [_plan(repo_id, name, revision) for name in files]
         total = sum(p.size for p in plans)
         left = 0
@@ -261,7 +274,7 @@ def download_files(
                 partial = p.partial(repo_id)
                 left += p.size - (partial.stat().st_size if partial.exists() else 0)
         cache = Path(constants.HF_HUB_CACHE)
-        cache.mkdir(parents=True, exist_ok=True)
+        private_dir(cache)
         free = shutil.disk_usage(cache).free
         if left > free:
             raise HubError(
@@ -274,17 +287,26 @@ def download_files(
             tally.check_cancel()
             tally.file, tally.current = plan.name, 0
             _fetch_blob(repo_id, plan, tally)
-            # the blob is in place: huggingface_hub links it into the snapshot and records the ref
-            # (asked for "main", so refs/main names the commit and a load by repo id finds it)
-            hf_hub_download(repo_id, plan.name, revision="main", endpoint=endpoint(), token=token())
+            # the blob is in place: huggingface_hub links it into the planned commit's snapshot
+            hf_hub_download(repo_id, plan.name, revision=revision, endpoint=endpoint(), token=token())
             tally.done_before += plan.size
             tally.current = 0
             tally.files_done += 1
             tally.emit()
+        _point_main_at(repo_id, revision)
     folder = _repo_dir(repo_id) / "snapshots" / revision
     return DownloadResult(
         repo_id, revision, folder, tuple(files), tally.fetched, tally.resumed, total, cached
     )
+
+
+def _point_main_at(repo_id: str, revision: str) -> None:
+    """refs/main -> the commit just downloaded (what `main` was when the download was planned)."""
+    ref = _repo_dir(repo_id) / "refs" / "main"
+    private_dir(ref.parent)
+    tmp = ref.with_name(f".main.{threading.get_ident()}.tmp")
+    tmp.write_text(revision)
+    tmp.replace(ref)
 
 
 def _gib(n: int) -> str:

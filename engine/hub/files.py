@@ -106,6 +106,9 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import hf_hub_download
 
+    from engine.hub.download import private_repo_dir
+
+    private_repo_dir(repo_id)  # before huggingface_hub creates it with the default permissions
     path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint(), token=token())
 
     return read_folder_config(Path(path).parent)

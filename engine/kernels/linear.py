@@ -32,7 +32,7 @@ class KernelLinear(nn.Module):
         return (self.storage,)
 
     def _through(self, storage: WeightStorage, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the forward's rows: 2-D
         rows = flat.shape[0]
         if rows == 0:
             return x.new_zeros((*x.shape[:-1], self.out_features))
@@ -50,7 +50,7 @@ class KernelLinear(nn.Module):
             y = torch.cat(parts)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat is x else y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.storage.dequantize(torch.float32)
@@ -61,6 +61,15 @@ class KernelLinear(nn.Module):
 
 # The LM head's best candidates per row, recomputed exactly (see KernelHead).
 REFINED_CANDIDATES = 64
+
+
+def _per_row_products(weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[R, K, H] . [R, H] -> [R, K]. A lone row goes in twice: torch's batched product takes a
+    matrix-vector path for one row whose last bits differ from the same row among others, and a
+    sequence sampling alone would then not get the tokens it gets batched (issue 24)."""
+    if weights.shape[0] == 1:
+        return torch.einsum("rkh,rh->rk", weights.expand(2, -1, -1), hidden.expand(2, -1))[:1]
+    return torch.einsum("rkh,rh->rk", weights, hidden)
 
 
 class KernelHead(KernelLinear):
@@ -94,7 +103,7 @@ class KernelHead(KernelLinear):
         hidden = x.reshape(-1, self.in_features).float()
         top = flat.topk(min(REFINED_CANDIDATES, self.out_features), dim=-1).indices  # [R, K]
         weights = rows_of(top.reshape(-1), torch.float32).reshape(*top.shape, self.in_features)
-        refined = torch.einsum("rkh,rh->rk", weights, hidden)
+        refined = _per_row_products(weights, hidden)
         if self.bias is not None:
             refined = refined + self.bias.float()[top]
         flat.scatter_(1, top, refined.to(flat.dtype))

@@ -7,11 +7,14 @@ load reuses it. On the 2-core machine this was written on, the packed int4 kerne
 rows and a bfloat16 dense matmul of the dequantized layer at 512; elsewhere the table says what
 it says (the model's notes and `engine bench` print it).
 
-A step's rows are not one block: each sequence's rows take the kernel for *its own* row count
-(a decode row always the decode kernel, a prefill chunk the prefill kernel), so a request's tokens
-do not depend on what else shares its step (batched decoding equals lone decoding). The runner
-declares the step's per-sequence row counts with `KernelPolicy.step`; calls outside a step (a
-reference forward through transformers' own code) choose by their total rows.
+A step's rows are not one block: each sequence's rows take the kernel chosen for *that
+sequence*, never for the step's total: a decode row (and a speculative round's rows) the
+one-row kernel, a prefill chunk the kernel for its whole prompt's length (not the chunk's, which
+a prefix-cache hit shortens), and the LM head's logit rows the one-row kernel. Every kernel here
+computes each row alone (packed and bfloat16 dense paths at any row count, oneDNN float32 given
+two rows or more: tests/engine/test_batch_truth.py), so a request's tokens do not depend on what
+else shares its step. The runner declares the step's rows with `KernelPolicy.step`; calls
+outside a step (a reference forward through transformers' own code) choose by their total rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import copy
 import json
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,16 +35,22 @@ from engine.kernels.gguf_weight import GGUFWeight, random_blocks
 from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
 from engine.measure.memory import device_name
+from engine.private import private_dir, write_private_text
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Timing: the best of a few calls per kernel and row count. The probe layer is replicated so its
-# weights exceed the last-level cache, as a real model's layers do when they are streamed.
-TIMING_REPEATS = 3
+# Timing: the best of several calls per kernel and row count, the kernels interleaved. The best
+# of 7 is the least disturbed of them: on a busy machine most calls are slowed, but one of 7 is
+# seldom slowed for both a kernel and its rival. The probe layer is replicated so its weights
+# exceed the last-level cache, as a real model's layers do when they are streamed.
+TIMING_REPEATS = 7
+CALLS_PER_REPEAT = 4  # calls of each kernel per repeat, on rotating copies of the probe layer
 PROBE_BYTES = 48 * 2**20
 PROBE_SHAPE = (1024, 1024)
-TABLE_VERSION = 4
-# A dense kernel must beat the native one by this much to take over (timing noise is ~5%).
-SWITCH_MARGIN = 0.10
+TABLE_VERSION = 6  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row counts
+# A dense kernel must beat the native one by this much, at two row counts in a row (or at the
+# last one), to take over: measured busy, one bucket's times flipped by 10-30% (issue 24: a busy
+# machine's table chose dense kernels at 32-64 rows where a quiet one chose packed).
+SWITCH_MARGIN = 0.25
 
 
 def bucket(rows: int) -> int:
@@ -75,6 +84,8 @@ class KernelPolicy:
     def __init__(self, table: dict[str, dict[int, str]] | None = None):
         self.table: dict[str, dict[int, str]] = table or {}  # storage key -> bucket -> kernel
         self._seq_rows: tuple[int, ...] | None = None
+        self._kernel_rows: tuple[int, ...] = ()  # per sequence: the row count its kernel is chosen for
+        self._packed_rows = 0  # sum(_seq_rows), read on every matmul of the step
         self._plans: dict[str, list[tuple[int, int, str]]] = {}
         self.record = StepRecord()
 
@@ -96,7 +107,8 @@ class KernelPolicy:
                 self.table[table_key(storage)] = measure(storage)
 
     def describe(self) -> list[str]:
-        """One line per measured format: which kernel runs which row counts."""
+        """One line per measured format: which kernel runs which row counts, and how the table
+        was made."""
         lines = []
         for key, by_bucket in sorted(self.table.items()):
             spans: list[tuple[int, int, str]] = []
@@ -110,29 +122,42 @@ class KernelPolicy:
                 for lo, hi, k in spans
             )
             lines.append(f"{key}: {text}")
+        if lines:
+            lines.append(
+                f"table: best of {TIMING_REPEATS * CALLS_PER_REPEAT} interleaved timings per kernel and row count; a dense "
+                f"kernel takes over only {SWITCH_MARGIN:.0%} faster at two row counts in a row; a prefill "
+                "takes the kernel for its prompt's length, a decode row the one-row kernel"
+            )
         return lines
 
     # ---- the step --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, seq_rows: Sequence[int]) -> Iterator[StepRecord]:
-        """Run a forward whose packed rows are, in order, `seq_rows[i]` rows per sequence."""
+    def step(self, seq_rows: Sequence[int], kernel_rows: Sequence[int] | None = None) -> Iterator[StepRecord]:
+        """Run a forward whose packed rows are, in order, `seq_rows[i]` rows per sequence, the
+        kernel of sequence i chosen for `kernel_rows[i]` rows (default: its own rows)."""
         self._seq_rows, self._plans, self.record = tuple(seq_rows), {}, StepRecord()
+        self._kernel_rows = tuple(kernel_rows) if kernel_rows is not None else self._seq_rows
+        self._packed_rows = sum(self._seq_rows)
         try:
             yield self.record
         finally:
-            self._seq_rows, self._plans = None, {}
+            self._seq_rows, self._plans, self._kernel_rows = None, {}, ()
 
     def plan(self, storage: WeightStorage, rows: int) -> list[tuple[int, int, str]]:
         """[(start, stop, kernel)] segments covering `rows` packed rows."""
         seq_rows = self._seq_rows
-        if seq_rows is None or sum(seq_rows) != rows:
+        if seq_rows is None:
             return [(0, rows, self.choose(storage, rows))]
+        if rows != self._packed_rows:
+            # Inside a step, rows that are not the packed rows are the logit rows (the LM head):
+            # each takes the one-row kernel, whatever number of sequences samples beside it.
+            return [(0, rows, self.choose(storage, 1))]
         key = table_key(storage)
         plan = self._plans.get(key)
         if plan is None:
             plan, start = [], 0
-            for n in seq_rows:
-                kernel = self.choose(storage, n)
+            for n, k in zip(seq_rows, self._kernel_rows):
+                kernel = self.choose(storage, k)
                 if plan and plan[-1][2] == kernel:
                     plan[-1] = (plan[-1][0], start + n, kernel)
                 else:
@@ -190,13 +215,18 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     return copies + [copy.deepcopy(probe) for _ in range(count - 1)]
 
 
-def _time_kernels(storage: WeightStorage) -> dict[int, str]:
+def _time_kernels(
+    storage: WeightStorage,
+    clock: Callable[[], float] = time.perf_counter,
+    probes: list[WeightStorage] | None = None,
+) -> dict[int, str]:
     """Best-of-N times per kernel and row count, the kernels interleaved round by round so a
     burst of load elsewhere on the machine slows all of them, not one. Row counts go up until a
     dense kernel has won twice in a row (the crossover found and confirmed); the larger ones
-    take the winner without being timed (the packaged model's two formats, int4-g32 and q8_0, measure
-    in 1.7 s and 0.7 s on 2 cores)."""
-    probes = _probe_copies(storage)
+    take the winner without being timed (the packaged model's two formats, int4-g32 and q8_0,
+    measured in 1.7 s and 0.7 s on 2 cores with 3 repeats; about twice that with 7). `clock`
+    and `probes`: a test's fake timer and layers (tests/engine/test_kernel_table.py)."""
+    probes = probes if probes is not None else _probe_copies(storage)
     kernels = storage.kernels()
     native = storage.native_kernel
     times: dict[int, dict[str, float]] = {}
@@ -210,30 +240,42 @@ def _time_kernels(storage: WeightStorage) -> dict[int, str]:
             for kernel in kernels:
                 probes[0].matmul(kernel, x)  # warm up
             best = dict.fromkeys(kernels, float("inf"))
-            for _ in range(TIMING_REPEATS):
+            for repeat in range(TIMING_REPEATS):
+                # each kernel over the same few copies, each call timed alone and the best kept:
+                # a call slowed by load elsewhere is dropped, both kernels get as many chances
+                # (a sum over the copies would keep every copy's slowdown, and more calls of one
+                # kernel would give it more chances), and the copies rotate so every call reads
+                # its weights out of cache, as a model's layers do
+                batch = [
+                    probes[(repeat * CALLS_PER_REPEAT + j) % len(probes)] for j in range(CALLS_PER_REPEAT)
+                ]
                 for kernel in kernels:
-                    # the packed kernel streams its weights (the copies keep them out of cache);
-                    # a dense path's cost is dequantizing and multiplying: one copy tells it
-                    copies = probes if kernel == native else probes[:1]
-                    start = time.perf_counter()
-                    for probe in copies:
+                    for probe in batch:
+                        start = clock()
                         probe.matmul(kernel, x)
-                    best[kernel] = min(best[kernel], (time.perf_counter() - start) / len(copies))
+                        best[kernel] = min(best[kernel], clock() - start)
             times[rows] = best
             dense = min((t for k, t in best.items() if k != native), default=float("inf"))
             wins = wins + 1 if native in best and dense * (1 + SWITCH_MARGIN) < best[native] else 0
     return choose_by_rows(times, native)
 
 
+def _dense_wins(by_kernel: dict[str, float], native: str) -> bool:
+    dense = [t for k, t in by_kernel.items() if k != native]
+    return native in by_kernel and bool(dense) and min(dense) * (1 + SWITCH_MARGIN) < by_kernel[native]
+
+
 def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int, str]:
-    """One crossover, measured: the storage's own kernel (the packed one, which reads the fewest
-    bytes) up to the first row count where a dense kernel is faster by SWITCH_MARGIN, the fastest
-    dense kernel from there on. A dense matmul only gains on a GEMV-shaped kernel as rows grow, so
-    a table that flips back and forth is timing noise; one switch point keeps the choice stable
-    between runs and machines' loads."""
+    """One crossover, measured and confirmed: the storage's own kernel (the packed one, which
+    reads the fewest bytes) up to the first row count where a dense kernel is faster by
+    SWITCH_MARGIN there and at the next row count too (or at the last one measured), the
+    fastest dense kernel from there on. A dense matmul only gains on a GEMV-shaped kernel as
+    rows grow, so a table that flips back and forth is timing noise; one confirmed switch point
+    keeps the choice the same between runs and between a busy machine and a quiet one."""
+    order = sorted(times)
     best: dict[int, str] = {}
     switched = False
-    for rows in sorted(times):
+    for i, rows in enumerate(order):
         by_kernel = times[rows]
         dense = {k: t for k, t in by_kernel.items() if k != native}
         if native not in by_kernel or not dense:
@@ -244,9 +286,10 @@ def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int,
             # copy of them; it cannot be faster, and a time saying so was interrupted.
             best[rows] = native
             continue
-        fastest_dense = min(dense, key=dense.__getitem__)
-        switched = switched or dense[fastest_dense] * (1 + SWITCH_MARGIN) < by_kernel[native]
-        best[rows] = fastest_dense if switched else native
+        if not switched and _dense_wins(by_kernel, native):
+            following = order[i + 1] if i + 1 < len(order) else None
+            switched = following is None or _dense_wins(times[following], native)
+        best[rows] = min(dense, key=dense.__getitem__) if switched else native
     return best
 
 
@@ -272,9 +315,7 @@ def _save_cached(key: str, table: dict[int, str]) -> None:
     tables = _load_cached()
     tables[key] = table
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": TABLE_VERSION, "tables": tables}, indent=1))
-        tmp.replace(path)
+        private_dir(path.parent)
+        write_private_text(path, json.dumps({"version": TABLE_VERSION, "tables": tables}, indent=1))
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time

@@ -131,7 +131,15 @@ class DenseWeight(WeightStorage):
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """oneDNN's inner product. A lone row takes another code path (a GEMV) whose last bits
+    differ from the same row among others, so a sequence decoding alone would not get the
+    tokens it gets batched: one row goes in twice (measured: every row is then bit for bit the
+    same at any row count, on this machine's oneDNN; tests/engine/test_batch_truth.py); a row
+    costs what two do, the weights are read once either way."""
+    if x.shape[0] == 1:
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), packed, None, "none", [], "")
+        return y[:1]
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return y
 
 

@@ -1,9 +1,13 @@
 """Per-sequence block tables on top of the block pool, and prefix caching.
 
 Admission checks are paired with actions (`can_allocate`/`allocate`, `can_append`/`append`) so
-the scheduler decides before anything changes. Prefix caching hashes only full blocks whose
+the scheduler decides before anything changes. Prefix caching keys only full blocks whose
 tokens are all committed to the cache, chained so a block's key names its entire prefix; a hit
 never covers the last prompt token, which is always recomputed to produce the first logits.
+
+A key is the SHA-256 of (the parent block's key, the block's tokens), as vLLM's since
+CVE-2025-25183: with a 64-bit hash two different prefixes can be made to collide, and one
+request would attend to K/V another's prompt wrote.
 
 Forks (n samples, beams) share all of a sequence's blocks by ref count. A sequence about to
 write into a shared block first copies it (copy-on-write): only the last, partly filled block
@@ -12,8 +16,10 @@ can be written, so full shared blocks stay shared for good.
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import Callable, Hashable, Iterable
+from array import array
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from engine.events import BlockEvent
@@ -32,14 +38,22 @@ class BlockTableOwner(Protocol):
     block_table: list[Block]
     peak_blocks: int
     cow_copies: int
+    block_keys: list[tuple[tuple[int, ...], bytes]]  # its full blocks' prefix keys, memoised
 
     @property
     def num_tokens(self) -> int: ...
 
 
-def chain_hash(parent: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
-    """Key of a full block: its tokens plus the hash of everything before it."""
-    return (hash(parent), tokens)
+# The parent key of a sequence's first block.
+ROOT_KEY = b"kvscope-prefix-root"
+
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """Key of a full block: SHA-256 of its parent's key and its tokens (as 64-bit ints), so a
+    key names the block's entire prefix and two prefixes share one only by a SHA-256 collision."""
+    digest = hashlib.sha256(ROOT_KEY if parent is None else parent)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class KVCacheManager:
@@ -63,15 +77,26 @@ class KVCacheManager:
         return blocks_for_tokens(num_tokens, self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def _block_keys(self, seq: BlockTableOwner, num_full_blocks: int) -> list[Hashable]:
-        keys, parent, bs = [], None, self.block_size
+    def _block_keys(self, seq: BlockTableOwner, num_full_blocks: int) -> list[bytes]:
+        """The chained keys of the sequence's first full blocks. Kept on the sequence with the
+        tokens each was computed from, so a long sequence does not rehash its whole prefix each
+        time a block fills. Keys are only asked for committed tokens (with a round's accepted
+        drafts, committed just after this), and a sequence's tokens only grow, so checking the
+        newest key's tokens is enough; should they differ, every key is recomputed."""
+        memo, bs = seq.block_keys, self.block_size
         tokens = seq.token_ids
         if num_full_blocks * bs > len(tokens):  # a round's accepted drafts, committed after this
             tokens = tokens + seq.spec_token_ids
-        for i in range(num_full_blocks):
-            parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            keys.append(parent)
-        return keys
+        if memo:
+            last = len(memo) - 1
+            if memo[last][0] != tuple(tokens[last * bs : (last + 1) * bs]):
+                memo.clear()
+        parent = memo[-1][1] if memo else None
+        for i in range(len(memo), num_full_blocks):
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, block)
+            memo.append((block, parent))
+        return [key for _, key in memo[:num_full_blocks]]
 
     def find_cached_prefix(self, seq: BlockTableOwner) -> list[Block]:
         """Longest run of cached full blocks matching the sequence's start, never reaching its

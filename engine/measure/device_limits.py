@@ -23,6 +23,7 @@ from engine.cache_dirs import cache_root
 from engine.config import ConfigError
 from engine.measure.device import TORCH_DTYPES, resolve_device
 from engine.measure.memory import device_name, measure_memory_bandwidth
+from engine.private import private_dir
 from engine.results import DeviceLimits
 
 # Square matmul sizes tried in order, up to the first that gets slow. The best size differs by
@@ -128,8 +129,8 @@ def _read_cached(path: Path, device: torch.device) -> DeviceLimits | None:
 
 def _write_cached(path: Path, limits: DeviceLimits) -> None:
     """Write through a temp file and a rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mkstemp: 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"format": CACHE_FORMAT, **limits.to_dict()}, f, indent=2)

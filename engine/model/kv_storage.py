@@ -71,8 +71,16 @@ class PagedKVStorage:
         self.quantized = kv_dtype == "int8"
         shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
-        # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views)
-        self.kv = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views).
+        # With kvk's row attention, which reads only positions already written, the pool is left
+        # unfilled: its pages become resident as blocks are used, not all at once (a 256 MiB pool
+        # for a short chat costs what the chat holds). The torch decode path reads whole blocks
+        # under a mask, so there every slot must hold a finite value: zeros.
+        from engine.kernels import native  # here: the storage is built once per engine
+
+        make = torch.empty if native.kernels() is not None and torch.device(device).type == "cpu" else torch.zeros
+        self.lazy = make is torch.empty
+        self.kv = [make(shape, dtype=store, device=device) for _ in range(num_layers)]
         self.k = [pair[0] for pair in self.kv]
         self.v = [pair[1] for pair in self.kv]
         self.k_scale: list[torch.Tensor] = []
@@ -81,7 +89,7 @@ class PagedKVStorage:
             scale_shape = (num_blocks, num_kv_heads, block_size)
             for scales in (self.k_scale, self.v_scale):
                 scales.extend(
-                    torch.zeros(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device)
+                    make(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device)
                     for _ in range(num_layers)
                 )
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size

@@ -3,16 +3,22 @@ becomes engine requests (engine.serve.params), their events become chunks or a b
 (engine.serve.replies); everything else is the engine's.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, GET /v1/kvscope/events. With an API key, every /v1 route needs
-`Authorization: Bearer KEY` (as vLLM does, /health and /metrics stay open).
+GET /metrics, GET /v1/kvscope/events, GET /openapi.json (the schema of them all, with every
+status each can answer; `./dev fuzz` holds the server to it). With an API key, every route but
+a plain GET /health needs `Authorization: Bearer KEY` (engine.serve.guards).
+
+A generation request goes: checked against the served model's bounds (engine.serve.params),
+admitted to the bounded queue (429 past it), tokenized on the prompt pool, checked against the
+context and the KV pool, then started on the engine thread. Its text is made here, from the
+token ids, unless the engine must make it (stop strings, beam search).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -22,21 +28,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.config import ConfigError
 from engine.errors import InspectionError
-from engine.events import RequestFailed, RequestFinished, RequestStarted
+from engine.events import RequestFailed, RequestFinished, RequestStarted, TokenGenerated
 from engine.serve import codec
-from engine.serve.bridge import EngineBridge, ServeError, Started
+from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, EngineBridge, Started
 from engine.serve.channel import Channel, ChannelOverflow
+from engine.serve.errors import ServeError
+from engine.serve.guards import error_response, install
 from engine.serve.logprobs import TokenStrings
 from engine.serve.params import Plan, Prompt, chat_plan, completion_plan
+from engine.serve.prompts import Overloaded
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
 from engine.serve.replies import CompletionEntry, EchoedPrompt, Reply
+from engine.serve.schema import GENERATION_RESPONSES, INFO_RESPONSES, served_openapi
+from engine.text.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
     from engine.serve.replies import Reply
 
 Json = dict[str, Any]  # a chunk or body as it is serialised
@@ -48,47 +57,25 @@ KEEPALIVE_S = 15.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code), status
-    )
-
-
 def sse(data: Json | str, event: str | None = None) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {text}\n\n".encode()
 
 
-class RequireKey:
-    """`Authorization: Bearer KEY` on every /v1 route. A plain ASGI middleware: Starlette's
-    BaseHTTPMiddleware would wrap `receive` and hide a client's disconnect from the routes."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key: send Authorization: Bearer KEY.",
-                    None,
-                    "invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="kvscope", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(
+    bridge: EngineBridge,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cors_origins: tuple[str, ...] = (),
+) -> FastAPI:
+    app = FastAPI(title="kvscope", version="1", docs_url=None, redoc_url=None)
     strings = TokenStrings(bridge.token_bytes)
     model = bridge.model_name
+    bounds = bridge.bounds
+    prompts = bridge.prompts
+    tokenizer = bridge.tokenizer
+    assert bounds is not None and prompts is not None, "the app is built on a started bridge"
 
     # ---- errors in OpenAI's shape ----------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -102,14 +89,17 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ServeError)
     async def _refused(_request: Request, exc: ServeError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        response = error_response(exc.status, exc.message, exc.param, exc.code)
+        if isinstance(exc, Overloaded):
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    if api_key is not None:
-        app.add_middleware(RequireKey, api_key=api_key)
+    install(app, api_key, max_body_bytes, cors_origins)
+    app.openapi = lambda: served_openapi(app, model, bounds)  # type: ignore[method-assign]
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model:
@@ -121,18 +111,18 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             )
 
     # ---- information -----------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses=INFO_RESPONSES["health"])
     async def health() -> Response:
         if not bridge.engine.is_alive():
             return error_response(503, "the engine has stopped")
-        return JSONResponse({"status": "ok", "model": model})
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=INFO_RESPONSES["metrics"], response_class=Response)
     async def metrics() -> Response:
         assert bridge.metrics is not None, "the app is built on a started bridge"
         return Response(bridge.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=INFO_RESPONSES["models"])
     async def models() -> Json:
         info = bridge.info
         assert info is not None, "the app is built on a started bridge"
@@ -151,27 +141,27 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
         }
 
     # ---- generation ------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES["chat"], response_class=Response)
     async def chat(body: ChatRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
         check_model(body.model)
         return await generate(
-            "chat", _planned(lambda: chat_plan(body, bridge.max_model_len)), body.stream, request
+            "chat", _planned(lambda: chat_plan(body, bounds)), body.stream, request, arrival
         )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES["completion"], response_class=Response)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
         check_model(body.model)
         return await generate(
-            "completion", _planned(lambda: completion_plan(body, bridge.max_model_len)), body.stream, request
+            "completion", _planned(lambda: completion_plan(body, bounds)), body.stream, request, arrival
         )
 
-    async def echo(prompt: Prompt, plan: Plan) -> EchoedPrompt:
+    async def echo(prompt: Prompt, ids: list[int], plan: Plan) -> EchoedPrompt:
         """A completion prompt as echo returns it: its text and, with logprobs, its tokens scored."""
         top = -1 if plan.top_logprobs is None else plan.top_logprobs
         try:
-            ids, text, score = await bridge.score_prompt(
-                prompt.token_ids, top, _capacity_check(plan, "prompt")
-            )
+            text, score = await bridge.score_prompt(ids, top)
         except InspectionError as exc:
             raise ServeError(str(exc), "prompt", "invalid_value") from exc
         if prompt.text is not None:
@@ -188,29 +178,46 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
                 offset += len(piece)
         return EchoedPrompt(text, tuple(entries), len(ids))
 
-    async def generate(kind: str, plan: Plan, stream: bool, request: Request) -> Response:
+    async def _prompt_ids(kind: str, plan: Plan) -> list[list[int]]:
+        """Every prompt of the plan as checked token ids, tokenized on the prompt pool."""
+        param = "messages" if kind == "chat" else "prompt"
+        out = []
+        for prompt in plan.prompts:
+            try:
+                ids = await prompts.token_ids(prompt)
+            except ChatTemplateError as exc:
+                raise ServeError(str(exc), param, "unprocessable_messages", 422) from exc
+            except Exception as exc:  # noqa: BLE001 - a tokenizer refusing the text
+                raise ServeError(_message_of(exc), param, "invalid_value") from exc
+            capacity_check(bridge, ids, plan, param)
+            out.append(ids)
+        return out
+
+    async def generate(kind: str, plan: Plan, stream: bool, request: Request, arrival: float) -> Response:
         loop = asyncio.get_running_loop()
         channel = Channel(loop)
         started: list[Started] = []
-        echoed = [await echo(prompt, plan) for prompt in plan.prompts] if plan.echo else []
-        if plan.score_only:
-            return JSONResponse(Reply(kind, plan, [], strings, model, echoed).body())
+        places = len(plan.prompts)
+        prompts.admit(places)  # 429 when the waiting queue is full
+        echoed: list[EchoedPrompt] = []
         try:
-            for prompt in plan.prompts:
-                check = _capacity_check(plan, "messages" if kind == "chat" else "prompt")
+            prompt_ids = await _prompt_ids(kind, plan)
+            if plan.echo:
+                echoed = [await echo(p, ids, plan) for p, ids in zip(plan.prompts, prompt_ids, strict=True)]
+            if plan.score_only:  # max_tokens 0: the prompts scored, nothing generated
+                return JSONResponse(Reply(kind, plan, [], strings, model, echoed).body())
+            for ids in prompt_ids:
                 started.append(
-                    await bridge.start_request(prompt.token_ids, plan.sampling, channel, check, plan.tag)
+                    await bridge.start_request(
+                        ids, plan.sampling, channel, plan.tag, arrival, detokenize=plan.engine_text
+                    )
                 )
-        except ServeError:
-            _cancel(started)
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a chat template refusing the messages
-            _cancel(started)
-            raise ServeError(_message_of(exc), "messages" if kind == "chat" else "prompt") from exc
         except BaseException:
             _cancel(started)
             raise
-        reply = Reply(kind, plan, started, strings, model, echoed)
+        finally:
+            prompts.leave(places)
+        reply = Reply(kind, plan, started, strings, model, echoed, None if plan.engine_text else tokenizer)
         try:
             first = await _opening(channel, reply)
         except BaseException:
@@ -286,14 +293,8 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
             bridge.cancel(s.request_id)  # a no-op for a request that has ended
             bridge.release(s.request_id)
 
-    def _capacity_check(plan: Plan, param: str) -> Callable[[LLMEngine, list[int]], None]:
-        def check(core: LLMEngine, ids: list[int]) -> None:
-            capacity_check(core, ids, plan, param)
-
-        return check
-
     # ---- the events stream -----------------------------------------------------------------
-    @app.get("/v1/kvscope/events")
+    @app.get("/v1/kvscope/events", responses=INFO_RESPONSES["events"], response_class=Response)
     async def events(request: Request) -> Response:
         loop = asyncio.get_running_loop()
         hello = {
@@ -316,13 +317,25 @@ def build_app(bridge: EngineBridge, api_key: str | None = None) -> FastAPI:
                     except ChannelOverflow as exc:
                         yield sse({"message": f"{exc}: reconnect for a fresh snapshot"}, "overflow")
                         return
-                    yield sse(codec.encode(items), "events")
+                    yield sse(codec.encode(_with_token_text(items, strings)), "events")
             finally:
                 bridge.unsubscribe(channel)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     return app
+
+
+def _with_token_text(items: list[object], strings: TokenStrings) -> list[object]:
+    """Requests the server detokenizes itself (untagged, without stop strings) come from the
+    engine without text: their tokens get theirs here, from the vocabulary's table, and their
+    RequestFinished carries token ids with an empty text (the client's own reply has it)."""
+    return [
+        dataclasses.replace(e, text=strings.text_of(e.token_id))
+        if isinstance(e, TokenGenerated) and not e.text
+        else e
+        for e in items
+    ]
 
 
 def _message_of(exc: Exception) -> str:
@@ -340,11 +353,13 @@ def _planned(make: Callable[[], Plan]) -> Plan:
         raise ServeError(str(exc)) from exc
 
 
-def capacity_check(core: LLMEngine, ids: list[int], plan: Plan, param: str) -> None:
+def capacity_check(bridge: EngineBridge, ids: list[int], plan: Plan, param: str) -> None:
     """Refuse what the model's context or the KV pool can never hold (before it starts), with the
-    engine's own reason (engine.limits) in OpenAI's error shape."""
+    engine's own reason (engine.limits) in OpenAI's error shape. Off the engine thread: the
+    limits are plain figures read when the server started."""
+    assert bridge.limits is not None, "requests are served after start()"
     given = plan.sampling.max_new_tokens if plan.max_tokens_given else None
-    refusal = core.limits.refusal(len(ids), given, plan.sampling.group_size)
+    refusal = bridge.limits.refusal(len(ids), given, plan.sampling.group_size)
     if refusal is None:
         return
     code = {"empty": "invalid_value", "context": "context_length_exceeded", "pool": "kv_cache_too_small"}

@@ -6,7 +6,8 @@ concurrent clients are batched into the same steps like the app's chat tabs. The
 metrics, hand request events to the channel of the HTTP request that owns them, and hand every
 event to the `/v1/kvscope/events` subscribers. Requests are started and subscribers registered
 inside `Engine.call`, on the engine thread between two steps, so no event can slip between a
-registration and the state it starts from.
+registration and the state it starts from. A request reaches the engine thread as token ids,
+already checked: its tokenization ran on the prompt pool (engine.serve.prompts).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -29,10 +29,16 @@ from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
 from engine.serve.logprobs import token_bytes_table
 from engine.serve.metrics import ServeMetrics
+from engine.serve.params import Bounds
+from engine.serve.prompts import PromptQueue
 from engine.serve.snapshot import state_events
+from engine.text.detokenize import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.core.llm_engine import LLMEngine
+    from engine.limits import Limits
     from engine.model.loaded import LoadedModel
 
 T = TypeVar("T")
@@ -40,29 +46,37 @@ T = TypeVar("T")
 # A subscriber more than this many events behind is cut off (it reconnects for a new snapshot):
 # minutes of a busy engine's events, and a bound on what a stalled client can cost the server.
 SUBSCRIBER_LIMIT = 200_000
-
-
-class ServeError(ValueError):
-    """A request the server refuses before the engine sees it; `code`/`param` as OpenAI names them."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
+# Requests accepted but not yet running (tokenizing, or in the engine's waiting queue) before a
+# new one gets 429: a few minutes of work for a small model, and a bound on a flood's cost.
+DEFAULT_MAX_WAITING = 256
+# Request bodies past this many bytes get 413 (engine.serve.guards); a 128k-token prompt is well
+# under 1 MiB of text.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
 class Started:
     request_id: int
     prompt_tokens: int
+    prompt_tail: tuple[int, ...] = ()  # the prompt's last ids: the server's detokenizer's context
 
 
 class EngineBridge:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, model_name: str | None = None
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        model_name: str | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         self.config = config
         self.engine = Engine(config, sink=self._on_event, loaded=loaded)
         self._model_name = model_name
+        self.max_waiting = max_waiting
+        self.prompts: PromptQueue | None = None
+        self.bounds: Bounds | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.limits: Limits | None = None  # the engine's (engine.limits), read once it loaded
         self.metrics: ServeMetrics | None = None
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
@@ -74,18 +88,32 @@ class EngineBridge:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Load the model (on the engine thread) and wait for it; raises with the load error."""
-
         self.engine.start()
         info = self.engine.info if self.engine.wait_until_loaded(timeout) else None
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
-        self.metrics = ServeMetrics(self.model_name)
-        self.max_model_len, self.token_bytes = self.engine._call(
-            lambda core: (core.limits.context_window, token_bytes_table(core.tokenizer))
+        self.max_model_len, self.token_bytes, self.tokenizer, self.limits = self.engine._call(
+            lambda core: (
+                core.limits.context_window,
+                token_bytes_table(core.tokenizer),
+                core.tokenizer,
+                core.limits,
+            )
         ).result()
+        self.metrics = ServeMetrics(self.model_name, self.max_model_len)
+        self.bounds = Bounds(info.vocab_size, self.max_model_len, self.config.max_num_seqs)
+        self.prompts = PromptQueue(self.tokenizer, self.max_waiting, self.engine_waiting)
+
+    def engine_waiting(self) -> int:
+        """Requests in the engine's waiting queue now (a deque's length: safe to read from any
+        thread; one step stale at worst)."""
+        core = self.engine.core
+        return len(core.scheduler.waiting) if core is not None else 0
 
     def shutdown(self) -> None:
+        if self.prompts is not None:
+            self.prompts.shutdown()
         self.engine.shutdown()
 
     @property
@@ -108,20 +136,19 @@ class EngineBridge:
     # ---- requests --------------------------------------------------------------------------
     async def start_request(
         self,
-        prompt_ids: Callable[[LLMEngine], list[int]],
+        ids: list[int],
         sampling: SamplingParams,
         channel: Channel,
-        check: Callable[[LLMEngine, list[int]], None],
         tag: str | None = None,
+        arrival: float | None = None,
+        detokenize: bool = True,
     ) -> Started:
-        """Tokenize (`prompt_ids(core)`), check and start a request on the engine thread; its
-        events go to `channel`. `check(core, ids)` raises ServeError to refuse it first."""
+        """Start a request of checked prompt ids on the engine thread; its events go to
+        `channel`. `detokenize` False: the engine makes no text for it (the server does)."""
         request_id = next(self._ids)
-        arrival = time.perf_counter()
+        arrived = time.perf_counter() if arrival is None else arrival
 
         def begin(core: LLMEngine) -> Started:
-            ids = prompt_ids(core)
-            check(core, ids)
             with self._lock:
                 self._channels[request_id] = channel
                 subscribers = tuple(self._subscribers) if tag else ()
@@ -129,27 +156,21 @@ class EngineBridge:
                 for subscriber in subscribers:
                     subscriber.push(RequestTagged(request_id, tag, time.perf_counter()))
             assert self.metrics is not None, "requests are served after start()"
-            self.metrics.arrived(request_id, arrival)
-            core.add_request(Request(prompt_token_ids=tuple(ids), sampling=sampling), request_id)
-            return Started(request_id, len(ids))
+            self.metrics.arrived(request_id, arrived, sampling.n, sampling.max_new_tokens)
+            request = Request(prompt_token_ids=tuple(ids), sampling=sampling, detokenize=detokenize)
+            core.add_request(request, request_id)
+            return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))
 
         return await asyncio.wrap_future(self.engine._call(begin))
 
-    async def score_prompt(
-        self,
-        prompt_ids: Callable[[LLMEngine], list[int]],
-        top_k: int,
-        check: Callable[[LLMEngine, list[int]], None],
-    ) -> tuple[list[int], str, TextScore | None]:
-        """Tokenize (`prompt_ids(core)`) and check a completion prompt on the engine thread, then
-        its text as the tokens decode and, with `top_k` >= 0, every token scored under the ones
-        before it (engine/core/scoring.py: log-probs, ranks, the top `top_k`)."""
+    async def score_prompt(self, ids: list[int], top_k: int) -> tuple[str, TextScore | None]:
+        """A completion prompt's token ids (tokenized and checked): its text as the tokens decode
+        and, with `top_k` >= 0, every token scored under the ones before it on the engine thread
+        (engine/core/scoring.py: log-probs, ranks, the top `top_k`)."""
 
-        def score(core: LLMEngine) -> tuple[list[int], str, TextScore | None]:
-            ids = prompt_ids(core)
-            check(core, ids)
+        def score(core: LLMEngine) -> tuple[str, TextScore | None]:
             text = str(core.tokenizer.decode(ids))
-            return ids, text, (score_ids(core, ids, top_k) if top_k >= 0 else None)
+            return text, (score_ids(core, ids, top_k) if top_k >= 0 else None)
 
         return await asyncio.wrap_future(self.engine._call(score))
 

@@ -3,6 +3,12 @@
 OpenAI's defaults where they differ from the engine's: temperature 1, and no length limit but
 the context (`max_tokens` absent: the reply may run to the end of the model's context, as in
 OpenAI's and vLLM's APIs). vLLM's `top_k: -1` means off, like the engine's 0.
+
+Everything a request asks is checked here, before the engine sees it, against the served
+model's `Bounds`: token ids in the vocabulary (prompts, reply prefixes, logit-bias keys), the
+counts (prompts, n, best_of, stop strings and their length), seeds a generator can take. What
+`SamplingParams` checks (ranges of the sampling knobs) it keeps checking, so the server and the
+engine never disagree; its messages become 400s naming the parameter.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from typing import TYPE_CHECKING, cast
 
 from engine.config import ConfigError, SamplingParams
 from engine.request import ChatMessage, Request
-from engine.serve.bridge import ServeError
+from engine.serve.errors import ServeError
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
 from engine.serve.protocol import ChatRequest, CompletionRequest, MessageIn, SamplingFields
+from engine.text.chat_template import prompt_ids
 
 if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+    from transformers import PreTrainedTokenizerBase
 
 # SamplingParams' message prefixes -> the OpenAI parameter they are about.
 _PARAM_OF_MESSAGE = (
@@ -42,22 +49,37 @@ _PARAM_OF_MESSAGE = (
     ("a logit bias", "logit_bias"),
 )
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 1000  # one stop string's length (each is searched for in every new token's text)
+MAX_PROMPTS = 64  # prompts in one completions request (each is an engine request)
+SEED_RANGE = (-(2**63), 2**63 - 1024)  # what torch.Generator.manual_seed takes, less room for seed + i
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What a request is checked against: the served model's vocabulary and context, and the
+    engine's batch (read once when the server starts)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_prompts: int = MAX_PROMPTS
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One engine request's prompt, made into token ids on the engine thread (the chat template
-    and the tokenizer are the engine thread's work)."""
+    """One engine request's prompt, made into token ids off the engine thread
+    (engine.serve.prompts: the chat template and the tokenizer run on a pool of their own)."""
 
     chat: Request | None = None  # rendered with the model's chat template
     text: str | None = None  # a completion prompt, tokenized as the tokenizer does by default
     ids: tuple[int, ...] = ()
 
-    def token_ids(self, core: LLMEngine) -> list[int]:
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if self.chat is not None:
-            return core.prompt_ids(self.chat)
+            return prompt_ids(tokenizer, self.chat)
         if self.text is not None:
-            return list(core.tokenizer(self.text)["input_ids"])
+            return list(tokenizer(self.text)["input_ids"])
         return list(self.ids)
 
 
@@ -78,6 +100,13 @@ class Plan:
     # `max_tokens: 0` with echo: the prompt alone, scored, and nothing generated
     score_only: bool = False
 
+    @property
+    def engine_text(self) -> bool:
+        """The engine must make the text itself: stop strings are found in it, beam search ranks
+        finished texts, and an attached app (a tagged request) reads its replies' text from the
+        events stream. Otherwise the server detokenizes, off the engine thread."""
+        return bool(self.sampling.stop) or self.sampling.beam_search or self.tag is not None
+
 
 def param_of(message: str) -> str | None:
     for prefix, param in _PARAM_OF_MESSAGE:
@@ -90,22 +119,47 @@ def _refuse(param: str, message: str) -> ServeError:
     return ServeError(message, param=param, code="invalid_value")
 
 
-def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def check_ids(ids: list[int] | tuple[int, ...], bounds: Bounds, param: str) -> None:
+    vocab = bounds.vocab_size
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise _refuse(param, f"{param}: token id {bad} is not in the vocabulary (ids 0 to {vocab - 1})")
+
+
+def _logit_bias(raw: dict[str, float] | None, bounds: Bounds) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} map as the engine's pairs (SamplingParams checks the range)."""
     try:
-        return tuple((int(token), float(bias)) for token, bias in (raw or {}).items())
+        pairs = tuple((int(token), float(bias)) for token, bias in (raw or {}).items())
     except ValueError:
-        raise _refuse("logit_bias", f"logit_bias keys must be token ids, got {list(raw or {})}") from None
+        keys = list(raw or {})[:5]
+        raise _refuse("logit_bias", f"logit_bias keys must be token ids, got {keys}") from None
+    check_ids([token for token, _ in pairs], bounds, "logit_bias")
+    return pairs
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int | None, default_max: int, top_n: int
+    body: SamplingFields, max_tokens: int | None, bounds: Bounds, top_n: int
 ) -> SamplingParams:
     if body.n < 1:
         raise _refuse("n", f"n must be >= 1, got {body.n}")
+    if body.n > bounds.max_num_seqs:
+        raise _refuse(
+            "n", f"n={body.n} asks for more sequences than the engine runs at once ({bounds.max_num_seqs})"
+        )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > 4:
-        raise _refuse("stop", f"at most 4 stop sequences, got {len(stop)}")
+    if len(stop) > MAX_STOP:
+        raise _refuse("stop", f"at most {MAX_STOP} stop sequences, got {len(stop)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _refuse("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
+    if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
+        raise _refuse("seed", f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {body.seed}")
+    if max_tokens is not None and max_tokens > bounds.max_model_len:
+        raise ServeError(
+            f"This model's context holds {bounds.max_model_len} tokens, but max_tokens is {max_tokens}: "
+            "lower max_tokens.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     top_k = body.top_k if body.top_k is not None else 0
     ext = body.kvscope
     try:
@@ -118,7 +172,7 @@ def sampling_params(
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             seed=body.seed,
-            max_new_tokens=default_max if max_tokens is None else max_tokens,
+            max_new_tokens=bounds.max_model_len if max_tokens is None else max_tokens,
             stop=stop,
             ignore_eos=body.ignore_eos,
             snapshot_top_n=max(top_n, ext.snapshot_top_n if ext else 0),
@@ -126,14 +180,14 @@ def sampling_params(
             num_beams=ext.num_beams if ext else 1,
             length_penalty=ext.length_penalty if ext else 1.0,
             early_stopping=ext.early_stopping if ext else False,
-            logit_bias=_logit_bias(body.logit_bias),
+            logit_bias=_logit_bias(body.logit_bias, bounds),
         )
     except ConfigError as exc:
         message = str(exc).replace("max_new_tokens", "max_tokens")
         raise ServeError(message, param=param_of(str(exc)), code="invalid_value") from exc
 
 
-def chat_plan(body: ChatRequest, default_max: int) -> Plan:
+def chat_plan(body: ChatRequest, bounds: Bounds) -> Plan:
     for field in ("tools", "tool_choice"):
         if getattr(body, field):
             raise _refuse(field, f"{field} is not supported by this server (no function calling)")
@@ -146,9 +200,10 @@ def chat_plan(body: ChatRequest, default_max: int) -> Plan:
         raise _refuse("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     top_logprobs = (top or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens, default_max, _snapshot_size(top_logprobs))
+    params = sampling_params(body, max_tokens, bounds, _snapshot_size(top_logprobs))
     messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
     prefix = tuple(body.kvscope.reply_prefix_ids) if body.kvscope else ()
+    check_ids(prefix, bounds, "kvscope.reply_prefix_ids")
     try:
         request = Request(messages=messages, sampling=params, reply_prefix_ids=prefix)
     except ConfigError as exc:
@@ -158,11 +213,11 @@ def chat_plan(body: ChatRequest, default_max: int) -> Plan:
     )
 
 
-def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
+def completion_plan(body: CompletionRequest, bounds: Bounds) -> Plan:
     if body.suffix:
         raise _refuse("suffix", "suffix is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
-        raise _refuse("best_of", "best_of other than n is not supported by this server")
+        raise _refuse("best_of", f"best_of other than n is not supported by this server (got {body.best_of})")
     top = body.logprobs
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _refuse("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
@@ -173,18 +228,22 @@ def completion_plan(body: CompletionRequest, default_max: int) -> Plan:
         )
     if score_only and body.stream:
         raise _refuse("stream", "max_tokens 0 (the prompt scored, nothing generated) has nothing to stream")
-    params = sampling_params(body, 1 if score_only else body.max_tokens, default_max, _snapshot_size(top))
+    params = sampling_params(body, 1 if score_only else body.max_tokens, bounds, _snapshot_size(top))
     if body.kvscope and body.kvscope.reply_prefix_ids:
         raise _refuse(
             "kvscope.reply_prefix_ids", "reply_prefix_ids continues a chat reply: use chat completions"
         )
     prompts = []
-    for prompt in _prompts(body.prompt):
+    given = _prompts(body.prompt)
+    if len(given) > bounds.max_prompts:
+        raise _refuse("prompt", f"at most {bounds.max_prompts} prompts in one request, got {len(given)}")
+    for prompt in given:
         if isinstance(prompt, str):
             prompts.append(Prompt(text=prompt))
         elif not prompt or not all(isinstance(i, int) for i in prompt):
             raise _refuse("prompt", "a token prompt must be a non-empty list of token ids")
         else:
+            check_ids(prompt, bounds, "prompt")
             prompts.append(Prompt(ids=tuple(prompt)))
     return Plan(
         tuple(prompts),

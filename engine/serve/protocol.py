@@ -26,6 +26,8 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
@@ -39,7 +41,7 @@ class StreamOptions(BaseModel):
 class KvscopeOptions(BaseModel):
     """kvscope's own extension object (`"kvscope": {...}` in the body), used by an attached app."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     tag: str | None = Field(None, max_length=200)  # echoed on /v1/kvscope/events (RequestTagged)
     snapshot_top_n: int = Field(0, ge=0, le=256)  # per-token stage snapshots with this many candidates
     reply_prefix_ids: list[int] = Field(default_factory=list)  # continue a reply from these tokens
@@ -62,9 +64,10 @@ class MessageIn(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What chat and completions share."""
+    """What chat and completions share. NaN and infinities are refused (Python's JSON reader
+    takes them, and a NaN temperature would pass every range check)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None

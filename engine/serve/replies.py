@@ -4,6 +4,9 @@ A `Reply` follows the engine requests of one HTTP request (one per completions p
 each batch of their events into chunks: one per choice that changed, carrying every token the
 batch brought for it (a client reads the same text and logprobs as with a chunk per token, at a
 fraction of the serialisation). Choice `i * n + branch` is sample `branch` of prompt `i`.
+
+Given a tokenizer, the reply makes its text itself from the token ids (the engine was asked for
+none: Request.detokenize), with the engine's own streaming detokenizer, on the server's thread.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.events import (
     RequestFailed,
@@ -22,9 +25,14 @@ from engine.events import (
     SequenceFinished,
     TokenGenerated,
 )
-from engine.serve.bridge import ServeError, Started
+from engine.serve.bridge import Started
+from engine.serve.errors import ServeError
 from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
 from engine.serve.params import Plan, param_of
+from engine.text.detokenize import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Json = dict[str, Any]  # a chunk, a body or a part of one, as it is serialised
 # A token's logprobs entry: chat, `choices[].logprobs.content[]`'s object; completions, (token,
@@ -49,6 +57,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     text_offset: int = 0  # completions: characters before the next token
+    detokenizer: IncrementalDetokenizer | None = None  # the server makes this choice's text
 
 
 def usage(stats: list[RequestStats]) -> Json:
@@ -64,17 +73,18 @@ def usage(stats: list[RequestStats]) -> Json:
 
 
 def timings(stats: list[RequestStats]) -> Json:
-    """llama.cpp server's `timings`, from the engine's own clocks. prompt_*: the prompt tokens
-    computed (cached ones are `cache_n`) over the time to the first token (queueing, prefill and
-    the first sample); predicted_*: every generated token, the time from the first to the last
-    (so per-token figures are the mean inter-token latency). Several prompts ran concurrently:
+    """llama.cpp server's `timings`, from the engine's own clocks, with llama.cpp's meanings.
+    prompt_*: the prompt tokens computed (cached ones are `cache_n`) over the prompt's
+    processing, from the first step that ran the request to its first token (its chunks, and
+    steps between them; not the time it queued); predicted_*: the tokens generated after the
+    first, over the time from the first token to the last. Several prompts ran concurrently:
     counts add up, times are the longest."""
     cached = sum(s.cached_prompt_tokens for s in stats)
     prompt_n = sum(s.prompt_tokens for s in stats) - cached
-    prompt_ms = max((s.ttft_s for s in stats), default=0.0) * 1000.0
+    prompt_ms = max((s.prefill_s for s in stats), default=0.0) * 1000.0
     predicted_n = sum(s.generated_tokens for s in stats)
     predicted_ms = max((sum(s.itl_s) for s in stats), default=0.0) * 1000.0
-    steps = sum(len(s.itl_s) for s in stats)
+    steps = sum(max(0, s.generated_tokens - 1) for s in stats)
     return {
         "cache_n": cached,
         "prompt_n": prompt_n,
@@ -84,7 +94,7 @@ def timings(stats: list[RequestStats]) -> Json:
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-        "predicted_per_second": max((s.tokens_per_s for s in stats), default=0.0),
+        "predicted_per_second": steps / (predicted_ms / 1000.0) if predicted_ms > 0 else 0.0,
     }
 
 
@@ -97,6 +107,7 @@ class Reply:
         strings: TokenStrings,
         model: str,
         echoed: list[EchoedPrompt] | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         self.kind = kind  # "chat" or "completion"
         self.plan = plan
@@ -119,6 +130,12 @@ class Reply:
                 choice.logprobs = list(prompt.entries)
                 if plan.score_only:
                     choice.finish_reason = "length"  # vLLM's for a prompt scored with max_tokens 0
+        if tokenizer is not None:
+            for i, s in enumerate(started):
+                for branch in range(self.n):
+                    self.choices[i * self.n + branch].detokenizer = IncrementalDetokenizer(
+                        tokenizer, s.prompt_tail
+                    )
 
     @property
     def done(self) -> bool:
@@ -153,28 +170,36 @@ class Reply:
 
     def _token(self, index: int, token: TokenGenerated, changed: dict[int, Json]) -> None:
         choice, delta = self.choices[index], self._delta(changed, index)
-        choice.text += token.text_delta
-        delta["text"] += token.text_delta
+        text_delta = token.text_delta
+        if choice.detokenizer is not None:
+            text_delta = choice.detokenizer.push(token.token_id)
+        choice.text += text_delta
+        delta["text"] += text_delta
         if self.plan.top_logprobs is None or token.snapshot is None:
             return
+        token_text = token.text or self.strings.text_of(token.token_id)
         entry: LogprobEntry
         if self.kind == "chat":
             entry = self.strings.chat_entry(
-                token.token_id, token.text, token.snapshot, self.plan.top_logprobs
+                token.token_id, token_text, token.snapshot, self.plan.top_logprobs
             )
         else:
             top = {
                 self.strings.text_of(i, token.snapshot): lp
                 for i, lp in top_raw(token.snapshot, self.plan.top_logprobs)
             }
-            entry = (token.text, raw_logprob(token.snapshot, token.token_id), top, choice.text_offset)
-            choice.text_offset += len(token.text)
+            entry = (token_text, raw_logprob(token.snapshot, token.token_id), top, choice.text_offset)
+            choice.text_offset += len(token_text)
         choice.logprobs.append(entry)
         delta["logprobs"].append(entry)
 
     def _finish(self, index: int, reason: str, changed: dict[int, Json]) -> None:
         choice = self.choices[index]
         if choice.finish_reason is None:
+            if choice.detokenizer is not None:
+                rest = choice.detokenizer.flush()  # an incomplete character held back
+                choice.text += rest
+                self._delta(changed, index)["text"] += rest
             choice.finish_reason = reason
             self._delta(changed, index)["finish_reason"] = reason
 

@@ -2,7 +2,8 @@
 
 Loopback by default. Binding any other address exposes the engine to whoever can reach it, so
 it needs an API key (clients send `Authorization: Bearer KEY`); without one the server refuses
-to start. `BackgroundServer` runs the same thing on a thread (the tests and the benchmark).
+to start. CORS is off unless origins are named. `BackgroundServer` runs the same thing on a
+thread (the tests, the fuzz run and the benchmarks).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig
-from engine.serve.bridge import EngineBridge
+from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, EngineBridge
 
 if TYPE_CHECKING:
     import uvicorn
@@ -59,7 +60,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_uvicorn(bridge: EngineBridge, api_key: str | None, log_level: str = "warning") -> uvicorn.Server:
+def make_uvicorn(
+    bridge: EngineBridge,
+    api_key: str | None,
+    log_level: str = "warning",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cors_origins: tuple[str, ...] = (),
+) -> uvicorn.Server:
     # uvicorn and fastapi (the app): imported when a server is made, so the CLI checks its
     # arguments and the bind address (this module's other helpers) before paying for them.
     import uvicorn
@@ -67,7 +74,7 @@ def make_uvicorn(bridge: EngineBridge, api_key: str | None, log_level: str = "wa
     from engine.serve.app import build_app
 
     config = uvicorn.Config(
-        build_app(bridge, api_key),
+        build_app(bridge, api_key, max_body_bytes, cors_origins),
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=2,
@@ -94,10 +101,14 @@ class BackgroundServer:
         host: str = DEFAULT_HOST,
         port: int = 0,
         model_name: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        cors_origins: tuple[str, ...] = (),
     ) -> None:
         check_bind(host, api_key)
-        self.bridge = EngineBridge(config, loaded=loaded, model_name=model_name)
+        self.bridge = EngineBridge(config, loaded=loaded, model_name=model_name, max_waiting=max_waiting)
         self.api_key = api_key
+        self.max_body_bytes, self.cors_origins = max_body_bytes, cors_origins
         self._host, self._port = host, port
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -107,7 +118,9 @@ class BackgroundServer:
         self.bridge.start(timeout)
         sock = bind(self._host, self._port)
         self.url = url_of(sock)
-        server = self._server = make_uvicorn(self.bridge, self.api_key)
+        server = self._server = make_uvicorn(
+            self.bridge, self.api_key, max_body_bytes=self.max_body_bytes, cors_origins=self.cors_origins
+        )
         self._thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, name="kvscope-http", daemon=True
         )

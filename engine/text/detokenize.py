@@ -113,3 +113,21 @@ class IncrementalDetokenizer:
                     longest = k
                     break
         return longest
+
+
+class NoText(IncrementalDetokenizer):
+    """The detokenizer of a request whose caller makes its text itself (Request.detokenize
+    False): nothing decoded on the engine thread, no stop string to find."""
+
+    def __init__(self) -> None:
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        return ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.results import Tokens
-from engine.text.detokenize import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from engine.text.detokenize import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, NoText
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +53,11 @@ class TokenText:
         assert isinstance(text, str), "one list of ids decodes to one string"
         return text
 
-    def detokenizer(self, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+    def detokenizer(
+        self, prompt_ids: list[int], stop: tuple[str, ...] = (), text: bool = True
+    ) -> IncrementalDetokenizer:
+        """The reply's streaming detokenizer; `text` False: none (the caller makes the text)."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop) if text else NoText()
 
     def stops(self, token_id: int, ignore_eos: bool) -> bool:
         return token_id in self.eos_ids and not ignore_eos

@@ -86,6 +86,9 @@ def run_cli(*args, check=True):
 
 
 def test_cli_generate_json_contract(references):
+    """The CLI in float32 (`--quantization none`) against the float32 reference: like against
+    like. (The default, native bits, is compared with native alone in the next test: whether
+    native tokens equal float32 ones depends on the weights' rounding, not on the CLI.)"""
     proc = run_cli(
         "generate",
         "--prompt",
@@ -97,6 +100,8 @@ def test_cli_generate_json_contract(references):
         "0",
         "--probs",
         "3",
+        "--quantization",
+        "none",
         "--json",
     )
     out = json.loads(proc.stdout)
@@ -109,6 +114,26 @@ def test_cli_generate_json_contract(references):
     first = out["probs"][0]
     assert first["id"] == out["token_ids"][0] and first["top_ids"][0] == first["id"]  # greedy = argmax
     assert len(first["top_probs"]) == 3 and abs(first["prob"] - first["top_probs"][0]) < 1e-6
+
+
+def test_the_cli_at_native_bits_equals_the_engine_at_native_bits():
+    """The default (native Q4_1/Q8_0) CLI against the same weights run in this process: the same
+    machine's kernel table on both sides, so the comparison holds whatever kernels it chose."""
+    from engine.config import ModelSpec
+    from engine.model.loading import load_model
+
+    native = load_model(ModelSpec("default"))
+    events = []
+    engine = LLMEngine(native, EngineConfig(), events.append)
+    engine.add_request(Request.chat(PROMPTS["english"], temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    (done,) = [e for e in events if isinstance(e, RequestFinished)]
+    proc = run_cli(
+        "generate", "--prompt", PROMPTS["english"], "--max-new-tokens", "12", "--ignore-eos",
+        "--temperature", "0", "--json",
+    )  # fmt: skip
+    assert json.loads(proc.stdout)["token_ids"] == list(done.token_ids)
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):

@@ -54,7 +54,9 @@ def test_native_q4_1_against_its_float32_twin_on_the_eval_text(
     ids = eval_token_ids(native.tokenizer)
     reference = teacher_forced_logits(default_loaded.model, ids)
     monkeypatch.setattr(
-        native.policy, "choose", lambda storage, rows: kernel if kernel in storage.kernels() else storage.kernels()[0]
+        native.policy,
+        "choose",
+        lambda storage, rows: kernel if kernel in storage.kernels() else storage.kernels()[0],
     )
     report = compare_logits(reference, teacher_forced_logits(native.model, ids), ids)
     assert report.mean_kl <= max_kl

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import stat
 import threading
 
 import pytest
@@ -181,6 +182,11 @@ def test_download_with_byte_progress_then_the_model_answers_like_the_original(hu
     assert done == sorted(done) and done[-1] == result.total_bytes, "bytes only ever go up, to the total"
     assert len({p.done_bytes for p in seen if p.file == WEIGHTS}) > 3, "the big file reports as it arrives"
     assert (result.folder / WEIGHTS).read_bytes() == (tiny_folder / WEIGHTS).read_bytes()
+    # the user's alone: the repo's folder 0700, the downloaded blobs 0600
+    repo_dir = result.folder.parent.parent
+    assert stat.S_IMODE(repo_dir.stat().st_mode) == 0o700
+    blob = (result.folder / WEIGHTS).resolve()
+    assert blob.parent.name == "blobs" and stat.S_IMODE(blob.stat().st_mode) == 0o600
     # it is in the standard cache, and loads by repo id (kvscope's loader never downloads)
     (cached,) = list_cached()
     assert cached.repo_id == TINY and cached.size_bytes >= result.total_bytes and cached.partial_bytes == 0
@@ -371,3 +377,31 @@ def test_the_cache_lists_sizes_and_delete_frees_them(hub):
     assert [c.repo_id for c in list_cached()] == ["kvscope-test/SmolLM2-135M-Instruct-GGUF"]
     with pytest.raises(HubError, match="is not in the Hugging Face cache"):
         delete_cached(TINY)
+
+
+def test_a_download_stays_at_the_planned_commit_while_main_moves(hub, tiny_folder):
+    """`main` moves after the files were planned (the first bytes arrived): every file still
+    comes from the planned commit, the snapshot is that commit's, refs/main names it, and no
+    request asked for `main`."""
+    repo = hub.repos[TINY]
+    planned = repo.sha
+    old = dict(repo.files)
+    files = repo_files(TINY).choices[0].files
+    moved = []
+
+    def move_main(progress):
+        if not moved and progress.done_bytes:
+            new = {name: data + b" " if name.endswith(".json") else data[::-1] for name, data in old.items()}
+            moved.append(repo.commit(new))
+
+    result = download_files(TINY, files, progress=move_main)
+    assert moved and moved[0] != planned
+    assert result.revision == planned and result.folder.name == planned
+    assert all((result.folder / name).read_bytes() == old[name] for name in files)
+    refs = result.folder.parent.parent / "refs" / "main"
+    assert refs.read_text() == planned
+    fetched = [path for _, path, _ in hub.requests if "/resolve/" in path and WEIGHTS in path]
+    assert fetched and all(f"/resolve/{planned}/" in path for path in fetched), fetched
+    downloaded = load_model(ModelSpec(TINY, dtype="float32", device="cpu"))
+    original = load_model(ModelSpec(str(tiny_folder), dtype="float32", device="cpu"))
+    assert _tokens(downloaded) == _tokens(original)

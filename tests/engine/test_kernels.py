@@ -161,22 +161,10 @@ def test_the_table_is_measured_once_and_kept_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(policy_module, "PROBE_BYTES", 1)
     timed = []
     original = policy_module._time_kernels
-    monkeypatch.setattr(policy_module, "_time_kernels", lambda s: timed.append(s) or original(s))
+    monkeypatch.setattr(policy_module, "_time_kernels", lambda s, **kw: timed.append(s) or original(s, **kw))
     storage = storages(64, 64)["int8-row"]
     first = policy_module.measure(storage)
     assert set(first) == {1, 8} and set(first.values()) <= set(storage.kernels())
     monkeypatch.setattr(policy_module, "_MEASURED", {})  # a new process: the file answers
     assert policy_module.measure(storage) == first and len(timed) == 1
     assert list((tmp_path / "kernels").glob("*.json"))
-
-
-def test_the_table_switches_once_from_the_packed_kernel_to_the_fastest_dense_one():
-    times = {
-        1: {"packed": 1.0, "dense-bf16": 2.0, "dense-fp32": 3.0},
-        8: {"packed": 2.0, "dense-bf16": 1.95, "dense-fp32": 3.0},  # within the margin: noise
-        64: {"packed": 8.0, "dense-bf16": 4.0, "dense-fp32": 5.0},
-        128: {"packed": 10.0, "dense-bf16": 11.0, "dense-fp32": 9.5},  # a noisy bucket past the switch
-        512: {"packed": 40.0, "dense-bf16": 12.0, "dense-fp32": 20.0},
-    }
-    table = policy_module.choose_by_rows(times, "packed")
-    assert table == {1: "packed", 8: "packed", 64: "dense-bf16", 128: "dense-fp32", 512: "dense-bf16"}

@@ -205,7 +205,9 @@ def test_a_k_quant_file_is_kept_whole_with_mixed_fused_projections(tmp_path):
     head exact, the model close to its dequantized twin, batched equal to alone."""
     types = {r: Q.Q4_K for r in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
     types |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}
-    path = write_tiny_llama(tmp_path / "q4km.gguf", types, hidden=256, embedding_type=Q.Q4_K, output_type=Q.Q6_K)
+    path = write_tiny_llama(
+        tmp_path / "q4km.gguf", types, hidden=256, embedding_type=Q.Q4_K, output_type=Q.Q6_K
+    )
     model, report = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
     assert report.kept == {"Q4_K": 11, "Q6_K": 5} and not report.dequantized.get("Q4_K")
     loaded = LoadedModel.from_model(model, IdTokenizer(VOCAB), name="q4km", source=str(path), scheme="native")
@@ -233,6 +235,11 @@ def test_a_truncated_gguf_is_a_message_not_a_traceback(tmp_path):
     cut = write_tiny_llama(tmp_path / "cut.gguf", truncate_to=size - 500)
     with pytest.raises(ModelLoadError, match="corrupt or truncated"):
         load_model(ModelSpec(str(cut), device="cpu"))
+
+
+def test_a_gguf_larger_than_free_memory_is_refused_before_loading_with_its_estimate(tiny_gguf):
+    with pytest.raises(ModelLoadError, match="will not fit: its weights need about"):
+        load_model(ModelSpec(str(tiny_gguf), device="cpu", quantization="native"), available_bytes=1024)
 
 
 def test_auto_means_native_for_gguf_sources_and_none_for_folders(tiny_gguf, tmp_path):
@@ -273,7 +280,9 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, m
     converted = []
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(
-        AutoTokenizer, "from_pretrained", lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k)
+        AutoTokenizer,
+        "from_pretrained",
+        lambda *a, **k: converted.append(k.get("gguf_file")) or real(*a, **k),
     )
     second = gguf_tokenizer.load_gguf_tokenizer(tiny_chat_gguf)
     assert converted == [None]  # read from the cached folder, not converted from the GGUF

@@ -104,3 +104,65 @@ def test_can_allocate_counts_revived_cached_blocks_as_used():
     assert ids(cached) == [0]
     assert kv.can_allocate(b, cached, 8)  # 2 free (1, 2) besides the revived block 0
     assert not kv.can_allocate(b, cached, 9)
+
+
+def collision_case(kv):
+    """a = [A1, X, .], c = [B1, Y, .] cached; b = [B1, X, .] finds c's first block, and its
+    second block's key differs from a's second only through the parent (A1 against B1)."""
+    a = seq(1, [1, 2, 3, 4, 9, 9, 9, 9, 7])
+    c = seq(3, [5, 6, 7, 8, 0, 0, 0, 0, 7])
+    prefill(kv, a)
+    prefill(kv, c)
+    return a, c, seq(2, [5, 6, 7, 8, 9, 9, 9, 9, 7])
+
+
+def test_a_forced_64_bit_collision_does_not_serve_another_prefix(monkeypatch):
+    """With the old key (Python's 64-bit hash of the parent, the block's tokens) a collision of
+    the parents' hashes made b's second block look cached: a's, computed after another first
+    block (vLLM's CVE-2025-25183). Every Python-level hash in the manager is forced to one
+    value here; the SHA-256 keys do not use it, so b gets c's first block and nothing of a's."""
+    import engine.kv.manager as manager
+
+    monkeypatch.setattr(manager, "hash", lambda _value: 0, raising=False)
+    kv, _ = make()
+    a, c, b = collision_case(kv)
+    assert ids(kv.find_cached_prefix(b)) == ids(c.block_table[:1])
+    prefill(kv, b)
+    assert not set(ids(a.block_table)) & set(ids(b.block_table))
+    kv.pool.check_invariants()
+
+
+def test_keys_agreeing_in_64_bits_are_told_apart(monkeypatch):
+    """The collision in the chain itself: the first blocks' keys are made to agree in their
+    first 64 bits; keys are compared whole, so b's second block is still keyed apart from a's."""
+    import engine.kv.manager as manager
+
+    real = manager.chain_hash
+
+    def colliding(parent, tokens):
+        key = real(parent, tokens)
+        return bytes(8) + key[8:] if parent is None else key
+
+    monkeypatch.setattr(manager, "chain_hash", colliding)
+    kv, _ = make()
+    a, c, b = collision_case(kv)
+    keys_a, keys_b = kv._block_keys(a, 2), kv._block_keys(b, 2)
+    assert keys_a[0][:8] == keys_b[0][:8] and keys_a[1] != keys_b[1]
+    assert ids(kv.find_cached_prefix(b)) == ids(c.block_table[:1])
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens():
+    import hashlib
+    from array import array
+
+    from engine.kv.manager import ROOT_KEY, chain_hash
+
+    first = chain_hash(None, (1, 2, 3, 4))
+    assert first == hashlib.sha256(ROOT_KEY + array("q", [1, 2, 3, 4]).tobytes()).digest()
+    assert (
+        chain_hash(first, (5, 6, 7, 8)) == hashlib.sha256(first + array("q", [5, 6, 7, 8]).tobytes()).digest()
+    )
+    kv, _ = make()
+    a = seq(1, range(10))
+    prefill(kv, a)
+    assert [b.block_hash for b in a.block_table[:2]] == kv._block_keys(a, 2)

@@ -29,18 +29,58 @@ def run_step(sched, new_token=7):
 
 
 def test_budget_1024_with_three_800_token_prompts():
+    """A prompt's chunk is never cut to fill what another left of the budget (its rows would
+    meet other kernels and attention chunks than alone): b waits a step rather than run 224
+    tokens beside a. Fixed chunks of 1024 - 7 tokens leave room for the other 7 decodes."""
     sched = make()
+    assert sched.chunk_tokens == 1024 - 7
     a, b, c = (add(sched, i, 800, first=i * 1000) for i in range(3))
     steps = [run_step(sched) for _ in range(4)]
     assert [list(zip([s.seq_id for s in st.seqs], st.num_tokens)) for st in steps] == [
-        [(0, 800), (1, 224)],
-        [(0, 1), (1, 576), (2, 447)],
-        [(0, 1), (1, 1), (2, 353)],
+        [(0, 800)],
+        [(0, 1), (1, 800)],
+        [(0, 1), (1, 1), (2, 800)],
         [(0, 1), (1, 1), (2, 1)],
     ]
     for st in steps:
         assert st.total_tokens <= 1024
-    assert steps[1].prefill_tokens == 576 + 447 and steps[1].decode_tokens == 1
+    assert steps[1].prefill_tokens == 800 and steps[1].decode_tokens == 1
+
+
+def chunks_of(sched, seq):
+    """The (start, end) of every chunk `seq` ran, stepping until its prompt is in."""
+    spans = []
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        before = {s.seq_id: s.num_computed_tokens for s in [*sched.running, *sched.waiting]}
+        batch = run_step(sched)
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            if s is seq:
+                spans.append(
+                    (before.get(s.seq_id, 0) if s.num_computed_tokens - n else 0, s.num_computed_tokens)
+                )
+    return spans
+
+
+def test_a_prompts_chunks_end_at_the_same_positions_alone_and_under_load():
+    alone = make(budget=100, max_seqs=4, chunk=48)
+    assert chunks_of(alone, add(alone, 0, 130)) == [(0, 48), (48, 96), (96, 130)]
+    busy = make(budget=100, max_seqs=4, chunk=48)
+    for i in range(3):
+        add(busy, 10 + i, 30 + 7 * i, first=1000 * (i + 1))  # prompts ahead of it in the queue
+    spans = chunks_of(busy, add(busy, 0, 130))
+    assert [end for _, end in spans] == [48, 96, 130]
+
+
+def test_after_a_prefix_cache_hit_the_first_chunk_runs_to_the_next_fixed_position():
+    kv = KVCacheManager(BlockPool(64, 4), enable_prefix_caching=True)
+    sched = Scheduler(kv, 100, 4, 12)
+    first = add(sched, 0, 20)
+    while first.num_computed_tokens < 20:
+        run_step(sched)
+    sched.remove(first)
+    again = add(sched, 1, 30)  # the same first 20 tokens: 5 full blocks cached
+    batch = sched.schedule()
+    assert again.num_computed_tokens == 20 and batch.num_tokens == [24 - 20]  # to 24, not 20 + 12
 
 
 def test_scheduled_tokens_never_exceed_budget_under_load():

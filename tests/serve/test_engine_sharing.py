@@ -18,7 +18,11 @@ VLLM_NAMES = (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
     "prefix_cache_hits", "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
     "inter_token_latency_seconds", "e2e_request_latency_seconds", "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_preemptions",
+    "request_success", "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_inference_time_seconds",
+    "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
 )  # fmt: skip
 
 
@@ -61,7 +65,7 @@ def test_four_concurrent_clients_share_engine_steps(server):
 
 
 def test_a_disconnect_mid_stream_cancels_and_frees_the_blocks(server, client):
-    before = metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0)
+    before = metrics(server).get("kvscope:request_success_total{finished_reason=abort}", 0.0)
     stream = client.chat.completions.create(
         model=MODEL, messages=chat("Talk for a long time."), max_tokens=1500, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
@@ -76,14 +80,14 @@ def test_a_disconnect_mid_stream_cancels_and_frees_the_blocks(server, client):
     wait_for(lambda: pool_used(server) == 0, what="the blocks to be freed")
     wait_for(
         lambda: (
-            metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0) == before + 1
+            metrics(server).get("kvscope:request_success_total{finished_reason=abort}", 0.0) == before + 1
         ),
         what="the cancellation to be counted",
     )
 
 
 def test_a_disconnect_while_waiting_for_a_whole_response_cancels_it(server):
-    before = metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0)
+    before = metrics(server).get("kvscope:request_success_total{finished_reason=abort}", 0.0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.url + "/v1/chat/completions",
@@ -94,7 +98,7 @@ def test_a_disconnect_while_waiting_for_a_whole_response_cancels_it(server):
     # cancelled, not run to its 1500 tokens: the server noticed the client had gone
     wait_for(
         lambda: (
-            metrics(server).get("kvscope:request_success_total{finished_reason=cancelled}", 0.0) == before + 1
+            metrics(server).get("kvscope:request_success_total{finished_reason=abort}", 0.0) == before + 1
         ),
         what="the cancellation to be counted",
     )
@@ -124,6 +128,11 @@ def test_metrics_parse_and_count_what_the_engine_did(server, client):
     assert delta("kvscope:inter_token_latency_seconds_count") == 6
     assert delta("kvscope:e2e_request_latency_seconds_count") == 1
     assert delta("kvscope:request_success_total{finished_reason=length}") == 1
+    for phase in ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token"):
+        assert delta(f"kvscope:request_{phase}_seconds_count") == 1
+    assert delta("kvscope:request_generation_tokens_sum") == 7
+    assert delta("kvscope:request_prompt_tokens_sum") == reply.usage.prompt_tokens
+    assert delta("kvscope:request_params_max_tokens_sum") == 7 and delta("kvscope:request_params_n_sum") == 1
     assert delta("kvscope:prefix_cache_queries_total") == reply.usage.prompt_tokens
     assert delta("kvscope:prefix_cache_hits_total") == reply.usage.prompt_tokens_details.cached_tokens
     assert 0.0 <= after["kvscope:kv_cache_usage_perc"] <= 1.0

@@ -144,7 +144,7 @@ def keyed_server(tiny_loaded):
         yield srv
 
 
-def test_an_api_key_is_required_on_v1_when_set(keyed_server):
+def test_an_api_key_guards_every_route_but_a_plain_health(keyed_server):
     url = keyed_server.url
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         response = httpx.get(url + "/v1/models", headers=headers)
@@ -158,10 +158,18 @@ def test_an_api_key_is_required_on_v1_when_set(keyed_server):
     with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0) as client:
         assert client.models.list().data[0].id == MODEL
         assert client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=1).choices
-    assert httpx.get(url + "/v1/kvscope/events").status_code == 401
-    # as vLLM does: health and metrics stay open for probes and scrapers
-    assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
+    # the metrics say what runs and how busy it is, the events stream carries every client's
+    # tokens, the schema lists the routes: all need the key
+    for path in ("/metrics", "/v1/kvscope/events", "/openapi.json"):
+        refused = httpx.get(url + path)
+        assert refused.status_code == 401, path
+        assert_openai_shape(refused.json(), code="invalid_api_key")
+    assert httpx.post(url + "/health").status_code == 401, "only a plain GET /health is open"
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}, "no model named"
+    key = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(url + "/metrics", headers=key).status_code == 200
+    assert httpx.get(url + "/openapi.json", headers=key).json()["openapi"]
 
 
 def test_non_loopback_bind_needs_an_api_key():
@@ -198,3 +206,36 @@ def test_kvscope_serve_is_the_same_command():
     )  # fmt: skip
     assert result.returncode == 2 and "refusing to listen on 10.1.2.3 without --api-key" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cors_is_off_by_default(server):
+    preflight = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+    answer = httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+def test_cors_allows_only_the_origins_named(tiny_loaded):
+    from engine.serve.server import BackgroundServer
+
+    with BackgroundServer(
+        EngineConfig(block_size=4, num_blocks=64),
+        loaded=tiny_loaded,
+        api_key="k",
+        cors_origins=("https://app.example",),
+    ) as srv:
+        ok = httpx.options(
+            srv.url + "/v1/chat/completions",
+            headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"},
+        )  # fmt: skip
+        assert ok.status_code == 200, "a preflight carries no key: CORS answers it before the key check"
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(
+            srv.url + "/v1/chat/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert other.headers.get("access-control-allow-origin") != "https://evil.example"

@@ -79,11 +79,11 @@ def attention_map(positions: int = 11, block_size: int = 4, window: int | None =
 
 def test_a_heads_map_is_its_weights_by_block_and_slot_with_the_window_greyed():
     att = attention_map(positions=11, block_size=4, window=5)
-    full = head_map(att.layers[0], 0, 11, 4)
+    full = head_map(att, 0, 0)
     assert full.shape == (3, 4, 3)
     assert tuple(full[2, 2]) == tuple(LUT[255])  # the last position, the largest weight
     assert tuple(full[2, 3]) == UNUSED_SLOT  # past the query in its block
-    sliding = head_map(att.layers[1], 0, 11, 4)
+    sliding = head_map(att, 1, 0)
     assert tuple(sliding[0, 0]) == BEFORE_WINDOW and tuple(sliding[1, 1]) == BEFORE_WINDOW  # positions 0-5
     assert tuple(sliding[1, 2]) == tuple(heat_rgb(np.asarray(1 / 5)))  # position 6: 1/5 of the largest
     assert att.blocks_read(0) == (7, 8, 9) and att.blocks_read(1) == (8, 9)
