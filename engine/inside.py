@@ -39,6 +39,12 @@ class Candidates:
     probs: tuple[float, ...]
 
 
+# What a lens's last stage was checked against: the drawing step's own logits (kept for the
+# token), or the replay's forward's (the step's are no longer kept).
+STEP_LOGITS = "step"
+REPLAY_LOGITS = "replay"
+
+
 # ---- logit lens ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class LensLayer:
@@ -58,9 +64,15 @@ class LogitLens:
     layers: tuple[LensLayer, ...]  # stage 0 (the embedding) .. num_layers (the last layer)
     # The first stage at which the drawn token is the top candidate (None: it never is).
     first_lead: int | None
-    # max |lens(last layer) - the forward's own logits| over the vocabulary: 0.0 when the last
-    # stage is the model's distribution to the bit.
+    # max |lens(last layer) - logits| over the vocabulary, against the logits of the step that
+    # drew the token where the engine still keeps them (`gap_against` STEP_LOGITS), else the
+    # replay's own forward's (REPLAY_LOGITS): 0.0 when the last stage is that distribution to the bit.
     last_gap: float
+    gap_against: str = STEP_LOGITS
+
+    @property
+    def against_the_step(self) -> bool:
+        return self.gap_against == STEP_LOGITS
 
     @property
     def num_layers(self) -> int:

@@ -172,10 +172,12 @@ class LensStrip(QWidget):
             if lens.first_lead is not None
             else "never the top candidate"
         )
+        # the step's own logits while the engine keeps them for the token, else the replay's
+        whose = "the step's own logits" if lens.against_the_step else "the replayed step's logits"
         last = (
-            "the last layer through the head is the model's own logits, to the bit"
+            f"the last layer through the head is {whose}, to the bit"
             if lens.last_gap == 0.0
-            else f"the last layer through the head is within {lens.last_gap:.2g} of the model's logits"
+            else f"the last layer through the head is within {lens.last_gap:.2g} of {whose}"
         )
         token = f"<b style='color:{theme.MARK}'>{escape_html(visible(lens.token_text))}</b>"
         self.title.setText(

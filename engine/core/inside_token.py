@@ -8,8 +8,9 @@ them, the rest recomputed, the row itself alone, as a decode row runs) with a pr
   rank and probability per layer, the top candidates, the layer where it first leads);
 - every head's attention probabilities over the positions the row attended, as the attention
   computed them (kvk's row attention writes them: the same blocks, window, sinks and soft cap).
-The lens's last stage is checked against the forward's own logits (`last_gap`): 0.0 when the last
-layer read through the head is the model's distribution to the bit.
+The lens's last stage is checked (`last_gap`) against the logits the token was drawn from, where
+the engine still keeps them for it, else against the replay's own: 0.0 when the last layer read
+through the head is that distribution to the bit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.core.replay import Replay
 from engine.core.runner import ForwardProbe
 from engine.errors import InspectionError
 from engine.inside import (
+    REPLAY_LOGITS,
+    STEP_LOGITS,
     AttentionMap,
     Candidates,
     LayerAttentionMap,
@@ -81,7 +84,10 @@ def inside_token(
         reused = replay.reused
     lens = None
     if head is not None:
-        lens = _lens(core, head, residuals, logits, token_id, top_k)
+        kept = core.kept_logits.get(context)  # what the step drew from, while it is kept
+        against = REPLAY_LOGITS if kept is None else STEP_LOGITS
+        reference = logits if kept is None else kept.to(logits.device)
+        lens = _lens(core, head, residuals, reference, against, token_id, top_k)
     attention = _attention(core, recorder, context, block_ids)
     return TokenInside(
         lens,
@@ -101,6 +107,7 @@ def _lens(
     head: Callable[[Tensor], Tensor],
     residuals: dict[int, Tensor],
     logits: Tensor,
+    against: str,
     token_id: int,
     top_k: int,
 ) -> LogitLens:
@@ -109,7 +116,7 @@ def _lens(
     # The last stage alone, as the step read its row (one row through the head's kernel), the
     # others together: a float32 GEMM's last bits follow its row count.
     lens_logits = torch.cat([head(stack[:-1]).float(), head(stack[-1:]).float()])  # [stages, vocab]
-    gap = float((lens_logits[-1] - logits).abs().max())
+    gap = float((lens_logits[-1] - logits.float()).abs().max())
     logprobs = torch.log_softmax(lens_logits, dim=-1)
     probs = logprobs.exp()
     ranks = (lens_logits > lens_logits[:, token_id : token_id + 1]).sum(dim=-1) + 1
@@ -129,7 +136,7 @@ def _lens(
             )
         )
     first = next((layer.stage for layer in layers if layer.token_rank == 1), None)
-    return LogitLens(token_id, text(token_id), tuple(layers), first, gap)
+    return LogitLens(token_id, text(token_id), tuple(layers), first, gap, against)
 
 
 def _attention(

@@ -1,6 +1,8 @@
 """The views of the model's inside, on tiny random models whose numbers transformers checks:
 - the logit lens: the residual stream per layer is transformers' hidden states, and its last layer
-  read through the head is the model's own logits (bit for bit: the logits the token was drawn from);
+  read through the head is the logits the token was drawn from (kept by the step: bit for bit on
+  kvscope's own forward here, within float32 rounding through transformers' code; else the
+  replay's own, bit for bit);
 - attention per head: every head's weights over the positions the step attended sum to 1 and are
   transformers' eager `output_attentions` for the same token, on kvk and on torch, with sliding
   windows (the view starts where the window does), soft caps and sinks;
@@ -21,11 +23,12 @@ from tiny_models import IdTokenizer
 from engine.config import EngineConfig, SamplingParams
 from engine.core.experts import expert_routes
 from engine.core.inside_token import inside_token
+from engine.core.kept_logits import KeptLogits
 from engine.core.llm_engine import LLMEngine
 from engine.core.scoring import score_ids
 from engine.core.steering import contrast_vector, steer
 from engine.errors import InspectionError
-from engine.inside import ControlVector
+from engine.inside import REPLAY_LOGITS, STEP_LOGITS, ControlVector
 from engine.kernels import native
 from engine.model import row_attention
 from engine.model.attention_probs import KVK_KERNEL, TORCH_KERNEL
@@ -93,8 +96,14 @@ def test_the_lens_reads_transformers_residual_stream_and_its_last_layer_is_the_m
     lens = inside.lens
     assert lens is not None and inside.lens_unavailable == ""
     assert len(lens.layers) == loaded.info.num_layers + 1
-    # the last stage read through the head is what the token was drawn from, to the bit
-    assert lens.last_gap == 0.0
+    # the last stage read through the head is what the token was drawn from (the step's kept
+    # logits): to the bit on kvscope's own forward; through transformers' code the replayed
+    # context's K/V come out of other chunkings than the reply's steps, within float32 rounding
+    assert lens.gap_against == STEP_LOGITS
+    if inside.executor == EXECUTOR:
+        assert lens.last_gap == 0.0
+    else:
+        assert 0.0 <= lens.last_gap < 1e-5
     kept = core.kept_logits.get([*request.prompt_token_ids, *out[:index]])
     top = int(kept.argmax())
     assert lens.layers[-1].top.ids[0] == top == out[index]  # greedy: the drawn token leads at the end
@@ -123,6 +132,15 @@ def _head(model):
     decoder, _ = decoder_layers(model)
     norm = getattr(decoder, "norm", None) or decoder.ln_f
     return lambda h: model.get_output_embeddings()(norm(h))
+
+
+def test_without_the_steps_kept_logits_the_lens_is_checked_against_the_replays():
+    loaded = loaded_family("llama")
+    core, request, out = generate(loaded, prompt())
+    core.kept_logits = KeptLogits(0)  # nothing kept: the step's logits are gone
+    lens = inside_token(core, request, out[:3], out[3]).lens
+    assert lens is not None and lens.gap_against == REPLAY_LOGITS and lens.last_gap == 0.0
+    assert lens.layers[-1].top.ids[0] == out[3]
 
 
 def test_a_lens_of_the_first_reply_token_reads_the_prompts_last_row():

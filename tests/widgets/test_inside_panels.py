@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.inside import (
+    REPLAY_LOGITS,
     AttentionMap,
     Candidates,
     ControlVector,
@@ -48,7 +49,7 @@ def test_the_lens_strip_shows_each_stages_rank_and_where_the_token_first_leads(q
     strip.set_lens(lens([900, 40, 3, 1, 2, 1]))
     assert strip.cells.lens.first_lead == 3
     assert "first leads after layer 2" in strip.title.text()
-    assert "the model's own logits, to the bit" in strip.title.text()
+    assert "the step's own logits, to the bit" in strip.title.text()
     assert "after layer 4" in strip.detail.text()  # the last stage, shown first
     strip.cells.stage_clicked.emit(0)
     assert "after the embedding" in strip.detail.text()
@@ -57,7 +58,9 @@ def test_the_lens_strip_shows_each_stages_rank_and_where_the_token_first_leads(q
     assert stage == 0
     strip.set_lens(LogitLens(11, "<b>", lens([5, 4]).layers, None, 3e-7))
     assert "never the top candidate" in strip.title.text() and "&lt;b&gt;" in strip.title.text()
-    assert "within 3e-07" in strip.title.text()
+    assert "within 3e-07 of the step's own logits" in strip.title.text()
+    strip.set_lens(LogitLens(11, " blue", lens([5, 1]).layers, 1, 0.0, REPLAY_LOGITS))
+    assert "the replayed step's logits, to the bit" in strip.title.text()
     strip.show_message("no lens for this model: why")
     assert strip.cells.lens is None and "why" in strip.title.text()
 
