@@ -4,12 +4,31 @@ parses it), so a repo's shapes and fit are known before any download."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.hub.online import endpoint, token
 from engine.model.configs import config_from_header
 from engine.model.gguf_header import GGUFHeader, GGUFHeaderError, read_header
 
-__all__ = ["GGUFHeader", "GGUFHeaderError", "config_from_header", "read_header", "remote_fetcher"]
+if TYPE_CHECKING:
+    from engine.model.gguf_plan import GGUFPlan
+
+__all__ = [
+    "GGUFHeader",
+    "GGUFHeaderError",
+    "config_from_header",
+    "header_plan",
+    "read_header",
+    "remote_fetcher",
+]
+
+
+def header_plan(header: GGUFHeader, dtype: str, native: bool) -> GGUFPlan:
+    """What a load of the file this header describes would hold (engine.model.gguf_plan)."""
+    # torch (the plan names the kernels' storages): only for an estimate, not for reading headers
+    from engine.model.gguf_plan import plan_header
+
+    return plan_header(header, dtype, native)
 
 
 def remote_fetcher(repo_id: str, filename: str, revision: str | None = None) -> Callable[[int, int], bytes]:

@@ -30,16 +30,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.kernels import gguf_blocks, native
-from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight
+from engine.kernels import native
+from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
+from engine.model import gguf_plan
 from engine.model.configs import gguf_header, read_gguf_config
 from engine.model.gguf_header import GGUFHeader
 
 if TYPE_CHECKING:
-
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
@@ -175,13 +175,13 @@ def load_native(
                 result.kept[qtype.name] += 1
                 continue
             if qtype not in _FLOAT_TYPES:  # no kernel keeps it: bfloat16, never float32
-                weight = _dequantized(tensor, processor, torch.bfloat16, module)
+                weight = _dequantized(tensor, processor, getattr(torch, gguf_plan.DEQUANTIZED_LINEAR), module)
                 _set_module(model, module_name, KernelLinear(DenseWeight(weight), module.bias, policy))
                 result.dequantized[qtype.name] += 1
                 result.dequantized_bytes += weight.numel() * 2
                 continue
         if matrix and isinstance(module, nn.Embedding):
-            storage = _kept_storage(tensor, qtype, cols, None, kvk)
+            storage = _kept_storage(tensor, qtype, cols, None, kvk, gguf_plan.EMBEDDING)
             if isinstance(storage, (GGUFWeight, Q8BlockWeight)):  # the types whose rows it can read
                 _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
                 embedding_storage = storage
@@ -211,17 +211,12 @@ def _kept_storage(
     cols: int,
     order: np.ndarray | None,
     kvk: native.Kvk | None,
+    role: str = gguf_plan.LINEAR,
 ) -> WeightStorage | None:
-    """The tensor at its own bits, or None when no kernel here keeps its type."""
-    raw = np.asarray(tensor.data)
-    if kvk is not None and qtype in KVK_TYPES:
-        blocks = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16/BF16 arrive as 16-bit values
-        return GGUFWeight(qtype, blocks, cols, order, kvk)
-    if kvk is None and qtype in gguf_blocks.INT4_TYPES:  # the slower path: torch's int4 layout
-        return gguf_blocks.int4_storage(raw, qtype, cols, order)
-    if kvk is None and qtype == GGMLQuantizationType.Q8_0:
-        return gguf_blocks.q8_storage(raw, cols, order)
-    return None
+    """The tensor at its own bits, or None when no kernel here keeps its type in `role`: the
+    decision of engine/model/gguf_plan.py, the table every fit estimate counts with too."""
+    keeping = gguf_plan.keeping_for(qtype, role, kvk)
+    return None if keeping is None else keeping.build(np.asarray(tensor.data), qtype, cols, order, kvk)
 
 
 def _dequantized(
