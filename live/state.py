@@ -42,6 +42,7 @@ from engine.events import (
     StepStats,
     TokenGenerated,
 )
+from engine.inside import is_replay_seq
 from live.groups import GroupView
 from live.latency import LatencySeries
 from live.page_map import PageMap
@@ -184,7 +185,10 @@ class LiveState:
         return self.seq_request.get(seq_id, seq_id)
 
     def seq_label(self, seq_id: int) -> str:
-        """How the page map names a sequence: "#3", or "#3 sample 2" / "#3 beam 1" in a group."""
+        """How the page map names a sequence: "#3", or "#3 sample 2" / "#3 beam 1" in a group,
+        or a token inspection's replay of a context (engine/core/replay.py)."""
+        if is_replay_seq(seq_id):
+            return "an inspection of a token (its context replayed)"
         request_id = self.request_of_seq(seq_id)
         group = self.groups.get(request_id)
         if group is None or not group.is_group:

@@ -14,6 +14,7 @@ import sys
 from engine.cli import models as cli_models
 from engine.cli import physics as cli_physics
 from engine.cli import quant as cli_quant
+from engine.cli import score as cli_score
 from engine.cli import serve as cli_serve
 from engine.cli.args import (
     MODEL_HELP,
@@ -135,6 +136,7 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     cli_quant.add_commands(sub)
     cli_models.add_commands(sub)
     cli_serve.add_command(sub)
+    cli_score.add_command(sub)
     return parser
 
 
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             return cli_serve.run(args)
         if args.command == "quant-report":
             return cli_quant.run(args)
+        if args.command == "score":
+            return cli_score.run(args)
     except (ConfigError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

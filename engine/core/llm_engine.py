@@ -31,6 +31,7 @@ from engine.config import (
 )
 from engine.core.drafter import make_proposer
 from engine.core.group_driver import GroupDriver, GroupError
+from engine.core.kept_logits import KeptLogits
 from engine.core.postprocess import Postprocessor, RoundContext
 from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
@@ -151,6 +152,8 @@ class LLMEngine:
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
         self.groups.tool_reply = self.tool_reply
+        # the logits recorded tokens were drawn from: a what-if under their own settings is exact
+        self.kept_logits = KeptLogits()
         self.post = Postprocessor(
             self.kv,
             self.groups,
@@ -161,6 +164,7 @@ class LLMEngine:
             self._proposer,
             self.tuner,
             self.fail_request,
+            self.kept_logits,
         )
         self.post.live = lambda seq: seq.seq_id in self.seqs
         self.clock = DeviceClock(loaded.device)  # the forward's time on its device (CUDA events)

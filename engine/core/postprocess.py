@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.core.group_driver import GroupDriver
+from engine.core.kept_logits import KeptLogits
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
@@ -69,12 +70,15 @@ class Postprocessor:
         proposer: Proposer | None,
         tuner: DraftTuner | None,
         fail: Callable[[Sequence, str], None],
+        kept: KeptLogits | None = None,
     ):
         self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
         self.max_model_len = max_model_len
         self.proposer, self.tuner = proposer, tuner
         self.fail = fail  # fails a sequence's request alone
         self.live: Callable[[Sequence], bool] = lambda seq: True  # still in the engine (LLMEngine sets it)
+        # the logits of the tokens that record a snapshot, for exact what-ifs (None: none kept)
+        self.kept = kept
         self.step_count = 0  # the step being postprocessed (run() sets it)
         self.step_t = 0.0  # its time, every token it gives is stamped with
         self.rounds = RoundContext(0.0, 0, 0)  # the step's, for its speculative rounds
@@ -138,9 +142,15 @@ class Postprocessor:
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        self._keep(seq, logits)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         result = seq.sampler.sample(logits, prompt, seq.output_ids, mask_of(seq))
         self.emit_token(seq, result)
+
+    def _keep(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The row the sequence's next token is drawn from, kept when the token records a snapshot."""
+        if self.kept is not None and seq.params.snapshot_top_n > 0:
+            self.kept.keep(seq.token_ids, logits)
 
     def _grammar_end(self, seq: Sequence, token: int) -> tuple[str | None, str]:
         """Consume the committed `token` in the sequence's grammar: (reason the reply ends, why)."""
@@ -276,6 +286,7 @@ class Postprocessor:
         greedy = seq.sampler.greedy_results(logits, emitted) if plain else None
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
+            self._keep(seq, logits[i])
             if greedy is not None:
                 result = greedy[i]
             else:

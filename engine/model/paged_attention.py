@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from engine.model.attention_probs import AttentionRecorder
 from engine.model.decode_attention import DecodeGroup, decode_attention
 from engine.model.kv_storage import PagedKVStorage, SeqSlice
 from engine.model.layer_attention import LayerAttention
@@ -67,6 +68,9 @@ class PagedBatch:
     # transformers' layers that wrote K/V and that attended through the pool, this forward
     written: list[int] = field(default_factory=list)
     attended: list[int] = field(default_factory=list)
+    # Keeps every head's probabilities of the short rows (engine/model/attention_probs.py): set
+    # only by a forward that inspects a token, None for every step of generation.
+    recorder: AttentionRecorder | None = None
 
     def slot_rows(self) -> torch.Tensor:
         """Where the new tokens' K/V go in every layer's pool (storage.slot_rows), once per step."""
@@ -123,15 +127,20 @@ def attend(
     [T, heads, head_dim]. With kvk: every sequence of at most ROW_LIMIT rows row by row in one C
     call (row_attention), each longer chunk by itself (SDPA). Without: the rows of those same
     sequences in one batched torch computation (decode_attention, each row a decode at its own
-    position), each longer chunk by itself."""
+    position), each longer chunk by itself. A batch with a recorder keeps every head's probabilities of the
+    rows that attend row by row."""
     plan = batch.row_plan()
+    recorder = batch.recorder
     if plan is not None:
+        probs = None if recorder is None else recorder.kvk_buffer(layer, plan, q.shape[1], how)
         if plan.count == q.shape[0]:  # every row (a decode-only step, the common one)
-            return row_attention(storage, layer, q, plan, how).to(q.dtype)
+            return row_attention(storage, layer, q, plan, how, probs).to(q.dtype)
         out = torch.empty_like(q)
-        out[plan.rows] = row_attention(storage, layer, q[plan.rows], plan, how).to(q.dtype)
+        out[plan.rows] = row_attention(storage, layer, q[plan.rows], plan, how, probs).to(q.dtype)
         _chunks(storage, layer, q, batch, how, out, skip=plan.covered)
         return out
+    if recorder is not None:
+        recorder.record_torch(storage, layer, q, batch.seqs, how)
     group = batch.decode_group(how.window)
     if group is not None and group.count == q.shape[0]:  # every row (a decode-only step, the common one)
         return decode_attention(storage, layer, q[group.rows], group, how)
