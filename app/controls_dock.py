@@ -4,7 +4,16 @@ load's progress), then the model's settings, sampling and speculation in one scr
 from __future__ import annotations
 
 from PySide6.QtCore import QSize, Qt, Slot
-from PySide6.QtWidgets import QFrame, QGroupBox, QPushButton, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QFrame,
+    QGroupBox,
+    QLayout,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.models.picker import ModelPicker
 from app.sampling_controls import SamplingControls
@@ -12,6 +21,7 @@ from app.sampling_presets import PresetBar, PresetStore
 from app.settings import DEFAULT_SAMPLING, ModelChoice
 from app.speculation.controls import SpeculationControls
 from engine.config import SamplingParams
+from widgets.flow_row import FlowRow
 
 
 class ControlsPanel(QWidget):
@@ -31,6 +41,7 @@ class ControlsPanel(QWidget):
         self.scroll.setWidgetResizable(True)
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setMinimumHeight(36)  # a short window (960x540) keeps the column; it scrolls
         self.model = ModelPicker(choice, default_budget_bytes)
         self.sampling = SamplingControls(params)
         if token_texts:
@@ -75,6 +86,32 @@ class ControlsPanel(QWidget):
         bar = self.scroll.verticalScrollBar().sizeHint().width()
         margins = self.layout().contentsMargins()
         return QSize(max(hint.width(), inner + bar + margins.left() + margins.right() + 2), hint.height())
+
+    def unwrapped_width(self) -> int:
+        """The least width at which no row wraps (a form's field under its label, the preset
+        buttons under the list): the column's width on a screen with room for it; the rows wrap
+        only on a narrow window."""
+        try:
+            self._wrap(False)
+            return self.minimumSizeHint().width()
+        finally:
+            self._wrap(True)
+
+    def _wrap(self, wrap: bool) -> None:
+        forms, flows = self.findChildren(QFormLayout), self.findChildren(FlowRow)
+        for form in forms:
+            form.setRowWrapPolicy(
+                QFormLayout.RowWrapPolicy.WrapLongRows if wrap else QFormLayout.RowWrapPolicy.DontWrapRows
+            )
+        for flow in flows:
+            flow.one_line = not wrap
+        for layout in (*forms, *flows):
+            widget = layout.parentWidget()  # each layout and layout item on the way up caches its minimum
+            while widget is not None and widget is not self:
+                widget.updateGeometry()
+                widget = widget.parentWidget()
+        for layout in self.findChildren(QLayout):
+            layout.invalidate()
 
     @Slot()
     def _on_reset(self) -> None:

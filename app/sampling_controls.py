@@ -135,6 +135,8 @@ class SamplingControls(QWidget):
         shown_under = {"logit_bias": self.tokens.bias_tokens, "banned_token_ids": self.tokens.banned_tokens}
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
+        # a field under its label where the column is too narrow for both side by side
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.setVerticalSpacing(2)
         for name, editor in editors.items():
             label, explanation = EXPLANATIONS[name]

@@ -14,10 +14,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QInputDialog, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QInputDialog, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.settings import DEFAULT_SAMPLING, AppSettings
 from engine.config import ConfigError, SamplingParams
+from widgets.flow_row import FlowRow
 
 PRESETS_KEY = "sampling/presets"
 CUSTOM_LABEL = "(custom settings)"
@@ -175,15 +176,13 @@ class PresetBar(QWidget):
         self.reason = QLabel("")
         self.reason.setObjectName("hint")
         self.reason.setWordWrap(True)
-        row = QHBoxLayout()
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addWidget(self.combo, 1)
-        row.addWidget(self.save_button)
-        row.addWidget(self.delete_button)
+        # the buttons under the list where the column is too narrow for all three on one line
+        row = QWidget()
+        FlowRow(row).add_widgets(self.combo, self.save_button, self.delete_button)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(2)
-        layout.addLayout(row)
+        layout.addWidget(row)
         layout.addWidget(self.reason)
         self._filling = False
         self.combo.currentIndexChanged.connect(self._on_chosen)

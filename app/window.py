@@ -57,7 +57,7 @@ DEFAULT_SIZE = (1560, 960)
 LEFT_SHARE, RIGHT_SHARE, BOTTOM_SHARE = 0.2, 0.25, 0.27
 # Narrower than this, the first-run layout tabs memory with latency instead of a third column.
 COMPACT_WIDTH = 1700
-# The narrowest left column that shows the Controls' fields and buttons whole.
+# The least left column on a screen with room for it (a narrower window wraps the Controls' rows).
 MIN_LEFT_WIDTH = 270
 
 
@@ -323,7 +323,9 @@ class MainWindow(QMainWindow):
         controls = self._dock("controls", "Controls", self.controls, left)
         self.splitDockWidget(conversations, controls, Qt.Orientation.Vertical)
         probabilities = self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
-        page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom)
+        # scrolls: its wrapped notes would otherwise hold the row of graphs (and the window)
+        # taller than a 540 px screen
+        page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom, scrolls=True)
         # Below COMPACT_WIDTH (a 1366 px laptop, a 2560 px screen at 200%) three graphs side by
         # side would each be too narrow to read: memory becomes a tab of the latency group.
         compact = self.width() < COMPACT_WIDTH
@@ -362,7 +364,10 @@ class MainWindow(QMainWindow):
         sweep.hide()
         load_tool.hide()
         width, height = self.width(), self.height()
-        left = max(MIN_LEFT_WIDTH, round(LEFT_SHARE * width))
+        # wide enough that no Controls row wraps, where the chat keeps its least width beside it;
+        # on a narrow window (960x540) what is left, its rows wrapped
+        room = width - round(RIGHT_SHARE * width) - self.centralWidget().minimumSizeHint().width() - 24
+        left = min(max(MIN_LEFT_WIDTH, round(LEFT_SHARE * width), self.controls.unwrapped_width()), room)
         bottom = round(BOTTOM_SHARE * height)
         self.resizeDocks([conversations, controls], [height // 6, height - bottom], Qt.Orientation.Vertical)
         self.resizeDocks(

@@ -32,6 +32,7 @@ from engine.events import StageSnapshot, TokenGenerated, TokenSnapshot
 from live.remote import is_remote_snapshot
 from live.state import LiveState
 from widgets import theme
+from widgets.flow_row import FlowRow
 from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
 from widgets.probability_rows import (
@@ -87,8 +88,10 @@ class ProbabilityPanel(QWidget):
         )
         self.banner.setWordWrap(True)
         self.banner.hide()
-        self.stage_bar = QHBoxLayout()
-        self.stage_bar.setSpacing(3)
+        # a row that wraps: with many stages it would otherwise hold the panel (and the window)
+        # wider than a 960 px screen
+        self.stage_row = QWidget()
+        self.stage_bar = FlowRow(self.stage_row, spacing=3)
         self.stage_buttons = QButtonGroup(self)
         self.stage_buttons.setExclusive(True)
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
@@ -122,10 +125,7 @@ class ProbabilityPanel(QWidget):
         layout.setSpacing(3)
         layout.addWidget(self.header)
         layout.addWidget(self.banner)
-        stage_row = QHBoxLayout()
-        stage_row.addLayout(self.stage_bar)
-        stage_row.addStretch(1)
-        layout.addLayout(stage_row)
+        layout.addWidget(self.stage_row)
         layout.addWidget(self.summary)
         layout.addWidget(self.grammar_note)
         layout.addWidget(self.reference_note)

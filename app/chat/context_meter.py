@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QEvent, QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPaintEvent, QPen, QResizeEvent
-from PySide6.QtWidgets import QBoxLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QBoxLayout, QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from app.chat.context_fit import refusal
 from engine.api import ContextFit
@@ -38,9 +38,16 @@ class MeterBar(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.setFixedSize(BAR_W, BAR_H)
+        # BAR_W wide where there is room, narrower on a narrow window (a 960 px screen)
+        self.setFixedHeight(BAR_H)
+        self.setMinimumWidth(BAR_W // 3)
+        self.setMaximumWidth(BAR_W)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
         self.segments: tuple[Segment, ...] = ()
         self.capacity = 0
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        return QSize(BAR_W, BAR_H)
 
     def set_segments(self, segments: tuple[Segment, ...], capacity: int) -> None:
         if (segments, capacity) != (self.segments, self.capacity):

@@ -73,6 +73,7 @@ class ConversationList(QWidget):
         self.search_note.setObjectName("hint")
         self.search_note.hide()
         self.list = QListWidget()
+        self.list.setMinimumHeight(40)  # two rows at the least: a 540 px screen still fits the column
         self.list.setObjectName("conversations")
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)

@@ -24,6 +24,7 @@ from app.chat.chat_settings import ChatSettings
 from app.chat.context_meter import ContextMeter
 from app.chat.rich_text import probability_legend_html
 from app.chat.spec_marks import spec_legend_html
+from widgets.flow_row import FlowRow
 
 # Within this many pixels of the bottom, the transcript counts as "following" the stream and
 # keeps scrolling with it; further up, the reader is looking back and is left alone.
@@ -148,7 +149,10 @@ class ChatPane(QWidget):
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setObjectName("systemPrompt")
         self.system_prompt.setPlaceholderText("System prompt (optional): how the assistant should behave")
-        self.system_prompt.setFixedHeight(46)
+        # at most this tall, and shorter only on a window too short for the whole column (a
+        # 1920x1080 screen at 200%): the transcript keeps some room there
+        self.system_prompt.setMinimumHeight(30)
+        self.system_prompt.setMaximumHeight(46)
         self.system_prompt.textChanged.connect(self._on_system_prompt_changed)
         self.transcript = ChatTranscript()
         self.structured_label = QLabel()
@@ -178,7 +182,8 @@ class ChatPane(QWidget):
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
         self.input.setPlaceholderText("Message the model…  (Enter sends, Shift+Enter for a new line)")
-        self.input.setFixedHeight(72)
+        self.input.setMinimumHeight(48)
+        self.input.setMaximumHeight(72)
         self.input.submitted.connect(self._on_submit)
         self.input.escaped.connect(self.edit_cancelled)
 
@@ -234,22 +239,26 @@ class ChatPane(QWidget):
         actions.addWidget(self.send_button)
 
         layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 8, 8, 8)
-        layout.setSpacing(6)
+        layout.setContentsMargins(8, 6, 8, 6)
+        layout.setSpacing(4)
         from app.banner import Banner
 
         self.banner = Banner()  # a read-only database, a remote engine gone mid-reply
         layout.addWidget(self.banner)
         layout.addWidget(self.system_prompt)
-        settings_row = QHBoxLayout()
-        settings_row.addWidget(self.structured_button)
-        settings_row.addWidget(self.structured_label)
-        settings_row.addStretch(1)
-        settings_row.addWidget(self.tools_check)
-        settings_row.addWidget(self.tool_choice)
-        settings_row.addWidget(self.tools_label)
-        settings_row.addWidget(self.servers_button)
-        layout.addLayout(settings_row)
+        # a row that wraps: on a narrow window (a 1920x1080 screen at 200%) its buttons go onto
+        # a second line instead of holding the whole window wider than the screen
+        settings_row = QWidget()
+        FlowRow(settings_row).add_widgets(
+            self.structured_button,
+            self.structured_label,
+            self.tools_check,
+            self.tool_choice,
+            self.tools_label,
+            self.servers_button,
+        )
+        layout.addWidget(settings_row)
+        self.transcript.setMinimumHeight(40)  # a short window (960x540) still fits
         layout.addWidget(self.transcript, 1)
         layout.addLayout(view_row)
         layout.addWidget(self.input)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QWidget
+from PySide6.QtWidgets import QDockWidget, QFrame, QMainWindow, QScrollArea, QSplitter
 
 from app.engine_host import EngineHost
 from app.inside.text_views import ScoreController, SteeringController
@@ -21,7 +21,7 @@ from widgets.steering_view import SteeringPanel
 
 LENS_PX = 150  # the strip's first height under the probabilities: its title, cells and candidates
 
-AddDock = Callable[[str, str, QWidget, Qt.DockWidgetArea], QDockWidget]
+AddDock = Callable[..., QDockWidget]  # (key, title, widget, area, scrolls=False)
 
 
 class InsideViews(QObject):
@@ -42,10 +42,14 @@ class InsideViews(QObject):
         self.steering = SteeringPanel()
         right = Qt.DockWidgetArea.RightDockWidgetArea
         self.docks = {
-            "attention": add_dock("attention", "Attention per head", self.attention, right),
+            # scrolls, as steering: a grid of every layer's heads would otherwise hold the right
+            # column (and the window) as wide as itself from behind the probabilities' tab
+            "attention": add_dock("attention", "Attention per head", self.attention, right, scrolls=True),
             "experts": add_dock("experts", "Expert routes", self.experts, right),
             "score": add_dock("score_text", "Score a text", self.score, right),
-            "steering": add_dock("steering", "Steering", self.steering, right),
+            # scrolls: its rows would otherwise hold the whole right column (and the window)
+            # wider than a 960 px screen, from behind the probabilities' tab
+            "steering": add_dock("steering", "Steering", self.steering, right, scrolls=True),
         }
         # The lens strip under the probabilities, in their dock (a dock of its own split off a
         # tabbed dock would only become another tab); the others tabbed beside them.
@@ -53,7 +57,15 @@ class InsideViews(QObject):
         panel = probabilities.widget()
         if panel is not None:
             split.addWidget(panel)
-        split.addWidget(self.lens)
+        # in a scroll area: a cell per layer (30 of them for a small model) would otherwise hold
+        # the column wider than a 960 px screen; narrower, the strip scrolls sideways
+        self.lens_scroll = QScrollArea()
+        self.lens_scroll.setObjectName("lensScroll")
+        self.lens_scroll.setWidgetResizable(True)
+        self.lens_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.lens_scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.lens_scroll.setWidget(self.lens)
+        split.addWidget(self.lens_scroll)
         split.setStretchFactor(0, 1)
         split.setStretchFactor(1, 0)
         split.setSizes([600, LENS_PX])
@@ -74,7 +86,7 @@ class InsideViews(QObject):
     def shown(self, name: str) -> bool:
         """Whether panel `name` is on screen (a tab behind another is not)."""
         if name == "lens":
-            return self.lens.isVisible() and self.lens.height() > 0
+            return self.lens.isVisible() and self.lens_scroll.height() > 0
         widget = self.docks[name].widget()
         return widget is not None and widget.isVisible()
 

@@ -249,6 +249,8 @@ class ModelPicker(QWidget):
 
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
+        # a field under its label where the column is too narrow for both side by side
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.addRow("dtype", self.dtype)
         form.addRow("device", self.device)
         form.addRow("KV block size", self.block_size)

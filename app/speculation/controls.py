@@ -75,6 +75,8 @@ class SpeculationControls(QWidget):
         draft_row.addWidget(self.browse)
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
+        # a field under its label where the column is too narrow for both side by side
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.addRow("proposer", self.proposer)
         form.addRow("tokens per round", self.num_draft)
         form.addRow("", self.adaptive)

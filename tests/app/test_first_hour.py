@@ -55,7 +55,7 @@ def test_the_ways_to_a_model_are_in_the_file_menu_and_the_toolbar(make_window, q
     window.controls.model.wait_for_estimate()
 
 
-@pytest.mark.parametrize("size", [(1366, 768), (1920, 1080)])
+@pytest.mark.parametrize("size", [(1366, 768), (1920, 1080), (960, 540)])
 def test_no_button_of_the_controls_dock_is_clipped_and_load_is_never_scrolled_away(make_window, qtbot, size):
     window = make_window(start=False)
     window.resize(*size)
@@ -208,9 +208,13 @@ def test_after_a_load_the_estimate_stands_beside_the_measurement(make_window, qt
     assert "Q4_1 x210 kept as " in picker.estimate.text()  # the per-type plan it counted
 
 
-# The screens people have, in logical pixels: a laptop, a desktop, a 1440p screen at 100% and the
-# same screen at 200% (1280x720 logical).
-SCREENS = [(1366, 768), (1920, 1080), (2560, 1440), (1280, 720)]
+# The screens people have, in logical pixels: a laptop, a desktop, a 1440p screen at 100%, the
+# same screen at 200% (1280x720 logical) and a 1920x1080 screen at 200% (960x540 logical).
+SCREENS = [(1366, 768), (1920, 1080), (2560, 1440), (1280, 720), (960, 540)]
+# the least each needs to be read: a message and its input, ~15 bars, a grid of pages; on the
+# smallest screen the chat has less height (the graphs' row under it) and the column wraps
+LEAST = {"chat": (420, 380), "probabilities": (250, 380), "page map": (250, 150)}
+LEAST_AT = {(960, 540): {"chat": (380, 250), "probabilities": (230, 380), "page map": (250, 120)}}
 
 
 @pytest.mark.parametrize("screen", SCREENS, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -225,10 +229,11 @@ def test_the_first_run_layout_shows_the_chat_the_probabilities_and_the_page_map_
     window = make_window(start=False)
     qtbot.waitUntil(lambda: window.width() == screen[0])
     assert window.width() <= screen[0] and window.height() <= screen[1]
+    least_size = window.minimumSizeHint().expandedTo(window.minimumSize())  # nothing runs off the screen
+    assert least_size.width() <= screen[0] and least_size.height() <= screen[1], f"{least_size} on {screen}"
     docks = window.docks
     shown = {"chat": window.chat, "probabilities": docks["probabilities"], "page map": docks["page_map"]}
-    # the least each needs to be read: a message and its input, ~15 bars, a grid of pages
-    least = {"chat": (420, 380), "probabilities": (250, 380), "page map": (250, 150)}
+    least = LEAST_AT.get(screen, LEAST)
     for name, widget in shown.items():
         assert widget.isVisible(), f"the {name} is hidden"
         assert not widget.visibleRegion().isEmpty(), f"the {name} is behind another tab"
