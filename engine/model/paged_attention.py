@@ -109,9 +109,9 @@ def attend(
     storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
 ) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
-    [T, heads, head_dim]. With kvk: every sequence of at most ROW_LIMIT rows row by row in one C
-    call (row_attention), each longer chunk by itself (SDPA). Without: the decoding sequences in
-    one batched torch computation (decode_attention), every chunk by itself."""
+    [T, heads, head_dim]. With kvk: every row of every sequence row by row in one C call
+    (row_attention). Without: the decoding sequences in one batched torch computation
+    (decode_attention), every chunk by itself (SDPA)."""
     plan = batch.row_plan()
     if plan is not None:
         if plan.count == q.shape[0]:  # every row (a decode-only step, the common one)
