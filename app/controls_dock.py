@@ -1,9 +1,10 @@
-"""The Controls dock: the model section over the sampling section, in one scrolling column."""
+"""The Controls dock: the model's load bar pinned at the top (which model, Load model, Open…, the
+load's progress), then the model's settings, sampling and speculation in one scrolling column."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Slot
-from PySide6.QtWidgets import QGroupBox, QPushButton, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtCore import QSize, Qt, Slot
+from PySide6.QtWidgets import QFrame, QGroupBox, QPushButton, QScrollArea, QVBoxLayout, QWidget
 
 from app.models.picker import ModelPicker
 from app.sampling_controls import SamplingControls
@@ -13,7 +14,7 @@ from app.speculation.controls import SpeculationControls
 from engine.config import SamplingParams
 
 
-class ControlsPanel(QScrollArea):
+class ControlsPanel(QWidget):
     def __init__(
         self,
         params: SamplingParams,
@@ -25,8 +26,11 @@ class ControlsPanel(QScrollArea):
     ):
         super().__init__(parent)
         self.setObjectName("controls")
-        self.setWidgetResizable(True)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("controlsScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.model = ModelPicker(choice, default_budget_bytes)
         self.sampling = SamplingControls(params)
         if token_texts:
@@ -37,7 +41,7 @@ class ControlsPanel(QScrollArea):
         reset.setToolTip("Back to kvscope's starting sampling settings")
         reset.clicked.connect(self._on_reset)
 
-        model_box = QGroupBox("Model")
+        model_box = QGroupBox("Model settings")
         QVBoxLayout(model_box).addWidget(self.model)
         sampling_box = QGroupBox("Sampling")
         sampling_layout = QVBoxLayout(sampling_box)
@@ -51,12 +55,26 @@ class ControlsPanel(QScrollArea):
 
         inner = QWidget()
         layout = QVBoxLayout(inner)
-        layout.setContentsMargins(6, 6, 6, 6)
+        layout.setContentsMargins(6, 0, 6, 6)
         layout.addWidget(model_box)
         layout.addWidget(sampling_box)
         layout.addWidget(speculation_box)
         layout.addStretch(1)
-        self.setWidget(inner)
+        self.scroll.setWidget(inner)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(6, 6, 6, 0)
+        outer.setSpacing(4)
+        outer.addWidget(self.model.load_bar)  # taken out of the picker's column: never scrolled away
+        outer.addWidget(self.scroll, 1)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        """Wide enough for the scrolling column's widest row and its scroll bar: the dock may be
+        short (the column scrolls) but never so narrow that a field or button is cut off."""
+        hint = super().minimumSizeHint()
+        inner = self.scroll.widget().minimumSizeHint().width()
+        bar = self.scroll.verticalScrollBar().sizeHint().width()
+        margins = self.layout().contentsMargins()
+        return QSize(max(hint.width(), inner + bar + margins.left() + margins.right() + 2), hint.height())
 
     @Slot()
     def _on_reset(self) -> None:

@@ -56,7 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         metavar="SOURCE",
         help="'default' (the packaged SmolLM2), a model folder, a .gguf file or a repo id in the local "
-        "Hugging Face cache (default: the model loaded last; 'default' for scripted runs)",
+        "Hugging Face cache (a GGUF repo's one .gguf file; REPO:FILE picks one of several) (default: "
+        "the model loaded last; 'default' for scripted runs)",
+    )
+    parser.add_argument(
+        "--gguf-file", metavar="FILE", help="with a repo id as --model: which of its .gguf files to load"
     )
     parser.add_argument("--dtype", choices=DTYPES, help="weight and KV precision")
     parser.add_argument("--device", choices=DEVICES, help="where to run the model")
@@ -113,6 +117,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--timeout must be positive")
     if args.api_key and not args.attach:
         parser.error("--api-key needs --attach")
+    if args.gguf_file:
+        if not args.model:
+            parser.error("--gguf-file needs --model REPO (a repo id in the local Hugging Face cache)")
+        from engine.api import ModelLoadError, with_gguf_file
+
+        try:
+            args.model = with_gguf_file(args.model, args.gguf_file)
+        except ModelLoadError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -203,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.runtime import configure_for_gui
     from app.scripted import ScriptedRun
     from app.settings import AppSettings
+    from app.wheel_guard import install_wheel_guard
     from app.window import MainWindow
     from engine.config import ConfigError
     from widgets.theme import apply_theme
@@ -215,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setDesktopFileName("io.github.kvscope.kvscope")
     app.setWindowIcon(QIcon(str(asset_path("kvscope.svg"))))
     apply_theme(app, asset_path("style.qss"))
+    install_wheel_guard(app)  # the wheel scrolls panes; it turns only the field being edited
 
     scripted = args.prompt is not None
     try:
@@ -273,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 lambda s: s is not None and not s.events and run._on_loaded(None)
             )
         window.remote_views.attach(target)
-    else:
-        window.start_engine(choice.engine_config())
+    else:  # once the picker has read the model's estimate, shown beside what the load measures
+        window.controls.model.after_estimate(lambda: window.start_engine(choice.engine_config()))
     code = app.exec()
     conversations.close()
     return run.exit_code if run is not None and run.finished else code

@@ -52,6 +52,7 @@ class StatusBar(QStatusBar):
         self._error_timer.timeout.connect(self.error.hide)
 
     def show_error(self, message: str) -> None:
+        self.clearMessage()  # a passing note (a load's estimate beside its measurement) hides it
         first_line = message.strip().splitlines()[0] if message.strip() else "error"
         self.error.setText(f"⚠ {first_line}")
         self.error.setToolTip(message)

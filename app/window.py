@@ -6,12 +6,19 @@ saved on close and restored on the next launch (View > Reset layout brings the d
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Slot
+import gc
+
+from PySide6.QtCore import QSize, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
+    QFrame,
     QMainWindow,
     QMessageBox,
+    QScrollArea,
+    QTabBar,
+    QToolBar,
+    QToolButton,
     QWidget,
 )
 
@@ -34,15 +41,67 @@ from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
 from app.what_if import WhatIfController
+from app.wheel_guard import install_wheel_guard
 from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
 
 # ~3 Hz: status text is read, not watched; formatting it every frame would only cost time.
 SLOW_INTERVAL_MS = 333
+# How long the status bar shows a load's estimate beside its measurement (then the model's name).
+MEASURED_VISIBLE_MS = 20_000
 DEFAULT_SIZE = (1560, 960)
+# Of the window, the first-run layout gives the left column (conversations over controls) and the
+# probability bars on the right this much width, and the row of live graphs this much height;
+# the chat keeps the rest. Fractions, so that 1366x768 and 2560x1440 get the same arrangement.
+LEFT_SHARE, RIGHT_SHARE, BOTTOM_SHARE = 0.2, 0.25, 0.27
+# Narrower than this, the first-run layout tabs memory with latency instead of a third column.
+COMPACT_WIDTH = 1700
+# The narrowest left column that shows the Controls' fields and buttons whole.
+MIN_LEFT_WIDTH = 270
+
+
+# Of a screen larger than DEFAULT_SIZE, the first window takes this share (a 1920x1080 screen
+# gets 1766x994 minus its panels' frame): the panels are worth the room.
+SCREEN_SHARE = 0.92
+
+
+def first_run_size(available: tuple[int, int]) -> tuple[int, int]:
+    """The first window's size on a screen whose free area is `available`: all of it when that
+    is smaller than DEFAULT_SIZE (a 1366x768 laptop), else SCREEN_SHARE of it, at least
+    DEFAULT_SIZE."""
+    return tuple(  # type: ignore[return-value]
+        min(have, max(default, round(SCREEN_SHARE * have))) for default, have in zip(DEFAULT_SIZE, available)
+    )
+
+
 WELCOME = (
     "Chat with the model here, and watch it think in the panels around:\n"
     "the probability of every candidate token, the KV-cache pages filling up, memory and latency."
 )
+
+
+class _NoHeightForWidth(QWidget):
+    """Holds a panel at its own size with no height for width. A panel whose layout has one (a
+    word-wrapped legend over a plot) asks, as a tab hidden behind another at some narrow width,
+    for the height its legend would wrap to there, and holds its whole row of docks that tall."""
+
+    def __init__(self, panel: QWidget):
+        super().__init__()
+        self.panel = panel
+        panel.setParent(self)
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        self.panel.setGeometry(self.rect())  # before Qt sizes a first-shown child to its hint
+        super().showEvent(event)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        return self.panel.minimumSizeHint()
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        return self.panel.sizeHint()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        self.panel.setGeometry(self.rect())
+        super().resizeEvent(event)
 
 
 class MainWindow(QMainWindow):
@@ -55,6 +114,7 @@ class MainWindow(QMainWindow):
         parent: QWidget | None = None,
     ):
         super().__init__(parent)
+        install_wheel_guard()  # once per application: every dock's and dialog's fields
         self.setWindowTitle("kvscope")
         self.setObjectName("mainWindow")
         self.settings = settings
@@ -64,6 +124,7 @@ class MainWindow(QMainWindow):
         # Scripted runs must never block on a dialog; they report errors on stderr instead.
         self.interactive = interactive
         self.load_failures: list[str] = []
+        self._measuring = None  # the ModelLoaded whose estimate waits for a memory sample
 
         self.chat = ChatPane()
         self.chat.transcript.set_placeholder(WELCOME)
@@ -133,8 +194,10 @@ class MainWindow(QMainWindow):
         self.controls.sampling.set_token_resolver(self.chat_actions.resolve_tokens)
         self.docks: dict[str, QDockWidget] = {}
         # Sized first: resizeDocks() below shares out this width and height among the docks.
-        self.resize(*DEFAULT_SIZE)
+        screen = self.screen().availableGeometry()
+        self.resize(*first_run_size((screen.width(), screen.height())))
         self._build_docks()
+        self._build_toolbar()
         self._build_menus()
         self.remote_views = RemoteViews(
             self,
@@ -152,6 +215,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self._default_state = self.saveState()
         self._restore_layout()
+        self._keep_tab_titles_whole()
 
         self._slow = QTimer(self)
         self._slow.setInterval(SLOW_INTERVAL_MS)
@@ -171,18 +235,49 @@ class MainWindow(QMainWindow):
         self.refresh_status()
 
     # ---- construction ----------------------------------------------------------------------
-    def _dock(self, key: str, title: str, widget: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+    def _dock(
+        self,
+        key: str,
+        title: str,
+        widget: QWidget,
+        area: Qt.DockWidgetArea,
+        scrolls: bool = False,
+        fixed_height_for_width: bool = False,
+    ) -> QDockWidget:
+        """A dock for `widget`; `scrolls` puts it in a scroll area, for a panel whose own minimum
+        size would otherwise hold every dock tabbed with it (and the window) at that size, and
+        `fixed_height_for_width` in a _NoHeightForWidth."""
         dock = QDockWidget(title, self)
         dock.setObjectName(f"dock_{key}")  # saveState/restoreState match docks by object name
-        dock.setWidget(widget)
+        if scrolls:
+            area_widget = QScrollArea()
+            area_widget.setObjectName(f"scroll_{key}")
+            area_widget.setWidgetResizable(True)
+            area_widget.setFrameShape(QFrame.Shape.NoFrame)
+            area_widget.setWidget(widget)
+            dock.setWidget(area_widget)
+        elif fixed_height_for_width:
+            dock.setWidget(_NoHeightForWidth(widget))
+        else:
+            dock.setWidget(widget)
         dock.setFeatures(
             QDockWidget.DockWidgetFeature.DockWidgetMovable
             | QDockWidget.DockWidgetFeature.DockWidgetFloatable
             | QDockWidget.DockWidgetFeature.DockWidgetClosable
         )
         self.addDockWidget(area, dock)
+        dock.dockLocationChanged.connect(self._keep_tab_titles_whole)  # a new tab group, a new bar
         self.docks[key] = dock
         return dock
+
+    @Slot()
+    def _keep_tab_titles_whole(self) -> None:
+        """Tabbed docks show their whole titles ("Latency", not "L…"): where a group's tabs do
+        not fit its width, the bar scrolls (Qt's arrows) instead of eliding every title."""
+        for bar in self.findChildren(QTabBar):
+            if bar.parent() is self:  # the main window's dock tab bars, not a panel's own tabs
+                bar.setElideMode(Qt.TextElideMode.ElideNone)
+                bar.setUsesScrollButtons(True)
 
     def _beside_latency(self, key: str, title: str, widget: QWidget) -> QDockWidget:
         """A dock along the bottom, tabbed behind the latency graph (which stays in front)."""
@@ -206,40 +301,67 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(conversations, controls, Qt.Orientation.Vertical)
         probabilities = self._dock("probabilities", "Token probabilities", self.panels.probabilities, right)
         page_map = self._dock("page_map", "KV-cache pages", self.panels.page_map, bottom)
-        memory = self._dock("memory", "Memory", self.panels.memory, bottom)
+        # Below COMPACT_WIDTH (a 1366 px laptop, a 2560 px screen at 200%) three graphs side by
+        # side would each be too narrow to read: memory becomes a tab of the latency group.
+        compact = self.width() < COMPACT_WIDTH
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom, fixed_height_for_width=True)
         latency = self._dock("latency", "Latency", self.panels.latency, bottom)
-        self.splitDockWidget(page_map, memory, Qt.Orientation.Horizontal)
-        self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
-        quality = self._dock("quality", "Quantization quality", self.panels.quality, bottom)
+        self.splitDockWidget(page_map, latency if compact else memory, Qt.Orientation.Horizontal)
+        if compact:
+            self.tabifyDockWidget(latency, memory)
+        else:
+            self.splitDockWidget(memory, latency, Qt.Orientation.Horizontal)
+        quality = self._dock("quality", "Quantization quality", self.panels.quality, bottom, scrolls=True)
         self.tabifyDockWidget(latency, quality)
-        roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom)
+        roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom, scrolls=True)
         self.tabifyDockWidget(latency, roofline)
         steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom)
         self.tabifyDockWidget(latency, steps)
-        speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom)
+        speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom, scrolls=True)
         self.tabifyDockWidget(latency, speculation)
         # The load tool submits many requests at once; a tool to open (View menu), tabbed
         # beside the probabilities where it has the height for its table and plot.
-        load_tool = self._dock("load_tool", "Load test", self.load_tool, right)
+        load_tool = self._dock("load_tool", "Load test", self.load_tool, right, scrolls=True)
         self.tabifyDockWidget(probabilities, load_tool)
         latency.raise_()
         # The calculator and the sweeps need height more than width: tabs beside the probabilities.
-        kv_calculator = self._dock("kv_calculator", "KV memory calculator", self.physics.kv_calculator, right)
-        sweep = self._dock("sweep", "Latency sweeps", self.physics.sweep, right)
+        kv_calculator = self._dock(
+            "kv_calculator", "KV memory calculator", self.physics.kv_calculator, right, scrolls=True
+        )
+        sweep = self._dock("sweep", "Latency sweeps", self.physics.sweep, right, scrolls=True)
         self.tabifyDockWidget(probabilities, kv_calculator)
         self.tabifyDockWidget(probabilities, sweep)
         probabilities.raise_()
-        # Both want about 740 px of width, which would take it from the chat and the live
-        # graphs; they are tools to open when needed (View or Physics menu), not live views.
+        # Each wants 470-740 px of width, which would take it from the chat and the live graphs
+        # (a tab's width counts even behind another tab): tools to open when needed (View or
+        # Physics menu), not live views.
         kv_calculator.hide()
         sweep.hide()
-        self.resizeDocks([conversations, controls], [170, 430], Qt.Orientation.Vertical)
-        self.resizeDocks([conversations, probabilities], [380, 420], Qt.Orientation.Horizontal)
-        self.resizeDocks([page_map, memory, latency], [440, 340, 340], Qt.Orientation.Horizontal)
-        self.resizeDocks([page_map], [290], Qt.Orientation.Vertical)
+        load_tool.hide()
+        width, height = self.width(), self.height()
+        left = max(MIN_LEFT_WIDTH, round(LEFT_SHARE * width))
+        bottom = round(BOTTOM_SHARE * height)
+        self.resizeDocks([conversations, controls], [height // 6, height - bottom], Qt.Orientation.Vertical)
+        self.resizeDocks(
+            [conversations, probabilities], [left, round(RIGHT_SHARE * width)], Qt.Orientation.Horizontal
+        )
+        # the page map a little wider than memory and latency: its grid of blocks reads across
+        share = (width - round(RIGHT_SHARE * width)) // (2 if compact else 3)
+        row = [page_map, latency] if compact else [page_map, memory, latency]
+        self.resizeDocks(
+            row,
+            [share * 9 // 10 if compact else share * 5 // 4, *[share] * (len(row) - 1)],
+            Qt.Orientation.Horizontal,
+        )
+        self.resizeDocks([page_map], [bottom], Qt.Orientation.Vertical)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
+        models = self.controls.model.actions  # also in the toolbar and the picker's Open… menu
+        file_menu.addActions([models.open_file, models.open_folder])
+        file_menu.addSeparator()
+        file_menu.addActions([models.hub, models.on_this_machine])
+        file_menu.addSeparator()
         self._action(
             file_menu, "&New conversation", self.controller.new_conversation, QKeySequence.StandardKey.New
         )
@@ -253,6 +375,7 @@ class MainWindow(QMainWindow):
         self._action(chat_menu, "&Edit last message", self.controller.edit_last, "Ctrl+E")
         self.chat_actions.fill_chat_menu(chat_menu)
         view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.toolbar.toggleViewAction())
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
@@ -260,6 +383,24 @@ class MainWindow(QMainWindow):
         self.physics.fill_menu(self.menuBar().addMenu("&Physics"), self.docks)
         help_menu = self.menuBar().addMenu("&Help")
         self._action(help_menu, "&About kvscope", self._about)
+
+    def _build_toolbar(self) -> None:
+        """The ways to a model, one click away: a file, the Hub, the models already here."""
+        models = self.controls.model.actions
+        self.toolbar = QToolBar("Model toolbar", self)
+        self.toolbar.setObjectName("modelToolbar")  # saveState matches toolbars by name
+        self.toolbar.setMovable(False)
+        self.toolbar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        for action, label in (
+            (models.open_file, "Open model…"),
+            (models.hub, "Hugging Face Hub…"),
+            (models.on_this_machine, "On this machine…"),
+        ):
+            button = QToolButton(self.toolbar)
+            button.setDefaultAction(action)
+            button.setText(label)  # shorter than the menu's wording; the action's tooltip stays
+            self.toolbar.addWidget(button)
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, self.toolbar)
 
     def _action(self, menu, text: str, slot, shortcut=None) -> QAction:
         action = QAction(text, self)
@@ -320,17 +461,51 @@ class MainWindow(QMainWindow):
         if self.controller.active is not None:
             self.controller.stop()
         self.settings.set_model_choice(choice)
+        self.release_engine()
         self.start_engine(config)
+
+    def release_engine(self) -> None:
+        """Stop the running engine and free its model before the next loads: the process holds
+        one model at a time, not two (the old engine's objects refer to each other, so without a
+        collection here they would wait for Python's garbage collector)."""
+        from engine.api import give_back_freed_memory
+
+        self.host.stop()
+        gc.collect()  # on the GUI thread, the one place collecting Qt objects is safe
+        give_back_freed_memory()
 
     @Slot(object)
     def _on_frame(self, dirty: set[str]) -> None:
         self.panels.refresh(dirty)
+        if self._measuring is not None and "memory" in dirty:
+            self._show_measured()
 
-    def _on_model_loading(self, _event) -> None:
+    def _show_measured(self) -> None:
+        """The load's estimate beside its measurement, once a memory sample taken after the load
+        has arrived."""
+        loaded = self._measuring
+        memory = self.host.live.memory
+        if loaded is None or not len(memory) or memory.column("t")[-1] < loaded.t:
+            return
+        self._measuring = None
+        picker = self.controls.model
+        picker.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
+        # also where the eye is after a load, for a while: the picker's note may be scrolled away
+        _, *figures = picker.measured.text().split("\n")
+        self.status.showMessage(
+            f"Loaded {loaded.info.name}. Estimated → measured: {'; '.join(figures)}", MEASURED_VISIBLE_MS
+        )
+
+    def _on_model_loading(self, event) -> None:
+        self.controls.model.show_loading(event.stage, event.fraction)
         self.refresh_status()
 
     @Slot(object)
     def _on_model_loaded(self, event) -> None:
+        self.controls.model.show_loading(None)
+        if self.host.config is not None:  # a local engine: its estimate meets its measurement
+            self._measuring = event
+            self._show_measured()
         self.controller.forget_token_data()
         self.controls.sampling.tokens.resolve_now()  # the bias and bans as this model's tokens
         self.chat.input.setPlaceholderText(
@@ -342,12 +517,13 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def _on_model_load_failed(self, message: str) -> None:
+        self.controls.model.show_loading(None)
         self.load_failures.append(message)
         self.status.show_error(f"Model failed to load: {message}")
         self.refresh_status()
         if self.interactive:
             box = QMessageBox(QMessageBox.Icon.Warning, "The model could not be loaded", message, parent=self)
-            box.setInformativeText("Choose another model in the Controls panel and press Load model.")
+            box.setInformativeText("Choose another model (File > Open model file…, or the Hub) and load it.")
             box.open()  # window-modal, not blocking: the app keeps running behind it
 
     @Slot(str)

@@ -45,7 +45,8 @@ from engine.hub.online import HubError, offline_by_default
 from engine.hub.search import ModelHit, search_models
 from engine.limits import POLICIES, ContextFit, Limits, Refusal, fit, reply_room
 from engine.model.local_models import LocalModel, gpt4all_models, lmstudio_models, ollama_models
-from engine.model.sources import hf_cache_dir
+from engine.model.runtime_memory import estimate_process, give_back_freed_memory
+from engine.model.sources import hf_cache_dir, repo_file_of, with_gguf_file
 from engine.private import create_private_file, private_dir
 from engine.request import ChatMessage, Request
 from engine.resources import resource
@@ -102,8 +103,10 @@ __all__ = [
     "delete_cached",
     "device_limits_cached",
     "download_files",
+    "estimate_process",
     "find_local_models",
     "fit",
+    "give_back_freed_memory",
     "gpt4all_models",
     "hf_cache_dir",
     "inspect_model",
@@ -116,11 +119,13 @@ __all__ = [
     "private_dir",
     "ollama_models",
     "reply_room",
+    "repo_file_of",
     "repo_files",
     "resource",
     "scheme_statuses",
     "search_models",
     "what_if_notes",
+    "with_gguf_file",
 ]
 
 Progress = Callable[[str], None]

@@ -14,6 +14,15 @@ import pytest  # noqa: E402
 from tiny_models import make_tiny_llama  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_runtime_memory_file(tmp_path, monkeypatch):
+    """What a first load added to a process (engine.model.runtime_memory) is kept per machine for
+    the next fresh process: tests keep theirs apart from the user's."""
+    from engine.model import runtime_memory
+
+    monkeypatch.setattr(runtime_memory, "_file", lambda: tmp_path / runtime_memory.FILE_NAME)
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from engine.model.default_model import load_default_tokenizer

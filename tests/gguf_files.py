@@ -87,3 +87,24 @@ def write_tiny_llama(
         data = path.read_bytes()
         path.write_bytes(data[:truncate_to])
     return path
+
+
+# K-quants work in super-blocks of 256 inputs: their tiny Llama is this wide.
+KQUANT_HIDDEN = 256
+
+# A Q4_K_M-like mix (llama.cpp's: most layers Q4_K, attn_v and ffn_down Q6_K, a Q6_K embedding).
+Q4_K_M_TYPES = {
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q4_K,
+    "attn_v": Q.Q6_K,
+    "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q4_K,
+    "ffn_up": Q.Q4_K,
+    "ffn_down": Q.Q6_K,
+}
+
+
+def write_kquant_llama(path: Path, types: dict[str, Q] | None = None, **kwargs) -> Path:
+    """The tiny Llama at K-quant width, Q4_K_M's mix unless `types` says otherwise."""
+    kwargs.setdefault("embedding_type", Q.Q6_K)
+    return write_tiny_llama(path, types or Q4_K_M_TYPES, hidden=KQUANT_HIDDEN, **kwargs)

@@ -1,8 +1,11 @@
 """The house's rules, checked by tools: import-linter's contracts (pyproject.toml) keep the arrows
-one-way (between the four packages, into the engine's door, between the engine's floors), grimp's
-import graph has no circle, a function-level import in the engine says why it is one, mypy
-(strict on the engine, the live layer and the chat, [tool.mypy] in pyproject.toml) checks the
-types, and ruff keeps the code clean. Each runs as the developer would run it."""
+one-way (between the four packages, into the engine's door, between the engine's floors, never
+into the developer tools), grimp's import graph has no circle, a function-level import in the
+engine says why it is one, mypy (strict on the engine, the live layer and the chat, [tool.mypy]
+in pyproject.toml) checks the types. Each runs as the developer would run it. Then, read from the
+code's syntax: nothing outside the engine reaches behind its front door, and each fact that has
+one home (blocks for N tokens, tokens/s, what fits, the speedup, run-to-end, the page-map
+replay) is written there only."""
 
 from __future__ import annotations
 
@@ -138,3 +141,239 @@ def test_the_typed_packages_type_check():
     checked = int(re.search(r"in (\d+) source files", result.stdout).group(1))
     modules = sum(1 for package in TYPED_PACKAGES for _ in (ROOT / package).rglob("*.py"))
     assert checked == modules, result.stdout
+
+
+# ---- the front door: nothing outside the engine reaches behind it ------------------------------
+# The engine's thread owns the model, the tokenizer and the pool; the app asks it named questions
+# (engine.api.EngineClient). Running a closure there (`_call`), or holding the synchronous engine
+# (`core`, `_core`), is the engine's own: its drivers (engine/serve) may, the shipped packages and
+# the developer tools above it may not. Tests may look inside to check what an answer says.
+OUTSIDE_THE_ENGINE = ("app", "live", "widgets", "tools")
+BEHIND_THE_DOOR = {"_call", "core", "_core", "_commands", "_loaded_core"}
+
+
+def modules_of(*packages: str):
+    """(path relative to the root, its syntax tree) of every module of `packages`."""
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield str(path.relative_to(ROOT)), ast.parse(path.read_text())
+
+
+def test_outside_the_engine_nothing_reaches_behind_its_door():
+    reaching = [
+        f"{where}:{node.lineno}: .{node.attr}"
+        for where, tree in modules_of(*OUTSIDE_THE_ENGINE)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in BEHIND_THE_DOOR
+    ]
+    assert reaching == [], "\n".join(reaching)
+
+
+# ---- one home each ---------------------------------------------------------------------------
+# Each fact below is written once; its former copies (the issue "The engine's front door and
+# floor plan" listed them) are gone, and these checks keep new ones from growing back. Each scans
+# the shipped packages and the developer tools, not the tests (a test may derive a figure on its
+# own to check the one home against).
+EVERYWHERE = ("engine", "live", "widgets", "app", "tools")
+
+
+def _named(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _is_block_size(node: ast.AST) -> bool:
+    name = _named(node)
+    return name == "bs" or name.lower().endswith("block_size")
+
+
+def _is_one(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == 1
+
+
+def _terms(node: ast.AST, sign: int = 1) -> list[tuple[int, ast.AST]]:
+    """A sum's terms with their signs: n + bs - 1 is [(+1, n), (+1, bs), (-1, 1)]."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        return _terms(node.left, sign) + _terms(node.right, sign if isinstance(node.op, ast.Add) else -sign)
+    return [(sign, node)]
+
+
+def _is_ceil_division(node: ast.AST) -> bool:
+    """n divided by a block size, rounded up by hand."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and _is_block_size(node.right):
+        if isinstance(node.left, ast.UnaryOp) and isinstance(node.left.op, ast.USub):
+            return True  # -(-n // bs)
+        terms = _terms(node.left)  # (n + bs - 1) // bs
+        return any(s > 0 and _is_block_size(t) for s, t in terms) and any(
+            s < 0 and _is_one(t) for s, t in terms
+        )
+    if isinstance(node, ast.Call) and _named(node.func) == "ceil" and node.args:
+        arg = node.args[0]  # ceil(n / bs)
+        return isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div) and _is_block_size(arg.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        sides = (node.left, node.right)  # n // bs + (n % bs > 0)
+        divided = any(
+            isinstance(side, ast.BinOp) and isinstance(side.op, ast.FloorDiv) and _is_block_size(side.right)
+            for side in sides
+        )
+        remainder = any(
+            isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and _is_block_size(n.right)
+            for side in sides
+            for n in ast.walk(side)
+        )
+        return divided and remainder
+    return False
+
+
+def blocks_for_tokens_copies(tree: ast.AST) -> list[int]:
+    """Lines that count the KV blocks for some tokens by hand: -(-n // bs), (n + bs - 1) // bs,
+    n // bs + (n % bs > 0) or ceil(n / bs), with bs a block size."""
+    return [node.lineno for node in ast.walk(tree) if _is_ceil_division(node)]
+
+
+def test_the_finder_of_block_counts_finds_every_spelling():
+    """The check below can fail: each hand-written count of blocks is found, and what is not one
+    (a slot's block, a quantization block's padding) is not."""
+    spelled = [
+        "-(-tokens // bs)",
+        "-(-seq.context_len // self.block_size)",
+        "(n + block_size - 1) // block_size",
+        "(n - 1 + bs) // bs",
+        "math.ceil(n / KV_BLOCK_SIZE)",
+        "n // bs + (n % bs > 0)",
+    ]
+    for text in spelled:
+        assert blocks_for_tokens_copies(ast.parse(text)) == [1], text
+    for text in ("slot // block_size", "(slot - 1) // bs", "-(-n // block) * block", "ceil(n / cols)"):
+        assert blocks_for_tokens_copies(ast.parse(text)) == [], text
+
+
+def test_blocks_for_tokens_are_counted_in_one_place():
+    """engine.limits.blocks_for_tokens (and Limits.blocks_for, which calls it)."""
+    copies = [
+        f"{where}:{line}"
+        for where, tree in modules_of(*EVERYWHERE)
+        if where != "engine/limits.py"
+        for line in blocks_for_tokens_copies(tree)
+    ]
+    assert copies == [], "\n".join(copies)
+
+
+def test_an_engine_is_run_to_its_end_in_one_place():
+    """LLMEngine.run: `while engine.has_work(): engine.step()` is written nowhere else (the
+    engine thread's loop, engine.core.service, steps between its commands instead)."""
+    loops = [
+        f"{where}:{node.lineno}"
+        for where, tree in modules_of(*EVERYWHERE)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.While)
+        and any(isinstance(n, ast.Call) and _named(n.func) == "has_work" for n in ast.walk(node.test))
+        and any(isinstance(n, ast.Call) and _named(n.func) == "step" for s in node.body for n in ast.walk(s))
+    ]
+    assert [where.split(":")[0] for where in loops] == ["engine/core/llm_engine.py"], loops
+
+
+RATE = re.compile(r"(^|_)(tokens?_per_s(ec(ond)?)?|tok_s|tps)$")
+
+
+def _divides(node: ast.AST | None) -> bool:
+    """`node` is a division or picks between divisions (a rate written out by hand)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return True
+    if isinstance(node, ast.IfExp):
+        return _divides(node.body) or _divides(node.orelse)
+    return False
+
+
+def test_tokens_per_second_are_counted_in_one_place():
+    """engine.units.tokens_per_s: no other figure, field, key or function named a tokens/s rate
+    is a division written out by hand."""
+    by_hand = []
+    for where, tree in modules_of(*EVERYWHERE):
+        if where == "engine/units.py":
+            continue
+        for node in ast.walk(tree):
+            pairs: list[tuple[str, ast.AST | None]] = []
+            if isinstance(node, ast.Assign):
+                pairs = [(_named(target), node.value) for target in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                pairs = [(_named(node.target), node.value)]
+            elif isinstance(node, ast.keyword) and node.arg:
+                pairs = [(node.arg, node.value)]
+            elif isinstance(node, ast.Dict):
+                pairs = [
+                    (key.value, value)
+                    for key, value in zip(node.keys, node.values)
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str)
+                ]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                pairs = [(node.name, n.value) for n in ast.walk(node) if isinstance(n, ast.Return)]
+            by_hand += [
+                f"{where}:{node.lineno}: {name}"
+                for name, value in pairs
+                if RATE.search(name) and _divides(value)
+            ]
+    assert by_hand == [], "\n".join(by_hand)
+
+
+def _built(tree: ast.AST, names: set[str]) -> bool:
+    """Whether `tree` calls one of `names` (plain or as an attribute), other libraries' classes
+    of the same name (httpx.Limits) aside."""
+    return any(
+        isinstance(n, ast.Call) and _named(n.func) in names and not _of_another_library(n.func)
+        for n in ast.walk(tree)
+    )
+
+
+def _of_another_library(func: ast.expr) -> bool:
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in {"httpx"}
+
+
+def test_what_fits_is_decided_in_one_place():
+    """engine.limits: a refusal and a conversation's fit are made there only; the engine builds
+    its Limits from its config and pool, and every front end (the server, the group driver, the
+    chat) reads them."""
+    refusing = [where for where, tree in modules_of(*EVERYWHERE) if _built(tree, {"Refusal", "ContextFit"})]
+    assert refusing == ["engine/limits.py"]
+    limits = [where for where, tree in modules_of(*EVERYWHERE) if _built(tree, {"Limits"})]
+    assert limits == ["engine/core/llm_engine.py"]
+
+
+def test_a_speedup_is_measured_in_one_place():
+    """engine.core.speedup times the runs (the app's "Measure speedup" through EngineClient,
+    `engine bench --speculation` through its timed_run); nothing else times a SpeedRun."""
+    timing = [where for where, tree in modules_of(*EVERYWHERE) if _built(tree, {"SpeedRun", "timed_run"})]
+    assert timing == ["engine/bench/bench_speculative.py", "engine/core/speedup.py"]
+    bench = ast.parse((ROOT / "engine/bench/bench_speculative.py").read_text())
+    assert not _built(bench, {"SpeedRun"}), "the bench reuses timed_run's runs"
+
+
+def _ops_followed(function: ast.AST) -> set[str]:
+    """The block-event ops a function tells apart (the strings it compares something with)."""
+    ops: set[str] = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Compare):
+            for side in node.comparators:
+                for c in ast.walk(side):
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        ops.add(c.value)
+    return ops
+
+
+def test_the_page_map_is_replayed_in_one_place():
+    """live.page_map folds the block events into the pool's picture (a replay follows every
+    allocate to its free); the server's snapshot reads the pool's own blocks instead (the pool
+    notes on each block what its events told), and nothing else replays them."""
+    replaying = sorted(
+        {
+            where
+            for where, tree in modules_of(*EVERYWHERE)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and {"allocate", "free"} <= _ops_followed(node)
+        }
+    )
+    assert replaying == ["live/page_map.py"], replaying

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtCore import QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QPainter, QPaintEvent, QPen
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, QRectF, QSize, Qt
+from PySide6.QtGui import QBrush, QColor, QPainter, QPaintEvent, QPen, QResizeEvent
+from PySide6.QtWidgets import QBoxLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.chat.context_fit import refusal
 from engine.api import ContextFit
@@ -91,23 +91,52 @@ class ContextMeter(QWidget):
         self.note.setObjectName("meterNote")
         self.note.setWordWrap(True)
         self.note.hide()
-        bars = QHBoxLayout()
-        bars.setContentsMargins(0, 0, 0, 0)
-        bars.setSpacing(6)
-        for widget in (self.context_bar, self.context_label):
-            bars.addWidget(widget)
-        bars.addSpacing(10)
-        for widget in (self.pool_bar, self.pool_label):
-            bars.addWidget(widget)
-        bars.addStretch(1)
+        # The context and the pool side by side, or one over the other where the chat is too
+        # narrow for both on a line (a 1366 px screen): the meter never widens the window.
+        self.halves = []
+        for bar, label in ((self.context_bar, self.context_label), (self.pool_bar, self.pool_label)):
+            half = QHBoxLayout()
+            half.setContentsMargins(0, 0, 0, 0)
+            half.setSpacing(6)
+            half.addWidget(bar)
+            half.addWidget(label)
+            half.addStretch(1)
+            self.halves.append(half)
+        self.bars = QBoxLayout(QBoxLayout.Direction.LeftToRight)
+        self.bars.setContentsMargins(0, 0, 0, 0)
+        self.bars.setSpacing(10)
+        for half in self.halves:
+            self.bars.addLayout(half)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 0, 2, 0)
         layout.setSpacing(2)
-        layout.addLayout(bars)
+        layout.addLayout(self.bars)
         layout.addWidget(self.note)
         self.fit: ContextFit | None = None
         self.sent_tokens = 0  # of the shown fit: the conversation without the draft
         self.generated = 0
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt's name
+        """As narrow as the wider half: below the two side by side, they stack."""
+        hint = super().minimumSizeHint()
+        widest = max(half.minimumSize().width() for half in self.halves)
+        return QSize(widest + 4, hint.height())
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt's name
+        self._arrange(event.size().width())
+        super().resizeEvent(event)
+
+    def event(self, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.LayoutRequest:  # a label's text changed its width
+            self._arrange(self.width())
+        return super().event(event)
+
+    def _arrange(self, width: int) -> None:
+        both = sum(half.sizeHint().width() for half in self.halves) + self.bars.spacing() + 4
+        side_by_side = width >= both
+        direction = QBoxLayout.Direction.LeftToRight if side_by_side else QBoxLayout.Direction.TopToBottom
+        if self.bars.direction() != direction:
+            self.bars.setDirection(direction)
 
     # ---- what the controller sets -------------------------------------------------------------
     def show_fit(self, fit: ContextFit, sent_tokens: int, generated: int = 0) -> None:

@@ -8,6 +8,8 @@ line in the status label, and nothing the user typed is lost.
 
 from __future__ import annotations
 
+import dataclasses
+
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
@@ -31,7 +33,8 @@ from engine.config import DTYPES
 from engine.units import format_bytes
 
 RESULT_COLUMNS = ("Model", "Downloads", "Likes", "Params", "Size", "Licence", "Gated", "kvscope")
-FILE_COLUMNS = ("Weights", "On disk", "Weights + KV", "Fits here?", "Note")
+FILE_COLUMNS = ("Weights", "Size", "Downloaded", "Weights + KV", "Fits here?", "Process", "Note")
+ON_DISK = "✓ on disk"
 SORTS = (("Most downloaded", "downloads"), ("Most liked", "likes"), ("Trending", "trending_score"))
 
 
@@ -56,8 +59,32 @@ def fit_text(choice) -> tuple[str, str]:
     return total, f"no: {format_bytes(est['budget_bytes'])} {est['budget_source'].replace('available ', '')}"
 
 
+def _served(supported: bool | None) -> str:
+    return "–" if supported is None else ("serves" if supported else "refuses")
+
+
+def process_text(choice) -> tuple[str, str]:
+    """(the process once this file runs, how that is made up) for a WeightChoice's estimate: the
+    measured runtime (engine.model.runtime_memory) beside its weights and KV for the context."""
+    est = choice.estimate
+    if est is None or "process_bytes" not in est:
+        return "–", ""
+    kv = format_bytes(est["kv_bytes_for_context"])
+    tip = (
+        f"once loaded: the runtime {format_bytes(est['runtime_bytes'])} ({est['runtime_source']}) + "
+        f"weights {format_bytes(est['weight_bytes'])}"
+        + (
+            f"; its KV pages resident as the cache fills: {format_bytes(est['process_full_pool_bytes'])} "
+            f"with {kv} of KV"
+            if est["pool_fills_lazily"]
+            else f" + KV {kv}"
+        )
+    )
+    return f"≈ {format_bytes(est['process_bytes'])}", tip
+
+
 class ModelBrowser(QDialog):
-    model_chosen = Signal(str)  # a source load_model takes (repo id, or a GGUF path in the cache)
+    model_chosen = Signal(str)  # a source to load now (repo id, or a GGUF path in the cache)
 
     def __init__(
         self, dtype: str = "bfloat16", parent: QWidget | None = None, worker: HubWorker | None = None
@@ -69,7 +96,6 @@ class ModelBrowser(QDialog):
         self._hits: list = []
         self._files = None
         self._tickets = {"search": 0, "files": 0, "download": 0}
-        self._downloaded_source: str | None = None
 
         self.query = QLineEdit()
         self.query.setPlaceholderText(
@@ -104,6 +130,8 @@ class ModelBrowser(QDialog):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
         self.use_button = QPushButton("Use this model")
+        self.use_button.setObjectName("loadButton")
+        self.use_button.setToolTip("Load the chosen file now, with the model picker's settings")
         self.use_button.setEnabled(False)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
@@ -187,7 +215,7 @@ class ModelBrowser(QDialog):
                 if h.params and h.params >= 1e9
                 else (f"{h.params / 1e6:.0f} M" if h.params else "?")
             )
-            served = "–" if h.supported is None else ("serves" if h.supported else "refuses")
+            served = _served(h.supported)
             cells = (
                 item(h.repo_id, tip=h.repo_id),
                 item(_count(h.downloads), h.downloads),
@@ -207,6 +235,13 @@ class ModelBrowser(QDialog):
         )
         if hits:
             self.results.selectRow(0)
+
+    def _mark_served(self, repo_id: str, supported: bool | None, note: str) -> None:
+        """The search result's kvscope cell, once the repo's files tell (a GGUF repo's search hit
+        has no config to judge by; its file's header does)."""
+        for row, hit in enumerate(self._hits):
+            if hit.repo_id == repo_id and supported is not None:
+                self.results.setItem(row, len(RESULT_COLUMNS) - 1, item(_served(supported), tip=note))
 
     # ---- files -----------------------------------------------------------------------------
     def _selected_hit(self):
@@ -240,14 +275,19 @@ class ModelBrowser(QDialog):
         self.repo_title.setText(f"{files.repo_id} @ {files.revision[:10]}{gated}")
         verdict = {True: "kvscope serves it", False: "kvscope refuses it", None: "kvscope: not known yet"}
         self.support.setText(f"{verdict[files.supported]}: {files.support}")
+        self._mark_served(files.repo_id, files.supported, files.support)
         self.files_table.setRowCount(len(files.choices))
         for row, c in enumerate(files.choices):
             total, verdict_text = fit_text(c)
+            process, process_tip = process_text(c)
+            held = (c.estimate or {}).get("weights_summary", "")  # a GGUF's plan per tensor type
             cells = (
                 item(c.label, tip="\n".join(c.files)),
                 item(format_bytes(c.weights_bytes), c.weights_bytes),
-                item(total),
+                item(ON_DISK if c.cached_source else "–", tip=c.cached_source or ""),
+                item(total, tip=f"weights as the load holds them: {held}" if held else ""),
                 item(verdict_text),
+                item(process, tip=process_tip),
                 item(c.note or ("" if c.loadable else "not loadable by kvscope")),
             )
             for col, cell in enumerate(cells):
@@ -277,11 +317,19 @@ class ModelBrowser(QDialog):
 
     @Slot()
     def _on_file_selected(self) -> None:
+        """A choice already in the cache is used as it is; any other loadable one downloads first."""
         choice = self._selected_choice()
         ok = choice is not None and choice.loadable and self._files.supported is not False
-        self.download_button.setEnabled(ok and not self.cancel_button.isEnabled())
+        downloading = self.cancel_button.isEnabled()
+        on_disk = ok and choice.cached_source is not None
+        self.download_button.setEnabled(ok and not on_disk and not downloading)
+        self.use_button.setEnabled(on_disk and not downloading)
         if choice is not None:
-            self.download_button.setText(f"Download {choice.label} ({format_bytes(choice.download_bytes)})")
+            self.download_button.setText(
+                f"{choice.label} is on disk"
+                if on_disk
+                else f"Download {choice.label} ({format_bytes(choice.download_bytes)})"
+            )
 
     # ---- download --------------------------------------------------------------------------
     @Slot()
@@ -289,7 +337,6 @@ class ModelBrowser(QDialog):
         choice = self._selected_choice()
         if choice is None or self._files is None:
             return
-        self._downloaded_source = None
         self.use_button.setEnabled(False)
         self.download_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
@@ -312,18 +359,30 @@ class ModelBrowser(QDialog):
             return
         self.cancel_button.setEnabled(False)
         self.progress.setValue(1000)
-        self._downloaded_source = result.source
-        self.use_button.setEnabled(True)
+        self._mark_on_disk(result.files, result.source)
         resumed = f", {format_bytes(result.resumed_bytes)} resumed" if result.resumed_bytes else ""
         self._say(
-            f"Downloaded {result.repo_id}: {format_bytes(result.downloaded_bytes)}{resumed}. Ready to load."
+            f"Downloaded {result.repo_id}: {format_bytes(result.downloaded_bytes)}{resumed}. "
+            "Use this model loads it."
         )
         self._on_file_selected()
 
+    def _mark_on_disk(self, files: tuple[str, ...], source: str) -> None:
+        """The downloaded choice's row says so, and using it needs no second download."""
+        if self._files is None:
+            return
+        choices = list(self._files.choices)
+        for row, c in enumerate(choices):
+            if c.files == tuple(files):
+                choices[row] = dataclasses.replace(c, cached_source=source)
+                self.files_table.setItem(row, 2, item(ON_DISK, tip=source))
+        self._files = dataclasses.replace(self._files, choices=tuple(choices))
+
     @Slot()
     def _on_use(self) -> None:
-        if self._downloaded_source:
-            self._choose(self._downloaded_source)
+        choice = self._selected_choice()
+        if choice is not None and choice.cached_source:
+            self._choose(choice.cached_source)
 
     @Slot(str)
     def _choose(self, source: str) -> None:

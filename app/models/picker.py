@@ -8,6 +8,8 @@ the estimate still being read for an older one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
     QComboBox,
@@ -15,12 +17,17 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
     QLabel,
+    QMenu,
+    QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
+from app.models.actions import ModelActions
 from app.models.quant_picker import QuantizationChoice
 from app.settings import ModelChoice
 from app.workers import Worker, create_worker
@@ -35,23 +42,83 @@ def _weights_as(est: dict) -> str:
 
 
 def describe_estimate(est: dict, kv_budget_bytes: int, block_size: int) -> str:
-    """A few short lines from inspect_model's figures and the chosen KV budget."""
+    """A few short lines from inspect_model's figures and the chosen KV budget: the weights as
+    the load will hold them (per GGUF type), the KV cache, the pool, and the whole process."""
     per_token = est["kv_bytes_per_token"]
     per_block = per_token * block_size
     pool_blocks = kv_budget_bytes // per_block if per_block else 0
     fit = "fits" if est["weights_fit_in_budget"] else "does NOT fit"
-    return "\n".join(
-        [
-            f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
-            f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
-            f"Weights ≈ {format_bytes(est['weight_bytes'])} {_weights_as(est)}: {fit} in "
-            f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
-            f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
-            f"needs {format_bytes(est['kv_bytes_for_context'])}",
-            f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
-            f"= {pool_blocks * block_size:,} tokens",
-        ]
+    lines = [
+        f"{est['architecture']} · {est['params'] / 1e6:,.0f} M parameters · {est['num_layers']} layers, "
+        f"{est['num_kv_heads']} KV heads × {est['head_dim']}",
+        f"Weights ≈ {format_bytes(est['weight_bytes'])} {_weights_as(est)}: {fit} in "
+        f"{format_bytes(est['budget_bytes'])} ({est['budget_source']})",
+    ]
+    if est.get("weight_plan"):  # a GGUF: how each of its tensor types is held
+        lines.append(f"  {est['weights_summary']}")
+    lines += [
+        f"KV cache: {format_bytes(per_token)} per token; the full {est['context']:,}-token context "
+        f"needs {format_bytes(est['kv_bytes_for_context'])}",
+        f"KV budget {format_bytes(kv_budget_bytes)} = {pool_blocks:,} pages of {block_size} "
+        f"= {pool_blocks * block_size:,} tokens",
+    ]
+    process = process_estimate(est, kv_budget_bytes)
+    if process is not None:
+        lazy = est.get("pool_fills_lazily", False)
+        runtime = process - est["weight_bytes"] - (0 if lazy else kv_budget_bytes)
+        lines.append(
+            f"Process ≈ {format_bytes(process)} once loaded: the runtime {format_bytes(runtime)} "
+            f"({est['runtime_source']}) + weights"
+            + (
+                f"; the KV pool's pages as the cache fills, up to {format_bytes(process + kv_budget_bytes)}"
+                if lazy
+                else " + KV budget"
+            )
+        )
+    return "\n".join(lines)
+
+
+def process_estimate(est: dict, kv_budget_bytes: int) -> int | None:
+    """The process once the estimated model is loaded with this KV budget (a pool that fills
+    lazily not yet resident; None: no runtime figures)."""
+    from engine.api import estimate_process
+
+    if "runtime_process_now_bytes" not in est:
+        return None
+    pool = 0 if est.get("pool_fills_lazily", False) else kv_budget_bytes
+    return estimate_process(
+        est["runtime_process_now_bytes"],
+        est["runtime_last_held_bytes"],
+        est["runtime_first_load_bytes"],
+        est["weight_bytes"] + pool,
     )
+
+
+def _change(estimated: int, measured: int) -> str:
+    """'+4%', '-12%', or 'within 0.5%' (how far the estimate was from the measurement)."""
+    if not measured:
+        return ""
+    share = (estimated - measured) / measured
+    return "within 0.5%" if abs(share) < 0.005 else f"{share:+.0%}"
+
+
+def describe_measured(est: dict | None, kv_budget_bytes: int, weights: int, process: int | None) -> str:
+    """Estimate and measurement of a model just loaded, side by side: the weights as the engine
+    counts them, and the process (psutil RSS) once loaded."""
+    lines = ["Estimated before loading → measured:"]
+    if est is None:
+        lines.append(f"weights {format_bytes(weights)} (no estimate was made)")
+        return "\n".join(lines)
+    lines.append(
+        f"weights {format_bytes(est['weight_bytes'])} → {format_bytes(weights)} "
+        f"(estimate {_change(est['weight_bytes'], weights)})"
+    )
+    expected = process_estimate(est, kv_budget_bytes)
+    if expected is not None and process is not None:
+        lines.append(
+            f"process {format_bytes(expected)} → {format_bytes(process)} (estimate {_change(expected, process)})"
+        )
+    return "\n".join(lines)
 
 
 def cached_model_entries() -> list[tuple[str, str]]:
@@ -60,6 +127,19 @@ def cached_model_entries() -> list[tuple[str, str]]:
     from engine.api import find_local_models
 
     return [(f"{m.where}: {m.name} · {format_bytes(m.size_bytes)}", m.source) for m in find_local_models()]
+
+
+def source_label(source: str) -> str:
+    """How a source the user just chose reads in the list: a file in the HF cache as
+    'HF cache: owner/repo/file.gguf', a repo id as 'HF cache: owner/repo', else the path."""
+    from pathlib import Path
+
+    from engine.api import hf_cache_dir, repo_file_of
+
+    repo_file = repo_file_of(Path(source), hf_cache_dir())
+    if repo_file is not None:
+        return f"HF cache: {repo_file[0]}/{repo_file[1]}"
+    return f"HF cache: {source}" if "/" in source and not Path(source).exists() else source
 
 
 def fit_suffix(est: dict) -> str:
@@ -101,12 +181,21 @@ class ModelPicker(QWidget):
         # the full text is in the drop-down and the tooltip.
         self.source.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.source.setMinimumContentsLength(14)
-        self.folder_button = QPushButton("Folder…")
-        self.folder_button.setToolTip("A Hugging Face model folder (config.json + weights)")
-        self.gguf_button = QPushButton("GGUF…")
-        self.gguf_button.setToolTip("A single .gguf model file")
-        self.hub_button = QPushButton("Hub…")
-        self.hub_button.setToolTip("Search the Hugging Face Hub and download a model into the local cache")
+        # The ways to a model (File menu, toolbar and this Open menu share them): each loads
+        # what it names at once, with the settings below.
+        self.actions = ModelActions(self)
+        self.open_button = QToolButton()
+        self.open_button.setObjectName("openModel")  # its menu arrow gets room of its own (style.qss)
+        self.open_button.setText("Open…")
+        self.open_button.setToolTip(
+            "Open a GGUF file or model folder, browse the Hub, or the models on this machine"
+        )
+        self.open_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        # as tall as Load model beside it (a tool button keeps its own, smaller height)
+        self.open_button.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+        open_menu = QMenu(self.open_button)
+        open_menu.addActions(list(self.actions.all()))
+        self.open_button.setMenu(open_menu)
         self._browser = None
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
@@ -128,15 +217,36 @@ class ModelPicker(QWidget):
         self.estimate = QLabel("")
         self.estimate.setObjectName("estimate")
         self.estimate.setWordWrap(True)
+        self.measured = QLabel("")  # after a load: its estimate beside what it measured
+        self.measured.setObjectName("estimate")
+        self.measured.setWordWrap(True)
+        self.measured.hide()
         self.load_button = QPushButton("Load model")
         self.load_button.setObjectName("loadButton")
         self.load_button.setToolTip("Stop the current engine and start one with these settings")
         self.load_button.clicked.connect(self._on_load_clicked)
+        self.load_stage = QLabel("")  # the load's stage while a model loads, beside its bar
+        self.load_stage.setObjectName("hint")
+        self.load_stage.setWordWrap(True)
+        self.load_progress = QProgressBar()
+        self.load_progress.setRange(0, 1000)
+        self.load_progress.setTextVisible(False)
+        self.show_loading(None)
 
-        browse_row = QHBoxLayout()
-        browse_row.addWidget(self.folder_button)
-        browse_row.addWidget(self.gguf_button)
-        browse_row.addWidget(self.hub_button)
+        # The load bar: which model and the button that loads it. The Controls dock pins it above
+        # its scrolling part, so loading never needs a scroll past the fields below.
+        self.load_bar = QWidget()
+        self.load_bar.setObjectName("loadBar")
+        bar = QVBoxLayout(self.load_bar)
+        bar.setContentsMargins(0, 0, 0, 0)
+        bar.addWidget(self.source)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.load_button, 1)
+        buttons.addWidget(self.open_button)
+        bar.addLayout(buttons)
+        bar.addWidget(self.load_progress)
+        bar.addWidget(self.load_stage)
+
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("dtype", self.dtype)
@@ -146,14 +256,15 @@ class ModelPicker(QWidget):
         self.quantization.add_rows(form)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.source)
-        layout.addLayout(browse_row)
+        layout.addWidget(self.load_bar)
         layout.addLayout(form)
         layout.addWidget(self.estimate)
-        layout.addWidget(self.load_button)
+        layout.addWidget(self.measured)
 
         self._worker: Worker | None = None
         self._estimate: dict | None = None
+        self._then: Callable[[], None] | None = None  # a load asked for while the estimate is read
+        self._load_estimate: tuple[dict | None, int] | None = None  # the last load's (estimate, KV budget)
         self.set_choice(choice)
         self.source.currentIndexChanged.connect(self.refresh_estimate)
         self.dtype.currentIndexChanged.connect(self.refresh_estimate)
@@ -161,9 +272,10 @@ class ModelPicker(QWidget):
         self.device.currentTextChanged.connect(self.quantization.set_device)
         self.kv_budget.valueChanged.connect(self._on_pool_changed)
         self.block_size.valueChanged.connect(self._on_pool_changed)
-        self.folder_button.clicked.connect(self._on_pick_folder)
-        self.gguf_button.clicked.connect(self._on_pick_gguf)
-        self.hub_button.clicked.connect(self.open_browser)
+        self.actions.open_file.triggered.connect(self._on_pick_gguf)
+        self.actions.open_folder.triggered.connect(self._on_pick_folder)
+        self.actions.hub.triggered.connect(self.open_browser)
+        self.actions.on_this_machine.triggered.connect(self.open_on_this_machine)
 
     # ---- values ----------------------------------------------------------------------------
     def set_choice(self, choice: ModelChoice) -> None:
@@ -261,12 +373,19 @@ class ModelPicker(QWidget):
         self._estimate = est
         self.estimate.setText(describe_estimate(est, self._kv_budget_bytes(), self.block_size.value()))
         self._mark_estimate("")
+        self._load_if_asked()
 
     @Slot(str)
     def _on_estimate_failed(self, error: str) -> None:
         self._estimate = None
         self.estimate.setText(f"Cannot estimate this model: {error}")
         self._mark_estimate("error")
+        self._load_if_asked()  # the load says why in its own words
+
+    def _load_if_asked(self) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            self.after_estimate(then)
 
     def _mark_estimate(self, kind: str) -> None:
         self.estimate.setProperty("kind", kind)
@@ -294,37 +413,83 @@ class ModelPicker(QWidget):
         if self._browser is not None:
             self._browser.worker.wait(timeout)
 
+    # ---- loading ---------------------------------------------------------------------------
+    def show_loading(self, stage: str | None, fraction: float = 0.0) -> None:
+        """The engine's load progress under the load button (None: no load running)."""
+        loading = stage is not None
+        self.load_progress.setVisible(loading)
+        self.load_stage.setVisible(loading)
+        if loading:
+            self.load_progress.setValue(round(1000 * min(max(fraction, 0.0), 1.0)))
+            self.load_stage.setText(f"Loading: {stage}")
+
+    def use(self, source: str, label: str | None = None) -> None:
+        """Choose `source` and load it now with the settings shown (one action: a file opened,
+        a model used from the Hub browser or from the models on this machine)."""
+        if self.source.findData(source) < 0:
+            self.source.addItem(label or source_label(source), source)
+        self._select_source(source)
+        self._on_load_clicked()
+
     # ---- slots -----------------------------------------------------------------------------
     @Slot()
     def _on_pick_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
         if folder:
-            self._select_source(folder)
+            self.use(folder)
 
     @Slot()
     def _on_pick_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", "", "GGUF models (*.gguf)")
         if path:
-            self._select_source(path)
+            self.use(path)
 
     @Slot()
     def _on_load_clicked(self) -> None:
+        self.after_estimate(self._emit_load)
+
+    def _emit_load(self) -> None:
         self.load_requested.emit(self.choice())
 
-    @Slot()
-    def open_browser(self) -> None:
-        """The Hub browser (one per picker); a model it downloads becomes the chosen source."""
+    def after_estimate(self, start: Callable[[], None]) -> None:
+        """Run `start` (a load of the shown choice) once its estimate is read: made before the
+        load changes the process it measures, it is shown beside what the load measures."""
+        if self._worker is not None and self._worker.running and self._estimate is None:
+            self._then = start
+            self.show_loading("reading the model's metadata for the estimate")
+            return
+        self._load_estimate = (self._estimate, self._kv_budget_bytes())
+        self.measured.hide()
+        start()
+
+    def show_measured(self, weight_bytes: int, process_bytes: int | None) -> None:
+        """A load finished: its estimate (made before it) beside the weights the engine counted
+        and the process it measured."""
+        est, budget = self._load_estimate or (None, self._kv_budget_bytes())
+        self.measured.setText(describe_measured(est, budget, weight_bytes, process_bytes))
+        self.measured.show()
+
+    def browser(self):
+        """The Hub browser (one per picker, made on first use); a model it is told to use loads."""
         from app.models.browser import ModelBrowser
 
         if self._browser is None:
             self._browser = ModelBrowser(dtype=self.dtype.currentText(), parent=self.window())
-            self._browser.model_chosen.connect(self._on_model_downloaded)
-        self._browser.show()
-        self._browser.raise_()
-        self._browser.query.setFocus()
+            self._browser.model_chosen.connect(self.use)
+        return self._browser
 
-    @Slot(str)
-    def _on_model_downloaded(self, source: str) -> None:
-        if self.source.findData(source) < 0:
-            self.source.addItem(f"HF cache: {source}", source)
-        self._select_source(source)
+    @Slot()
+    def open_browser(self) -> None:
+        browser = self.browser()
+        browser.tabs.setCurrentIndex(0)
+        browser.show()
+        browser.raise_()
+        browser.query.setFocus()
+
+    @Slot()
+    def open_on_this_machine(self) -> None:
+        browser = self.browser()
+        browser.tabs.setCurrentWidget(browser.cache)  # the tab lists the cache as it opens
+        browser.cache.refresh()
+        browser.show()
+        browser.raise_()

@@ -18,10 +18,24 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+MODEL_HELP = (
+    "'default', an HF folder, a .gguf file, or a repo id in the local Hugging Face cache (a GGUF "
+    "repo's one .gguf file; REPO:FILE picks one of several)"
+)
+
+
+def add_gguf_file_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default="default", help="'default', an HF folder, a .gguf file or a cached repo id"
+        "--gguf-file",
+        default=None,
+        metavar="FILE",
+        help="with a repo id as the model: which of its .gguf files",
     )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help=MODEL_HELP)
+    add_gguf_file_arg(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 

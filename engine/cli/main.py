@@ -16,7 +16,9 @@ from engine.cli import physics as cli_physics
 from engine.cli import quant as cli_quant
 from engine.cli import serve as cli_serve
 from engine.cli.args import (
+    MODEL_HELP,
     add_engine_args,
+    add_gguf_file_arg,
     add_group_args,
     add_model_args,
     add_sampling_args,
@@ -53,7 +55,8 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     c.add_argument("--system", default=None)
 
     i = sub.add_parser("inspect-model", help="shapes and memory of a model, without loading weights")
-    i.add_argument("source", help="'default', an HF folder, a .gguf file or a cached repo id")
+    i.add_argument("source", help=MODEL_HELP)
+    add_gguf_file_arg(i)
     i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     i.add_argument("--context", type=int, default=None)
     i.add_argument("--budget-gib", type=float, default=None)
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
     args = build_parser(prog).parse_args(argv)
 
     try:
+        _name_the_gguf_file(args)
         if args.command in cli_physics.COMMANDS:
             return cli_physics.run(args)
         if args.command == "generate":
@@ -152,6 +156,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     return EXIT_BAD_INPUT
+
+
+def _name_the_gguf_file(args: argparse.Namespace) -> None:
+    """`--model REPO --gguf-file FILE` (or inspect-model's source) becomes the source `REPO:FILE`."""
+    # the model floor (huggingface_hub behind it): not imported by `--help`
+    from engine.model.sources import with_gguf_file
+
+    gguf_file = getattr(args, "gguf_file", None)
+    if gguf_file:
+        key = "source" if args.command == "inspect-model" else "model"
+        setattr(args, key, with_gguf_file(getattr(args, key), gguf_file))
 
 
 def run_inspect(args: argparse.Namespace) -> int:

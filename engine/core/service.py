@@ -221,6 +221,10 @@ class Engine:
     def _close(self) -> None:
         """The loop has ended: no command will run again. Calls still queued fail at once, and
         so do runs still waiting for their requests' ends."""
+        # the model floor, imported by the engine thread's own functions (as _load does)
+        from engine.model import runtime_memory
+
+        runtime_memory.engine_released()
         with self._closing:
             self._closed = True
         with self._runs_lock:
@@ -273,8 +277,11 @@ class Engine:
         # torch and transformers are imported here, on the engine thread: creating an Engine (the
         # app's start, the server's argument checks) costs nothing, and the window draws meanwhile.
         from engine.core.llm_engine import LLMEngine
+        from engine.model import runtime_memory
         from engine.model.loading import load_model
 
+        loads = self._loaded is None
+        before = runtime_memory.resident_bytes()
         if self._loaded is None:
 
             def progress(stage: str, fraction: float) -> None:
@@ -289,7 +296,15 @@ class Engine:
             )
         )
         self.info = self._loaded.info
-        core.sample_memory()
+        if loads:
+            runtime_memory.give_back_freed_memory()  # the load's short-lived copies
+        sample = core.sample_memory()
+        if loads and self._loaded.device.type == "cpu":  # what the runtime adds to a load, measured
+            runtime_memory.record_load(
+                before, sample.process_bytes, self.info.weight_bytes, storage, self.info.name
+            )
+        else:
+            runtime_memory.engine_holds(self.info.weight_bytes, storage)
 
     def _loaded_core(self) -> LLMEngine:
         assert self._core is not None, "commands are served only after the model loaded"

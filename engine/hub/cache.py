@@ -133,6 +133,23 @@ def delete_cached(repo_id: str) -> int:
     return freed
 
 
+def cached_source(repo_id: str, revision: str, files: tuple[str, ...]) -> str | None:
+    """What to load when every one of `files` is complete in the cache at `revision` (the repo id,
+    or the path of its one GGUF file, as a finished download names it), else None. Reads the
+    cache's links only, no network."""
+    # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
+    from huggingface_hub import try_to_load_from_cache
+
+    paths = []
+    for name in files:
+        found = try_to_load_from_cache(repo_id, name, cache_dir=hf_cache_dir(), revision=revision)
+        if not isinstance(found, str):  # None (not there) or the "known missing" marker
+            return None
+        paths.append(found)
+    ggufs = [p for p in paths if p.lower().endswith(".gguf")]
+    return ggufs[0] if len(ggufs) == 1 else repo_id
+
+
 # ---- models on this machine ---------------------------------------------------------------------
 def hf_cache_models() -> list[LocalModel]:
     """The cache's repos that load as a text model (a config and safetensors), and its GGUF files."""

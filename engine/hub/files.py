@@ -4,10 +4,11 @@ weight downloads.
 Choices: the safetensors weights (all shards together; the repo's config.json and tokenizer come
 with them) and each GGUF quantization (Q4_K_M, Q8_0, ... read from the file name; a GGUF split
 into parts is listed, but kvscope loads single files only). The estimate is inspect-model's
-(engine.model.inspect.memory_estimate): weights in the chosen dtype (a GGUF's at its own bits
-where a load keeps them so: on the CPU) plus KV for the chosen context against the memory free
-now. The shapes come from config.json (fetched alone, a few KB)
-or, for a GGUF, from the file's header read over range requests.
+(engine.model.inspect.memory_estimate): the weights as a load holds them (a GGUF's per tensor
+type from its header: engine.model.gguf_plan, kept at its bits on the CPU or dequantized to the
+chosen dtype) plus KV for the chosen context against the memory free now, and the process beside
+the measured runtime. The shapes come from config.json (fetched alone, a few KB) or, for a GGUF,
+from the file's header read over range requests.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import AUTO, DTYPES
 from engine.errors import ModelLoadError
-from engine.hub.gguf_header import config_from_header, read_header, remote_fetcher
+from engine.hub.cache import cached_source
+from engine.hub.gguf_header import config_from_header, header_plan, read_header, remote_fetcher
 from engine.hub.online import HubError, api, describe, endpoint, hub_call, token
+from engine.measure.device import resolve_device
 from engine.model.configs import read_folder_config
 from engine.model.inspect import budget_bytes_for, keeps_own_bits, memory_estimate
+from engine.model.runtime_memory import runtime_estimate
 from engine.model.sources import ModelSource
 from engine.model.support import support_for
 from engine.shapes import ModelShapes
@@ -31,6 +35,9 @@ from engine.shapes import ModelShapes
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import ModelInfo
     from transformers import PreTrainedConfig
+
+    from engine.hub.gguf_header import GGUFHeader
+    from engine.model.gguf_plan import GGUFPlan
 
 SAFETENSORS = "safetensors"
 GGUF = "gguf"
@@ -51,6 +58,9 @@ class WeightChoice:
     note: str = ""  # why not, or what to know
     estimate: dict[str, Any] | None = None  # inspect-model's figures, None when the shapes are unknown
     estimate_error: str = ""
+    # What to load when every file of the choice is already in the local cache at this revision
+    # (a repo id, or a GGUF's path): it can be used at once, without downloading it again.
+    cached_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +124,11 @@ def _config_shapes(repo_id: str, revision: str) -> PreTrainedConfig:
     return read_folder_config(Path(path).parent)
 
 
-def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, dict[str, int]]:
-    """The config a GGUF's header describes, and its tensors' GGML types."""
+def _gguf_config(repo_id: str, revision: str, filename: str) -> tuple[PreTrainedConfig, GGUFHeader]:
+    """The config a GGUF's header describes, and the header (its tensors' types and shapes)."""
 
     header = read_header(remote_fetcher(repo_id, filename, revision))
-    return config_from_header(header, PurePosixPath(filename).name), header.tensor_types
+    return config_from_header(header, PurePosixPath(filename).name), header
 
 
 def _estimate(
@@ -126,10 +136,13 @@ def _estimate(
     dtype: str,
     context: int | None,
     budget: tuple[int, str],
-    weight_bytes: int | None,
+    plan: GGUFPlan | None,
 ) -> dict[str, Any]:
 
-    return memory_estimate(ModelShapes.from_config(config), dtype, context, budget, weight_bytes)
+    estimate = memory_estimate(ModelShapes.from_config(config), dtype, context, budget, plan)
+    runtime = runtime_estimate(resolve_device("auto").type)
+    estimate.update(runtime.as_dict(estimate["weight_bytes"], estimate["kv_bytes_for_context"]))
+    return estimate
 
 
 def repo_files(
@@ -167,27 +180,27 @@ def repo_files(
         configs = [config] if config is not None else []
         for kind, label, files, weight_bytes, loadable, note in groups:
             cfg, error = config, config_error
+            header: GGUFHeader | None = None
             if kind == GGUF and loadable:
                 try:
-                    (cfg, _tensor_types), error = _gguf_config(repo_id, revision, files[0]), ""
+                    (cfg, header), error = _gguf_config(repo_id, revision, files[0]), ""
                     configs.append(cfg)
                 except (ModelLoadError, ValueError) as exc:
                     cfg, error = None, str(exc)
             estimate: dict[str, Any] | None = None
             if cfg is not None:
                 try:
-                    # loaded as a GGUF file is: at its own bits where the loader keeps them
+                    # loaded as a GGUF file is: each tensor as the loader holds it (gguf_plan)
                     local = PurePosixPath(files[0])
                     gguf = ModelSource("gguf", Path(local.name), local.name, Path(local.name))
-                    native = None
-                    if kind == GGUF and keeps_own_bits(AUTO, gguf):
-                        native = weight_bytes
-                    estimate = _estimate(cfg, dtype, context, budget, native)
+                    plan = header_plan(header, dtype, keeps_own_bits(AUTO, gguf)) if header else None
+                    estimate = _estimate(cfg, dtype, context, budget, plan)
                 except Exception as exc:  # noqa: BLE001 - per-layer shapes: no single figure
                     error = f"no estimate: {type(exc).__name__}"
             elif not error:
                 error = "no config.json in the repo: the shapes (and so the fit) are unknown"
             download = files + (companions if kind == SAFETENSORS else ())
+            on_disk = cached_source(repo_id, revision, download) if loadable else None
             choices.append(
                 WeightChoice(
                     kind,
@@ -199,6 +212,7 @@ def repo_files(
                     note,
                     estimate,
                     error,
+                    on_disk,
                 )
             )
     if not choices:

@@ -82,6 +82,15 @@ class GGUFWeight(WeightStorage):
         self.out_features = self.row_table.shape[0]
         self.kind = ggml_type.name.lower()
         self.native_kernel = "kvk"
+        self._bind()
+
+    def _bind(self) -> None:
+        """What a decode-row call passes to C, read once: a call then costs the ctypes crossing,
+        not the table's address lookup (numpy's .ctypes is ~1 us) and argument checks (~4 us
+        a call, 120+ calls a token)."""
+        native.check_table(self.row_table)
+        self._call_kvk = self.lib.lib.kvk_matmul
+        self._args = (int(self.ggml_type), self.row_table.ctypes.data, self.out_features, self.in_features)
 
     @classmethod
     def cat(cls, parts: list[GGUFWeight]) -> GGUFWeight:
@@ -94,6 +103,7 @@ class GGUFWeight(WeightStorage):
         fused.row_table = np.concatenate([p.row_table for p in parts])
         fused.in_features, fused.out_features = first.in_features, int(fused.row_table.shape[0])
         fused.native_kernel = "kvk"
+        fused._bind()
         return fused
 
     def __deepcopy__(self, memo: dict[int, object]) -> GGUFWeight:
@@ -119,13 +129,41 @@ class GGUFWeight(WeightStorage):
     def matmul(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         if kernel == "kvk":
-            y = self.lib.matmul(self.ggml_type, self.row_table, self.in_features, flat)
+            y = self._kvk(flat)
         else:
-            weight = self.lib.dequantize_bf16(
-                self.ggml_type, self.row_table, self.in_features, _bf16_scratch(self)
-            )
-            y = F.linear(flat.to(torch.bfloat16), weight)
+            y = self._dense_bf16(flat)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _kvk(self, flat: torch.Tensor) -> torch.Tensor:
+        """kvk's matmul on float32 rows [R, in_features] (contiguous: matmul made them so)."""
+        if flat.dim() != 2 or flat.shape[1] != self.in_features:
+            raise ValueError(f"activations must be [rows, {self.in_features}], got {tuple(flat.shape)}")
+        rows = flat.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        ggml_type, table, n, k = self._args
+        status = self._call_kvk(ggml_type, table, n, k, flat.data_ptr(), k, rows, out.data_ptr(), n)
+        if status != 0:
+            raise RuntimeError(
+                f"kvk_matmul refused GGML type {self.ggml_type.name} with {k} inputs (status {status})"
+            )
+        return out
+
+    def _dense_bf16(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense kernel a slice of output rows at a time: each slice decoded into one small
+        reused buffer, then the GEMM. A whole layer's bfloat16 copy (64 MiB for a 1.7B model's
+        gate|up) would be held by the process for its life; a slice of DENSE_SLICE_WEIGHTS keeps
+        the buffer in cache between decoding and GEMM and changes no output: each output is
+        still one dot product over all its inputs."""
+        rows_per_slice = max(1, DENSE_SLICE_WEIGHTS // self.in_features)
+        activations = flat.to(torch.bfloat16)
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        for start in range(0, self.out_features, rows_per_slice):
+            table = self.row_table[start : start + rows_per_slice]
+            weight = self.lib.dequantize_bf16(
+                self.ggml_type, table, self.in_features, _bf16_scratch(table.shape[0], self.in_features)
+            )
+            y[:, start : start + table.shape[0]] = F.linear(activations, weight)
+        return y
 
     def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 activations times every weight decoded to float32 (the exact LM head)."""
@@ -151,17 +189,18 @@ class GGUFWeight(WeightStorage):
         return self.nbytes + 2 * 2 * self.out_features * self.in_features  # the bf16 copy written, read
 
 
-# One bfloat16 buffer for the dense kernel's copy of a layer, reused across calls and layers (a
-# fresh 30+ MB tensor a call costs its page faults: measured 10x the decoding itself).
+# One bfloat16 buffer for the dense kernel's slices, reused across calls and layers (a fresh
+# buffer a call costs its page faults: measured 10x the decoding itself for a whole layer's copy).
 _SCRATCH = threading.local()
+DENSE_SLICE_WEIGHTS = 1 << 22  # 8 MiB of bfloat16
 
 
-def _bf16_scratch(storage: GGUFWeight) -> torch.Tensor:
-    size = storage.out_features * storage.in_features
+def _bf16_scratch(rows: int, cols: int) -> torch.Tensor:
+    size = rows * cols
     buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < size:
         buf = _SCRATCH.buf = torch.empty(size, dtype=torch.bfloat16)
-    return buf[:size].view(storage.out_features, storage.in_features)
+    return buf[:size].view(rows, cols)
 
 
 def random_blocks(

@@ -32,7 +32,7 @@ class KernelLinear(nn.Module):
         return (self.storage,)
 
     def _through(self, storage: WeightStorage, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # the forward's rows: 2-D
         rows = flat.shape[0]
         if rows == 0:
             return x.new_zeros((*x.shape[:-1], self.out_features))
@@ -50,7 +50,7 @@ class KernelLinear(nn.Module):
             y = torch.cat(parts)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat is x else y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.storage.dequantize(torch.float32)

@@ -85,6 +85,7 @@ class KernelPolicy:
         self.table: dict[str, dict[int, str]] = table or {}  # storage key -> bucket -> kernel
         self._seq_rows: tuple[int, ...] | None = None
         self._kernel_rows: tuple[int, ...] = ()  # per sequence: the row count its kernel is chosen for
+        self._packed_rows = 0  # sum(_seq_rows), read on every matmul of the step
         self._plans: dict[str, list[tuple[int, int, str]]] = {}
         self.record = StepRecord()
 
@@ -136,6 +137,7 @@ class KernelPolicy:
         kernel of sequence i chosen for `kernel_rows[i]` rows (default: its own rows)."""
         self._seq_rows, self._plans, self.record = tuple(seq_rows), {}, StepRecord()
         self._kernel_rows = tuple(kernel_rows) if kernel_rows is not None else self._seq_rows
+        self._packed_rows = sum(self._seq_rows)
         try:
             yield self.record
         finally:
@@ -146,7 +148,7 @@ class KernelPolicy:
         seq_rows = self._seq_rows
         if seq_rows is None:
             return [(0, rows, self.choose(storage, rows))]
-        if sum(seq_rows) != rows:
+        if rows != self._packed_rows:
             # Inside a step, rows that are not the packed rows are the logit rows (the LM head):
             # each takes the one-row kernel, whatever number of sequences samples beside it.
             return [(0, rows, self.choose(storage, 1))]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.errors import ModelLoadError, first_line
+from engine.model.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, kept, local_header, skipped_count
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -118,6 +119,12 @@ def open_gguf(path: Path) -> GGUFReader:
 _READER_CACHE: dict[str, tuple[tuple[str, int, int], GGUFReader]] = {}
 
 
+def forget_gguf_header() -> None:
+    """Drop the kept gguf-py reader (its parsed header: a vocabulary of tens of thousands of tokens
+    as Python objects, ~90 MiB for a 1.7B file's), once a load has no more use for it."""
+    _READER_CACHE.clear()
+
+
 def _stamp(path: Path) -> tuple[int, int]:
     try:
         st = Path(path).stat()
@@ -172,14 +179,58 @@ def _gguf_value(reader: GGUFReader, key: str) -> Any:
 def read_gguf_config(path: Path) -> PreTrainedConfig:
     """A transformers config built from a GGUF file's metadata only (its tensors stay on disk),
     with the key mapping transformers itself uses when it loads the file."""
-    reader = open_gguf(path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return gguf_metadata_config(
-        lambda key: _gguf_value(reader, key),
-        {t.name for t in reader.tensors},
-        None if tokens is None else len(tokens.data),
-        path.name,
+    return config_from_header(gguf_header(path), path.name)
+
+
+def gguf_header(path: Path) -> GGUFHeader:
+    """A local GGUF file's header read lean (the token list counted, not kept), with its tensors'
+    extents checked against the file: a truncated or garbage file is a ModelLoadError here, not a
+    numpy error half-way through loading. The last one read is kept (same size and mtime)."""
+    key = (str(Path(path).resolve()), *_stamp(path))
+    cached = _HEADER_CACHE.get("header")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    broken = (
+        f"{path} is not a readable GGUF file: it is corrupt or truncated (an interrupted download?). "
+        "Re-download it, or choose another model."
     )
+    try:
+        header = local_header(Path(path))
+    except (GGUFHeaderError, OSError, struct.error, UnicodeDecodeError):
+        raise ModelLoadError(broken) from None
+    size = Path(path).stat().st_size
+    if not header.tensors or any(header.data_start + t.offset + _tensor_bytes(t) > size for t in header.tensors):
+        raise ModelLoadError(broken)
+    _HEADER_CACHE["header"] = (key, header)
+    return header
+
+
+_HEADER_CACHE: dict[str, tuple[tuple[str, int, int], GGUFHeader]] = {}
+
+
+def _tensor_bytes(info: TensorInfo) -> int:
+    """A tensor's bytes in the file (an unknown type: 0, refused later by the loader by name)."""
+    # gguf's type table: only once a GGUF file is read
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    except (ValueError, KeyError):
+        return 0
+    count = 1
+    for dim in info.dims:
+        count *= dim
+    return count // block * size
+
+
+def config_from_header(header: GGUFHeader, name: str) -> PreTrainedConfig:
+    """The transformers config of a GGUF header (a ModelLoadError when it describes none)."""
+    fields = header.fields
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = skipped_count(tokens)
+    if vocab is None and tokens:
+        vocab = len(tokens)
+    return gguf_metadata_config(lambda key: kept(fields.get(key)), set(header.tensor_names), vocab, name)
 
 
 def gguf_metadata_config(

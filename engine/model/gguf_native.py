@@ -26,19 +26,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.kernels import gguf_blocks, native
-from engine.kernels.gguf_weight import KVK_TYPES, GGUFWeight
+from engine.kernels import native
+from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import KernelHead, KernelLinear
 from engine.kernels.policy import KernelPolicy
 from engine.kernels.weights import DenseWeight, Q8BlockWeight, WeightStorage
-from engine.model.configs import open_gguf, read_gguf_config
+from engine.model import gguf_plan
+from engine.model.configs import gguf_header, read_gguf_config
+from engine.model.gguf_header import GGUFHeader
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
@@ -84,6 +86,41 @@ class QuantEmbedding(nn.Module):
         return self.storage.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class MappedTensor:
+    """A tensor of the file as gguf-py presents one: its name, type, GGUF shape ([cols, rows, ..]
+    for a matrix) and data, a view of the file's mapping shaped as gguf-py shapes it (float types
+    as their values [rows, cols]; quantized types and BF16 as bytes [rows, bytes per row])."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def mapped_tensors(path: Path, header: GGUFHeader) -> list[MappedTensor]:
+    """Every tensor of the file as a view of one copy-on-write mapping of it: nothing is read
+    until a kernel touches it, nothing is copied, and torch may take the views as writable (the
+    file is never written). The views keep the mapping alive for the model's life."""
+    mapping = np.memmap(path, mode="c").view(np.ndarray)
+    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    out = []
+    for info in header.tensors:
+        qtype = GGMLQuantizationType(info.ggml_type)
+        dims = tuple(int(d) for d in info.dims)
+        count = int(np.prod(dims)) if dims else 1
+        start = header.data_start + info.offset
+        if qtype in floats:
+            dtype = np.dtype(floats[qtype])
+            data = mapping[start : start + count * dtype.itemsize].view(dtype).reshape(tuple(reversed(dims)))
+        else:
+            block, size = GGML_QUANT_SIZES[qtype]
+            shape = (*reversed(dims[1:]), dims[0] // block * size)
+            data = mapping[start : start + count // block * size].reshape(shape)
+        out.append(MappedTensor(info.name, qtype, dims, data))
+    return out
+
+
 def load_native(
     path: Path, dtype: torch.dtype, policy: KernelPolicy, report: Callable[[str, float], None]
 ) -> tuple[PreTrainedModel, NativeReport]:
@@ -95,17 +132,16 @@ def load_native(
         get_gguf_hf_weights_map,
     )
 
-    # the one parse of the header (shared with the config and the tokenizer), its tensor extents
-    # checked; its tensors are views of the file's copy-on-write mapping, valid for the model's life
-    reader = open_gguf(path)
-    config = read_gguf_config(path)
-    arch = str(reader.fields["general.architecture"].contents())
+    config = read_gguf_config(path)  # the lean header, its tensors' extents checked
+    header = gguf_header(path)
+    arch = str(header.fields["general.architecture"])
+    tensors = mapped_tensors(path, header)
     model: PreTrainedModel
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     processor = processor_class(config=config.to_dict())
-    names = _name_map(model, arch, reader)
+    names = _name_map(model, arch, tensors)
     if names is None:  # transformers' own (slower, recursive) mapping handles the unusual layouts
         try:
             names = get_gguf_hf_weights_map(model, processor)
@@ -118,7 +154,6 @@ def load_native(
     result.notes.append(
         f"GGUF kernels: {native.status()}" if kvk is not None else f"slower path: {native.status()}"
     )
-    tensors = list(reader.tensors)
     embedding_storage: WeightStorage | None = None
     for i, tensor in enumerate(tensors):
         if i % 16 == 0:
@@ -141,13 +176,13 @@ def load_native(
                 result.kept[qtype.name] += 1
                 continue
             if qtype not in _FLOAT_TYPES:  # no kernel keeps it: bfloat16, never float32
-                weight = _dequantized(tensor, processor, torch.bfloat16, module)
+                weight = _dequantized(tensor, processor, getattr(torch, gguf_plan.DEQUANTIZED_LINEAR), module)
                 _set_module(model, module_name, KernelLinear(DenseWeight(weight), module.bias, policy))
                 result.dequantized[qtype.name] += 1
                 result.dequantized_bytes += weight.numel() * 2
                 continue
         if matrix and isinstance(module, nn.Embedding):
-            storage = _kept_storage(tensor, qtype, cols, None, kvk)
+            storage = _kept_storage(tensor, qtype, cols, None, kvk, gguf_plan.EMBEDDING)
             if isinstance(storage, (GGUFWeight, Q8BlockWeight)):  # the types whose rows it can read
                 _set_module(model, module_name, QuantEmbedding(storage, dtype, module.padding_idx))
                 embedding_storage = storage
@@ -172,26 +207,21 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 
 def _kept_storage(
-    tensor: ReaderTensor,
+    tensor: MappedTensor,
     qtype: GGMLQuantizationType,
     cols: int,
     order: np.ndarray | None,
     kvk: native.Kvk | None,
+    role: str = gguf_plan.LINEAR,
 ) -> WeightStorage | None:
-    """The tensor at its own bits, or None when no kernel here keeps its type."""
-    raw = np.asarray(tensor.data)
-    if kvk is not None and qtype in KVK_TYPES:
-        blocks = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16/BF16 arrive as 16-bit values
-        return GGUFWeight(qtype, blocks, cols, order, kvk)
-    if kvk is None and qtype in gguf_blocks.INT4_TYPES:  # the slower path: torch's int4 layout
-        return gguf_blocks.int4_storage(raw, qtype, cols, order)
-    if kvk is None and qtype == GGMLQuantizationType.Q8_0:
-        return gguf_blocks.q8_storage(raw, cols, order)
-    return None
+    """The tensor at its own bits, or None when no kernel here keeps its type in `role`: the
+    decision of engine/model/gguf_plan.py, the table every fit estimate counts with too."""
+    keeping = gguf_plan.keeping_for(qtype, role, kvk)
+    return None if keeping is None else keeping.build(np.asarray(tensor.data), qtype, cols, order, kvk)
 
 
 def _dequantized(
-    tensor: ReaderTensor, processor: TensorProcessor, dtype: torch.dtype, module: nn.Module
+    tensor: MappedTensor, processor: TensorProcessor, dtype: torch.dtype, module: nn.Module
 ) -> torch.Tensor:
     """A tensor no kernel keeps, dequantized by gguf and processed as transformers does."""
     from gguf.quants import dequantize  # gguf's dequantizers: only for a type no kernel keeps
@@ -210,7 +240,7 @@ def _dequantized(
     return value
 
 
-def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str, str] | None:
+def _name_map(model: PreTrainedModel, arch: str, tensors: list[MappedTensor]) -> dict[str, str] | None:
     """GGUF tensor name -> the model's parameter name, with one gguf-py name table (transformers
     builds one per submodule); None when some tensor of the file is left unmapped."""
     # gguf: only once a GGUF file is read
@@ -228,7 +258,7 @@ def _name_map(model: PreTrainedModel, arch: str, reader: GGUFReader) -> dict[str
             gguf = table.get_name(base.split(".", 1)[1])
         if gguf is not None:
             names[f"{gguf}{dot}{suffix}"] = hf_name
-    if any(t.name not in names for t in reader.tensors if not t.name.startswith("rope_")):
+    if any(t.name not in names for t in tensors if not t.name.startswith("rope_")):
         return None
     return names
 
@@ -252,7 +282,7 @@ def _assign_dense(
     module: nn.Module,
     attr: str,
     hf_name: str,
-    tensor: ReaderTensor,
+    tensor: MappedTensor,
     processor: TensorProcessor,
     dtype: torch.dtype,
 ) -> None:

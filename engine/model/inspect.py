@@ -1,24 +1,32 @@
 """inspect-model: what a model costs in memory, read from its config or GGUF metadata only.
 
-Answers "will it fit, and how much context can I afford?" before anything is loaded: weights
-for a dtype, KV-cache bytes per token (GQA included), KV for a context, and the longest context
-whose KV fits in a memory budget next to the weights.
+Answers "will it fit, and how much context can I afford?" before anything is loaded: the weights
+as the load will hold them (a GGUF's per tensor type, kept at its bits or dequantized, the head's
+extra copy: engine.model.gguf_plan, the loader's own table; other models' parameters in the
+dtype), KV-cache bytes per token (GQA included), KV for a context, the longest context whose KV
+fits in a memory budget next to the weights, and the runtime the load sits beside, measured
+(engine.model.runtime_memory).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.config import DTYPES, ConfigError
+from engine.config import AUTO, DTYPES, ConfigError
 from engine.errors import ModelLoadError
 from engine.measure.device import resolve_device
 from engine.measure.memory import available_memory_bytes
 from engine.model.configs import read_config
 from engine.model.gguf_native import NATIVE
+from engine.model.gguf_plan import plan_file
 from engine.model.loading import resolve_scheme
+from engine.model.runtime_memory import runtime_estimate
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
 from engine.shapes import ModelShapes
+
+if TYPE_CHECKING:
+    from engine.model.gguf_plan import GGUFPlan
 
 
 def inspect_model(
@@ -50,10 +58,17 @@ def inspect_model(
         why = support.refusal or "its configuration lacks a transformer shape kvscope reads"
         raise ModelLoadError(f"{src.name} cannot be inspected: {why}.") from None
     report: dict[str, Any] = {"name": src.name, "source": source, "path": str(src.path)}
-    native = None
-    if src.gguf is not None and keeps_own_bits(quantization, src):
-        native = src.gguf.stat().st_size  # the file's tensors, memory-mapped as they are
-    report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), native))
+    plan = None
+    if src.gguf is not None:
+        # a GGUF's tensors as the load will hold them: natively, or dequantized to the dtype (a
+        # scheme that requantizes them counts the dequantized parameters, as any folder does)
+        native = keeps_own_bits(quantization, src)
+        if native or quantization in ("none", AUTO):
+            plan = plan_file(src.gguf, dtype, native=native)
+    report.update(memory_estimate(shapes, dtype, context, budget_bytes_for(budget_gib), plan))
+    # the process with those weights and the KV of `context` tokens beside its runtime, measured
+    runtime = runtime_estimate(resolve_device("auto").type)
+    report.update(runtime.as_dict(report["weight_bytes"], report["kv_bytes_for_context"]))
     report["supported"] = support.ok
     report["support"] = support.family if support.ok else support.refusal
     return report
@@ -84,19 +99,24 @@ def memory_estimate(
     dtype: str,
     context: int | None,
     budget: tuple[int, str],
-    weight_bytes: int | None = None,
+    plan: GGUFPlan | None = None,
 ) -> dict[str, Any]:
     """Weights + KV for `context` tokens (the model's maximum when None) against `budget`, the
-    figures inspect-model prints and the Hub's file list shows before a download. `weight_bytes`
-    overrides the estimate from the shapes (a GGUF loaded as stored)."""
+    figures inspect-model prints and the Hub's file list shows before a download. A GGUF's
+    weights are its `plan`'s: what the load holds for each of its tensors (engine.model.gguf_plan);
+    other weights count their parameters in `dtype`."""
     budget_bytes, budget_source = budget
     context = shapes.max_position_embeddings if context is None else context
-    weights = shapes.weight_bytes(dtype) if weight_bytes is None else weight_bytes
+    weights = shapes.weight_bytes(dtype) if plan is None else plan.held_bytes
     kv_per_token = shapes.kv_bytes_per_token(dtype)
+    native = plan is not None and plan.native
     return {
         "dtype": dtype,
-        # the weights' format: the chosen dtype, or a GGUF's own bits ("native")
-        "weights_as": dtype if weight_bytes is None else "native",
+        # the weights' format: the chosen dtype, or a GGUF's own bits where the load keeps them
+        "weights_as": "native" if native else dtype,
+        # per GGML type: kept (as which storage) or dequantized (to which dtype), and its bytes
+        "weight_plan": plan.as_dict() if plan is not None else None,
+        "weights_summary": plan.summary() if plan is not None else f"{shapes.params:,} parameters in {dtype}",
         "architecture": shapes.architecture,
         "num_layers": shapes.num_layers,
         "num_kv_heads": shapes.num_kv_heads,

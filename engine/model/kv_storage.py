@@ -53,6 +53,14 @@ class SeqSlice:
     blocks: Blocks  # the blocks covering context_len tokens (see storage.block_index)
 
 
+def fills_lazily(device: torch.device | str) -> bool:
+    """Whether a pool on `device` is left unfilled, its pages resident only as blocks are written
+    (kvk's row attention on the CPU): the fit estimate counts a load's process without it."""
+    from engine.kernels import native  # here: asked once per engine and per estimate
+
+    return native.kernels() is not None and torch.device(device).type == "cpu"
+
+
 class PagedKVStorage:
     def __init__(
         self,
@@ -71,8 +79,14 @@ class PagedKVStorage:
         self.quantized = kv_dtype == "int8"
         shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
-        # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views)
-        self.kv = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views).
+        # With kvk's row attention, which reads only positions already written, the pool is left
+        # unfilled: its pages become resident as blocks are used, not all at once (a 256 MiB pool
+        # for a short chat costs what the chat holds). The torch decode path reads whole blocks
+        # under a mask, so there every slot must hold a finite value: zeros.
+        make = torch.empty if fills_lazily(device) else torch.zeros
+        self.lazy = make is torch.empty
+        self.kv = [make(shape, dtype=store, device=device) for _ in range(num_layers)]
         self.k = [pair[0] for pair in self.kv]
         self.v = [pair[1] for pair in self.kv]
         self.k_scale: list[torch.Tensor] = []
@@ -81,8 +95,7 @@ class PagedKVStorage:
             scale_shape = (num_blocks, num_kv_heads, block_size)
             for scales in (self.k_scale, self.v_scale):
                 scales.extend(
-                    torch.zeros(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device)
-                    for _ in range(num_layers)
+                    make(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device) for _ in range(num_layers)
                 )
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim

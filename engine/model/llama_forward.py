@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
+from engine.kernels import native
+from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import FusedProjection
 from engine.model.forward_families import FAMILIES, NormKind
 from engine.model.kv_storage import PagedKVStorage
@@ -93,6 +95,10 @@ class _Layer:
     down_proj: nn.Module
     act: Callable[[Tensor], Tensor]
     how: LayerAttention
+    # Llama's float32 RMSNorms before attention and MLP as (weight, weight, eps), where the layer
+    # has no other norm and no residual multiplier: on kvk, each residual add and the norm after
+    # it run as one C call (layer_ops.c). None: the norms above, in torch.
+    plain_norms: tuple[Tensor, Tensor, float] | None = None
 
 
 @dataclass(slots=True)
@@ -103,6 +109,11 @@ class _Rope:
     sin: Tensor  # [T, 1, width], its first half negated (see _rotate)
     half: int
     width: int  # rotated dims of each head (Phi-3's partial rotary: fewer than head_dim)
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """cos and sin as [T, width] (kvk's RoPE reads them so)."""
+        t = self.cos.shape[0]
+        return self.cos.reshape(t, self.width), self.sin.reshape(t, self.width)
 
 
 def unsupported_reason(
@@ -240,7 +251,35 @@ class _Plan:
             down,
             _activation(act),
             LayerAttention(scaling=scaling, window=spec.window, softcap=spec.softcap),
+            self.plain_norms(layer, family),
         )
+
+    def plain_norms(self, layer: Any, family: Any) -> tuple[Tensor, Tensor, float] | None:
+        """(before-attention weight, before-MLP weight, eps) where the layer's only norms are Llama's
+        float32 RMSNorms at those two places with one eps, else None."""
+        if (
+            self.dtype != torch.float32
+            or family.norm != "llama"
+            or family.after_attention is not None
+            or family.after_mlp is not None
+            or family.before_attention is None
+            or family.before_mlp is None
+            or self.residual_multiplier is not None
+        ):
+            return None
+        norms = [getattr(layer, family.before_attention, None), getattr(layer, family.before_mlp, None)]
+        weights = [getattr(n, "weight", None) for n in norms]
+        eps = {getattr(n, "variance_epsilon", getattr(n, "eps", None)) for n in norms}
+        if (
+            not all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights)
+            or len(eps) != 1
+        ):
+            return None
+        (value,) = eps
+        if not isinstance(value, float):
+            return None
+        first, second = (cast(Tensor, w).detach().contiguous() for w in weights)
+        return first, second, value
 
     @staticmethod
     def projections(
@@ -328,6 +367,7 @@ class LlamaForward:
             self.rotary if kind is None else functools.partial(self.rotary, layer_type=kind)
             for kind in plan.rope_kinds
         ]
+        self.kvk = _kvk_of(plan)
 
     @torch.inference_mode()
     def __call__(
@@ -349,8 +389,18 @@ class LlamaForward:
         residual_multiplier = self.residual_multiplier
         if observer is not None:
             observer(0, x.index_select(0, logit_rows))
+        kvk = self.kvk
+        pending: Tensor | None = None  # the last layer's MLP output, added into x by the next norm
         for index, layer in enumerate(self.layers):
-            h = x if layer.before_attention is None else layer.before_attention(x)
+            plain = layer.plain_norms if kvk is not None else None
+            if plain is not None:
+                assert kvk is not None
+                x, h = kvk.add_rms_norm(x, plain[0], plain[2], pending)  # x += pending; h = norm(x)
+                pending = None
+            else:
+                if pending is not None:
+                    x, pending = x + pending, None
+                h = x if layer.before_attention is None else layer.before_attention(x)
             # qk [T, heads + kv_heads, d], a tensor of our own: RoPE applies in place; K and V lie
             # side by side after it (kv [T, 2, kv_heads, d]) and go to the pool in one write
             if layer.qkv is not None and layer.q_norm is None:  # one matmul's output as it is
@@ -375,14 +425,21 @@ class LlamaForward:
                 qk = joined[:, : heads + self.kv_heads]
                 kv = joined[:, heads:].view(tokens, 2, -1, d)
             if layer.rope is not None:
-                _rotate(qk, ropes[layer.rope], d)
+                if kvk is not None:
+                    kvk.rope_(qk, *ropes[layer.rope].rows())
+                else:
+                    _rotate(qk, ropes[layer.rope], d)
             storage.write_kv(index, slots, kv)
             o = attend(storage, index, qk[:, :heads], batch, layer.how)
             a = _call(layer.o_proj, o.reshape(tokens, -1))
-            if layer.after_attention is not None:
-                a = layer.after_attention(a)
-            x = x + a if residual_multiplier is None else x + a * residual_multiplier
-            h = x if layer.before_mlp is None else layer.before_mlp(x)
+            if plain is not None:
+                assert kvk is not None
+                x, h = kvk.add_rms_norm(x, plain[1], plain[2], a)  # x += a; h = norm(x)
+            else:
+                if layer.after_attention is not None:
+                    a = layer.after_attention(a)
+                x = x + a if residual_multiplier is None else x + a * residual_multiplier
+                h = x if layer.before_mlp is None else layer.before_mlp(x)
             if layer.gate_up is not None:
                 gate, up = _call(layer.gate_up, h).split_with_sizes(layer.gate_up_sizes, dim=-1)
             else:
@@ -391,9 +448,14 @@ class LlamaForward:
             y = _call(layer.down_proj, layer.act(gate) * up)
             if layer.after_mlp is not None:
                 y = layer.after_mlp(y)
-            x = x + y if residual_multiplier is None else x + y * residual_multiplier
+            if plain is not None and observer is None:
+                pending = y  # the add is exact either way: the next layer's norm does it
+            else:
+                x = x + y if residual_multiplier is None else x + y * residual_multiplier
             if observer is not None:
                 observer(index + 1, x.index_select(0, logit_rows))
+        if pending is not None:
+            x = x + pending
         if logit_rows.numel() == 0:  # a prefill chunk that does not finish its prompt samples nothing
             width = cast(int, self.head.out_features)  # a linear head's vocabulary size
             return x.new_zeros((0, width))
@@ -408,6 +470,25 @@ class LlamaForward:
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def _kvk_of(plan: _Plan) -> native.Kvk | None:
+    """kvk's library where every projection of every layer runs on it (a GGUF file kept at its
+    bits), for the layer ops it fuses (layer_ops.c); None otherwise: torch's ops, as transformers
+    rounds them."""
+    lib = native.kernels()
+    if lib is None or plan.dtype != torch.float32:
+        return None
+    for layer in plan.layers:
+        modules = [layer.qkv, layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+        modules += [layer.gate_up, layer.gate_proj, layer.up_proj, layer.down_proj]
+        for module in modules:
+            if module is None:
+                continue
+            storages = getattr(module, "storages", None)
+            if storages is None or not all(isinstance(st, GGUFWeight) for st in storages()):
+                return None
+    return lib
 
 
 def _rope_table(rotary: Callable[..., tuple[Tensor, Tensor]], x: Tensor, positions: Tensor) -> _Rope:

@@ -15,7 +15,7 @@ from engine.errors import ModelLoadError, first_line
 from engine.kernels.policy import KernelPolicy
 from engine.measure.device import TORCH_DTYPES, check_dtype_on_device, resolve_device
 from engine.model.checks import check_fits
-from engine.model.configs import read_config, read_gguf_config
+from engine.model.configs import forget_gguf_header, read_config, read_gguf_config
 from engine.model.default_model import default_model_dir, load_default_tokenizer
 from engine.model.gguf_native import NATIVE, load_native
 from engine.model.gguf_tokenizer import load_gguf_tokenizer
@@ -223,6 +223,7 @@ def _load_native(
     loaded.info = dataclasses.replace(
         loaded.info, weight_bytes_before=before, notes=(kept.summary(), *kept.notes, *loaded.info.notes)
     )
+    forget_gguf_header()  # the config, tokenizer and tensors have read it
     report("ready", 1.0)
     return loaded
 

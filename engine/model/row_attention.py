@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.kernels import native
+from engine.limits import blocks_for_tokens
 
 if TYPE_CHECKING:
     from engine.model.kv_storage import PagedKVStorage, SeqSlice
@@ -47,6 +48,7 @@ class RowPlan:
     stops: np.ndarray  # int64 [count]: position + 1 of each row (it attends [start, stop))
     covered: frozenset[int]  # indices of the batch's sequences handled here
     _starts: dict[int | None, np.ndarray] = field(default_factory=dict)
+    _addresses: dict[int | None, tuple[int, int, int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, storage: PagedKVStorage, seqs: list[SeqSlice]) -> RowPlan | None:
@@ -63,7 +65,7 @@ class RowPlan:
         bs = storage.block_size
         for i in chosen:
             seq = seqs[i]
-            ids = _block_ids(seq)[: -(-seq.context_len // bs)]
+            ids = _block_ids(seq)[: blocks_for_tokens(seq.context_len, bs)]
             first = len(tables)
             tables.extend(ids)
             past = seq.context_len - seq.q_len
@@ -95,6 +97,19 @@ class RowPlan:
             )
         return self._starts[window]
 
+    def addresses(self, window: int | None) -> tuple[int, int, int, int]:
+        """The C call's (tables, table_start, starts, stops) addresses, read once a step: numpy's
+        .ctypes costs ~1 us each, four a layer."""
+        if window not in self._addresses:
+            starts = self.starts(window)
+            self._addresses[window] = (
+                self.tables.ctypes.data,
+                self.table_start.ctypes.data,
+                starts.ctypes.data,
+                self.stops.ctypes.data,
+            )
+        return self._addresses[window]
+
 
 def _block_ids(seq: SeqSlice) -> list[int]:
     blocks = seq.blocks
@@ -115,7 +130,7 @@ def row_attention(
     k_pool, v_pool = storage.k[layer], storage.v[layer]
     quantized = storage.quantized
     sinks = None if how.sinks is None else how.sinks.float().contiguous()
-    starts = plan.starts(how.window)
+    tables, table_start, starts, stops = plan.addresses(how.window)
     status = plan.lib.lib.kvk_paged_attention(
         q.data_ptr(),
         q.stride(0),
@@ -129,10 +144,10 @@ def row_attention(
         storage.v_scale[layer].data_ptr() if quantized else None,
         storage.block_size,
         storage.num_kv_heads,
-        plan.tables.ctypes.data,
-        plan.table_start.ctypes.data,
-        starts.ctypes.data,
-        plan.stops.ctypes.data,
+        tables,
+        table_start,
+        starts,
+        stops,
         how.scaling if how.scaling is not None else d**-0.5,
         how.softcap or 0.0,
         None if sinks is None else sinks.data_ptr(),

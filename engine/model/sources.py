@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,22 @@ class ModelSource:
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# `REPO:FILE` names one GGUF file of a cached repo (what --gguf-file FILE adds to --model REPO).
+REPO_FILE_SEPARATOR = ":"
+# A GGUF split into parts (`-00001-of-00003.gguf`) needs its parts merged; kvscope loads single files.
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+
+
+def with_gguf_file(source: str, gguf_file: str | None) -> str:
+    """`--model REPO --gguf-file FILE` as the one source string `REPO:FILE`."""
+    if not gguf_file:
+        return source
+    if not _REPO_ID.match(source):
+        raise ModelLoadError(
+            f"--gguf-file chooses a file of a repo in the local Hugging Face cache, but --model {source!r} "
+            "is not a repo id (owner/name). Give the .gguf file's path to --model instead."
+        )
+    return f"{source}{REPO_FILE_SEPARATOR}{gguf_file}"
 
 
 def resolve_source(source: str) -> ModelSource:
@@ -73,8 +90,11 @@ def resolve_source(source: str) -> ModelSource:
         if path.suffix.lower() != ".gguf":  # an Ollama blob: named as Ollama names it
             return ModelSource("gguf", path, ollama_name(path) or path.name, path)
         return ModelSource("gguf", path, path.stem, path)
+    repo_id, _, filename = source.partition(REPO_FILE_SEPARATOR)
+    if _REPO_ID.match(repo_id) and filename:
+        return _cached_repo_file(repo_id, filename)
     if _REPO_ID.match(source) and not source.lower().endswith(".gguf"):
-        return ModelSource("repo", _cached_repo_folder(source), source)
+        return _cached_repo(source)
     raise ModelLoadError(
         f"No model found at {path}: the path does not exist. Check the spelling, or choose a model "
         "folder, a .gguf file, or a model already in the local Hugging Face cache."
@@ -98,6 +118,7 @@ def hf_cache_dir() -> Path:
 
 
 def _cached_repo_folder(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the local HF cache (the revision its `main` ref names)."""
     # huggingface_hub reads its HF_* settings when first imported: after hub.online set them
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -110,6 +131,74 @@ def _cached_repo_folder(repo_id: str) -> Path:
             f"Download it first (`python -m engine models download {repo_id}`, or Hub… in the model picker), "
             f"or choose a folder or .gguf file. (No local path named {repo_id!r} exists either.)"
         ) from None
+
+
+def cached_gguf_files(folder: Path) -> list[str]:
+    """The GGUF model files of a snapshot folder, relative to it (vision projectors left out)."""
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*.gguf")
+        if p.is_file() and not p.name.lower().startswith("mmproj")
+    )
+
+
+def _cached_repo(repo_id: str) -> ModelSource:
+    """A cached repo: its folder when it holds a transformers model (config.json), else its one
+    GGUF file; several GGUF files are named, for the user to choose one."""
+    folder = _cached_repo_folder(repo_id)
+    if (folder / "config.json").is_file():
+        return ModelSource("repo", folder, repo_id)
+    ggufs = cached_gguf_files(folder)
+    if len(ggufs) == 1:
+        return _gguf_of_repo(repo_id, folder, ggufs[0])
+    if not ggufs:
+        raise ModelLoadError(
+            f"{repo_id} is in the local Hugging Face cache but holds neither a config.json (a transformers "
+            f"model) nor a .gguf file ({folder}). Download its weights (Hub… in the model picker, or "
+            f"`python -m engine models files {repo_id}` to see them)."
+        )
+    shown = ", ".join(ggufs[:8]) + (f" and {len(ggufs) - 8} more" if len(ggufs) > 8 else "")
+    raise ModelLoadError(
+        f"{repo_id} has {len(ggufs)} GGUF files in the local cache: {shown}. Choose one: "
+        f"--model {repo_id}{REPO_FILE_SEPARATOR}{ggufs[0]} (or --gguf-file {ggufs[0]})."
+    )
+
+
+def _cached_repo_file(repo_id: str, filename: str) -> ModelSource:
+    folder = _cached_repo_folder(repo_id)
+    path = folder / filename
+    if not path.is_file():
+        ggufs = cached_gguf_files(folder)
+        have = f"its GGUF files here: {', '.join(ggufs)}" if ggufs else "it has no GGUF file here"
+        raise ModelLoadError(
+            f"{repo_id} has no file {filename} in the local Hugging Face cache ({have}). Download it "
+            f"first (Hub… in the model picker, or `python -m engine models download {repo_id} --gguf QUANT`)."
+        )
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{repo_id}{REPO_FILE_SEPARATOR}{filename} is not a .gguf file.")
+    return _gguf_of_repo(repo_id, folder, filename)
+
+
+def _gguf_of_repo(repo_id: str, folder: Path, filename: str) -> ModelSource:
+    if _SPLIT_PART.search(filename):
+        raise ModelLoadError(
+            f"{repo_id}: {filename} is one part of a split GGUF; kvscope loads single-file GGUFs. "
+            "Merge the parts with llama.cpp's gguf-split --merge, or choose another quantization."
+        )
+    path = folder / filename
+    return ModelSource("gguf", path, path.stem, path)
+
+
+def repo_file_of(path: Path, cache: Path) -> tuple[str, str] | None:
+    """(repo id, file inside the repo) for a file in the HF cache's snapshots, else None."""
+    # absolute, not resolved: a snapshot's files are links into blobs/, the name is the link's
+    try:
+        parts = Path(os.path.abspath(path)).relative_to(os.path.abspath(cache)).parts
+    except ValueError:
+        return None
+    if len(parts) < 4 or not parts[0].startswith("models--") or parts[1] != "snapshots":
+        return None
+    return parts[0].removeprefix("models--").replace("--", "/", 1), "/".join(parts[3:])
 
 
 def default_model_folder() -> Path:

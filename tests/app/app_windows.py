@@ -8,6 +8,8 @@ LOAD_TIMEOUT_MS = 60_000
 REPLY_TIMEOUT_MS = 120_000
 # Small enough that the page map stays cheap, large enough for every reply in these tests.
 TEST_NUM_BLOCKS = 64
+# The local Hub server's tiny chat model (conftest's `hub` fixture): a safetensors repo that loads.
+TINY_REPO = "kvscope-test/tiny-llama-chat"
 # A gated engine waits at most this long for the test to let it go on.
 GATE_TIMEOUT_S = 60.0
 

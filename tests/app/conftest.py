@@ -4,12 +4,15 @@ that fail a test which leaves an engine thread or a running timer behind."""
 from __future__ import annotations
 
 import gc
+import json
 import threading
 
 import pytest
 import shiboken6
-from app_windows import TEST_NUM_BLOCKS, start_tiny
+from app_windows import TEST_NUM_BLOCKS, TINY_REPO, start_tiny
+from hub_server import HubServer, Repo, repo_from_folder, use_hub
 from PySide6.QtCore import QTimer
+from tiny_models import make_tiny_llama
 
 # Every thread the app starts is named "kvscope-..." (the engine's, and each app.workers job's):
 # none may outlive the test that started it.
@@ -80,3 +83,35 @@ def active_timers() -> list[QTimer]:
     return [
         o for o in gc.get_objects() if issubclass(type(o), QTimer) and shiboken6.isValid(o) and o.isActive()
     ]
+
+
+# ---- the local Hub server with a few repos (the model browser's and the first hour's tests) ----
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_tokenizer):
+    folder = tmp_path_factory.mktemp("tiny") / "tiny"
+    make_tiny_llama(vocab_size=len(default_tokenizer), seed=7).save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch, tiny_folder):
+    server = HubServer()
+    server.add(repo_from_folder(TINY_REPO, tiny_folder, downloads=4200, likes=31))
+    server.add(repo_from_folder("kvscope-test/tiny-llama-gated", tiny_folder, gated="manual", downloads=10))
+    from engine.model.sources import default_gguf_path
+
+    server.add(
+        Repo(
+            "kvscope-test/SmolLM2-GGUF", {"SmolLM2-135M-Instruct.Q4_1.gguf": default_gguf_path().read_bytes()}
+        )
+    )
+    mamba = {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}
+    server.add(
+        Repo("kvscope-test/tiny-mamba", {"config.json": json.dumps(mamba).encode(), "model.safetensors": b""})
+    )
+    server.add(Repo("kvscope-test/docs-only", {"README.md": b"# no weights here\n"}))
+    server.start()
+    use_hub(monkeypatch, server, tmp_path / "hub")
+    yield server
+    server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from app_windows import REPLY_TIMEOUT_MS
 from PySide6.QtGui import QImage
 
@@ -47,3 +48,10 @@ def test_scripted_runs_start_from_the_default_model_not_the_last_one():
     assert model_choice(parse_args(["--prompt", "hi"]), saved) == ModelChoice()
     assert model_choice(parse_args([]), saved) == saved  # interactive: the last model
     assert model_choice(parse_args(["--block-size", "32"]), saved).block_size == 32
+
+
+def test_the_app_takes_a_repo_id_with_gguf_file():
+    repo = "someone/tiny-llama-GGUF"
+    assert parse_args(["--model", repo, "--gguf-file", "tiny-Q4_1.gguf"]).model == f"{repo}:tiny-Q4_1.gguf"
+    with pytest.raises(SystemExit):
+        parse_args(["--gguf-file", "tiny-Q4_1.gguf"])  # no repo to take it from

@@ -3,48 +3,15 @@ fit, a download with a byte-level bar handed to the picker, and one-line failure
 
 from __future__ import annotations
 
-import json
-
-import pytest
-from hub_server import Fault, HubServer, Repo, repo_from_folder, use_hub
-from tiny_models import make_tiny_llama
+from app_windows import TINY_REPO as TINY
+from hub_server import Fault
 
 from app.models.browser import ModelBrowser
 from app.models.picker import ModelPicker
 from app.settings import MIB, ModelChoice
 from engine.hub.online import OFFLINE_IS_DEFAULT
 from engine.model.sources import default_gguf_path
-
-TINY = "kvscope-test/tiny-llama-chat"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, default_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny") / "tiny"
-    make_tiny_llama(vocab_size=len(default_tokenizer), seed=7).save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch, tiny_folder):
-    server = HubServer()
-    server.add(repo_from_folder(TINY, tiny_folder, downloads=4200, likes=31))
-    server.add(repo_from_folder("kvscope-test/tiny-llama-gated", tiny_folder, gated="manual", downloads=10))
-    server.add(
-        Repo(
-            "kvscope-test/SmolLM2-GGUF", {"SmolLM2-135M-Instruct.Q4_1.gguf": default_gguf_path().read_bytes()}
-        )
-    )
-    mamba = {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}
-    server.add(
-        Repo("kvscope-test/tiny-mamba", {"config.json": json.dumps(mamba).encode(), "model.safetensors": b""})
-    )
-    server.add(Repo("kvscope-test/docs-only", {"README.md": b"# no weights here\n"}))
-    server.start()
-    use_hub(monkeypatch, server, tmp_path / "hub")
-    yield server
-    server.stop()
+from engine.units import format_bytes
 
 
 def open_browser(qtbot) -> ModelBrowser:
@@ -80,7 +47,8 @@ def test_search_files_and_download_to_the_picker(qtbot, hub):
     # the first result's files, with the fit, before anything downloads
     qtbot.waitUntil(lambda: browser.files_table.rowCount() == 1, timeout=30_000)
     assert browser.files_table.item(0, 0).text() == "safetensors"
-    assert browser.files_table.item(0, 3).text().startswith("yes")
+    assert browser.files_table.item(0, 4).text().startswith("yes")
+    assert browser.files_table.item(0, 2).text() == "–"  # not downloaded yet
     assert browser.support.text() == "kvscope serves it: Llama"
     assert browser.download_button.isEnabled()
     browser.download_button.click()
@@ -109,6 +77,17 @@ def test_gguf_files_are_offered_by_quantization(qtbot, hub):
     qtbot.waitUntil(lambda: browser.files_table.rowCount() == 1, timeout=30_000)
     assert browser.files_table.item(0, 0).text() == "Q4_1"
     assert browser.download_button.text().startswith("Download Q4_1 (")
+    # the fit counts what the load holds, per tensor type from the header, and the runtime beside it
+    est = browser._files.choices[0].estimate
+    assert "Q4_1 x210 " in browser.files_table.item(0, 3).toolTip()
+    process = browser.files_table.item(0, 5)
+    assert process.text() == f"≈ {format_bytes(est['process_bytes'])}"
+    assert est["process_full_pool_bytes"] == est["process_bytes"] + (
+        est["kv_bytes_for_context"] if est["pool_fills_lazily"] else 0
+    )
+    assert est["process_bytes"] > est["weight_bytes"] + est["runtime_bytes"] // 2
+    assert process.toolTip().startswith("once loaded: the runtime ") and "+ weights " in process.toolTip()
+    assert browser.results.item(0, 7).text() == "serves"  # its header told, the search hit could not
     browser.worker.wait()
 
 

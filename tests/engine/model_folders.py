@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 # A Llama-3-8B-class config: 32 layers, 32 query heads over 8 KV heads of 128, untied head.
@@ -54,3 +55,28 @@ def save_tiny_model(folder: Path, tokenizer, **overrides) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def fake_hf_cache(
+    root: Path, repo_id: str, files: dict, revision: str = "0123456789abcdef0123456789abcdef01234567"
+) -> Path:
+    """The layout huggingface_hub writes: blobs behind a snapshot folder and a refs/main pointer.
+    `files` maps a name in the repo to a dict (written as JSON) or a file to copy. Returns the
+    snapshot folder."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(snapshot.name)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for name, source in files.items():
+        blob = repo / "blobs" / f"blob-{name.replace('/', '-')}"
+        if isinstance(source, dict):
+            blob.write_text(json.dumps(source))
+        elif Path(source).stat().st_size > 1 << 20:  # a large file (a GGUF): linked, not copied
+            blob.symlink_to(Path(source).resolve())
+        else:
+            shutil.copyfile(source, blob)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to(blob)
+    return snapshot

@@ -24,6 +24,7 @@ from engine.hub.download import DownloadCancelled, download_files
 from engine.hub.files import quant_of, repo_files
 from engine.hub.online import OFFLINE_IS_DEFAULT, OFFLINE_MESSAGE, HubError
 from engine.hub.search import search_models
+from engine.model.gguf_plan import kvk_here, plan_file
 from engine.model.loading import load_model
 from engine.model.sources import default_gguf_path
 from engine.request import Request
@@ -126,9 +127,13 @@ def test_gguf_files_are_listed_by_quantization_with_shapes_from_the_remote_heade
     assert q4.loadable and q4.weights_bytes == default_gguf_path().stat().st_size
     for key in ("num_layers", "num_kv_heads", "head_dim", "kv_bytes_per_token", "weight_bytes"):
         assert q4.estimate[key] == local[key], key
-    # loaded on this CPU it stays at its own bits, memory-mapped: the file's size, not 135 M x 4 bytes
+    # loaded on this CPU it stays at its own bits: what the loader's plan holds for each tensor,
+    # read from the header's types and shapes (the same plan as the local file's), not 135 M x 4;
+    # with the kvk kernels the file's blocks, memory-mapped: its tensors' bytes
     assert q4.estimate["weights_as"] == "native"
-    assert q4.estimate["weight_bytes"] == q4.weights_bytes
+    assert q4.estimate["weight_plan"] == plan_file(default_gguf_path(), "float32").as_dict()
+    if kvk_here() is not None:
+        assert q4.estimate["weight_bytes"] == q4.estimate["weight_plan"]["file_bytes"]
     # only the header was read, in ranges: a few MB of a ~100 MB file
     ranges = hub.ranges_for("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert ranges and all(r.startswith("bytes=") for r in ranges)

@@ -8,6 +8,7 @@ from model_folders import LLAMA_8B_CONFIG, write_config
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
 from engine.measure.memory import AVAILABLE_MEMORY_ENV
+from engine.model.gguf_plan import kvk_here
 from engine.model.inspect import inspect_model
 from engine.model.sources import default_gguf_path
 
@@ -126,7 +127,18 @@ def test_a_gguf_counts_its_own_bits_where_a_load_keeps_them():
     native = inspect_model("default", dtype="float32")
     dequantized = inspect_model("default", dtype="float32", quantization="none")
     assert native["weights_as"] == "native" and dequantized["weights_as"] == "float32"
-    # the file (~94 MiB), memory-mapped as it is: the head reads the embedding's blocks, no copy
-    assert native["weight_bytes"] == default_gguf_path().stat().st_size
-    assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB
+    # per type as the loader holds it: with the kvk kernels every tensor's blocks as the file has
+    # them (memory-mapped, the head reading the embedding's: no copy), the F32 norms in float32
+    plan = native["weight_plan"]
+    lines = {t["type"]: (t["held"], t["as"], t["tensors"]) for t in plan["types"]}
+    kept = ("kept", "q4_1", 210) if kvk_here() is not None else ("kept", "int4-g32", 210)
+    assert lines == {
+        "Q4_1": kept,
+        "Q8_0": ("kept", "q8_0", 1),
+        "F32": ("dequantized", "float32", 61),
+    }
+    assert plan["head_copy_bytes"] == 0
+    assert native["weight_bytes"] == plan["file_bytes"]  # Q4_1 in int4 groups is its 0.625 bytes too
+    assert plan["file_bytes"] < default_gguf_path().stat().st_size  # the tensors, not the metadata
+    assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB, every tensor in float32
     assert native["kv_bytes_per_token"] == dequantized["kv_bytes_per_token"]  # KV in the dtype either way

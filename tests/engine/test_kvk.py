@@ -198,3 +198,28 @@ def test_tensors_of_one_type_fuse_into_one_table_of_their_rows():
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert fused.nbytes == sum(p.nbytes for p in parts) and fused.out_features == 48
     assert np.array_equal(fused.dequantizable_copy(), np.concatenate([p.parts[0] for p in parts]))
+
+
+def test_anything_but_a_row_table_is_refused_not_read_as_addresses():
+    blocks = random_blocks(Q.Q4_0, 8, 64)
+    kvk = native.kernels()
+    with pytest.raises(TypeError, match="row addresses"):
+        kvk.matmul(Q.Q4_0, blocks, 64, torch.randn(1, 64))  # the blocks themselves
+    with pytest.raises(ValueError, match="float32"):
+        kvk.matmul(Q.Q4_0, row_addresses(blocks), 64, torch.randn(1, 64, dtype=torch.float64))
+    with pytest.raises(IndexError):
+        kvk.dequantize_rows(Q.Q4_0, row_addresses(blocks), 64, torch.tensor([8]))
+
+
+def test_the_dense_kernel_a_slice_at_a_time_is_the_whole_layers_product(monkeypatch):
+    """The dense kernel decodes a few rows at a time into a small buffer (the process never holds
+    a whole layer's bfloat16 copy); each output is the bfloat16 GEMM of the whole row."""
+    import engine.kernels.gguf_weight as gguf_weight
+
+    blocks = random_blocks(Q.Q4_K, 40, 512, seed=3)
+    storage = GGUFWeight(Q.Q4_K, blocks, 512)
+    x = torch.randn(5, 512)
+    whole = torch.nn.functional.linear(x.to(torch.bfloat16), storage.dequantize(torch.bfloat16)).float()
+    monkeypatch.setattr(gguf_weight, "DENSE_SLICE_WEIGHTS", 512 * 7)  # 7 rows a slice: 6 slices, one short
+    assert torch.equal(storage.matmul("dense-bf16", x), whole)
+    assert gguf_weight._SCRATCH.buf.numel() <= 512 * 40

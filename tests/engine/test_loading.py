@@ -3,12 +3,18 @@ the once-only conversion cache, and the real packaged model (slow)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
-from model_folders import BERT_CONFIG, LLAMA_8B_CONFIG, VIT_CONFIG, save_tiny_model, write_config
+from model_folders import (
+    BERT_CONFIG,
+    LLAMA_8B_CONFIG,
+    VIT_CONFIG,
+    fake_hf_cache,
+    save_tiny_model,
+    write_config,
+)
 
 from engine.cache_dirs import SOURCE_MARKER, is_converted, publish_atomically, source_fingerprint
 from engine.config import ModelSpec
@@ -80,23 +86,6 @@ def test_loaded_folder_computes_the_same_logits_as_the_saved_model(tiny_folder):
         assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
 
 
-def _fake_hf_cache(root, repo_id: str, files: dict) -> None:
-    """The layout huggingface_hub writes: blobs behind a snapshot folder and a refs/main pointer."""
-    repo = root / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(snapshot.name)
-    (repo / "blobs").mkdir()
-    for name, source in files.items():
-        blob = repo / "blobs" / f"blob-{name}"
-        if isinstance(source, dict):
-            blob.write_text(json.dumps(source))
-        else:
-            shutil.copyfile(source, blob)
-        (snapshot / name).symlink_to(blob)
-
-
 @pytest.fixture
 def hf_cache(tmp_path, monkeypatch):
     from huggingface_hub import constants
@@ -109,13 +98,13 @@ def hf_cache(tmp_path, monkeypatch):
 
 def test_cached_repo_is_listed_and_loads_offline(hf_cache, tiny_folder):
     files = {p.name: p for p in tiny_folder.iterdir()}
-    _fake_hf_cache(hf_cache, "tiny-org/tiny-llama", files)
-    _fake_hf_cache(
+    fake_hf_cache(hf_cache, "tiny-org/tiny-llama", files)
+    fake_hf_cache(
         hf_cache,
         "google/bert-like",
         {"config.json": BERT_CONFIG, "model.safetensors": files["model.safetensors"]},
     )
-    _fake_hf_cache(hf_cache, "someone/config-only", {"config.json": LLAMA_8B_CONFIG})
+    fake_hf_cache(hf_cache, "someone/config-only", {"config.json": LLAMA_8B_CONFIG})
     assert [m.source for m in hf_cache_models()] == ["tiny-org/tiny-llama"]  # what the picker lists
     loaded = load_model(ModelSpec("tiny-org/tiny-llama", device="cpu"))
     assert loaded.info.name == "tiny-org/tiny-llama" and loaded.info.num_layers == 2

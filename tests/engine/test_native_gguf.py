@@ -237,6 +237,11 @@ def test_a_truncated_gguf_is_a_message_not_a_traceback(tmp_path):
         load_model(ModelSpec(str(cut), device="cpu"))
 
 
+def test_a_gguf_larger_than_free_memory_is_refused_before_loading_with_its_estimate(tiny_gguf):
+    with pytest.raises(ModelLoadError, match="will not fit: its weights need about"):
+        load_model(ModelSpec(str(tiny_gguf), device="cpu", quantization="native"), available_bytes=1024)
+
+
 def test_auto_means_native_for_gguf_sources_and_none_for_folders(tiny_gguf, tmp_path):
     assert resolve_scheme("auto", resolve_source(str(tiny_gguf))) == "native"
     folder = tmp_path / "folder"

@@ -344,10 +344,11 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     their_tokens, theirs, _ = run(loaded, config, prompts, own=False)
     assert tokens == their_tokens
     # kvk rounds each layer's input to two 8-bit planes: the two codes' inputs differ in their last
-    # float32 bits (their norms and RoPE round differently), which can move one activation across a
-    # rounding boundary, one step of its block's 16-bit range: a few 1e-5 on these logits
+    # float32 bits (the own forward on kvk runs its norms and RoPE in C, layer_ops.c, summing in
+    # its own order), which can move an activation across a rounding boundary, one step of its
+    # block's 16-bit range: ~1e-4 on these logits
     for key in logits:
-        torch.testing.assert_close(logits[key], theirs[key], atol=1e-4, rtol=RTOL)
+        torch.testing.assert_close(logits[key], theirs[key], atol=3e-4, rtol=RTOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

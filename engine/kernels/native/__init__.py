@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache_dirs import cache_root
+
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
 
@@ -52,6 +54,11 @@ class Kvk:
         (row_addresses: one tensor, several fused, or a permutation) -> float32 [R, len(rows)].
         `exact`: float32 activations (every weight decoded to float32), else the two 8-bit
         activation planes."""
+        check_table(rows)
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k:
+            raise ValueError(
+                f"activations must be float32 [rows, {k}] with contiguous rows, got {tuple(x.shape)} {x.dtype}"
+            )
         r = x.shape[0]
         if out is None:
             out = torch.empty(r, rows.shape[0], dtype=torch.float32)
@@ -74,7 +81,10 @@ class Kvk:
     def dequantize_rows(self, ggml_type: int, rows: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (of the address table `rows`) as float32 [len(ids), k], bit for bit gguf's
         dequantization."""
+        check_table(rows)
         ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows.shape[0]):
+            raise IndexError(f"row ids outside 0..{rows.shape[0] - 1}")
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
         status = self.lib.kvk_dequantize_rows(
             ggml_type, rows.ctypes.data, k, ids.data_ptr(), ids.numel(), out.data_ptr()
@@ -87,12 +97,58 @@ class Kvk:
         self, ggml_type: int, rows: np.ndarray, k: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The weight rows [len(rows), k] rounded to bfloat16 (a dense kernel's temporary copy)."""
+        check_table(rows)
         if out is None:
             out = torch.empty(rows.shape[0], k, dtype=torch.bfloat16)
         status = self.lib.kvk_dequantize_bf16(ggml_type, rows.ctypes.data, rows.shape[0], k, out.data_ptr())
         if status != 0:
             raise RuntimeError(f"kvk_dequantize_bf16 refused GGML type {ggml_type}")
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, RMSNorm of it times weight) for float32 rows [R, n] (layer_ops.c); with
+        no residual, (x, its norm). The sum is written into x: the residual stream in place."""
+        rows, n = x.shape
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or weight.numel() != n
+            or x.stride(1) != 1
+            or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))
+        ):
+            raise ValueError("add_rms_norm takes float32 rows [R, n] with contiguous rows and a weight of n")
+        h = torch.empty(rows, n, dtype=torch.float32)
+        res_ptr, res_ld = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        status = self.lib.kvk_add_rms_norm(
+            x.data_ptr(), x.stride(0), res_ptr, res_ld, x.data_ptr(), x.stride(0),
+            weight.data_ptr(), eps, rows, n, h.data_ptr(), n,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("kvk_add_rms_norm refused its shapes")
+        return x, h
+
+    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on qk [R, heads, d] (float32, each head's dims contiguous) over the first
+        width = cos.shape[-1] dims: x * cos + roll(x, width / 2) * sin, sin's first half negated
+        (cos, sin float32 [R, width] contiguous), as the own forward computes it in torch."""
+        rows, heads, d = qk.shape
+        width = cos.shape[-1]
+        if (
+            qk.dtype != torch.float32
+            or qk.stride(2) != 1
+            or width > d
+            or cos.shape != (rows, width)
+            or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError("rope_ takes float32 qk [R, heads, d] and cos/sin [R, width <= d]")
+        status = self.lib.kvk_rope(
+            qk.data_ptr(), qk.stride(0), qk.stride(1), rows, heads, width, cos.data_ptr(), sin.data_ptr(), width
+        )
+        if status != 0:
+            raise RuntimeError("kvk_rope refused its shapes")
 
     def paged_attention(
         self,
@@ -171,6 +227,18 @@ class Kvk:
         return codes, a, b
 
 
+def check_table(rows: np.ndarray) -> None:
+    """A table of row addresses (row_addresses), not the blocks themselves: the kernels would read
+    the bytes of anything else as addresses."""
+    if (
+        not isinstance(rows, np.ndarray)
+        or rows.dtype != np.uint64
+        or rows.ndim != 1
+        or not rows.flags.c_contiguous
+    ):
+        raise TypeError("kvk takes a table of row addresses (engine.kernels.native.row_addresses)")
+
+
 def row_addresses(blocks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """The address of each row of `blocks` (uint8 [rows, bytes per row]), in `order` when given:
     the table the kernels read rows through. The table holds raw addresses: keep `blocks` alive."""
@@ -220,6 +288,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.kvk_paged_attention.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
+    lib.kvk_add_rms_norm.argtypes = [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, ctypes.c_float]
+    lib.kvk_add_rms_norm.argtypes += [_c_i64, _c_i64, _ptr, _c_i64]
+    lib.kvk_add_rms_norm.restype = _c_int
+    lib.kvk_rope.argtypes = [_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_i64]
+    lib.kvk_rope.restype = _c_int
 
 
 def cpu_variants() -> list[str]:
@@ -244,8 +317,7 @@ def cpu_variants() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from engine.cache_dirs import cache_root  # the user cache dir (KVSCOPE_CACHE_DIR)
-
+    """Where kernels built on this machine go: the user cache dir (KVSCOPE_CACHE_DIR)."""
     return cache_root() / "kvk"
 
 

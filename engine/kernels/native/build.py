@@ -1,4 +1,5 @@
-"""Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention) into one
+"""Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention; layer_ops.c:
+the residual add + RMSNorm and RoPE of models on kvk) into one
 shared library per instruction set.
 
     python -m engine.kernels.native.build [--out DIR] [--variants avx512,avx2,portable]
@@ -32,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "kvk.c", HERE / "attention.c")
+SOURCES = (HERE / "kvk.c", HERE / "attention.c", HERE / "layer_ops.c")
 PACKAGE_LIB = HERE / "lib"
 
 # Compiler flags per variant. -ffp-contract=off: the dequantization must round where gguf-py does
