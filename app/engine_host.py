@@ -36,6 +36,7 @@ from engine.events import (
     RequestFinished,
     RequestStarted,
     TokenGenerated,
+    ToolCallsParsed,
 )
 from engine.request import Request
 from live.event_store import EventStore
@@ -70,6 +71,9 @@ class EngineHost(QObject):
     tokens_generated = Signal(int, list)  # request id, this frame's TokenGenerated events for it
     request_finished = Signal(object)  # RequestFinished
     request_failed = Signal(object)  # RequestFailed
+    tool_calls_parsed = Signal(
+        object
+    )  # ToolCallsParsed: a reply of a request that offered tools, read for calls
     engine_error = Signal(str)
     frame = Signal(object)  # set[str]: LiveState's dirty keys, after the fold
     status_changed = Signal()
@@ -224,7 +228,7 @@ class EngineHost(QObject):
             if kind is TokenGenerated:
                 tokens.setdefault(event.request_id, []).append(event)
                 continue
-            if tokens and kind in (RequestFinished, RequestFailed):
+            if tokens and kind in (RequestFinished, RequestFailed, ToolCallsParsed):
                 self._flush_tokens(tokens)  # a reply's tokens always arrive before its end
             if kind is ModelLoading:
                 self.model_loading.emit(event)
@@ -247,6 +251,8 @@ class EngineHost(QObject):
                 self._in_flight.discard(event.request_id)
                 self.request_failed.emit(event)
                 status_changed = True
+            elif kind is ToolCallsParsed:
+                self.tool_calls_parsed.emit(event)
             elif kind is EngineError:
                 self.engine_error.emit(event.message)
         self._flush_tokens(tokens)

@@ -95,6 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="generate replies by beam search with K beams; beam search scores, it does not sample, so "
         "this also sets temperature 0 and clears stop strings (kept like an edit in the Sampling controls)",
     )
+    grammar = parser.add_mutually_exclusive_group()
+    grammar.add_argument(
+        "--json-schema", metavar="FILE", type=Path, help="the chat's replies follow this JSON Schema"
+    )
+    grammar.add_argument("--regex", metavar="R", help="the chat's replies match this regular expression")
+    grammar.add_argument(
+        "--grammar",
+        metavar="FILE",
+        type=Path,
+        help="the chat's replies follow this Lark or GBNF (.gbnf) grammar",
+    )
     parser.add_argument(
         "--attach",
         metavar="URL",
@@ -127,6 +138,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ModelLoadError as exc:
             parser.error(str(exc))
     return args
+
+
+def structured_output(args: argparse.Namespace):
+    """The chat's structured output from --json-schema / --regex / --grammar (None without one);
+    ConfigError saying what is wrong with it, before anything starts."""
+    from engine.api import check_grammar
+    from engine.config import ConfigError, GrammarSpec
+
+    if args.regex is not None:
+        flag, kind, text = "--regex", "regex", args.regex
+    elif args.json_schema is not None or args.grammar is not None:
+        path = args.json_schema or args.grammar
+        flag = "--json-schema" if args.json_schema is not None else "--grammar"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"{flag}: cannot read {path}: {reason}") from None
+        if args.json_schema is not None:
+            kind = "json_schema"
+        else:
+            kind = "gbnf" if path.suffix == ".gbnf" or (path.suffix != ".lark" and "::=" in text) else "lark"
+    else:
+        return None
+    spec = GrammarSpec(kind, text)
+    problem = check_grammar(spec)
+    if problem:
+        raise ConfigError(f"{flag}: {problem}")
+    return spec
 
 
 def model_choice(args: argparse.Namespace, saved):
@@ -246,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         choice = model_choice(args, settings.model_choice())
+        grammar = structured_output(args)
     except ConfigError as exc:
         print(f"kvscope: {exc}", file=sys.stderr)
         conversations.close()
@@ -277,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         or args.kv_budget_mib is not None
     ):
         window.controls.model.set_choice(choice)
+    if grammar is not None:
+        from app.chat.chat_settings import ChatSettings
+
+        window.controller.set_chat_settings(ChatSettings(grammar=grammar))
     window.show()
     run = None
     if scripted:

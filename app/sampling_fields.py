@@ -6,6 +6,10 @@ from __future__ import annotations
 # field -> (label, one-line explanation). Every SamplingParams field must appear here: a test
 # compares this table with the dataclass, so a new engine setting cannot go missing in the GUI.
 EXPLANATIONS: dict[str, tuple[str, str]] = {
+    "grammar": (
+        "Structured output",
+        "Set per chat (above its transcript): replies follow a JSON Schema, a regex or a grammar.",
+    ),
     "temperature": (
         "Temperature",
         "Divides the logits: < 1 sharpens, > 1 flattens; 0 always takes the top token.",

@@ -30,7 +30,7 @@ SAMPLER_FIELDS = (
 )  # fmt: skip
 # Not kept as values: the recorded candidates are a display setting, and the logit bias and bans
 # are kept as typed (`token_texts`), their ids belonging to whichever model tokenizes them.
-NOT_SAVED = ("snapshot_top_n", "logit_bias", "banned_token_ids")
+NOT_SAVED = ("snapshot_top_n", "logit_bias", "banned_token_ids", "grammar")  # a grammar is the chat's
 
 
 @dataclass(frozen=True, slots=True)

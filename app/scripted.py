@@ -32,6 +32,17 @@ def most_uncertain_token(tokens) -> int | None:
     return best
 
 
+def most_cut_token(tokens) -> int | None:
+    """Under a grammar: the token where its mask took the most of the raw mass while leaving a
+    choice (not forced), the one that shows the grammar's stage best."""
+    best, best_removed = None, -1.0
+    for tok in tokens:
+        g = tok.snapshot.grammar if tok.snapshot is not None else None
+        if g is not None and g.allowed > 1 and g.removed_mass > best_removed:
+            best, best_removed = tok.index, g.removed_mass
+    return best
+
+
 class ScriptedRun(QObject):
     """Emits `done(exit_code)` once; the entry point connects it to the application's exit
     (left to the caller so that tests can run a script without ending their Qt application)."""
@@ -102,9 +113,12 @@ class ScriptedRun(QObject):
             self._fail("the reply was cancelled before it finished")
             return
         view = self.window.host.live.requests.get(event.request_id)
-        index = most_uncertain_token(view.tokens) if view is not None else None
+        cut = most_cut_token(view.tokens) if view is not None else None
+        index = cut if cut is not None else (most_uncertain_token(view.tokens) if view is not None else None)
         if index is not None:
             self.window.controller.inspect_token(event.request_id, index)
+        if cut is not None:  # a reply under a grammar: the panel shows what its mask did
+            self.window.panels.probabilities.select_stage("grammar")
         QTimer.singleShot(SETTLE_MS, self._capture)
 
     @Slot(object)

@@ -40,6 +40,7 @@ from app.sampling_presets import PresetStore
 from app.settings import AppSettings, ModelChoice
 from app.speculation.view import SpeculationController
 from app.status_bar import StatusBar
+from app.tools.registry import ToolRegistry
 from app.what_if import WhatIfController
 from app.wheel_guard import install_wheel_guard
 from engine.config import DEFAULT_KV_BUDGET_BYTES, ConfigError, EngineConfig
@@ -143,6 +144,9 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         # Replies a crash or a kill cut off mid-stream: marked before anything shows them as finished.
         self.interrupted_replies = mark_interrupted(conversations)
+        # MCP servers and their tools, shared by every chat tab (each chooses whether to use them).
+        self.tools = ToolRegistry(settings, parent=self)
+        self.tools.load()
         if conversations.read_only:
             self.chat.banner.show_message(conversations.read_only_banner)
         self.controller = ChatController(
@@ -153,11 +157,19 @@ class MainWindow(QMainWindow):
             self.controls.sampling.params,
             parent=self,
             context_policy=settings.context_policy,
+            tools=self.tools,
         )
         # The chat is the first of the chat tabs; more tabs generate at the same time.
         self.chat_tabs = ChatTabs(
-            self.chat, self.controller, conversations, self.host, self.controls.sampling.params
+            self.chat,
+            self.controller,
+            conversations,
+            self.host,
+            self.controls.sampling.params,
+            tools=self.tools,
         )
+        self.controller.servers_wanted.connect(self.show_mcp_servers)
+        self.chat_tabs.servers_wanted.connect(self.show_mcp_servers)
         self.setCentralWidget(self.chat_tabs)
         self.quality = QualityController(
             self.host, self.controller, self.panels, self.controls.model, parent=self
@@ -374,6 +386,9 @@ class MainWindow(QMainWindow):
         self._action(chat_menu, "&Regenerate reply", self.controller.regenerate, "Ctrl+R")
         self._action(chat_menu, "&Edit last message", self.controller.edit_last, "Ctrl+E")
         self.chat_actions.fill_chat_menu(chat_menu)
+        chat_menu.addSeparator()
+        self._action(chat_menu, "Structured &output…", self.controller.edit_structured_output)
+        self._action(chat_menu, "&MCP servers…", self.show_mcp_servers)
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.toolbar.toggleViewAction())
         for dock in self.docks.values():
@@ -491,7 +506,8 @@ class MainWindow(QMainWindow):
         picker = self.controls.model
         picker.show_measured(loaded.info.weight_bytes, int(memory.column("process")[-1]))
         # also where the eye is after a load, for a while: the picker's note may be scrolled away
-        _, *figures = picker.measured.text().split("\n")
+        # the figures without their "(estimate +4%)": the status bar is one short line
+        figures = [line.split(" (estimate ")[0] for line in picker.measured.text().split("\n")[1:]]
         self.status.showMessage(
             f"Loaded {loaded.info.name}. Estimated → measured: {'; '.join(figures)}", MEASURED_VISIBLE_MS
         )
@@ -561,6 +577,14 @@ class MainWindow(QMainWindow):
         self.settings.set("chat/view", [token_view, colour])
 
     @Slot()
+    def show_mcp_servers(self) -> None:
+        from app.tools.servers_dialog import ServersDialog
+
+        dialog = ServersDialog(self.tools, self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+
+    @Slot()
     def _about(self) -> None:
         QMessageBox.about(
             self,
@@ -582,6 +606,7 @@ class MainWindow(QMainWindow):
             self.physics.shutdown()  # a sweep stops at its next run; a limits measurement finishes
             self.speculation.shutdown()  # a speedup measurement stops at its next run
             self.controls.model.wait_for_estimate()
+            self.tools.close()  # every MCP server's session left (stdio servers stop)
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()
         super().closeEvent(event)

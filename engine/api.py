@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from engine.config import EngineConfig, ModelSpec, SamplingParams, SpeculativeConfig
+from engine.config import EngineConfig, GrammarSpec, ModelSpec, SamplingParams, SpeculativeConfig
 from engine.errors import MeasurementError, ModelLoadError
 from engine.events import Event, RequestEnd, TokenSnapshot
 from engine.hub.cache import CachedModel, delete_cached, find_local_models, list_cached
@@ -48,7 +48,7 @@ from engine.model.local_models import LocalModel, gpt4all_models, lmstudio_model
 from engine.model.runtime_memory import estimate_process, give_back_freed_memory
 from engine.model.sources import hf_cache_dir, repo_file_of, with_gguf_file
 from engine.private import create_private_file, private_dir
-from engine.request import ChatMessage, Request
+from engine.request import ChatMessage, Request, ToolSpec
 from engine.resources import resource
 from engine.results import (
     DeviceLimits,
@@ -94,6 +94,7 @@ __all__ = [
     "SpeedRun",
     "SpeedupResult",
     "Tokens",
+    "check_grammar",
     "check_scheme_name",
     "create_private_file",
     "cli_main",
@@ -183,6 +184,12 @@ class EngineClient(Protocol):
         """What this engine can hold: its context window, its KV pool, its batch."""
         ...
 
+    def prompt_spans(self, request: Request) -> Future[tuple[tuple[int, int], ...]]:
+        """Where each tool message's content sits in the request's prompt, as token positions
+        [start, end) ((-1, -1) for one the template leaves out): the KV blocks a tool's result
+        went into are the request's blocks over those positions."""
+        ...
+
     def fit_context(
         self,
         head: Sequence[ChatMessage],
@@ -192,8 +199,10 @@ class EngineClient(Protocol):
         policy: str,
         prefix_ids: Sequence[int] = (),
         tail_is_new: bool = True,
+        tools: Sequence[ToolSpec] = (),
     ) -> Future[ContextFit]:
-        """How much of a conversation fits (engine.limits.fit), counted by the engine."""
+        """How much of a conversation fits (engine.limits.fit), counted by the engine (with the
+        `tools` it offers rendered into the prompt)."""
         ...
 
     def decode(self, token_ids: Sequence[int], after: Sequence[int] = ()) -> Future[str]:
@@ -338,6 +347,19 @@ def measure_quality(
         cancelled,
         candidates,
     )
+
+
+def check_grammar(spec: GrammarSpec) -> str:
+    """Why a structured-output setting cannot be used, in one line ("" when it can): the grammar
+    or schema checked by the library that will apply it (quick: the app checks as you type)."""
+    # llguidance and jsonschema (no torch): only once a chat asks for structured output
+    from engine.grammar.compile import GrammarError, check
+
+    try:
+        check(spec)
+    except GrammarError as exc:
+        return str(exc)
+    return ""
 
 
 def what_if_notes(params: SamplingParams) -> tuple[str, ...]:

@@ -47,6 +47,53 @@ def _bias_pairs(pairs: BiasPairs) -> tuple[tuple[int, float], ...]:
         raise ConfigError(f"logit bias must be (token id, bias) pairs, got {pairs!r}") from exc
 
 
+# What a grammar may be written as (engine.grammar.compile turns each into the library's form):
+# a JSON Schema, any JSON object, a regular expression, a Lark or GBNF grammar, or a list of
+# choices (the text is a JSON array of strings).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
+GRAMMAR_KIND_LABELS = {
+    "json_schema": "JSON Schema",
+    "json_object": "any JSON object",
+    "regex": "regular expression",
+    "lark": "Lark grammar",
+    "gbnf": "GBNF grammar",
+    "choice": "one of a list of choices",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """Constrained decoding: what the reply must match. Only the kind and the text are checked
+    here; whether the text compiles is engine.grammar's question (it needs the library)."""
+
+    kind: str
+    text: str = ""  # the schema (JSON), the regex, the grammar, or the choices as a JSON array
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in GRAMMAR_KINDS,
+            f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+        )
+        _check(isinstance(self.text, str), "a grammar's text must be a string")
+        _check(
+            self.kind == "json_object" or bool(self.text.strip()),
+            f"a {GRAMMAR_KIND_LABELS[self.kind]} needs its text (it is empty)",
+        )
+
+    @property
+    def label(self) -> str:
+        return GRAMMAR_KIND_LABELS[self.kind]
+
+
+def _grammar(value: object) -> GrammarSpec | None:
+    """A grammar as given: a GrammarSpec, its dict form (JSON: settings, stored replies) or None."""
+    if value is None or isinstance(value, GrammarSpec):
+        return value
+    if isinstance(value, dict) and set(value) <= {"kind", "text"} and "kind" in value:
+        return GrammarSpec(str(value["kind"]), str(value.get("text", "")))
+    raise ConfigError(f"grammar must be a GrammarSpec or {{'kind', 'text'}}, got {value!r:.80}")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen. Defaults are greedy-free sampling at temperature 1."""
@@ -95,6 +142,8 @@ class SamplingParams:
     # running beam can no longer beat them, by transformers' heuristic) or "never" (the exact
     # test). Same meaning as transformers' `early_stopping`.
     early_stopping: bool | str = False
+    # Constrained decoding: the grammar's token mask is the sampler's first stage (None: off).
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Sequences arrive as lists from JSON (settings, presets, stored replies): store tuples so
@@ -102,6 +151,7 @@ class SamplingParams:
         for name in ("stop", "dry_sequence_breakers", "banned_token_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "grammar", _grammar(self.grammar))
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(
             self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,

@@ -96,6 +96,24 @@ class StageSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarSnapshot:
+    """What the grammar's token mask (the sampler's first stage, "grammar") did at one token."""
+
+    allowed: int  # tokens of the vocabulary the grammar permitted here
+    vocab_size: int
+    removed_mass: float  # raw probability mass of the tokens it did not permit
+    forced: bool  # exactly one token was permitted
+    accepting: bool  # the text so far was complete (ending here was allowed)
+    # What the grammar forces from here on (llguidance's fast-forward tokens), when any.
+    forced_ids: tuple[int, ...] = ()
+    forced_texts: tuple[str, ...] = ()
+    # The likeliest tokens (by raw probability) the mask removed, with that probability.
+    cut_ids: tuple[int, ...] = ()
+    cut_texts: tuple[str, ...] = ()
+    cut_probs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenSnapshot:
     candidate_ids: tuple[int, ...]
     candidate_texts: tuple[str, ...]
@@ -110,6 +128,8 @@ class TokenSnapshot:
     raw_top_logits: tuple[float, ...] = ()
     raw_logsumexp: float = 0.0
     penalized_top_logits: tuple[float, ...] = ()  # the same ids after penalties (before temperature)
+    # Constrained decoding: the grammar stage's own record (its StageSnapshot is stages[1]).
+    grammar: GrammarSnapshot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +221,9 @@ class GroupStats:
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
     request_id: int
-    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    # "stop" (EOS, a stop string, or the grammar's end), "length", "cancelled", "grammar" (the
+    # grammar permitted no next token: `note` says so)
+    finish_reason: str
     text: str  # for n samples / beams: of the first entry of `sequences`
     token_ids: tuple[int, ...]
     stats: RequestStats
@@ -210,6 +232,7 @@ class RequestFinished:
     # the group's memory figures. Empty / None for a plain request.
     sequences: tuple[SequenceResult, ...] = ()
     group: GroupStats | None = None
+    note: str = ""  # why it ended, when the reason needs words (finish_reason "grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +284,35 @@ class BeamStep:
     seq_ids: tuple[int, ...]  # the engine sequence holding each beam (its blocks' owner)
     finished: tuple[FinishedBeam, ...] = ()
     done: bool = False  # the search ended at this step (RequestFinished follows)
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call: the tool's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str = "{}"
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallsParsed:
+    """The reply of a request that offered tools, read in the model family's tool-call format
+    (engine.tools.formats), just before its RequestFinished. `calls` empty and `error` empty:
+    the model answered in words. `error`: the model wrote a call that does not parse; `raw`
+    keeps what it wrote, and no call is made from it."""
+
+    request_id: int
+    format: str  # "hermes", "llama3_json", "mistral"
+    content: str  # the reply's text outside its calls
+    calls: tuple[ToolCall, ...] = ()
+    raw: str = ""  # the calls' text as the model wrote it (markers included)
+    # The reply tokens that hold the calls: output_ids[token_start:token_end]
+    token_start: int = 0
+    token_end: int = 0
+    error: str = ""
+    branch: int = 0  # the sample (n > 1) or beam rank whose reply this is
     t: float = 0.0
 
 
@@ -444,6 +496,7 @@ Event = (
     | TokenGenerated
     | RequestFinished
     | RequestFailed
+    | ToolCallsParsed
     | SequenceForked
     | SequenceFinished
     | BeamStep

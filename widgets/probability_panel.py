@@ -33,7 +33,14 @@ from live.state import LiveState
 from widgets import theme
 from widgets.live_label import LiveLabel
 from widgets.probability_bars import REFERENCE_COLOUR, ProbabilityBars, percent
-from widgets.probability_rows import BarRow, bar_rows, entropy_text, stage_label, stage_summary
+from widgets.probability_rows import (
+    BarRow,
+    bar_rows,
+    entropy_text,
+    grammar_detail,
+    stage_label,
+    stage_summary,
+)
 from widgets.reference import ReferenceDistribution
 from widgets.token_text import visible
 from widgets.what_if_state import WhatIfState
@@ -86,6 +93,11 @@ class ProbabilityPanel(QWidget):
         self.stage_buttons.idClicked.connect(self._on_stage_clicked)
         self.summary = LiveLabel()
         self.summary.setStyleSheet(f"color: {theme.MUTED};")
+        # Under a grammar: what its mask (the first stage) forced and cut at this token.
+        self.grammar_note = QLabel()
+        self.grammar_note.setWordWrap(True)
+        self.grammar_note.setStyleSheet(f"color: {theme.TEXT};")
+        self.grammar_note.hide()
         self.reference_note = QLabel()
         self.reference_note.setTextFormat(Qt.TextFormat.RichText)
         self.reference_note.setWordWrap(True)
@@ -114,6 +126,7 @@ class ProbabilityPanel(QWidget):
         stage_row.addStretch(1)
         layout.addLayout(stage_row)
         layout.addWidget(self.summary)
+        layout.addWidget(self.grammar_note)
         layout.addWidget(self.reference_note)
         layout.addWidget(self.bars, 1)
         continue_row = QHBoxLayout()
@@ -258,6 +271,7 @@ class ProbabilityPanel(QWidget):
         self.stage_name = names[index]
         self._sync_stage_buttons(stages, index, vocab=stages[0].kept_count)
         self.summary.setText(stage_summary(stages[index], stages[0].kept_count))
+        self._show_grammar(shown)
         rows = bar_rows(shown, stages, index)
         self.bars.set_rows(self._with_reference(token, rows), names)
         self._set_header(token, shown)
@@ -297,7 +311,24 @@ class ProbabilityPanel(QWidget):
             self.what_if_requested.emit(*shown.ask)
         return shown.snapshot
 
+    def _show_grammar(self, shown: TokenSnapshot) -> None:
+        if shown.grammar is None:
+            self.grammar_note.hide()
+            return
+        g = shown.grammar
+        stage = next((s for s in shown.stages if s.name == "grammar"), None)
+        detail = grammar_detail(g)
+        if self.stage_name == "grammar" or stage is None:
+            # its counts are the summary line just above: only what else it did
+            text = f"grammar: {detail}" if detail else ""
+        else:
+            head = stage_summary(stage, g.vocab_size)
+            text = f"{head} · {detail}" if detail else head
+        self.grammar_note.setText(text)
+        self.grammar_note.setVisible(bool(text))
+
     def _clear(self, message: str) -> None:
+        self.grammar_note.hide()
         self.stages, self.stage_name = (), None
         self.reference = None
         self.reference_note.hide()

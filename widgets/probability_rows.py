@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.events import StageSnapshot, TokenSnapshot
+from engine.events import GrammarSnapshot, StageSnapshot, TokenSnapshot
 from live.remote import REMOTE_TOP_K, REMOTE_TOP_K_LABEL, REMOTE_TOP_K_MEANING
 from widgets.token_text import visible
 
 STAGE_LABELS = {
     "raw": "raw",
+    "grammar": "grammar",
     "repetition_penalty": "rep. penalty",
     "presence_penalty": "presence",
     "frequency_penalty": "frequency",
@@ -95,11 +96,53 @@ def stage_summary(stage: StageSnapshot, vocab: int) -> str:
         return f"{REMOTE_TOP_K_MEANING} · {len(stage.probs)} candidates, {stage.kept_mass * 100:.1f}% of the mass"
     if stage.name == "raw":
         return f"raw softmax over {vocab:,} tokens"
+    if stage.name == "grammar":
+        removed = 1.0 - stage.kept_mass
+        return (
+            f"grammar: {stage.kept_count:,} of {vocab:,} tokens allowed, "
+            f"{share_text(removed)} of the raw mass removed"
+        )
     if stage.kept_mass >= 1.0 - 1e-9 and stage.kept_count == vocab:
         return f"{label}: reshapes the distribution, removes nothing"
     return (
         f"{label}: keeps {stage.kept_count:,} of {vocab:,} tokens ({stage.kept_mass * 100:.1f}% of the mass)"
     )
+
+
+def _mass_digits(share: float) -> int:
+    """Decimals that keep a share readable: 41%, 0.3%, 99.98%."""
+    if share < 0.01 or share > 0.99:
+        return 2
+    return 0 if share >= 0.1 else 1
+
+
+def share_text(share: float) -> str:
+    """A share as a percentage that never rounds to all or nothing when it is neither: a mask
+    that leaves 0.004% of the raw mass removed "> 99.99%", not "100.00%"."""
+    if 0.0 < share < 0.00005:
+        return "< 0.01%"
+    if 0.99995 <= share < 1.0:
+        return "> 99.99%"
+    return f"{share * 100:.{_mass_digits(share)}f}%"
+
+
+def grammar_detail(grammar: GrammarSnapshot) -> str:
+    """The grammar stage beyond its counts: what it forced, whether the text could end here,
+    and the likeliest tokens it cut (with their raw probabilities)."""
+    parts = []
+    if grammar.forced:
+        parts.append("forced: the only token allowed")
+    if grammar.forced_texts:
+        parts.append("forces next " + "".join(f"‹{visible(t)}›" for t in grammar.forced_texts))
+    if grammar.accepting:
+        parts.append("the text is complete here (it may end)")
+    if grammar.cut_ids:
+        cuts = ", ".join(
+            f"‹{visible(t)}› {p * 100:.1f}%" if p >= 0.001 else f"‹{visible(t)}› <0.1%"
+            for t, p in zip(grammar.cut_texts, grammar.cut_probs)
+        )
+        parts.append(f"cut: {cuts}")
+    return " · ".join(parts)
 
 
 def entropy_text(stage: StageSnapshot) -> str:

@@ -37,9 +37,11 @@ class Branching:
         signals: ChatSignals,
         streaming: ReplyStreaming,
         sampling: Callable[[], SamplingParams],
+        on_sent: Callable[[], None] = lambda: None,
     ) -> None:
         self.pane, self.host, self.session, self.signals = pane, host, session, signals
         self.streaming, self._sampling = streaming, sampling
+        self._on_sent = on_sent  # a new message is on its way (tool calls still waiting are skipped)
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, text: str) -> bool:
@@ -57,7 +59,10 @@ class Branching:
             history = list(session.path)
             parent = history[-1].id if history else None
         plan = ReplyPlan("send", history, self._sampling(), user_text=text, parent_id=parent)
-        return self.streaming.prepare(plan)
+        started = self.streaming.prepare(plan)
+        if started:
+            self._on_sent()
+        return started
 
     def regenerate(self) -> bool:
         """A new version of the last reply (current settings); the old one stays as a sibling."""
@@ -128,11 +133,20 @@ class Branching:
             self.signals.status("That token is not in the reply any more.", "error")
             return False
         token = self.host.live.token(request_id, index)
+        sampling, note = _single(self._sampling())
+        made = self.host.request(request_id)
+        same_grammar = made is not None and made.sampling.grammar == sampling.grammar
+        if token is not None and same_grammar and _cut_by_grammar(token.snapshot, token_id):
+            self.signals.status(
+                "The chat's structured output does not allow that token there (its mask cut it): "
+                "choose one it allows, or change the structured output first.",
+                "error",
+            )
+            return False
         prob = _candidate_prob(token.snapshot, token_id) if token is not None else None
         logprob = math.log(prob) if prob else -math.inf
         before_ids = tuple(record.token_ids[:position])
         prefix_tokens = [*record.tokens[:position], ReplyToken(index, "", logprob, request_id)]
-        sampling, note = _single(self._sampling())
         plan = ReplyPlan(
             "branch",
             conv.path_to(msg.parent_id),
@@ -220,6 +234,19 @@ def _single(params: SamplingParams) -> tuple[SamplingParams, str]:
     if params.group_size == 1:
         return params, ""
     return dataclasses.replace(params, n=1, num_beams=1), SINGLE_NOTE
+
+
+def _cut_by_grammar(snapshot: TokenSnapshot | None, token_id: int) -> bool:
+    """The grammar's mask removed `token_id` at this token (as recorded: among the candidates
+    with nothing left after the grammar stage, or among the likeliest tokens it cut)."""
+    if snapshot is None or snapshot.grammar is None:
+        return False
+    if token_id in snapshot.grammar.cut_ids:
+        return True
+    stage = next((s for s in snapshot.stages if s.name == "grammar"), None)
+    if stage is None or token_id not in snapshot.candidate_ids:
+        return False
+    return stage.probs[snapshot.candidate_ids.index(token_id)] == 0.0
 
 
 def _candidate_prob(snapshot: TokenSnapshot | None, token_id: int) -> float | None:

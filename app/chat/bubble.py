@@ -162,14 +162,30 @@ class MessageBubble(QFrame):
         footer.addWidget(self._context_note)
         footer.addStretch(1)
         footer.addWidget(self.continue_button)
+        # Cards under the text: the reply's tool calls (app.chat.tool_card).
+        self.tool_cards: list[QWidget] = []
+        self._tool_cards = QVBoxLayout()
+        self._tool_cards.setContentsMargins(0, 2, 0, 0)
+        self._tool_cards.setSpacing(4)
         layout = self._layout = QVBoxLayout(self)  # kept: subclasses add to it
         layout.setContentsMargins(12, 8, 12, 10)
         layout.setSpacing(4)
         layout.addLayout(header)
         layout.addWidget(self._body)
+        layout.addLayout(self._tool_cards)
         layout.addLayout(footer)
 
     # ---- content ---------------------------------------------------------------------------
+    def add_tool_card(self, card: QWidget) -> None:
+        self.tool_cards.append(card)
+        self._tool_cards.addWidget(card)
+
+    def clear_tool_cards(self) -> None:
+        for card in self.tool_cards:
+            self._tool_cards.removeWidget(card)
+            card.deleteLater()
+        self.tool_cards = []
+
     def set_text(self, text: str) -> None:
         self.text = text
         self._render()

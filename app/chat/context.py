@@ -4,7 +4,7 @@ stream, the KV pool's fill at every step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from PySide6.QtCore import QObject, QTimer
 
@@ -15,6 +15,7 @@ from app.engine_calls import EngineCalls
 from app.engine_host import EngineHost
 from engine.api import ContextFit
 from engine.config import SamplingParams
+from engine.request import ToolSpec
 
 MEASURE_DELAY_MS = 250  # after the last keystroke: one count per pause, not per key
 
@@ -29,9 +30,11 @@ class ContextTracking:
         sampling: Callable[[], SamplingParams],
         policy: Callable[[], str],
         parent: QObject,
+        tools: Callable[[ReplyPlan], Sequence[ToolSpec]] = lambda _plan: (),
     ) -> None:
         self.pane, self.host, self.calls, self.session = pane, host, calls, session
         self._sampling, self._policy = sampling, policy
+        self._tools = tools  # the tools a reply would offer: their rendering is in its prompt too
         self._measuring = self._again = False
         self._timer = QTimer(parent)
         self._timer.setSingleShot(True)
@@ -65,9 +68,10 @@ class ContextTracking:
         head, before, tail, _ = prompt_parts(self.pane.system_prompt.toPlainText().strip(), plan)
         tail = tail if draft else []
         policy, max_new = self._policy(), plan.sampling.max_new_tokens
+        tools = tuple(self._tools(plan))
         self._measuring = True
         self.calls.ask(
-            lambda engine: engine.fit_context(head, before, tail, max_new, policy),
+            lambda engine: engine.fit_context(head, before, tail, max_new, policy, tools=tools),
             self._on_measured,
             self._on_failed,
         )

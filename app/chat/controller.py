@@ -13,6 +13,9 @@ sidebar's and the host's signals to them:
   app.chat.context     the context meter
   app.chat.keep        keeping one of a reply's alternatives (n samples, beams)
   app.chat.pinning     hovering and pinning tokens for the probability panel
+  app.chat.chat_options the chat's structured output and tools, over every reply's settings
+  app.chat.tool_rounds tool calls as cards, approved, run on their MCP servers, their results
+                       read by the next reply
 
 A reply asked for as n samples or by beam search streams into a `GroupReplyCard`; the engine's
 best is stored as the message until the user keeps another alternative.
@@ -26,6 +29,8 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal
 
 from app.chat.branching import Branching
+from app.chat.chat_options import ChatOptions
+from app.chat.chat_settings import ChatSettings
 from app.chat.context import ContextTracking
 from app.chat.context_fit import DEFAULT_POLICY
 from app.chat.conversation_list import ConversationList
@@ -36,11 +41,13 @@ from app.chat.pinning import TokenPinning
 from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord
 from app.chat.session import ChatSession, ChatSignals
 from app.chat.streaming import ReplyStreaming
+from app.chat.tool_rounds import ToolRounds
 from app.chat.transcript import Transcript
 from app.chat.tree import Conversation
 from app.chat.view import ChatPane
 from app.engine_calls import EngineCalls
 from app.engine_host import EngineHost
+from app.tools.registry import ToolRegistry
 from engine.config import SamplingParams
 
 __all__ = ["ActiveReply", "ChatController", "ReplyRecord"]
@@ -51,6 +58,7 @@ class ChatController(QObject):
     status_message = Signal(str, str)  # text, kind: "error" | "info"
     reply_started = Signal(int)  # the request id of a reply just submitted to the engine
     reply_refused = Signal(str)  # nothing was sent, and why (the input keeps what was typed)
+    servers_wanted = Signal()  # the user asked to manage the MCP servers
 
     def __init__(
         self,
@@ -61,6 +69,7 @@ class ChatController(QObject):
         sampling: Callable[[], SamplingParams],
         parent: QObject | None = None,
         context_policy: Callable[[], str] = lambda: DEFAULT_POLICY,
+        tools: ToolRegistry | None = None,
     ) -> None:
         super().__init__(parent)
         self.pane, self.sidebar, self.store, self.host = pane, sidebar, store, host
@@ -78,6 +87,11 @@ class ChatController(QObject):
         )
         self.pinning = TokenPinning(pane, host, session, signals)
         self.keeping = KeepAlternative(pane, store, session, signals)
+        # Every reply's sampling: the controls' settings under this chat's structured output.
+        self.options = options = ChatOptions(pane, store, session, signals, tools, sampling)
+        self.tool_rounds = ToolRounds(
+            pane, store, host, calls, session, signals, options, lambda plan: self.streaming.prepare(plan)
+        )
         self.transcript = Transcript(
             pane,
             store,
@@ -87,8 +101,18 @@ class ChatController(QObject):
             self.pinning,
             on_action=lambda bubble, name: self.branching.on_message_action(bubble, name),
             on_keep=self.keeping.keep,
+            cards=self.tool_rounds.show_cards,
         )
-        self.context = ContextTracking(pane, host, calls, session, sampling, context_policy, self)
+        self.context = ContextTracking(
+            pane,
+            host,
+            calls,
+            session,
+            options.sampling,
+            context_policy,
+            self,
+            tools=lambda plan: options.tool_offer(plan)[0],
+        )
         self.streaming = ReplyStreaming(
             pane,
             store,
@@ -100,9 +124,15 @@ class ChatController(QObject):
             self.context,
             self.pinning,
             context_policy,
+            options,
+            self.tool_rounds,
         )
-        self.branching = Branching(pane, host, session, signals, self.streaming, sampling)
-        self.conversations = ConversationActions(pane, sidebar, store, session, signals, self.transcript)
+        self.branching = Branching(
+            pane, host, session, signals, self.streaming, options.sampling, self.tool_rounds.skip_pending
+        )
+        self.conversations = ConversationActions(
+            pane, sidebar, store, session, signals, self.transcript, options
+        )
 
         pane.send_requested.connect(self.branching.send)
         pane.stop_requested.connect(self.streaming.stop)
@@ -121,7 +151,15 @@ class ChatController(QObject):
         host.status_changed.connect(self.sync_state)
         host.model_loaded.connect(self.schedule_measure)
         host.frame.connect(self.streaming.on_frame)
+        host.tool_calls_parsed.connect(self.tool_rounds.on_tool_calls_parsed)
+        pane.structured_requested.connect(options.edit_structured_output)
+        pane.tools_toggled.connect(options.set_tools)
+        pane.tool_choice_chosen.connect(options.set_tool_choice)
+        pane.servers_requested.connect(self.servers_wanted)
+        if tools is not None:  # through the controller: a closed tab's controller is disconnected
+            tools.changed.connect(self._on_tools_changed)
         self.refresh_sidebar()
+        options.show()
         self.sync_state()
 
     # ---- the state others read ---------------------------------------------------------------
@@ -162,6 +200,9 @@ class ChatController(QObject):
     def schedule_measure(self) -> None:
         """Count the conversation and the draft again soon (the text, path or model changed)."""
         self.context.schedule()
+
+    def _on_tools_changed(self) -> None:
+        self.options.show()
 
     def _on_system_prompt_edited(self, text: str) -> None:
         conv = self.session.conversation
@@ -221,6 +262,17 @@ class ChatController(QObject):
 
     def import_from(self, path: Path) -> int:
         return self.conversations.import_from(path)
+
+    @property
+    def chat_settings(self) -> ChatSettings:
+        """This chat's structured output and tools."""
+        return self.options.settings
+
+    def set_chat_settings(self, settings: ChatSettings) -> None:
+        self.options.set(settings)
+
+    def edit_structured_output(self) -> None:
+        self.options.edit_structured_output()
 
     def inspect_token(self, request_id: int, index: int) -> None:
         self.pinning.inspect_token(request_id, index)

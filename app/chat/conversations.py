@@ -185,13 +185,14 @@ class ConversationStore:
     def load(self, conversation_id: int) -> Conversation | None:
         """The conversation with its whole tree, showing the path to its current leaf."""
         row = self._db.execute(
-            "SELECT id, title, system_prompt, created_at, updated_at, current_leaf_id FROM conversations "
-            "WHERE id = ?",
+            "SELECT id, title, system_prompt, created_at, updated_at, current_leaf_id, settings "
+            "FROM conversations WHERE id = ?",
             (conversation_id,),
         ).fetchone()
         if row is None:
             return None
         conv = Conversation(*row[:5])
+        conv.settings = _from_json(row[6])
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         )
@@ -204,6 +205,12 @@ class ConversationStore:
 
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conversation_id))
+
+    def set_settings(self, conversation_id: int, settings: dict[str, Any] | None) -> None:
+        """The chat's structured output and tools (app.chat.chat_settings), as JSON."""
+        self._write(
+            "UPDATE conversations SET settings = ? WHERE id = ?", (_to_json(settings), conversation_id)
+        )
 
     def set_current_leaf(self, conversation_id: int, leaf_id: int | None) -> None:
         """Which path the conversation shows when it is opened again."""
@@ -339,6 +346,7 @@ class ConversationStore:
         updated_at: float,
         messages: Sequence[StoredMessage],
         current: int | None,
+        settings: dict[str, Any] | None = None,
     ) -> int:
         """A whole conversation in one transaction (an import). `messages` are in creation
         order, each parent before its children; their ids and `current` are the caller's own
@@ -347,8 +355,9 @@ class ConversationStore:
         try:
             self._db.execute("BEGIN IMMEDIATE")
             cur = self._db.execute(
-                "INSERT INTO conversations (title, system_prompt, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                (title, system_prompt, created_at, updated_at),
+                "INSERT INTO conversations (title, system_prompt, created_at, updated_at, settings) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (title, system_prompt, created_at, updated_at, _to_json(settings)),
             )
             conversation_id = _row_id(cur)
             new_ids: dict[int, int] = {}

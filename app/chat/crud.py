@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.chat.chat_options import ChatOptions
 from app.chat.conversation_list import ConversationList
 from app.chat.conversations import ConversationStore, StorageError
 from app.chat.exchange import export_json, export_markdown, import_json
@@ -24,6 +25,7 @@ class ConversationActions:
         session: ChatSession,
         signals: ChatSignals,
         transcript: Transcript,
+        options: ChatOptions,
     ) -> None:
         self.pane, self.sidebar, self.store, self.session, self.signals = (
             pane,
@@ -32,7 +34,7 @@ class ConversationActions:
             session,
             signals,
         )
-        self.transcript = transcript
+        self.transcript, self.options = transcript, options
 
     def new_conversation(self) -> None:
         session = self.session
@@ -40,6 +42,7 @@ class ConversationActions:
             return
         session.conversation = None
         self.pane.transcript.clear()
+        self.options.load()  # a new chat keeps the setting shown until it is saved
         set_editing(session, self.pane, None)
         self.pane.input.clear()
         self.refresh_sidebar()
@@ -61,6 +64,7 @@ class ConversationActions:
         if leaf_id is not None and leaf_id in conv.nodes:
             self.transcript.show_leaf(leaf_id)
         self.pane.set_system_prompt(conv.system_prompt)
+        self.options.load()
         set_editing(session, self.pane, None)
         self.transcript.render()
         self.refresh_sidebar()

@@ -3,7 +3,9 @@ of the path, and the import of such JSON.
 
 The JSON numbers its messages 1..n in creation order (parents before children) instead of using
 database ids, so importing an export and exporting the import gives the same bytes. An export of
-the first release's format (a flat list of messages) imports as one line.
+the first release's format (a flat list of messages) imports as one line. A reply that called
+tools keeps its calls and their results in its `meta` ("tool_calls"), and the chat's structured
+output and tools are the conversation's `settings`: both go out and come back with the rest.
 """
 
 from __future__ import annotations
@@ -39,7 +41,28 @@ def export_markdown(conv: Conversation) -> str:
         if count > 1:
             label += f" — version {position} of {count}"
         parts += [f"**{label}**", "", msg.content, ""]
+        parts += _tool_calls_markdown(msg.meta)
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _tool_calls_markdown(meta: dict[str, Any] | None) -> list[str]:
+    """A reply's tool calls and what came back, under it."""
+    record = (meta or {}).get("tool_calls")
+    if not isinstance(record, dict):
+        return []
+    lines: list[str] = []
+    if record.get("error"):
+        lines += [f"*Tool call that did not parse: {record['error']}*", ""]
+    for call in record.get("calls") or []:
+        if not isinstance(call, dict):
+            continue
+        lines += [
+            f"**Tool call** `{call.get('name')}` {call.get('arguments', '')} — {call.get('status', '?')}",
+            "",
+        ]
+        if call.get("result"):
+            lines += ["```", str(call["result"]), "```", ""]
+    return lines
 
 
 def export_json(conv: Conversation, scope: str = "tree") -> str:
@@ -61,6 +84,7 @@ def export_json(conv: Conversation, scope: str = "tree") -> str:
         "created_at": conv.created_at,
         "updated_at": conv.updated_at,
         "current": local.get(leaf) if leaf is not None else None,
+        "settings": conv.settings,
         "messages": [
             {
                 "id": local[m.id],
@@ -113,6 +137,7 @@ def import_json(store: ConversationStore, text: str) -> int:
         _number(data, "updated_at", "conversation"),
         messages,
         current,
+        data.get("settings") if isinstance(data.get("settings"), dict) else None,
     )
 
 

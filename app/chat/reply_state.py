@@ -10,13 +10,15 @@ from app.chat.bubble import MessageBubble
 from app.chat.conversations import ReplyCheckpoint, StoredMessage
 from app.chat.group_reply_view import GroupReplyCard
 from app.chat.rich_text import ReplyToken
+from app.chat.tool_turns import expand
 from engine.config import SamplingParams
-from engine.events import RequestStats
+from engine.events import RequestStats, ToolCallsParsed
 from engine.request import ChatMessage
 
 # What starts a reply: a sent message, a new version of a reply (regenerate), a reply cut at a
-# token with another candidate put there (branch), or more of an existing reply (continue).
-PLAN_KINDS = ("send", "regenerate", "branch", "continue")
+# token with another candidate put there (branch), more of an existing reply (continue), or the
+# reply that reads the results of a reply's tool calls (tool_results: it answers that reply).
+PLAN_KINDS = ("send", "regenerate", "branch", "continue", "tool_results")
 
 
 @dataclass(slots=True)
@@ -64,6 +66,10 @@ class ActiveReply:
     group: GroupReplyCard | None = None
     sample_texts: dict[int, str] = field(default_factory=dict)
     sample_tokens: dict[int, int] = field(default_factory=dict)
+    # A request that offered tools: the engine's reading of the reply (just before its end), and
+    # whether the blocks of the results it reads were looked up (a tool_results reply).
+    tool_calls: ToolCallsParsed | None = None
+    blocks_asked: bool = False
 
 
 PromptParts = tuple[tuple[ChatMessage, ...], list[ChatMessage], list[ChatMessage], list[StoredMessage]]
@@ -71,14 +77,30 @@ PromptParts = tuple[tuple[ChatMessage, ...], list[ChatMessage], list[ChatMessage
 
 def prompt_parts(system: str, plan: ReplyPlan) -> PromptParts:
     """(head, history, tail) of the plan's prompt as ChatMessages, and the stored messages behind
-    `history`: the system prompt, the messages before, and the new message (a send) or the user
-    message the reply answers."""
+    `history`: the system prompt, the messages before, and the new message (a send) or the
+    message the reply answers. A reply that called tools is its call and its results
+    (app.chat.tool_turns.expand)."""
     head = (ChatMessage("system", system),) if system else ()
     sent = [m for m in plan.history if m.content]
     if plan.kind == "send":
         tail, before = [ChatMessage("user", plan.user_text or "")], sent
     else:
-        tail = [ChatMessage(m.role, m.content) for m in sent[-1:]]
+        tail = [turn for m in sent[-1:] for turn in expand(m)]
         before = sent[:-1]
-    history = [ChatMessage(m.role, m.content) for m in before]
+    history = [turn for m in before for turn in expand(m)]
     return head, history, tail, before
+
+
+def kept_after(before: list[StoredMessage], dropped: int) -> list[StoredMessage]:
+    """The stored messages left once the context limit dropped `dropped` of their turns (the
+    fit counts turns): a reply whose call or results were cut goes whole (a result without its
+    call means nothing)."""
+    if dropped <= 0:
+        return list(before)
+    owners = [i for i, m in enumerate(before) for _ in expand(m)]
+    if dropped >= len(owners):
+        return []
+    first = owners[dropped]
+    if owners[dropped - 1] == first:
+        first += 1
+    return list(before[first:])

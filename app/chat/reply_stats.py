@@ -23,6 +23,7 @@ FINISH_LABELS = {
     "cancelled": "stopped",
     "failed": "failed",
     "interrupted": "interrupted (kvscope stopped mid-reply)",
+    "grammar": "ended: the grammar permitted no next token",
 }
 DEFAULT_PARAMS = SamplingParams()
 

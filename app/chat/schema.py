@@ -6,6 +6,8 @@ Versions (`PRAGMA user_version`):
   2  conversations are trees: `messages.parent_id` (None for a first message), the visible
      path's `conversations.current_leaf_id`, a reply's `messages.token_ids`, and an FTS5 index
      of every message's text for search.
+Columns added in place later, within version 2 (an older kvscope reads its own columns and leaves
+these be): `conversations.settings`, a chat's structured output and tools (JSON).
 A version-0 database is migrated in one transaction, keeping every row: each message's parent
 becomes the message before it in its conversation (its line becomes one branch), and the
 current leaf its last message. A database from a newer kvscope is refused, not guessed at.
@@ -27,7 +29,8 @@ _TABLES = (
         system_prompt TEXT NOT NULL DEFAULT '',
         created_at REAL NOT NULL,
         updated_at REAL NOT NULL,
-        current_leaf_id INTEGER
+        current_leaf_id INTEGER,
+        settings TEXT
     )""",
     """CREATE TABLE IF NOT EXISTS messages (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -49,6 +52,7 @@ _ADDED_COLUMNS = (
     ("messages", "parent_id", "INTEGER REFERENCES messages(id) ON DELETE CASCADE"),
     ("messages", "token_ids", "TEXT"),
     ("conversations", "current_leaf_id", "INTEGER"),
+    ("conversations", "settings", "TEXT"),
 )
 _INDEXES = (
     "CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id)",

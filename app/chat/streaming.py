@@ -10,20 +10,24 @@ messages and submits the request, or says why it cannot (the context limit under
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from app.chat.chat_options import ChatOptions
 from app.chat.context import ContextTracking
 from app.chat.context_fit import refusal
 from app.chat.conversations import DEFAULT_TITLE, ConversationStore, ReplyCheckpoint, StorageError, title_from
 from app.chat.group_reply import GroupReply
 from app.chat.group_reply_view import GroupReplyCard
 from app.chat.pinning import TokenPinning
-from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord, prompt_parts
+from app.chat.reply_state import ActiveReply, ReplyPlan, ReplyRecord, kept_after, prompt_parts
 from app.chat.reply_stats import KeptStats, with_reply_facts
 from app.chat.rich_text import ReplyToken
 from app.chat.session import ChatSession, ChatSignals, set_editing, write_or_say
+from app.chat.tool_rounds import ToolRounds
+from app.chat.tool_turns import expand
 from app.chat.transcript import Transcript
 from app.chat.tree import Conversation, StoredMessage
 from app.chat.view import ChatPane
@@ -33,7 +37,7 @@ from app.workers import gather
 from engine.api import ContextFit, EngineClient
 from engine.config import ConfigError
 from engine.events import RequestFailed, RequestFinished, TokenGenerated
-from engine.request import ChatMessage, Request
+from engine.request import Request
 
 
 class ReplyStreaming:
@@ -49,11 +53,14 @@ class ReplyStreaming:
         context: ContextTracking,
         pinning: TokenPinning,
         policy: Callable[[], str],
+        options: ChatOptions,
+        tool_rounds: ToolRounds,
     ) -> None:
         self.pane, self.store, self.host, self.calls = pane, store, host, calls
         self.session, self.signals = session, signals
         self.transcript, self.context, self.pinning = transcript, context, pinning
         self._policy = policy
+        self.options, self.tool_rounds = options, tool_rounds
 
     def _system(self) -> str:
         return self.pane.system_prompt.toPlainText().strip()
@@ -63,6 +70,10 @@ class ReplyStreaming:
         session = self.session
         if session.busy:
             return False
+        tools = self.options.tool_offer(plan)[0]
+        if plan.sampling.group_size > 1 and tools:
+            plan.sampling = dataclasses.replace(plan.sampling, n=1, num_beams=1)
+            plan.note = "One reply at a time while tools are on: n samples and beams do not call tools"
         if not self.host.status().ready:
             self._refuse("No model is loaded: load one in the Controls panel first.")
             return False
@@ -75,7 +86,7 @@ class ReplyStreaming:
         tail_is_new = plan.kind == "send"
 
         def ask(engine: EngineClient) -> Future[tuple[Any, ...]]:
-            fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new)
+            fit = engine.fit_context(head, history, tail, max_new, policy, prefix, tail_is_new, tools)
             return gather(fit, engine.decode(chosen, after=before)) if chosen else gather(fit)
 
         session.preparing = plan
@@ -128,9 +139,10 @@ class ReplyStreaming:
         session = self.session
         head, _, tail, before = prompt_parts(self._system(), plan)
         dropped = fit.dropped if fit is not None else 0
-        kept = before[dropped:]
+        kept = kept_after(before, dropped)
         first_kept = plan.history.index(kept[0]) if kept else len(plan.history) - (plan.kind != "send")
-        messages = head + tuple(ChatMessage(m.role, m.content) for m in kept) + tuple(tail)
+        messages = head + tuple(turn for m in kept for turn in expand(m)) + tuple(tail)
+        tools, tool_choice, tool_name = self.options.tool_offer(plan)
         context = None
         if dropped and fit is not None:
             context = {"first_kept": first_kept, "prompt_tokens": fit.prompt_tokens, "limit": fit.limit}
@@ -143,7 +155,14 @@ class ReplyStreaming:
             else:
                 answered = plan.history[-1]
             request_id = self.host.submit(
-                Request(messages=messages, sampling=plan.sampling, reply_prefix_ids=plan.prefix_ids)
+                Request(
+                    messages=messages,
+                    sampling=plan.sampling,
+                    reply_prefix_ids=plan.prefix_ids,
+                    tools=tools,
+                    tool_choice=tool_choice,
+                    tool_name=tool_name,
+                )
             )
             if plan.target is not None:
                 msg = plan.target
@@ -201,6 +220,7 @@ class ReplyStreaming:
         session = self.session
         if session.conversation is None:
             session.conversation = self.store.create(self.pane.system_prompt.toPlainText())
+            self.options.save()  # the chat's setting, shown before its first message, is kept
         return session.conversation
 
     def _store_user_message(self, conv: Conversation, plan: ReplyPlan) -> StoredMessage:
@@ -235,6 +255,8 @@ class ReplyStreaming:
         if a.group is not None:
             self._on_sample_tokens(a, events)
             return
+        if a.plan.kind == "tool_results" and not a.blocks_asked:
+            self.tool_rounds.measure_result_blocks(a)  # its prompt, the results among it, is cached now
         new = [ReplyToken(e.index, e.text_delta, e.logprob, e.request_id) for e in events]
         a.record.tokens.extend(new)
         a.record.token_ids.extend(e.token_id for e in events)
@@ -271,13 +293,18 @@ class ReplyStreaming:
         if a is None:
             return
         a.record.stats = event.stats
+        if event.note:  # why it ended, when that needs words (the grammar's dead end)
+            self.signals.status(f"The reply ended: {event.note}", "info")
         loaded = self.host.live.loaded
         kept = KeptStats.from_engine(event.stats, loaded.info if loaded else None, self.host.config)
         if a.group is None:
             text = a.plan.prefix_text + event.text
             ids = [*a.plan.prefix_ids, *event.token_ids]
-            meta = with_reply_facts(self._own_meta(a), kept, a.plan.sampling, a.context)
+            meta = self.tool_rounds.with_tool_calls(
+                a, with_reply_facts(self._own_meta(a), kept, a.plan.sampling, a.context)
+            )
             self._end_reply(text, event.finish_reason, meta, ids)
+            self.tool_rounds.start_round(a.message)
             return
         a.group.refresh({"groups"})
         reply = GroupReply.from_finished(event, a.group.kind)
@@ -313,6 +340,8 @@ class ReplyStreaming:
         a.bubble.set_text(text)
         write_or_say(self.signals, lambda: a.checkpoint.finish(text, finish_reason, meta, token_ids))
         self.transcript.decorate(a.bubble, a.message)
+        if a.group is None:
+            self.tool_rounds.show_cards(a.bubble, a.message)
         self.transcript.mark_context()
         self.signals.listed()
         self.signals.sync()

@@ -20,6 +20,7 @@ from app.chat.conversation_list import ConversationList
 from app.chat.conversations import ConversationStore
 from app.chat.view import ChatPane
 from app.engine_host import EngineHost
+from app.tools.registry import ToolRegistry
 from engine.config import SamplingParams
 from widgets import theme
 
@@ -35,6 +36,7 @@ def seq_swatch(request_id: int) -> QIcon:
 class ChatTabs(QTabWidget):
     token_inspected = Signal(object, object)  # from the extra tabs' controllers
     status_message = Signal(str, str)
+    servers_wanted = Signal()  # an extra tab asked to manage the MCP servers
 
     def __init__(
         self,
@@ -45,9 +47,11 @@ class ChatTabs(QTabWidget):
         sampling: Callable[[], SamplingParams],
         parent: QWidget | None = None,
         context_policy: Callable[[], str] | None = None,
+        tools: ToolRegistry | None = None,
     ) -> None:
         super().__init__(parent)
         self.store, self.host, self.sampling = store, host, sampling
+        self.tools = tools
         self.context_policy = context_policy or main_controller.context_policy
         self.controllers: list[ChatController] = [main_controller]
         self.addTab(main_pane, "Chat 1")
@@ -74,9 +78,17 @@ class ChatTabs(QTabWidget):
         # its own (never shown) list, so a click in the window's sidebar moves only the first tab.
         sidebar = ConversationList()
         controller = ChatController(
-            pane, sidebar, self.store, self.host, self.sampling, self, context_policy=self.context_policy
+            pane,
+            sidebar,
+            self.store,
+            self.host,
+            self.sampling,
+            self,
+            context_policy=self.context_policy,
+            tools=self.tools,
         )
         controller.token_inspected.connect(self.token_inspected)
+        controller.servers_wanted.connect(self.servers_wanted)
         controller.status_message.connect(self.status_message)
         main = self.controllers[0].pane
         pane.token_view.setChecked(main.token_view.isChecked())

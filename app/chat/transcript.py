@@ -24,6 +24,8 @@ CONTINUABLE = ("interrupted", "cancelled", "length")  # replies that ended befor
 # What a bubble's menu asks for (a name of MESSAGE_ACTIONS), and a card's Keep (its branch).
 MessageAction = Callable[[MessageBubble, str], None]
 Keep = Callable[[GroupReplyCard, int], None]
+# The cards under a reply's bubble (its tool calls, app.chat.tool_rounds).
+Cards = Callable[[MessageBubble, StoredMessage], None]
 
 
 class Transcript:
@@ -37,10 +39,11 @@ class Transcript:
         pinning: TokenPinning,
         on_action: MessageAction,
         on_keep: Keep,
+        cards: Cards,
     ) -> None:
         self.pane, self.store, self.host, self.session, self.signals = pane, store, host, session, signals
         self.pinning = pinning
-        self._on_action, self._on_keep = on_action, on_keep
+        self._on_action, self._on_keep, self._cards = on_action, on_keep, cards
 
     # ---- the visible path ------------------------------------------------------------------
     def show_leaf(self, leaf_id: int | None) -> None:
@@ -116,6 +119,8 @@ class Transcript:
         bubble.action_requested.connect(lambda name, b=bubble: self._on_action(b, name))
         bubble.code_copied.connect(lambda _i: self.signals.status("Code copied to the clipboard", "info"))
         self.decorate(bubble, msg)
+        if msg.role == "assistant" and live_group is None and stored_group is None:
+            self._cards(bubble, msg)
         return bubble
 
     def decorate(self, bubble: MessageBubble, msg: StoredMessage) -> None:

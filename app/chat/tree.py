@@ -18,7 +18,7 @@ from typing import Any
 @dataclass(slots=True)
 class StoredMessage:
     id: int
-    role: str  # "user" | "assistant"
+    role: str  # "user" | "assistant" (a reply that called tools keeps the calls and results in meta)
     content: str
     # assistant only: stop / length / cancelled / failed / interrupted; None while streaming
     finish_reason: str | None = None
@@ -39,6 +39,7 @@ class Conversation:
     updated_at: float
     messages: list[StoredMessage] = field(default_factory=list)  # the visible path, root first
     nodes: dict[int, StoredMessage] = field(default_factory=dict)  # every message, by id
+    settings: dict[str, Any] | None = None  # the chat's structured output and tools (app.chat.chat_settings)
 
     # ---- the tree --------------------------------------------------------------------------
     def children(self, parent_id: int | None) -> list[StoredMessage]:

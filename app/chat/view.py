@@ -8,6 +8,7 @@ from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
@@ -19,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.bubble import MessageBubble, SpecMarkSource
+from app.chat.chat_settings import ChatSettings
 from app.chat.context_meter import ContextMeter
 from app.chat.rich_text import probability_legend_html
 from app.chat.spec_marks import spec_legend_html
@@ -134,6 +136,11 @@ class ChatPane(QWidget):
     edit_cancelled = Signal()
     system_prompt_edited = Signal(str)
     view_changed = Signal(bool, bool)  # token view, colour by probability
+    # The chat's structured output and tools (app.chat.chat_settings): the controller decides.
+    structured_requested = Signal()
+    tools_toggled = Signal(bool)
+    tool_choice_chosen = Signal(str)
+    servers_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -144,6 +151,30 @@ class ChatPane(QWidget):
         self.system_prompt.setFixedHeight(46)
         self.system_prompt.textChanged.connect(self._on_system_prompt_changed)
         self.transcript = ChatTranscript()
+        self.structured_label = QLabel()
+        self.structured_label.setObjectName("hint")
+        self.structured_button = QPushButton("Structured output…")
+        self.structured_button.setToolTip(
+            "Hold this chat's replies to a JSON Schema, any JSON object, a regex, a Lark or GBNF grammar, "
+            "or a list of choices (the grammar's mask is the sampler's first stage)"
+        )
+        self.structured_button.clicked.connect(self.structured_requested)
+        self.tools_check = QCheckBox("Tools")
+        self.tools_check.setToolTip("Offer the MCP servers' tools to the model in this chat")
+        self.tools_check.toggled.connect(self.tools_toggled)
+        self.tool_choice = QComboBox()
+        self.tool_choice.setToolTip(
+            "For the reply to each message: the model decides (auto), must call a tool (required), "
+            "or must call the named one; the replies that read results always decide"
+        )
+        self.tool_choice.activated.connect(
+            lambda _i: self.tool_choice_chosen.emit(self.tool_choice.currentData())
+        )
+        self.tools_label = QLabel()
+        self.tools_label.setObjectName("hint")
+        self.servers_button = QPushButton("MCP servers…")
+        self.servers_button.setToolTip("Add or remove MCP servers (stdio or HTTP) and see their tools")
+        self.servers_button.clicked.connect(self.servers_requested)
         self.input = ChatInput()
         self.input.setObjectName("chatInput")
         self.input.setPlaceholderText("Message the model…  (Enter sends, Shift+Enter for a new line)")
@@ -210,6 +241,15 @@ class ChatPane(QWidget):
         self.banner = Banner()  # a read-only database, a remote engine gone mid-reply
         layout.addWidget(self.banner)
         layout.addWidget(self.system_prompt)
+        settings_row = QHBoxLayout()
+        settings_row.addWidget(self.structured_button)
+        settings_row.addWidget(self.structured_label)
+        settings_row.addStretch(1)
+        settings_row.addWidget(self.tools_check)
+        settings_row.addWidget(self.tool_choice)
+        settings_row.addWidget(self.tools_label)
+        settings_row.addWidget(self.servers_button)
+        layout.addLayout(settings_row)
         layout.addWidget(self.transcript, 1)
         layout.addLayout(view_row)
         layout.addWidget(self.input)
@@ -255,6 +295,33 @@ class ChatPane(QWidget):
         self.system_prompt.blockSignals(True)
         self.system_prompt.setPlainText(text)
         self.system_prompt.blockSignals(False)
+
+    def show_chat_settings(
+        self, settings: ChatSettings, tools_summary: str, tool_names: tuple[str, ...] = ()
+    ) -> None:
+        """The chat's structured output and tools as the controller keeps them."""
+        grammar = settings.grammar
+        self.structured_label.setText("free text" if grammar is None else f"replies follow a {grammar.label}")
+        self.tools_check.blockSignals(True)
+        self.tools_check.setChecked(settings.tools)
+        self.tools_check.blockSignals(False)
+        self.tool_choice.blockSignals(True)
+        self.tool_choice.clear()
+        for label, value in (
+            ("auto", "auto"),
+            ("required", "required"),
+            *((f"call {n}", n) for n in tool_names),
+        ):
+            self.tool_choice.addItem(label, value)
+        if settings.tool_choice not in ("auto", "required") and settings.tool_choice not in tool_names:
+            self.tool_choice.addItem(f"call {settings.tool_choice} (not connected)", settings.tool_choice)
+        self.tool_choice.setCurrentIndex(max(0, self.tool_choice.findData(settings.tool_choice)))
+        self.tool_choice.blockSignals(False)
+        self.tool_choice.setEnabled(settings.tools)
+        allowed = (
+            f"; runs {', '.join(settings.allowed_tools)} without asking" if settings.allowed_tools else ""
+        )
+        self.tools_label.setText(tools_summary + allowed)
 
     def set_spec_mark_source(self, source: SpecMarkSource | None) -> None:
         """Where token marks come from (the live state's tokens); shown while the toggle is on."""

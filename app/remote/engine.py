@@ -62,7 +62,7 @@ from engine.events import (
     RequestStats,
     TokenSnapshot,
 )
-from engine.request import ChatMessage, Request
+from engine.request import ChatMessage, Request, ToolSpec
 
 if TYPE_CHECKING:
     from engine.api import LoadedModel
@@ -180,6 +180,9 @@ class RemoteEngine:
     def limits(self) -> Future[Limits]:
         return self._unavailable("its limits")
 
+    def prompt_spans(self, request: Request) -> Future[tuple[tuple[int, int], ...]]:
+        return self._unavailable("finding a tool result's tokens in a prompt")
+
     def fit_context(
         self,
         head: Sequence[ChatMessage],
@@ -189,6 +192,7 @@ class RemoteEngine:
         policy: str,
         prefix_ids: Sequence[int] = (),
         tail_is_new: bool = True,
+        tools: Sequence[ToolSpec] = (),
     ) -> Future[ContextFit]:
         return self._unavailable("fitting a conversation into its context")
 
@@ -472,6 +476,8 @@ class RemoteEngine:
                 )
             )
         else:
+            for event in adapter.tool_calls(time.perf_counter()):  # read by the server, before the end
+                self._sink(event)
             self._sink(adapter.finished(time.perf_counter()))
 
     async def _stream_reply(self, body: dict, adapter: ReplyAdapter) -> None:

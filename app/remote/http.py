@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import httpx
 
 from app.remote.target import RemoteSource
-from engine.request import Request
+from engine.config import GrammarSpec
+from engine.request import ChatMessage, Request, ToolSpec
 
 MAX_TOP_LOGPROBS = 20  # what OpenAI's API allows (and vLLM by default)
 
@@ -68,7 +69,7 @@ def request_body(source: RemoteSource, request: Request, tag: str | None, logpro
             )
     body: dict = {
         "model": source.model,
-        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "messages": [openai_message(m) for m in request.messages],
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": p.max_new_tokens,
@@ -88,6 +89,16 @@ def request_body(source: RemoteSource, request: Request, tag: str | None, logpro
         "ignore_eos": p.ignore_eos or None,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
+    if p.grammar is not None:
+        body.update(structured_fields(p.grammar))
+    if request.offers_tools:
+        body["tools"] = [openai_tool(t) for t in request.tools]
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": request.tool_name}}
+            if request.tool_choice == "named"
+            else request.tool_choice
+        )
     if tag:
         body["kvscope"] = {
             "tag": tag,
@@ -101,3 +112,44 @@ def request_body(source: RemoteSource, request: Request, tag: str | None, logpro
         # the probability panel's bars, and each token's boundary and logprob
         body.update(logprobs=True, top_logprobs=min(p.snapshot_top_n, MAX_TOP_LOGPROBS))
     return body
+
+
+def structured_fields(grammar: GrammarSpec) -> dict:
+    """A chat's structured output as OpenAI's response_format, or vLLM's guided_* for what
+    OpenAI has no name for (kvscope's server takes both)."""
+    if grammar.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.text)
+        return {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+        }
+    if grammar.kind == "regex":
+        return {"guided_regex": grammar.text}
+    if grammar.kind == "choice":
+        return {"guided_choice": json.loads(grammar.text)}
+    return {"guided_grammar": grammar.text}
+
+
+def openai_tool(tool: ToolSpec) -> dict:
+    try:
+        parameters = json.loads(tool.parameters)
+    except ValueError:
+        parameters = {"type": "object", "properties": {}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": parameters},
+    }
+
+
+def openai_message(message: ChatMessage) -> dict:
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["content"] = message.content or None
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    return out

@@ -10,6 +10,7 @@ exist. The server's logprob of a token is what it reports (vLLM: the model's raw
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from engine.events import (
     StageSnapshot,
     TokenGenerated,
     TokenSnapshot,
+    ToolCall,
+    ToolCallsParsed,
 )
 from engine.units import tokens_per_s
 from live.remote import REMOTE_TOP_K
@@ -64,6 +67,8 @@ class _Branch:
     text: str = ""
     logprob_sum: float = 0.0
     finish_reason: str | None = None
+    # the server's tool_calls deltas, by call index: {"id", "name", "arguments"}
+    calls: dict[int, dict] = field(default_factory=dict)
 
 
 class ReplyAdapter:
@@ -93,6 +98,14 @@ class ReplyAdapter:
             content = delta.get("content") or choice.get("text") or ""
             entries = (choice.get("logprobs") or {}).get("content") or []
             out.extend(self._tokens(index, branch, content, entries, t))
+            for call in delta.get("tool_calls") or []:
+                entry = branch.calls.setdefault(
+                    int(call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+                )
+                entry["id"] = call.get("id") or entry["id"]
+                function = call.get("function") or {}
+                entry["name"] += function.get("name") or ""
+                entry["arguments"] += function.get("arguments") or ""
             if choice.get("finish_reason"):
                 branch.finish_reason = choice["finish_reason"]
         return out
@@ -138,6 +151,19 @@ class ReplyAdapter:
         return out
 
     # ---- the end ---------------------------------------------------------------------------
+    def tool_calls(self, t: float) -> list[ToolCallsParsed]:
+        """The calls the server read out of each reply (its own parser's), as the engine's event."""
+        out = []
+        for index, branch in enumerate(self.branches):
+            if not branch.calls:
+                continue
+            calls = tuple(
+                ToolCall(c["name"], c["arguments"] or "{}", c["id"]) for _, c in sorted(branch.calls.items())
+            )
+            raw = json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls], ensure_ascii=False)
+            out.append(ToolCallsParsed(self.request_id, "server", branch.text, calls, raw, branch=index, t=t))
+        return out
+
     def finished(self, t: float, reason: str | None = None) -> RequestFinished:
         """The stream ended ([DONE]) or was cancelled (`reason="cancelled"`)."""
         first = self.branches[0]

@@ -24,6 +24,7 @@ import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
 from engine.bench.bench_concurrency import run_concurrency_bench
+from engine.bench.bench_grammar import run_grammar_bench
 from engine.bench.bench_speculative import run_speculative_bench
 from engine.bench.decode_split import decode_split
 from engine.bench.llama_bench import BUILD_HINT, find_llama_bench, llama_load_seconds, run_llama_bench
@@ -149,9 +150,11 @@ def run_bench(args: argparse.Namespace) -> int:
     def progress(stage: str, f: float) -> None:
         print(f"[{f:4.0%}] {stage}", file=sys.stderr)
 
-    if args.speculation or args.concurrency:
+    if args.speculation or args.concurrency or args.grammar or args.grammar_libraries:
         spec = ModelSpec(args.model, dtype=args.dtype, device=args.device)
         loaded = load_model(spec, progress=progress)
+        if args.grammar or args.grammar_libraries:
+            return run_grammar_bench(args, loaded)
         if args.speculation:
             return run_speculative_bench(args, loaded)
 

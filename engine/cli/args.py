@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import json
 
 from engine.config import (
     DRY_DEFAULT_BREAKERS,
     ConfigError,
     EngineConfig,
+    GrammarSpec,
     ModelSpec,
     SamplingParams,
     SpeculativeConfig,
 )
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
-
+from engine.grammar.compile import GrammarError, check
 
 MODEL_HELP = (
     "'default', an HF folder, a .gguf file, or a repo id in the local Hugging Face cache (a GGUF "
@@ -133,6 +131,66 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument(
         "--ban-token", action="append", type=int, default=[], metavar="ID", help="never draw token ID"
     )
+    add_grammar_args(p)
+
+
+def add_grammar_args(p: argparse.ArgumentParser) -> None:
+    """Constrained decoding: at most one grammar, its token mask the sampler's first stage."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema", metavar="FILE", default=None, help="the reply is JSON valid under this schema"
+    )
+    g.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
+    g.add_argument("--regex", metavar="R", default=None, help="the reply matches this regular expression")
+    g.add_argument(
+        "--grammar", metavar="FILE", default=None, help="the reply follows this Lark or GBNF (.gbnf) grammar"
+    )
+    g.add_argument(
+        "--choice",
+        metavar="TEXT",
+        action="append",
+        default=None,
+        help="the reply is one of these (repeatable)",
+    )
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{flag}: cannot read {path}: {reason}") from None
+
+
+def grammar_kind_of(path: str, text: str) -> str:
+    """A grammar file's kind: GBNF by its extension or its `::=` rules, else Lark."""
+    if path.endswith(".gbnf") or (not path.endswith(".lark") and "::=" in text):
+        return "gbnf"
+    return "lark"
+
+
+def grammar_from(args: argparse.Namespace) -> GrammarSpec | None:
+    """The grammar the flags ask for, compiled once here so that a bad one is refused before
+    the model loads (ConfigError with the flag and the reason)."""
+    if getattr(args, "json_schema", None):
+        flag, spec = "--json-schema", GrammarSpec("json_schema", _read(args.json_schema, "--json-schema"))
+    elif getattr(args, "json_object", False):
+        flag, spec = "--json-object", GrammarSpec("json_object")
+    elif getattr(args, "regex", None) is not None:
+        flag, spec = "--regex", GrammarSpec("regex", args.regex)
+    elif getattr(args, "grammar", None):
+        text = _read(args.grammar, "--grammar")
+        flag, spec = "--grammar", GrammarSpec(grammar_kind_of(args.grammar, text), text)
+    elif getattr(args, "choice", None):
+        flag, spec = "--choice", GrammarSpec("choice", json.dumps(args.choice))
+    else:
+        return None
+    try:
+        check(spec)
+    except GrammarError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    return spec
 
 
 def parse_logit_bias(items: list[str]) -> tuple[tuple[int, float], ...]:
@@ -181,6 +239,7 @@ def sampling_from(args: argparse.Namespace, snapshot_top_n: int = 0) -> Sampling
         num_beams=getattr(args, "num_beams", 1),
         length_penalty=getattr(args, "length_penalty", 1.0),
         early_stopping=EARLY_STOPPING_WORDS[getattr(args, "early_stopping", "false")],
+        grammar=grammar_from(args),
     )
 
 

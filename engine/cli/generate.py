@@ -72,6 +72,7 @@ def result_json(
         "token_ids": list(outcome.token_ids),
         "prompt_tokens": stats.prompt_tokens,
         "finish_reason": outcome.finish_reason,
+        "note": outcome.note,
         "ttft_s": stats.ttft_s,
         "itl_s": list(stats.itl_s),
         "tokens_per_s": stats.tokens_per_s,
@@ -161,14 +162,32 @@ def token_probs(token: TokenGenerated, k: int) -> dict[str, Any]:
     snap = token.snapshot
     assert snap is not None, "--probs asks the engine for a snapshot of every token"
     final = snap.stages[-1]
-    return {
+    out: dict[str, Any] = {
         "id": token.token_id,
         "prob": snap.drawn_prob,
         "top_ids": list(snap.candidate_ids[:k]),
         "top_probs": list(final.probs[:k]),
         "raw_top_probs": list(snap.stages[0].probs[:k]),
         "entropy": snap.entropy,
+        # every stage of the pipeline, in order: what it kept of the vocabulary and of the mass
+        "stages": [
+            {"name": s.name, "kept_count": s.kept_count, "kept_mass": s.kept_mass} for s in snap.stages
+        ],
     }
+    if snap.grammar is not None:
+        g = snap.grammar
+        out["grammar"] = {
+            "allowed": g.allowed,
+            "vocab_size": g.vocab_size,
+            "removed_mass": g.removed_mass,
+            "forced": g.forced,
+            "accepting": g.accepting,
+            "forced_ids": list(g.forced_ids),
+            "cut_ids": list(g.cut_ids),
+            "cut_texts": list(g.cut_texts),
+            "cut_probs": list(g.cut_probs),
+        }
+    return out
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -187,8 +206,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print_group(outcome)
     else:
         s = outcome.stats
+        reason = f"{outcome.finish_reason}: {outcome.note}" if outcome.note else outcome.finish_reason
         print(
-            f"\n[{s.generated_tokens} tokens, {outcome.finish_reason}; TTFT {milliseconds(s.ttft_s)}, "
+            f"\n[{s.generated_tokens} tokens, {reason}; TTFT {milliseconds(s.ttft_s)}, "
             f"{s.tokens_per_s:.1f} tok/s]",
             file=sys.stderr,
         )
@@ -217,7 +237,8 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         history.append(ChatMessage("assistant", outcome.text))
         s = outcome.stats
+        reason = f"{outcome.finish_reason}: {outcome.note}" if outcome.note else outcome.finish_reason
         print(
-            f"\n[{s.generated_tokens} tok, {s.tokens_per_s:.1f} tok/s, {outcome.finish_reason}]",
+            f"\n[{s.generated_tokens} tok, {s.tokens_per_s:.1f} tok/s, {reason}]",
             file=sys.stderr,
         )

@@ -91,6 +91,16 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     )
     b.add_argument("--num-draft", type=int, default=4, help="draft tokens per round for --speculation")
     b.add_argument(
+        "--grammar",
+        action="store_true",
+        help="constrained decoding: the grammar stage's time per token against ITL, with and without a schema",
+    )
+    b.add_argument(
+        "--grammar-libraries",
+        action="store_true",
+        help="with --grammar: llguidance against xgrammar (if installed) on the model's vocabulary",
+    )
+    b.add_argument(
         "--serve-load",
         action="store_true",
         help="a load run against the HTTP server: clients dropping, cancelling, n > 1; lost, mixed up, "

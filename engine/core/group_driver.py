@@ -9,8 +9,10 @@ RequestFinished with every sequence ranked and the group's memory figures.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,10 +31,14 @@ from engine.events import (
     SequenceForked,
     SequenceResult,
 )
+from engine.grammar.state import GrammarDeadEnd
 from engine.kv.manager import KVCacheManager
 from engine.limits import Limits
 from engine.sampling.sampler import Sampler
 from engine.text.token_text import TokenText
+
+if TYPE_CHECKING:
+    from engine.tools.use import ToolUse
 
 # Forked sequences get ids from here up, so they never equal a request id (the service counts
 # from 1, direct engine callers from 1_000_000).
@@ -61,6 +67,8 @@ class GroupDriver:
         self.text, self.limits = text, limits
         self.active: dict[int, SequenceGroup] = {}
         self._next_seq_id = FORK_SEQ_ID_BASE
+        # A request that offered tools: each of its sequences' replies is read for calls.
+        self.tool_reply: Callable[[ToolUse, int, tuple[int, ...], int], None] | None = None
 
     # ---- start -----------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
@@ -100,17 +108,21 @@ class GroupDriver:
             child = self._fork(group, parent, branch)
             child.sampler = Sampler(group.sample_params(branch), decode_token=self.text.text)
             child.detokenizer = self.text.detokenizer(prompt, group.params.stop, parent.makes_text)
+            if parent.grammar is not None:
+                child.grammar = parent.grammar.fork()
             group.members.append(child)
         group.forked = True
         self.scheduler.replace_members([parent], group.members)
         group.measure_blocks()
         return list(group.members)
 
-    def end_sample(self, seq: Sequence, reason: str) -> None:
+    def end_sample(self, seq: Sequence, reason: str, note: str = "") -> None:
         """One sample finished; the request finishes with its last sample."""
         group = seq.group
         assert group is not None, "a sample belongs to its group"
         seq.finish_reason = reason
+        if note and not group.note:
+            group.note = f"sample {seq.branch}: {note}"
         seq.detokenizer.flush()
         self._drop(group, seq, reason)
         group.ended.append(seq)
@@ -131,12 +143,20 @@ class GroupDriver:
         prompt = members[0].token_ids[: members[0].num_prompt_tokens]
         log_probs = torch.cat(
             [
-                seq.sampler.penalize(
-                    torch.log_softmax(logits[rows[seq.seq_id]].float(), -1)[None], prompt, seq.output_ids
-                )
+                self._beam_scores(seq, torch.log_softmax(logits[rows[seq.seq_id]].float(), -1)[None], prompt)
                 for seq in members
             ]
         )
+        if members[0].grammar is not None and all(seq.grammar_dead_end for seq in members):
+            # No beam can go on under the grammar: the search ends with what it has.
+            group.note = members[0].grammar_dead_end
+            search = group.search
+            finished = [h for h, done in zip(search.ranked(), search.kept_finished.tolist()) if done]
+            results = self._beam_results(group, finished, None) if finished else []
+            self._finish(
+                group, None, results or self._beam_results(group, search.running_ranked(), "grammar")
+            )
+            return
         if len(members) == 1:
             log_probs = log_probs.expand(k, -1)  # step 0: every beam is the prompt
         capped = members[0].num_tokens + 1 >= self.limits.context_window
@@ -160,6 +180,9 @@ class GroupDriver:
             if id(parent) in claimed:
                 child = self._fork(group, parent, branch)
                 child.sampler = parent.sampler  # greedy: only its penalty stages are used
+                if parent.grammar is not None:
+                    child.grammar = parent.grammar.fork()  # at the parent's place, before its new token
+                child.grammar_dead_end = parent.grammar_dead_end
                 new_members.append(child)
             else:
                 claimed.add(id(parent))
@@ -172,10 +195,34 @@ class GroupDriver:
             seq.branch = branch
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
+            self._advance_grammar(seq, token)
         group.members = new_members
         self.scheduler.replace_members(members, new_members)
         group.measure_blocks()
         self._emit_beam_step(group, result, tuple(seq.seq_id for seq in new_members), now)
+
+    def _beam_scores(self, seq: Sequence, log_probs: torch.Tensor, prompt: list[int]) -> torch.Tensor:
+        """A beam's log-probs after its grammar's mask and the penalties; a beam its grammar has
+        left with no next token can never be extended (every score -inf)."""
+        if seq.grammar_dead_end:
+            return torch.full_like(log_probs, -math.inf)
+        mask = None if seq.grammar is None else seq.grammar.mask()
+        return seq.sampler.penalize(log_probs, prompt, seq.output_ids, mask)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """A beam's new token into its grammar (a fork took its own copy before the token). A
+        finished grammar permits only EOS next, which ends the beam as a hypothesis."""
+        grammar = seq.grammar
+        if grammar is None or seq.grammar_dead_end or token in self.text.eos_ids:
+            return
+        if not grammar.consume(token):
+            # the search had fewer possible candidates than beams and filled a slot with one
+            seq.grammar_dead_end = f"token {self.text.text(token)!r} does not follow the grammar"
+            return
+        try:
+            grammar.mask()
+        except GrammarDeadEnd as exc:
+            seq.grammar_dead_end = str(exc)
 
     def _emit_beam_step(
         self, group: SequenceGroup, result: StepResult, seq_ids: tuple[int, ...], now: float
@@ -253,6 +300,9 @@ class GroupDriver:
         self._release(group)
         best = results[0] if results else None
         first = group.every_seq[0]
+        if first.tool_use is not None and self.tool_reply is not None and reason != "cancelled":
+            for result in results:
+                self.tool_reply(first.tool_use, group.request_id, result.token_ids, result.branch)
         stats = request_stats(
             first,
             group.token_times,
@@ -272,5 +322,6 @@ class GroupDriver:
                 time.perf_counter(),
                 tuple(results),
                 group.stats(),
+                note=group.note,
             )
         )

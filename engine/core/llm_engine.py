@@ -20,8 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
-from engine.config import DEFAULT_KV_BUDGET_BYTES, DEFAULT_MAX_MODEL_LEN, ConfigError, EngineConfig
+from engine.config import (
+    DEFAULT_KV_BUDGET_BYTES,
+    DEFAULT_MAX_MODEL_LEN,
+    ConfigError,
+    EngineConfig,
+    SamplingParams,
+)
 from engine.core.group_driver import GroupDriver, GroupError
 from engine.core.postprocess import Postprocessor
 from engine.core.runner import ForwardResult, ModelRunner
@@ -40,6 +47,9 @@ from engine.events import (
     RequestStarted,
     StepStats,
 )
+from engine.grammar.compile import GrammarError
+from engine.grammar.grammars import Grammars
+from engine.grammar.state import GrammarDeadEnd, GrammarState
 from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
@@ -53,6 +63,7 @@ from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import Proposer, make_proposer
 from engine.text import chat_template
 from engine.text.token_text import TokenText, eos_ids_of
+from engine.tools.use import ToolUse, parsed, tool_use
 
 
 class RequestError(ValueError):
@@ -115,6 +126,7 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}  # every live sequence by seq_id (forks included)
         self.text = TokenText(self.tokenizer, eos_ids_of(loaded.model, self.tokenizer))
         self.eos_ids = self.text.eos_ids
+        self.grammars = Grammars(self.tokenizer, info.vocab_size, self.eos_ids)
         self.limits = Limits(
             self.max_model_len,
             num_blocks,
@@ -124,6 +136,7 @@ class LLMEngine:
             config.speculative is not None,
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
+        self.groups.tool_reply = self.tool_reply
         self.post = Postprocessor(
             self.kv,
             self.groups,
@@ -185,7 +198,10 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - any bad request becomes an event, not a crash
             message = (
                 str(exc)
-                if isinstance(exc, (RequestError, GroupError, ConfigError, chat_template.ChatTemplateError))
+                if isinstance(
+                    exc,
+                    (RequestError, GroupError, ConfigError, GrammarError, chat_template.ChatTemplateError),
+                )
                 else f"{type(exc).__name__}: {exc}"
             )
             self.emit(RequestFailed(request_id, message, time.perf_counter()))
@@ -217,10 +233,36 @@ class LLMEngine:
                 raise RequestError(f"{what} {bad} is not in the vocabulary (ids 0 to {vocab - 1}).")
         if params.group_size > 1:
             self.groups.check(params)
+        use, grammar = tool_use(self.tokenizer, request, params.grammar)
+        if grammar is not params.grammar:
+            params = replace(params, grammar=grammar)  # the calls' grammar
         seq = Sequence(request_id, ids, len(ids), params, makes_text=request.detokenize)
+        seq.tool_use = use
+        if params.grammar is not None:
+            seq.grammar = self.start_grammar(params, request.reply_prefix_ids)
         seq.sampler = Sampler(params, decode_token=self.text.text)
         seq.detokenizer = self.text.detokenizer(ids, params.stop, request.detokenize)
         return seq
+
+    def start_grammar(self, params: SamplingParams, reply_prefix: tuple[int, ...] = ()) -> GrammarState:
+        """A matcher for `params.grammar` replayed over a branch's reply prefix (the tokens the
+        reply already has), checked to permit a first token (RequestError: why not)."""
+        assert params.grammar is not None
+        state = self.grammars.start(params.grammar)
+        taken = state.replay(reply_prefix)
+        if taken < len(reply_prefix):
+            token = reply_prefix[taken]
+            raise RequestError(
+                f"The reply cannot continue under its {params.grammar.label}: its token {taken} "
+                f"({self.text.text(token)!r}) does not follow the grammar."
+            )
+        if state.finished:
+            raise RequestError(f"The reply is already complete under its {params.grammar.label}.")
+        try:
+            state.mask()
+        except GrammarDeadEnd as exc:
+            raise RequestError(f"The {params.grammar.label} permits no text here: {exc}.") from None
+        return state
 
     def abort(self, request_id: int) -> None:
         if request_id in self.groups.active:
@@ -262,14 +304,26 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def tool_reply(self, use: ToolUse, request_id: int, token_ids: tuple[int, ...], branch: int = 0) -> None:
+        """A reply of a request that offered tools, read for calls (ToolCallsParsed)."""
+        self.emit(parsed(use, self.tokenizer, request_id, token_ids, self.eos_ids, branch))
+
+    def finish(self, seq: Sequence, reason: str, note: str = "") -> None:
         self.release(seq)
         seq.finish_reason = reason
         seq.detokenizer.flush()
+        if seq.tool_use is not None and reason != "cancelled":
+            self.tool_reply(seq.tool_use, seq.seq_id, tuple(seq.output_ids))
         stats = request_stats(seq, seq.token_times, seq.num_output_tokens)
         self.emit(
             RequestFinished(
-                seq.seq_id, reason, seq.detokenizer.text, tuple(seq.output_ids), stats, time.perf_counter()
+                seq.seq_id,
+                reason,
+                seq.detokenizer.text,
+                tuple(seq.output_ids),
+                stats,
+                time.perf_counter(),
+                note=note,
             )
         )
 

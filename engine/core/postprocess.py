@@ -12,6 +12,10 @@ Each sequence's part runs guarded: one that raises (a sampler given impossible l
 detokenizer's error) fails its own request (`fail`) and the others' go on. Every token of one
 step is stamped with the step's time, so a speculative round's tokens share one time and ITL is
 one gap per step (vLLM's meaning).
+
+Under a grammar each sequence's mask comes from its own matcher (engine.grammar.state), which
+consumes every token as it is committed here; a token that completes the grammar ends the reply
+("stop"), one after which the grammar permits nothing ends it with the reason ("grammar").
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.events import Event, SpecRound, TokenGenerated
+from engine.grammar.state import GrammarDeadEnd
 from engine.kv.manager import KVCacheManager
+from engine.sampling.mask import TokenMask
 from engine.sampling.sampler import SampleResult
 from engine.speculative.proposers import Proposer
 from engine.speculative.verify import Verdict, verify
@@ -46,7 +52,7 @@ class Postprocessor:
         groups: GroupDriver,
         text: TokenText,
         emit: Callable[[Event], None],
-        finish: Callable[[Sequence, str], None],
+        finish: Callable[[Sequence, str, str], None],
         max_model_len: int,
         proposer: Proposer | None,
         speculative: SpeculativeConfig | None,
@@ -115,8 +121,26 @@ class Postprocessor:
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        result = seq.sampler.sample(logits, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids)
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        result = seq.sampler.sample(logits, prompt, seq.output_ids, mask_of(seq))
         self.emit_token(seq, result)
+
+    def _grammar_end(self, seq: Sequence, token: int) -> tuple[str | None, str]:
+        """Consume the committed `token` in the sequence's grammar: (reason the reply ends, why)."""
+        grammar = seq.grammar
+        if grammar is None:
+            return None, ""
+        if not grammar.consume(token):
+            # Only a token chosen outside the mask gets here (a beam forced onto an impossible
+            # candidate): the reply stops rather than leave its grammar.
+            return "grammar", f"token {self.text.text(token)!r} does not follow the grammar"
+        if grammar.finished:
+            return "stop", ""
+        try:
+            grammar.mask()  # the next position's mask, now: a dead end ends the reply here
+        except GrammarDeadEnd as exc:
+            return "grammar", str(exc)
+        return None, ""
 
     def emit_token(self, seq: Sequence, result: SampleResult, spec: str = "", spec_round: int = -1) -> bool:
         """Append a chosen token, stream it, and finish the request if it ends here."""
@@ -130,8 +154,11 @@ class Postprocessor:
             seq.group.mark_token_step(self.step_count, now)
         is_eos = self.text.stops(token, seq.params.ignore_eos)
         delta = "" if is_eos else seq.detokenizer.push(token)
+        grammar_reason, note = (None, "") if is_eos else self._grammar_end(seq, token)
         if is_eos or seq.detokenizer.stopped:
             reason = "stop"
+        elif grammar_reason is not None:
+            reason = grammar_reason
         elif seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         else:
@@ -155,9 +182,9 @@ class Postprocessor:
         )
         if reason is not None:
             if seq.group is not None:
-                self.groups.end_sample(seq, reason)
+                self.groups.end_sample(seq, reason, note)
             else:
-                self.finish(seq, reason)
+                self.finish(seq, reason, note)
         return reason is not None
 
     # ---- speculative ---------------------------------------------------------------------
@@ -166,8 +193,15 @@ class Postprocessor:
         drafts = list(seq.spec_token_ids)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
+        # Under a grammar: each position's mask, the matcher walked through the drafts and back.
+        masks: list[TokenMask | None] = [None] * (d + 1)
+        if seq.grammar is not None:
+            masks = seq.grammar.masks_along(drafts)
         p = torch.stack(
-            [seq.sampler.distribution(logits[i], prompt, history + drafts[:i]) for i in range(d + 1)]
+            [
+                seq.sampler.distribution(logits[i], prompt, history + drafts[:i], masks[i])
+                for i in range(d + 1)
+            ]
         )
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
@@ -208,6 +242,14 @@ class Postprocessor:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
-            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token)
+            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token, mask_of(seq))
             if self.emit_token(seq, result, kind, seq.spec_rounds):
                 return  # finished: the rest of the round is dropped
+
+
+def mask_of(seq: Sequence) -> TokenMask | None:
+    """The sequence's grammar mask at its next token (with what it forces, when a snapshot will
+    show it), or None without a grammar."""
+    if seq.grammar is None:
+        return None
+    return seq.grammar.mask(with_forced=seq.params.snapshot_top_n > 0)

@@ -10,13 +10,19 @@ from engine.core.llm_engine import LLMEngine
 from engine.limits import ContextFit, fit
 from engine.measure import device_limits as measured_limits
 from engine.measure.memory import available_memory_bytes, device_name
-from engine.request import ChatMessage, Request
+from engine.request import ChatMessage, Request, ToolSpec
 from engine.results import DeviceLimits, DeviceStatus
+from engine.text.chat_template import message_spans
 
 
 def count_prompt(core: LLMEngine, request: Request) -> int:
     """Tokens of the request's prompt, as the engine renders it (its chat template)."""
     return len(core.prompt_ids(request))
+
+
+def prompt_spans(core: LLMEngine, request: Request) -> tuple[tuple[int, int], ...]:
+    """Token positions [start, end) of each tool message's content in the request's prompt."""
+    return tuple(message_spans(core.tokenizer, request))
 
 
 def fit_context(
@@ -28,14 +34,17 @@ def fit_context(
     policy: str,
     prefix_ids: Sequence[int] = (),
     tail_is_new: bool = True,
+    tools: Sequence[ToolSpec] = (),
 ) -> ContextFit:
     """engine.limits.fit with the engine's own prompt rendering and limits: the count is the one
-    the engine will see. `prefix_ids` start the reply (a continued or branched one)."""
+    the engine will see. `prefix_ids` start the reply (a continued or branched one); `tools` are
+    rendered as the reply's request will render them."""
 
     def count(messages: Sequence[ChatMessage]) -> int:
         if not messages:
             return len(prefix_ids)
-        return count_prompt(core, Request(messages=tuple(messages), reply_prefix_ids=tuple(prefix_ids)))
+        request = Request(messages=tuple(messages), reply_prefix_ids=tuple(prefix_ids), tools=tuple(tools))
+        return count_prompt(core, request)
 
     limits = core.limits
     return fit(

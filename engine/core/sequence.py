@@ -25,9 +25,11 @@ from engine.kv.manager import KVCacheManager
 if TYPE_CHECKING:
     import torch
 
+    from engine.grammar.state import GrammarState
     from engine.kv.block_pool import Block
     from engine.sampling.sampler import Sampler
     from engine.text.detokenize import IncrementalDetokenizer
+    from engine.tools.use import ToolUse
 
 
 class SeqStatus(enum.Enum):
@@ -75,6 +77,13 @@ class Sequence:
     branch: int = 0
     cumulative_logprob: float = 0.0
     cow_copies: int = 0
+    # Constrained decoding: where the sequence is in its grammar (None without one). It holds
+    # exactly the generated tokens (and a branch's reply prefix); `grammar_dead_end` says why a
+    # beam can no longer go on under it.
+    grammar: GrammarState | None = None
+    grammar_dead_end: str = ""
+    # A request that offered tools: how its reply is read for calls when it ends.
+    tool_use: ToolUse | None = None
     # False: no text made on the engine thread (Request.detokenize), for it and its forks
     makes_text: bool = True
     # The prefix-cache keys of its full blocks, each with the tokens it was computed from
@@ -159,6 +168,7 @@ class SequenceGroup:
         self.peak_unshared = 0
         self.token_times: list[float] = []
         self._last_token_step = -1
+        self.note = ""  # why it ended, when the reason needs words (a grammar's dead end)
         first.group = self
 
     @property

@@ -34,7 +34,7 @@ from engine.events import (
     TokenSnapshot,
 )
 from engine.limits import ContextFit, Limits
-from engine.request import ChatMessage, Request
+from engine.request import ChatMessage, Request, ToolSpec
 from engine.results import DeviceLimits, DeviceStatus, SpeedupResult, Tokens
 
 if TYPE_CHECKING:
@@ -142,6 +142,11 @@ class Engine:
     def limits(self) -> Future[Limits]:
         return self._call(lambda core: core.limits)
 
+    def prompt_spans(self, request: Request) -> Future[tuple[tuple[int, int], ...]]:
+        from engine.core import queries  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: queries.prompt_spans(core, request))
+
     def fit_context(
         self,
         head: Sequence[ChatMessage],
@@ -151,12 +156,13 @@ class Engine:
         policy: str,
         prefix_ids: Sequence[int] = (),
         tail_is_new: bool = True,
+        tools: Sequence[ToolSpec] = (),
     ) -> Future[ContextFit]:
         from engine.core import queries  # torch: imported with the engine, on its thread
 
         return self._call(
             lambda core: queries.fit_context(
-                core, head, history, tail, max_new_tokens, policy, prefix_ids, tail_is_new
+                core, head, history, tail, max_new_tokens, policy, prefix_ids, tail_is_new, tools
             )
         )
 

@@ -8,7 +8,8 @@ runs over the whole vocabulary under the new settings. Nothing is approximated f
 candidates a snapshot recorded: with the token's own settings the result is its recorded
 snapshot, up to the float rounding of one forward against the engine's paged, chunked ones.
 One stage is random: XTC fires on a coin; the what-if shows it as if its coin came up, and
-`what_if_notes` says so.
+`what_if_notes` says so. A reply made under a grammar keeps it: its matcher is replayed over the
+reply's tokens before the token, and its mask is the first stage as it was.
 
 `WhatIf.recompute` runs on the engine thread (Engine.call): it uses the engine's model and
 tokenizer. It keeps the last token's logits, so moving a slider re-runs only the stages.
@@ -80,11 +81,21 @@ class WhatIf:
         as the recorded snapshot shows."""
         prompt = core.prompt_ids(request)
         logits = self._logits_for(core, [*prompt, *output_ids])
-        shown = replace(params, snapshot_top_n=recorded_top_n(recorded))
+        shown = replace(
+            params,
+            snapshot_top_n=recorded_top_n(recorded),
+            grammar=params.grammar or request.sampling.grammar,  # the reply's grammar stays
+        )
         sampler = Sampler(shown, decode_token=core.text.text)
         # XTC as if its coin came up: a what-if shows what the setting does, not one coin's luck.
         sampler.stages = build_stages(shown, decode_token=core.text.text, uniform=lambda: 0.0)
-        snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id).snapshot
+        mask = None
+        if shown.grammar is not None:
+            grammar = core.start_grammar(shown, request.reply_prefix_ids)
+            if grammar.replay(output_ids) < len(output_ids):
+                raise ValueError("the reply's tokens do not follow its grammar")
+            mask = grammar.mask(with_forced=True)
+        snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id, mask).snapshot
         assert snapshot is not None  # snapshot_top_n > 0 always records one
         return snapshot
 

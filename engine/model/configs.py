@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.errors import ModelLoadError, first_line
-from engine.model.gguf_header import GGUFHeader, GGUFHeaderError, TensorInfo, kept, local_header, skipped_count
+from engine.model.gguf_header import (
+    GGUFHeader,
+    GGUFHeaderError,
+    TensorInfo,
+    kept,
+    local_header,
+    skipped_count,
+)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -199,7 +206,9 @@ def gguf_header(path: Path) -> GGUFHeader:
     except (GGUFHeaderError, OSError, struct.error, UnicodeDecodeError):
         raise ModelLoadError(broken) from None
     size = Path(path).stat().st_size
-    if not header.tensors or any(header.data_start + t.offset + _tensor_bytes(t) > size for t in header.tensors):
+    if not header.tensors or any(
+        header.data_start + t.offset + _tensor_bytes(t) > size for t in header.tensors
+    ):
         raise ModelLoadError(broken)
     _HEADER_CACHE["header"] = (key, header)
     return header

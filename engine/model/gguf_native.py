@@ -40,7 +40,6 @@ from engine.model.configs import gguf_header, read_gguf_config
 from engine.model.gguf_header import GGUFHeader
 
 if TYPE_CHECKING:
-
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 

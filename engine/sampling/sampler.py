@@ -2,6 +2,8 @@
 
 The stages and their order are engine.sampling.stages. Temperature 0 means greedy: the argmax
 of the penalized logits (the truncation stages are skipped, as they cannot change the argmax).
+A sequence under a grammar passes its `TokenMask` (engine.sampling.mask): the mask is then the
+first stage, "grammar", before the penalties, in greedy decoding too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.events import TokenSnapshot
+from engine.sampling.mask import GRAMMAR_STAGE, TokenMask, apply_mask
 from engine.sampling.snapshot import take_snapshot
 from engine.sampling.stages import PENALTY_STAGES, build_stages
 
@@ -58,41 +61,56 @@ class Sampler:
         return generator
 
     def sample(
-        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         scores = logits.detach().to(torch.float32).reshape(1, -1)
         want_snapshot = self.params.snapshot_top_n > 0
         if self.params.greedy and not self.stages and not want_snapshot:
-            # The hot path of plain greedy decoding: an argmax and one log-sum-exp.
+            # The hot path of plain greedy decoding: an argmax and one log-sum-exp (after the
+            # grammar's mask, when there is one).
+            if mask is not None:
+                scores = apply_mask(scores, mask)
             token = int(scores[0].argmax())
             return SampleResult(token, self._checked(float(scores[0, token] - scores[0].logsumexp(0))), None)
 
-        scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot)
+        scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot, mask)
         if self.params.greedy:
             token = int(scores[0].argmax())
         else:
             token = self.draw(torch.softmax(scores[0], dim=0))
-        return self._result(scores, trace, penalized, token)
+        return self._result(scores, trace, penalized, token, mask)
 
     def distribution(
-        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        mask: TokenMask | None = None,
     ) -> torch.Tensor:
         """The final sampling distribution [V] after every stage (one-hot at the argmax when
         greedy): the p (or q) of speculative verification."""
         scores = logits.detach().to(torch.float32).reshape(1, -1)
-        scores, _, _ = self._process(scores, prompt_ids, output_ids, want_trace=False)
+        scores, _, _ = self._process(scores, prompt_ids, output_ids, False, mask)
         if self.params.greedy:
             return torch.zeros_like(scores[0]).scatter_(0, scores[0].argmax().reshape(1), 1.0)
         return torch.softmax(scores[0], dim=0)
 
     def penalize(
-        self, scores: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]
+        self,
+        scores: torch.Tensor,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        mask: TokenMask | None = None,
     ) -> torch.Tensor:
-        """The penalty stages alone on scores [1, V] (beam search runs them on log-probs, as
-        transformers does); greedy params have no other stages."""
-        if not self.stages:
+        """The grammar's mask and the penalty stages alone on scores [1, V] (beam search runs
+        them on log-probs, as transformers does); greedy params have no other stages."""
+        if not self.stages and mask is None:
             return scores
-        return self._process(scores, prompt_ids, output_ids, want_trace=False)[0]
+        return self._process(scores, prompt_ids, output_ids, False, mask)[0]
 
     def draw(self, probs: torch.Tensor) -> int:
         """One token from a probability vector, with this request's generator (seeded or not)."""
@@ -105,22 +123,36 @@ class Sampler:
         return float(torch.rand((), generator=self._generator_for(torch.device("cpu"))))
 
     def result_for(
-        self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], token: int
+        self,
+        logits: torch.Tensor,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        token: int,
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         """Logprob (and snapshot, when asked) of a token chosen elsewhere, e.g. by the
         speculative verifier, under this request's pipeline."""
         scores = logits.detach().to(torch.float32).reshape(1, -1)
         scores, trace, penalized = self._process(
-            scores, prompt_ids, output_ids, self.params.snapshot_top_n > 0
+            scores, prompt_ids, output_ids, self.params.snapshot_top_n > 0, mask
         )
-        return self._result(scores, trace, penalized, token)
+        return self._result(scores, trace, penalized, token, mask)
 
     def _process(
-        self, scores: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], want_trace: bool
+        self,
+        scores: torch.Tensor,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        want_trace: bool,
+        mask: TokenMask | None = None,
     ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]] | None, torch.Tensor]:
         """Run the stages; returns the final scores [1, V], the per-stage trace (or None) and
         the scores after the penalty stages."""
         trace = [("raw", scores)] if want_trace else None
+        if mask is not None:
+            scores = apply_mask(scores, mask)
+            if trace is not None:
+                trace.append((GRAMMAR_STAGE, scores))
         penalized = scores
         histories: dict[str, torch.Tensor] = {}
         for stage in self.stages:
@@ -149,12 +181,13 @@ class Sampler:
         trace: list[tuple[str, torch.Tensor]] | None,
         penalized: torch.Tensor,
         token: int,
+        mask: TokenMask | None = None,
     ) -> SampleResult:
         logprob = self._checked(float(scores[0, token] - scores[0].logsumexp(0)))
         snapshot = None
         if trace is not None:
             snapshot = take_snapshot(
-                trace, penalized[0], token, self.params.snapshot_top_n, self._decode_token
+                trace, penalized[0], token, self.params.snapshot_top_n, self._decode_token, mask
             )
         return SampleResult(token, logprob, snapshot)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from engine.events import StageSnapshot, TokenSnapshot
+from engine.sampling.mask import TokenMask, grammar_snapshot
 
 # Raw logits kept in a snapshot for what-if: enough that the tail beyond them is usually
 # negligible, small enough to ship with every token.
@@ -21,11 +22,17 @@ def take_snapshot(
     drawn: int,
     top_n: int,
     decode_token: Callable[[int], str],
+    mask: TokenMask | None = None,
 ) -> TokenSnapshot:
     raw = trace[0][1][0]
     vocab = raw.numel()
     top_logits, top_ids = torch.topk(raw, min(vocab, max(top_n, WHAT_IF_TOP)))
     candidates = top_ids[: min(top_n, vocab)]
+    grammar = None
+    if mask is not None:
+        masked = trace[1][1][0]  # the grammar stage comes right after the raw scores
+        grammar = grammar_snapshot(raw, masked, mask, decode_token)
+        candidates = _grammar_candidates(raw, masked, min(top_n, vocab))
     if not bool((candidates == drawn).any()):
         candidates = torch.cat([candidates, torch.tensor([drawn], device=candidates.device)])
 
@@ -85,4 +92,17 @@ def take_snapshot(
         raw_top_logits=tuple(top_logits.tolist()),
         raw_logsumexp=summary[3],
         penalized_top_logits=tuple(penalized[top_ids].tolist()),
+        grammar=grammar,
     )
+
+
+def _grammar_candidates(raw: torch.Tensor, masked: torch.Tensor, top_n: int) -> torch.Tensor:
+    """Under a grammar the raw top N are often all cut: the candidates are the likeliest tokens
+    the grammar permits, then (when it permits fewer than N) the likeliest it cut, so the bars
+    show both what could be drawn and what the grammar took away."""
+    allowed = int((masked > -math.inf).sum())
+    kept = torch.topk(masked, min(top_n, allowed)).indices
+    if kept.numel() >= top_n:
+        return kept
+    cut = torch.topk(torch.where(masked > -math.inf, -math.inf, raw), top_n - kept.numel()).indices
+    return torch.cat([kept, cut])

@@ -181,7 +181,13 @@ def build_app(
             for ids in await _prompt_ids(kind, plan):
                 started.append(
                     await bridge.start_request(
-                        ids, plan.sampling, channel, plan.tag, arrival, detokenize=plan.engine_text
+                        ids,
+                        plan.sampling,
+                        channel,
+                        plan.tag,
+                        arrival,
+                        detokenize=plan.engine_text,
+                        tools=plan.tools,
                     )
                 )
         except BaseException:
@@ -189,7 +195,8 @@ def build_app(
             raise
         finally:
             prompts.leave(places)
-        reply = Reply(kind, plan, started, strings, model, None if plan.engine_text else tokenizer)
+        tokenizer_here = None if plan.engine_text else tokenizer
+        reply = Reply(kind, plan, started, strings, model, tokenizer_here, tool_format=bridge.tool_format)
         try:
             first = await _opening(channel, reply)
         except BaseException:

@@ -31,6 +31,7 @@ from engine.serve.params import Bounds
 from engine.serve.prompts import PromptQueue
 from engine.serve.snapshot import state_events
 from engine.text.detokenize import PROMPT_CONTEXT_TOKENS
+from engine.tools.render import tool_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
     from engine.limits import Limits
     from engine.model.loaded import LoadedModel
+    from engine.serve.tool_request import ToolRequest
+    from engine.tools.formats import ToolFormat
 
 T = TypeVar("T")
 
@@ -82,6 +85,7 @@ class EngineBridge:
         self._ids = itertools.count(1)
         self.max_model_len = 0
         self.token_bytes: list[bytes] = []
+        self.tool_format: ToolFormat | None = None  # how the model writes calls (read at start)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
@@ -91,14 +95,17 @@ class EngineBridge:
         if info is None:
             raise RuntimeError(self.engine.load_error or "the model did not load in time")
         self.model_name = self._model_name or info.name
-        self.max_model_len, self.token_bytes, self.tokenizer, self.limits = self.engine._call(
-            lambda core: (
-                core.limits.context_window,
-                token_bytes_table(core.tokenizer),
-                core.tokenizer,
-                core.limits,
-            )
-        ).result()
+        self.max_model_len, self.token_bytes, self.tokenizer, self.limits, self.tool_format = (
+            self.engine._call(
+                lambda core: (
+                    core.limits.context_window,
+                    token_bytes_table(core.tokenizer),
+                    core.tokenizer,
+                    core.limits,
+                    tool_template(core.tokenizer).format,
+                )
+            ).result()
+        )
         self.metrics = ServeMetrics(self.model_name, self.max_model_len)
         self.bounds = Bounds(info.vocab_size, self.max_model_len, self.config.max_num_seqs)
         self.prompts = PromptQueue(self.tokenizer, self.max_waiting, self.engine_waiting)
@@ -140,6 +147,7 @@ class EngineBridge:
         tag: str | None = None,
         arrival: float | None = None,
         detokenize: bool = True,
+        tools: ToolRequest | None = None,
     ) -> Started:
         """Start a request of checked prompt ids on the engine thread; its events go to
         `channel`. `detokenize` False: the engine makes no text for it (the server does)."""
@@ -156,6 +164,16 @@ class EngineBridge:
             assert self.metrics is not None, "requests are served after start()"
             self.metrics.arrived(request_id, arrived, sampling.n, sampling.max_new_tokens)
             request = Request(prompt_token_ids=tuple(ids), sampling=sampling, detokenize=detokenize)
+            if tools is not None:  # the prompt renders them; the reply is read for calls
+                request = Request(
+                    prompt_token_ids=tuple(ids),
+                    sampling=sampling,
+                    detokenize=detokenize,
+                    tools=tools.tools,
+                    tool_choice=tools.tool_choice,
+                    tool_name=tools.tool_name,
+                    parallel_tool_calls=tools.parallel_tool_calls,
+                )
             core.add_request(request, request_id)
             return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))
 

@@ -21,6 +21,8 @@ from engine.request import ChatMessage, Request
 from engine.serve.errors import ServeError
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
 from engine.serve.protocol import ChatRequest, CompletionRequest, MessageIn, SamplingFields
+from engine.serve.structured import check_together, grammar_of, tool_calls_of, tools_of
+from engine.serve.tool_request import ToolRequest
 from engine.text.chat_template import prompt_ids
 
 if TYPE_CHECKING:
@@ -95,13 +97,21 @@ class Plan:
     include_usage: bool
     tag: str | None
     echo_prompts: tuple[str, ...] = ()
+    tools: ToolRequest | None = None  # a chat request that offers tools
 
     @property
     def engine_text(self) -> bool:
         """The engine must make the text itself: stop strings are found in it, beam search ranks
         finished texts, and an attached app (a tagged request) reads its replies' text from the
-        events stream. Otherwise the server detokenizes, off the engine thread."""
-        return bool(self.sampling.stop) or self.sampling.beam_search or self.tag is not None
+        events stream; a request with tools is read for calls as it streams, markers (special
+        tokens the text leaves out) included. Otherwise the server detokenizes, off the engine
+        thread."""
+        return (
+            bool(self.sampling.stop)
+            or self.sampling.beam_search
+            or self.tag is not None
+            or self.tools is not None
+        )
 
 
 def param_of(message: str) -> str | None:
@@ -177,6 +187,7 @@ def sampling_params(
             length_penalty=ext.length_penalty if ext else 1.0,
             early_stopping=ext.early_stopping if ext else False,
             logit_bias=_logit_bias(body.logit_bias, bounds),
+            grammar=grammar_of(body),
         )
     except ConfigError as exc:
         message = str(exc).replace("max_new_tokens", "max_tokens")
@@ -184,11 +195,7 @@ def sampling_params(
 
 
 def chat_plan(body: ChatRequest, bounds: Bounds) -> Plan:
-    for field in ("tools", "tool_choice"):
-        if getattr(body, field):
-            raise _refuse(field, f"{field} is not supported by this server (no function calling)")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise _refuse("response_format", "only response_format {'type': 'text'} is supported")
+    tools = tools_of(body)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise _refuse("top_logprobs", "top_logprobs needs logprobs: true")
@@ -197,15 +204,30 @@ def chat_plan(body: ChatRequest, bounds: Bounds) -> Plan:
     top_logprobs = (top or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, bounds, _snapshot_size(top_logprobs))
+    check_together(tools, params.grammar)
     messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
     prefix = tuple(body.kvscope.reply_prefix_ids) if body.kvscope else ()
     check_ids(prefix, bounds, "kvscope.reply_prefix_ids")
     try:
-        request = Request(messages=messages, sampling=params, reply_prefix_ids=prefix)
+        request = Request(
+            messages=messages,
+            sampling=params,
+            reply_prefix_ids=prefix,
+            tools=tools.tools if tools else (),
+            tool_choice=tools.tool_choice if tools else "auto",
+            tool_name=tools.tool_name if tools else "",
+            parallel_tool_calls=tools.parallel_tool_calls if tools else True,
+        )
     except ConfigError as exc:
         raise _refuse("messages", str(exc)) from exc
     return Plan(
-        (Prompt(chat=request),), params, top_logprobs, max_tokens is not None, _usage(body), _tag(body)
+        (Prompt(chat=request),),
+        params,
+        top_logprobs,
+        max_tokens is not None,
+        _usage(body),
+        _tag(body),
+        tools=tools if tools and tools.tool_choice != "none" else None,
     )
 
 
@@ -253,10 +275,13 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 
 def _message(index: int, message: MessageIn) -> ChatMessage:
     role = ROLE_ALIASES.get(message.role, message.role)
-    if role not in ("system", "user", "assistant"):
+    if role not in ("system", "user", "assistant", "tool"):
         raise _refuse(
-            f"messages.{index}.role", f"role {message.role!r} is not supported (system, user, assistant)"
+            f"messages.{index}.role",
+            f"role {message.role!r} is not supported (system, user, assistant, tool)",
         )
+    if message.tool_calls and role != "assistant":
+        raise _refuse(f"messages.{index}.tool_calls", "only an assistant message carries tool calls")
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -268,7 +293,13 @@ def _message(index: int, message: MessageIn) -> ChatMessage:
                 )
             texts.append(part.text)
         content = "".join(texts)
-    return ChatMessage(role, content or "")
+    return ChatMessage(
+        role,
+        content or "",
+        tool_calls=tool_calls_of(index, message.tool_calls),
+        tool_call_id=message.tool_call_id or "",
+        name=message.name or "",
+    )
 
 
 def _snapshot_size(top_logprobs: int | None) -> int:

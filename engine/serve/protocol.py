@@ -4,7 +4,9 @@ Fields OpenAI and vLLM clients send are accepted by name; the range checks that 
 (temperature, penalties, n with greedy...) stay in `SamplingParams`, whose messages become the
 400s, so the server and the engine can never disagree on what is valid. Unknown fields are
 ignored, as vLLM and OpenAI-compatible servers generally do; fields the engine cannot honour
-(tools, non-text content, ...) are refused with a 400 naming them.
+(non-text content, ...) are refused with a 400 naming them. Structured output and tools
+(`response_format`, vLLM's `guided_*`, `tools`, `tool_choice`) are typed here and turned into the
+engine's grammar and tools by engine.serve.structured.
 """
 
 from __future__ import annotations
@@ -56,11 +58,72 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class MessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionIn
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: a call of that function."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    # "schema" as OpenAI names it (an alias: pydantic's BaseModel has a .schema of its own)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    # Taken and not needed: the schema is always held by the grammar, strict or not (OpenAI's
+    # non-strict mode only asks the model to follow it).
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -86,6 +149,11 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     kvscope: KvscopeOptions | None = None
+    # vLLM's guided decoding names (one at most; chat's response_format is the OpenAI way)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -93,9 +161,10 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):

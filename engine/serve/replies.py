@@ -24,12 +24,15 @@ from engine.events import (
     RequestStats,
     SequenceFinished,
     TokenGenerated,
+    ToolCallsParsed,
 )
 from engine.serve.bridge import Started
 from engine.serve.errors import ServeError
 from engine.serve.logprobs import TokenStrings, raw_logprob, top_raw
 from engine.serve.params import Plan, param_of
+from engine.serve.tool_stream import Deltas, ToolStream
 from engine.text.detokenize import IncrementalDetokenizer
+from engine.tools.formats import ToolFormat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +50,17 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     text_offset: int = 0  # completions: characters before the next token
+    # A request with tools: the reply split into content and calls as it streams.
+    tools: ToolStream | None = None
+    parsed: ToolCallsParsed | None = None  # the engine's reading of the whole reply
+    ended: str | None = None  # a sample's end, held until its calls are read
+    stop_reason: str | None = None  # why it stopped, when a reason needs words (a grammar's end)
     detokenizer: IncrementalDetokenizer | None = None  # the server makes this choice's text
+
+
+def _tool_deltas(delta: Json, found: Deltas) -> None:
+    delta["text"] += found.content
+    delta.setdefault("tool_calls", []).extend(found.calls)
 
 
 def usage(stats: list[RequestStats]) -> Json:
@@ -97,6 +110,7 @@ class Reply:
         strings: TokenStrings,
         model: str,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        tool_format: ToolFormat | None = None,
     ):
         self.kind = kind  # "chat" or "completion"
         self.plan = plan
@@ -107,6 +121,9 @@ class Reply:
         self.n = plan.sampling.n
         self.index_of = {s.request_id: i for i, s in enumerate(started)}
         self.choices = [Choice() for _ in range(len(started) * self.n)]
+        if plan.tools is not None and tool_format is not None:
+            for choice in self.choices:
+                choice.tools = ToolStream(tool_format, plan.tools.constrained)
         self.stats: dict[int, RequestStats] = {}
         self.started: set[int] = set()
         self.error: ServeError | None = None
@@ -135,8 +152,14 @@ class Reply:
                 continue
             if isinstance(event, TokenGenerated):
                 self._token(request_index * self.n + event.branch, event, changed)
-            elif isinstance(event, SequenceFinished) and event.finish_reason in ("stop", "length"):
-                self._finish(request_index * self.n + event.branch, event.finish_reason, changed)
+            elif isinstance(event, ToolCallsParsed):
+                self.choices[request_index * self.n + event.branch].parsed = event
+            elif isinstance(event, SequenceFinished) and event.finish_reason in ("stop", "length", "grammar"):
+                index = request_index * self.n + event.branch
+                if self.choices[index].tools is not None:
+                    self.choices[index].ended = event.finish_reason  # its calls are read at the request's end
+                else:
+                    self._finish(index, event.finish_reason, changed)
             elif isinstance(event, RequestFinished):
                 self._request_finished(request_index, event, changed)
             elif isinstance(event, RequestStarted):
@@ -154,10 +177,17 @@ class Reply:
     def _token(self, index: int, token: TokenGenerated, changed: dict[int, Json]) -> None:
         choice, delta = self.choices[index], self._delta(changed, index)
         text_delta = token.text_delta
-        if choice.detokenizer is not None:
+        if choice.detokenizer is not None:  # the server makes the text (no tools: see Plan.engine_text)
             text_delta = choice.detokenizer.push(token.token_id)
-        choice.text += text_delta
-        delta["text"] += text_delta
+        if choice.tools is not None:
+            # the format's special tokens (Mistral's [TOOL_CALLS]) are no part of the text delta
+            marker = token.text if not text_delta and token.text in choice.tools.format.markers else ""
+            found = choice.tools.push(text_delta or marker)
+            choice.text += found.content
+            _tool_deltas(delta, found)
+        else:
+            choice.text += text_delta
+            delta["text"] += text_delta
         if self.plan.top_logprobs is None or token.snapshot is None:
             return
         token_text = token.text or self.strings.text_of(token.token_id)
@@ -176,15 +206,24 @@ class Reply:
         choice.logprobs.append(entry)
         delta["logprobs"].append(entry)
 
-    def _finish(self, index: int, reason: str, changed: dict[int, Json]) -> None:
+    def _finish(self, index: int, reason: str, changed: dict[int, Json], note: str = "") -> None:
         choice = self.choices[index]
-        if choice.finish_reason is None:
-            if choice.detokenizer is not None:
-                rest = choice.detokenizer.flush()  # an incomplete character held back
-                choice.text += rest
-                self._delta(changed, index)["text"] += rest
-            choice.finish_reason = reason
-            self._delta(changed, index)["finish_reason"] = reason
+        if choice.finish_reason is not None:
+            return
+        if choice.detokenizer is not None:
+            rest = choice.detokenizer.flush()  # an incomplete character held back
+            choice.text += rest
+            self._delta(changed, index)["text"] += rest
+        if reason == "grammar":  # the grammar permitted no next token: a stop, with its reason
+            reason, choice.stop_reason = "stop", note or "the grammar permits no next token"
+        if choice.tools is not None:
+            found = choice.tools.finish(choice.parsed)
+            choice.text += found.content
+            _tool_deltas(self._delta(changed, index), found)
+            if choice.tools.calls:
+                reason = "tool_calls"
+        choice.finish_reason = reason
+        self._delta(changed, index)["finish_reason"] = reason
 
     def _request_finished(self, request_index: int, event: RequestFinished, changed: dict[int, Json]) -> None:
         if event.finish_reason == "cancelled":
@@ -195,15 +234,22 @@ class Reply:
         if self.plan.sampling.beam_search and event.sequences:
             # Beams stream nothing while they search: the best one is the reply, all at once.
             best = event.sequences[0]
-            self.choices[base].text += best.text
-            self._delta(changed, base)["text"] += best.text
-            self._finish(base, best.finish_reason, changed)
+            choice = self.choices[base]
+            if choice.tools is not None:
+                found = choice.tools.push(best.text)
+                choice.text += found.content
+                _tool_deltas(self._delta(changed, base), found)
+            else:
+                choice.text += best.text
+                self._delta(changed, base)["text"] += best.text
+            self._finish(base, best.finish_reason, changed, event.note)
             return
         if event.sequences:
             for seq in event.sequences:
-                self._finish(base + seq.branch, seq.finish_reason, changed)
+                choice = self.choices[base + seq.branch]
+                self._finish(base + seq.branch, choice.ended or seq.finish_reason, changed, event.note)
         else:
-            self._finish(base, event.finish_reason, changed)
+            self._finish(base, event.finish_reason, changed, event.note)
 
     # ---- chunks and bodies -----------------------------------------------------------------
     def _head(self, obj: str) -> Json:
@@ -238,13 +284,16 @@ class Reply:
         if self.plan.top_logprobs is not None and delta["logprobs"]:
             logprobs = self._logprobs_object(delta["logprobs"])
         if self.kind == "chat":
-            body = {"content": delta["text"]} if delta["text"] or logprobs else {}
+            body: Json = {"content": delta["text"]} if delta["text"] or logprobs else {}
+            if delta.get("tool_calls"):
+                body["tool_calls"] = delta["tool_calls"]
             choice = {
                 "index": index,
                 "delta": body,
                 "logprobs": logprobs,
                 "finish_reason": delta["finish_reason"],
             }
+            self._extras(choice, self.choices[index], delta["finish_reason"] is not None)
             chunk = self._head("chat.completion.chunk")
         else:
             choice = {
@@ -253,11 +302,32 @@ class Reply:
                 "logprobs": logprobs,
                 "finish_reason": delta["finish_reason"],
             }
+            self._extras(choice, self.choices[index], delta["finish_reason"] is not None)
             chunk = self._head("text_completion")
         chunk["choices"] = [choice]
         if self.done and all(c.finish_reason for c in self.choices):
             chunk["timings"] = timings(list(self.stats.values()))
         return self._with_usage_slot(chunk)
+
+    @staticmethod
+    def _extras(out: Json, choice: Choice, ended: bool) -> None:
+        """The reasons that need words: vLLM's `stop_reason`; a call that did not parse."""
+        if not ended:
+            return
+        if choice.stop_reason:
+            out["stop_reason"] = choice.stop_reason
+        if choice.tools is not None and choice.tools.error:
+            out["tool_call_error"] = choice.tools.error
+
+    def _message(self, choice: Choice) -> Json:
+        calls = choice.tools.final_calls() if choice.tools is not None else ()
+        message: Json = {"role": "assistant", "content": choice.text if choice.text or not calls else None}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
+        return message
 
     def _with_usage_slot(self, chunk: Json) -> Json:
         if self.plan.include_usage:
@@ -289,12 +359,14 @@ class Reply:
             body["choices"] = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": self._message(c),
                     "logprobs": None if self.plan.top_logprobs is None else {"content": c.logprobs},
                     "finish_reason": c.finish_reason,
                 }
                 for i, c in enumerate(self.choices)
             ]
+            for out, c in zip(body["choices"], self.choices):
+                self._extras(out, c, True)
         else:
             body = self._head("text_completion")
             body["choices"] = [
@@ -306,6 +378,8 @@ class Reply:
                 }
                 for i, c in enumerate(self.choices)
             ]
+            for out, c in zip(body["choices"], self.choices):
+                self._extras(out, c, True)
         stats = list(self.stats.values())
         body["usage"] = usage(stats)
         body["timings"] = timings(stats)

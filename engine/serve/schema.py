@@ -260,10 +260,6 @@ def _constrain(components: dict[str, Schema], model: str, bounds: Bounds) -> Non
     completion.update(shared)
     chat["max_completion_tokens"] = _nullable(tokens)
     chat["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
-    chat["tools"] = _nullable({"type": "array", "maxItems": 0})  # no function calling
-    chat["response_format"] = _nullable(
-        {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}}
-    )
     completion["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
     completion["suffix"] = _nullable({"type": "string", "maxLength": 0})
     completion["prompt"] = {
@@ -276,7 +272,7 @@ def _constrain(components: dict[str, Schema], model: str, bounds: Bounds) -> Non
     }
     components["MessageIn"]["properties"]["role"] = {
         "type": "string",
-        "enum": ["system", "user", "assistant", "developer"],
+        "enum": ["system", "user", "assistant", "developer", "tool"],
     }
     components["TextPart"]["properties"]["type"] = {"type": "string", "enum": ["text"]}
     components["TextPart"]["properties"]["text"] = {"type": "string"}

@@ -34,6 +34,7 @@ def test_the_protocol_names_every_question_the_app_asks():
     questions = {
         "count_prompt",
         "limits",
+        "prompt_spans",
         "fit_context",
         "decode",
         "tokens_of",
@@ -78,6 +79,7 @@ def test_a_remote_engine_says_which_questions_need_the_engine_here():
     for future in (
         remote.count_prompt(request),
         remote.limits(),
+        remote.prompt_spans(request),
         remote.decode([1, 2]),
         remote.tokens_of(["hi"]),
         remote.device(),

@@ -9,7 +9,7 @@ import pytest
 
 from app.remote.openai_stream import UNKNOWN_TOKEN_ID, ReplyAdapter
 from app.remote.prom import family_of, parse, point_between
-from app.remote.target import RemoteTarget, TargetError
+from app.remote.target import RemoteSource, RemoteTarget, TargetError
 from engine.events import RequestFinished, TokenGenerated
 from live.remote import REMOTE_TOP_K, is_remote_snapshot
 
@@ -284,3 +284,83 @@ def test_a_model_named_by_its_path_is_shown_by_its_file_name():
     assert name == "SmolLM2-135M-Instruct.Q4_1 @ h:8080 (llama.cpp)"
     repo = RemoteSource(target, "HuggingFaceTB/SmolLM2-135M-Instruct", "vllm", False, True).display_name
     assert repo == "HuggingFaceTB/SmolLM2-135M-Instruct @ h:8080 (vLLM)"
+
+
+def test_a_remote_request_carries_the_chats_structured_output_and_tools():
+    import json
+
+    from app.remote.http import request_body
+    from engine.config import GrammarSpec, SamplingParams
+    from engine.events import ToolCall
+    from engine.request import ChatMessage, Request, ToolSpec
+
+    source = RemoteSource(RemoteTarget.parse("127.0.0.1:8000"), "smollm2", "vllm", False, True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    add = ToolSpec("add", "Add", json.dumps(schema))
+    call = ToolCall("add", '{"a": 1}', "call_1")
+    request = Request(
+        messages=(
+            ChatMessage("user", "hi"),
+            ChatMessage("assistant", "", tool_calls=(call,)),
+            ChatMessage("tool", "2", tool_call_id="call_1"),
+        ),
+        tools=(add,),
+        tool_choice="named",
+        tool_name="add",
+        sampling=SamplingParams(grammar=GrammarSpec("json_schema", json.dumps(schema))),
+    )
+    body = request_body(source, request, None, False)
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "reply", "schema": schema},
+    }
+    assert body["tools"][0]["function"]["parameters"] == schema
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert body["messages"][1]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert body["messages"][1]["content"] is None
+    assert body["messages"][2] == {"role": "tool", "content": "2", "tool_call_id": "call_1"}
+    regex = Request.chat("x", sampling=SamplingParams(grammar=GrammarSpec("regex", "[0-9]+")))
+    assert request_body(source, regex, None, False)["guided_regex"] == "[0-9]+"
+
+
+def test_streamed_tool_call_deltas_become_the_calls_of_the_reply():
+    adapter = ReplyAdapter(7, 0.0, snapshots=False)
+    chunks = [
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_x",
+                                "type": "function",
+                                "function": {"name": "add", "arguments": ""},
+                            }
+                        ]
+                    },
+                }
+            ]
+        },
+        {
+            "choices": [
+                {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}}
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                    "finish_reason": "tool_calls",
+                }
+            ]
+        },
+    ]
+    for i, chunk in enumerate(chunks):
+        adapter.feed(chunk, float(i))
+    (parsed,) = adapter.tool_calls(3.0)
+    assert parsed.request_id == 7 and parsed.format == "server" and not parsed.error
+    assert [(c.id, c.name, c.arguments) for c in parsed.calls] == [("call_x", "add", '{"a": 1}')]
+    assert adapter.finished(3.0).finish_reason == "stop"

@@ -132,3 +132,32 @@ def test_xtc_is_shown_as_if_its_coin_came_up_and_says_so(tiny_loaded):
     assert got.stages[-1].kept_count < got.stages[-2].kept_count  # it cut
     assert what_if_notes(sometimes) == ("XTC shown as if its coin came up (it does with probability 0.3)",)
     assert what_if_notes(always) == () and what_if_notes(RECORDED) == ()
+
+
+def test_a_token_made_under_a_grammar_keeps_its_mask_in_the_what_if(tiny_loaded):
+    """The controls' settings carry no grammar: the reply's own stays the first stage, its
+    matcher replayed over the reply's tokens before the token."""
+    from engine.config import GrammarSpec
+
+    grammar = GrammarSpec("regex", "(yes|no|maybe)[0-9]{2,6}")
+    recorded = replace(RECORDED, grammar=grammar, repetition_penalty=1.0)
+    request = Request(messages=MESSAGES, sampling=recorded)
+    engine, tokens = generate(tiny_loaded, CONFIGS[0], request)
+    what_if = WhatIf()
+    for token in tokens:
+        outputs = [t.token_id for t in tokens[: token.index]]
+        own = what_if.recompute(engine, request, outputs, token.snapshot, replace(recorded, grammar=None))
+        assert own.candidate_ids == token.snapshot.candidate_ids
+        mine, theirs = own.grammar, token.snapshot.grammar
+        assert (mine.allowed, mine.forced, mine.forced_ids, mine.cut_ids) == (
+            theirs.allowed,
+            theirs.forced,
+            theirs.forced_ids,
+            theirs.cut_ids,
+        )
+        assert mine.removed_mass == pytest.approx(theirs.removed_mass, abs=1e-5)
+        assert_same_stages(own, token.snapshot, own.candidate_ids)
+        hotter = what_if.recompute(
+            engine, request, outputs, token.snapshot, replace(recorded, temperature=2.0, grammar=None)
+        )
+        assert hotter.stages[1].name == "grammar" and hotter.stages[1].kept_count == own.stages[1].kept_count

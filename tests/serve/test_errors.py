@@ -44,9 +44,9 @@ def assert_openai_shape(body: dict, param=None, code=None) -> dict:
         ({"stop": [""]}, "stop"),
         ({"logit_bias": {"42": 500}}, "logit_bias"),  # OpenAI's range is [-100, 100]
         ({"logit_bias": {"forty-two": 5}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
         ({"temperature": "hot"}, "temperature"),
         ({"kvscope": {"snapshot_top_n": 1000}}, "kvscope.snapshot_top_n"),

@@ -175,3 +175,76 @@ def test_renders_readably_at_400_by_300(panel, state):
     image = panel.grab().toImage()
     assert (image.width(), image.height()) == (400, 300)
     assert panel.bars.visible_row_count() == len(TEXTS)  # every candidate fits at this size
+
+
+def grammar_snap():
+    """A token under a grammar: raw, the mask (2 of 6 allowed), then temperature."""
+    from engine.events import GrammarSnapshot, StageSnapshot, TokenSnapshot
+
+    raw = np.exp(LOGITS) / np.exp(LOGITS).sum()
+    allowed = np.array([False, True, False, True, False, False])
+    masked = np.where(allowed, raw, 0.0) / raw[allowed].sum()
+    stages = (
+        StageSnapshot("raw", tuple(raw), (False,) * 6, 6, 1.0),
+        StageSnapshot("grammar", tuple(masked), tuple(~allowed), 2, float(raw[allowed].sum())),
+        StageSnapshot("temperature", tuple(masked), (False,) * 6, 2, 1.0),
+    )
+    grammar = GrammarSnapshot(
+        allowed=2,
+        vocab_size=6,
+        removed_mass=float(1 - raw[allowed].sum()),
+        forced=False,
+        accepting=True,
+        forced_ids=(),
+        cut_ids=(0, 2),
+        cut_texts=(" the", "\n"),
+        cut_probs=(float(raw[0]), float(raw[2])),
+    )
+    return TokenSnapshot(
+        candidate_ids=tuple(range(6)),
+        candidate_texts=tuple(TEXTS),
+        stages=stages,
+        drawn_id=1,
+        drawn_prob=float(masked[1]),
+        entropy=0.5,
+        raw_entropy=1.5,
+        grammar=grammar,
+    )
+
+
+def test_the_grammar_mask_is_a_stage_like_the_others(panel, state):
+    snap = grammar_snap()
+    panel.refresh(state.apply([token(1, 0, 0.1, " a", snap)]))
+    assert [b.text() for b in panel.stage_buttons.buttons()] == ["raw", "grammar", "temperature"]
+    panel.select_stage("grammar")
+    assert bars(panel)[0] == list(snap.stages[1].probs)
+    assert [row.removed_by for row in panel.rows] == ["grammar", None, "grammar", None, "grammar", "grammar"]
+    removed = snap.grammar.removed_mass
+    assert (
+        panel.summary.text()
+        == f"grammar: 2 of 6 tokens allowed, {removed * 100:.0f}% of the raw mass removed"
+    )
+    note = panel.grammar_note.text()
+    assert not panel.grammar_note.isHidden()
+    # with the grammar stage shown its counts are the summary; the line says what else it did
+    assert note.startswith("grammar: the text is complete here") and "cut: ‹␣the› 49.5%, ‹⏎› 16.5%" in note
+    panel.select_stage(None)  # the final stage: the line carries the grammar's counts too
+    assert panel.grammar_note.text().startswith("grammar: 2 of 6 tokens allowed")
+    # a token without a grammar hides the line
+    panel.refresh(state.apply([token(1, 1, 0.2, " a", make_snap())]))
+    assert panel.grammar_note.isHidden()
+
+
+def test_a_share_never_rounds_to_all_or_nothing_when_it_is_neither():
+    from widgets.probability_rows import share_text
+
+    assert [share_text(s) for s in (0.0, 0.00001, 0.003, 0.05, 0.41, 0.9998, 0.99999, 1.0)] == [
+        "0.00%",
+        "< 0.01%",
+        "0.30%",
+        "5.0%",
+        "41%",
+        "99.98%",
+        "> 99.99%",
+        "100.00%",
+    ]

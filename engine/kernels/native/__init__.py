@@ -145,7 +145,15 @@ class Kvk:
         ):
             raise ValueError("rope_ takes float32 qk [R, heads, d] and cos/sin [R, width <= d]")
         status = self.lib.kvk_rope(
-            qk.data_ptr(), qk.stride(0), qk.stride(1), rows, heads, width, cos.data_ptr(), sin.data_ptr(), width
+            qk.data_ptr(),
+            qk.stride(0),
+            qk.stride(1),
+            rows,
+            heads,
+            width,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            width,
         )
         if status != 0:
             raise RuntimeError("kvk_rope refused its shapes")

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammar specs compiled with llguidance, one matcher per sequence."""
