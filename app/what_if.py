@@ -1,10 +1,11 @@
 """Answers the probability panel's what-ifs: a token's stages under other settings, recomputed
 exactly on the engine thread (EngineClient.what_if) from the request the host remembers and the
-reply's tokens before it (its TokenGenerated events).
+reply's tokens before it (its TokenGenerated events); the banner says on which logits (the step's
+own, kept for the token, or recomputed through the engine's paged forward).
 
 One recomputation runs at a time; while it runs, only the latest question waits (a slider
-dragged through ten values costs two forwards at most, and the engine keeps the last token's
-logits, so the second re-runs only the stages).
+dragged through ten values costs two recomputations at most, and the engine keeps the tokens'
+logits, so each re-runs only the stages).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class WhatIfController(QObject):
             lambda engine: engine.what_if(request, output_ids, recorded, params), name="what-if"
         )
         notes = what_if_notes(params)
-        self.call.returned.connect(lambda snapshot: self.panel.show_what_if(*question, snapshot, "", notes))
+        self.call.returned.connect(
+            lambda answer: self.panel.show_what_if(*question, answer.snapshot, "", notes, answer.how)
+        )
         self.call.errored.connect(lambda message: self.panel.show_what_if(*question, None, message))
         self.call.finished.connect(self._next)

@@ -31,6 +31,7 @@ from app.chat.view import ChatPane
 from app.chat.window_actions import ChatWindowActions, mark_interrupted
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
+from app.inside.docks import InsideViews
 from app.panels import Panels, PlotPass, build_panels
 from app.physics.views import PhysicsViews
 from app.quality.controller import QualityController
@@ -209,6 +210,16 @@ class MainWindow(QMainWindow):
         screen = self.screen().availableGeometry()
         self.resize(*first_run_size((screen.width(), screen.height())))
         self._build_docks()
+        # the model's inside for the pinned token: the logit lens under the probabilities, the
+        # attention, experts, scoring and steering tabbed beside them
+        self.inside = InsideViews(
+            self,
+            self.host,
+            lambda: [c.pinning.pinned for c in self.chat_tabs.controllers],
+            self.panels.page_map,
+            self._dock,
+            self.docks["probabilities"],
+        )
         self._build_toolbar()
         self._build_menus()
         self.remote_views = RemoteViews(
@@ -561,6 +572,7 @@ class MainWindow(QMainWindow):
     @Slot(object, object)
     def _on_token_inspected(self, request_id, index) -> None:
         self.panels.probabilities.show_token(request_id, index)
+        self.inside.on_token_inspected(request_id, index)
 
     @Slot(object)
     def _on_what_if_changed(self, params) -> None:

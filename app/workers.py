@@ -46,12 +46,13 @@ class UserFacingError(Exception):
 
 def describe_error(exc: BaseException) -> str:
     """A one-line reason for the user: the message of errors written for people (the engine's
-    ConfigError, ModelLoadError and MeasurementError, the app's UserFacingError), else the
-    exception's type and text."""
-    from engine.api import MeasurementError, ModelLoadError
+    ConfigError, ModelLoadError, MeasurementError and InspectionError, the app's
+    UserFacingError), else the exception's type and text."""
+    from engine.api import InspectionError, MeasurementError, ModelLoadError
     from engine.config import ConfigError
 
-    if isinstance(exc, (ConfigError, ModelLoadError, MeasurementError, UserFacingError)) and str(exc):
+    written = (ConfigError, ModelLoadError, MeasurementError, InspectionError, UserFacingError)
+    if isinstance(exc, written) and str(exc):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

@@ -37,12 +37,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from engine.config import EngineConfig, GrammarSpec, ModelSpec, SamplingParams, SpeculativeConfig
-from engine.errors import MeasurementError, ModelLoadError
+from engine.errors import InspectionError, MeasurementError, ModelLoadError
 from engine.events import Event, RequestEnd, TokenSnapshot
 from engine.hub.cache import CachedModel, delete_cached, find_local_models, list_cached
 from engine.hub.download import DownloadProgress, DownloadResult, download_files
 from engine.hub.online import HubError, offline_by_default
 from engine.hub.search import ModelHit, search_models
+from engine.inside import ControlVector, ExpertRoutes, Steered, TextScore, TokenInside, WhatIfAnswer
 from engine.limits import POLICIES, ContextFit, Limits, Refusal, fit, reply_room
 from engine.model.local_models import LocalModel, gpt4all_models, lmstudio_models, ollama_models
 from engine.model.runtime_memory import estimate_process, give_back_freed_memory
@@ -81,6 +82,7 @@ __all__ = [
     "DownloadResult",
     "EngineClient",
     "HubError",
+    "InspectionError",
     "Limits",
     "LoadedModel",
     "LocalModel",
@@ -223,8 +225,51 @@ class EngineClient(Protocol):
 
     def what_if(
         self, request: Request, output_ids: Sequence[int], recorded: TokenSnapshot, params: SamplingParams
-    ) -> Future[TokenSnapshot]:
-        """A generated token's stages recomputed exactly under other settings."""
+    ) -> Future[WhatIfAnswer]:
+        """A generated token's stages recomputed exactly under other settings, on the step's own
+        logits when they are still kept, else on logits recomputed through the paged forward (the
+        answer says which)."""
+        ...
+
+    # ---- the model's inside, on demand for one token or one text (engine.inside's answers) ------
+    def inspect_token(
+        self, request: Request, output_ids: Sequence[int], token_id: int, top_k: int = 5
+    ) -> Future[TokenInside]:
+        """The logit lens and every head's attention of the step that drew `token_id` after the
+        request's prompt and the reply's `output_ids`, recomputed through the paged forward over
+        the blocks it read."""
+        ...
+
+    def expert_routes(self, request: Request, output_ids: Sequence[int]) -> Future[ExpertRoutes]:
+        """Which experts each token of the prompt and the reply was routed to, per MoE layer, and
+        the load per expert over the reply (InspectionError for a dense model)."""
+        ...
+
+    def score_text(self, text: str, top_k: int = 5) -> Future[TextScore]:
+        """Every token of `text` under the model: its log-probability, rank and the likeliest
+        tokens there, and the perplexity (InspectionError past the context)."""
+        ...
+
+    def read_control_vector(self, path: str) -> Future[ControlVector]:
+        """A control vector file in llama.cpp's GGUF format, checked against the loaded model."""
+        ...
+
+    def contrast_vector(self, positive: str, negative: str) -> Future[ControlVector]:
+        """A control vector computed from two contrasting prompts (per layer, the difference of
+        their last tokens' residual streams)."""
+        ...
+
+    def steer(
+        self,
+        request: Request,
+        output_ids: Sequence[int],
+        vector: ControlVector,
+        layer: int | None,
+        strength: float,
+        top_n: int = 10,
+    ) -> Future[Steered]:
+        """The next token's distribution after the request's prompt and `output_ids`, without and
+        with `vector` (times `strength`) added after `layer` (None: every layer it has)."""
         ...
 
     def measure_speedup(

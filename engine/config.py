@@ -278,6 +278,11 @@ class ModelSpec:
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
 
+# The most draft tokens a round may have: its 1 + MAX_NUM_DRAFT rows all attend row by row
+# (engine/model/row_attention.ROW_LIMIT), as the decodes they stand for.
+MAX_NUM_DRAFT = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens and how many per round."""
@@ -286,11 +291,14 @@ class SpeculativeConfig:
     num_draft: int = 4  # draft tokens per round (the most, when adaptive)
     draft_model: str | None = None  # for "draft": a model source sharing the target's tokenizer
     self_draft_layers: int | None = None  # for "self": layers kept (default: a quarter of them)
-    adaptive: bool = False  # shrink/grow the round to what was recently accepted
+    adaptive: bool = True  # each sequence's draft length from its recent acceptance and the measured costs
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS, f"speculative method must be one of {SPECULATIVE_METHODS}")
-        _check(1 <= self.num_draft <= 16, f"num_draft must be in [1, 16], got {self.num_draft}")
+        _check(
+            1 <= self.num_draft <= MAX_NUM_DRAFT,
+            f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {self.num_draft}",
+        )
         _check(self.method != "draft" or bool(self.draft_model), "speculative 'draft' needs a draft model")
 
 

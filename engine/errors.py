@@ -38,3 +38,9 @@ def describe_load_error(exc: BaseException) -> str:
 def _out_of_memory(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")
     return isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError))
+
+
+class InspectionError(Exception):
+    """A view of the model's inside (logit lens, attention, experts, scoring, steering) cannot be
+    computed for what was asked (a token outside the context, a family without experts, a vector
+    of the wrong shape, a text too long): str() says why in one line, for the user."""

@@ -167,6 +167,8 @@ class RequestStats:
     spec_accepted: int = 0
     spec_accepted_by_position: tuple[int, ...] = ()  # rounds whose i-th draft was kept
     spec_drafted_by_position: tuple[int, ...] = ()  # rounds that had an i-th draft
+    # Measured saving of its speculative rounds against plain decoding, seconds (negative: a loss)
+    spec_saved_s: float = 0.0
     # vLLM's request phases: arrival -> first scheduled (queued), first scheduled -> first token
     # (prefill: the prompt's processing, chunks and any wait between them). ttft_s is their sum.
     queued_s: float = 0.0
@@ -339,6 +341,26 @@ class SpecRound:
     emitted: tuple[int, ...]
     bonus: bool
     t: float = 0.0
+    # What the round cost and bought, measured by the engine (engine/speculative/adaptive.py):
+    # the draft length it was given (its drafts may be fewer: a lookup without a match, a draft
+    # below its confidence), its share of the drafting time, and the time it saved against
+    # plain decoding (the tokens beyond the first at a plain token's time, less the step's time
+    # beyond a plain step of its other rows, less the drafting; negative: a loss).
+    draft_length: int = 0
+    draft_s: float = 0.0
+    saved_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLength:
+    """A request's draft length changed (adaptive speculative decoding): the drafts it will be
+    given per round from now on (0: it decodes plainly, probing or scoring shadow drafts now and
+    then), chosen on its recent acceptance and the engine's measured step costs."""
+
+    request_id: int
+    draft_length: int
+    acceptance: float  # the recent acceptance it was chosen on (decayed over the last rounds)
+    t: float = 0.0
 
 
 BLOCK_OPS = ("allocate", "append", "rollback", "share", "free", "cache", "evict", "cow")
@@ -502,6 +524,7 @@ Event = (
     | BeamStep
     | BlockEvent
     | SpecRound
+    | DraftLength
     | StepStats
     | MemorySample
     | EngineError

@@ -25,6 +25,7 @@ from typing import Any
 from engine.events import (
     BeamStep,
     BlockEvent,
+    DraftLength,
     EngineError,
     Event,
     KVStats,
@@ -41,6 +42,7 @@ from engine.events import (
     StepStats,
     TokenGenerated,
 )
+from engine.inside import is_replay_seq
 from live.groups import GroupView
 from live.latency import LatencySeries
 from live.page_map import PageMap
@@ -128,6 +130,8 @@ class LiveState:
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         # Speculative rounds by (request id, round number): what a selected token's round was.
         self.spec_rounds: dict[tuple[int, int], SpecRound] = {}
+        # Each request's current draft length (adaptive speculation; 0: decoding plainly).
+        self.draft_lengths: dict[int, int] = {}
         # n-sample and beam-search requests by request id, and the request of every forked
         # sequence (a plain request's only sequence has its request's id).
         self.groups: dict[int, GroupView] = {}
@@ -146,6 +150,7 @@ class LiveState:
             SequenceFinished: self._on_sequence_finished,
             BeamStep: self._on_beam_step,
             SpecRound: self._on_spec_round,
+            DraftLength: self._on_draft_length,
             StepStats: self._on_step,
             MemorySample: self._on_memory,
             EngineError: self._on_engine_error,
@@ -180,7 +185,10 @@ class LiveState:
         return self.seq_request.get(seq_id, seq_id)
 
     def seq_label(self, seq_id: int) -> str:
-        """How the page map names a sequence: "#3", or "#3 sample 2" / "#3 beam 1" in a group."""
+        """How the page map names a sequence: "#3", or "#3 sample 2" / "#3 beam 1" in a group,
+        or a token inspection's replay of a context (engine/core/replay.py)."""
+        if is_replay_seq(seq_id):
+            return "an inspection of a token (its context replayed)"
         request_id = self.request_of_seq(seq_id)
         group = self.groups.get(request_id)
         if group is None or not group.is_group:
@@ -246,6 +254,7 @@ class LiveState:
     def _forget_rounds(self, request_id: int) -> None:
         for key in [k for k in self.spec_rounds if k[0] == request_id]:
             del self.spec_rounds[key]
+        self.draft_lengths.pop(request_id, None)
 
     def _on_started(self, event: RequestStarted) -> set[str]:
         # A restarted engine numbers its requests from 1 again: a start always opens a new view.
@@ -297,6 +306,10 @@ class LiveState:
 
     def _on_spec_round(self, event: SpecRound) -> set[str]:
         self.spec_rounds[(event.request_id, event.round)] = event
+        return {"speculation"}
+
+    def _on_draft_length(self, event: DraftLength) -> set[str]:
+        self.draft_lengths[event.request_id] = event.draft_length
         return {"speculation"}
 
     def _on_forked(self, event: SequenceForked) -> set[str]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 from PySide6.QtCore import QEvent, QRect, Qt
-from PySide6.QtGui import QColor, QFont, QImage, QPainter
+from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
 from engine.events import BLOCK_OPS
@@ -126,6 +126,8 @@ class KVPageCanvas(QWidget):
         # How a sequence id is named in tooltips (the panel passes the store's group-aware names).
         self.seq_label: Callable[[int], str] = lambda seq_id: f"#{seq_id}"
         self.glow_until = -math.inf  # perf_counter time after which no block is brightened
+        # Blocks outlined on the map: the KV blocks an inspected token's step read (the attention view).
+        self.highlighted: tuple[int, ...] = ()
         self._image: QImage | None = None
         self._grid = (0, 0, 0)
         self._origin = (0, 0)
@@ -173,7 +175,27 @@ class KVPageCanvas(QWidget):
         ox, oy = self._origin
         painter.drawImage(ox, oy, self._image)
         self._paint_share_counts(painter)
+        self._paint_highlight(painter)
         painter.end()
+
+    def set_highlight(self, blocks: tuple[int, ...]) -> None:
+        self.highlighted = blocks
+        self.update()
+
+    def _paint_highlight(self, painter: QPainter) -> None:
+        cols, _, cell = self._grid
+        if not self.highlighted or not cell:
+            return
+        ox, oy = self._origin
+        pen = QPen(QColor(theme.MARK))
+        pen.setWidth(2 if cell >= 6 else 1)
+        painter.setPen(pen)
+        painter.setBrush(Qt.BrushStyle.NoBrush)
+        for block in self.highlighted:
+            if not 0 <= block < self.blocks_shown:
+                continue
+            row, col = divmod(block, cols)
+            painter.drawRect(QRect(ox + col * cell, oy + row * cell, cell - 1, cell - 1))
 
     def _paint_share_counts(self, painter: QPainter) -> None:
         cols, _, cell = self._grid

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from engine.units import format_bytes
 from live.groups import saving_line
@@ -96,6 +96,11 @@ class KVPageMapPanel(QWidget):
         self.group_line = LiveLabel()
         self.group_line.setWordWrap(True)
         self.group_line.hide()
+        # What the outlined blocks are (the blocks an inspected token's step read), when any are.
+        self.highlight_note = QLabel()
+        self.highlight_note.setWordWrap(True)
+        self.highlight_note.setStyleSheet(f"color: {theme.MARK};")
+        self.highlight_note.hide()
         self.legend = LiveLabel()
         self.legend.setTextFormat(Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)
@@ -106,8 +111,15 @@ class KVPageMapPanel(QWidget):
         layout.addWidget(self.counters)
         layout.addWidget(self.group_line)
         layout.addWidget(self.canvas, 1)
+        layout.addWidget(self.highlight_note)
         layout.addWidget(self.legend)
         self._redraw()
+
+    def set_highlight(self, blocks: tuple[int, ...], note: str = "") -> None:
+        """Outline `blocks` on the map, saying what they are (empty: no outline)."""
+        self.canvas.set_highlight(blocks)
+        self.highlight_note.setText(note)
+        self.highlight_note.setVisible(bool(blocks and note))
 
     def refresh(self, dirty: set[str]) -> None:
         # Also redraw while a just-written block is still fading back to its plain colour.

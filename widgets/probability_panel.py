@@ -4,8 +4,9 @@ Follows the latest generated token unless `show_token` pins one. A row of stage 
 which stage the bars show (the final one by default); the raw distribution stays visible as
 ghost outlines. With `set_what_if(params)` the panel asks (`what_if_requested`) for the token's
 stages under those settings, which the shell recomputes exactly on the engine thread
-(engine.core.what_if: one forward over the token's context, then the sampler's own stages
-over the full logits) and hands back with `show_what_if`; a banner says so. With
+(engine.core.what_if: the sampler's own stages over the full logits the token was drawn from,
+kept or recomputed through the engine's paged forward) and hands back with `show_what_if`; a
+banner says which. With
 `set_reference_source`, the full-precision reference of a quality run is drawn as a tick on
 each row where it exists.
 """
@@ -43,7 +44,7 @@ from widgets.probability_rows import (
 )
 from widgets.reference import ReferenceDistribution
 from widgets.token_text import visible
-from widgets.what_if_state import WhatIfState
+from widgets.what_if_state import WHAT_IF_HOW, WhatIfState
 
 CONTINUE_HINT = "Click a candidate, then continue the reply from it as a new branch"
 
@@ -156,10 +157,12 @@ class ProbabilityPanel(QWidget):
         snapshot: TokenSnapshot | None,
         error: str = "",
         notes: tuple[str, ...] = (),
+        how: str = WHAT_IF_HOW,
     ) -> None:
         """The shell's answer to `what_if_requested`: the token's snapshot under `params` (and
-        how it differs from one real draw, if it does), or why it could not be recomputed."""
-        if self.what_if.answered((request_id, index, params), snapshot, error, notes):
+        how it differs from one real draw, if it does; `how`: on which logits it ran), or why it
+        could not be recomputed."""
+        if self.what_if.answered((request_id, index, params), snapshot, error, notes, how):
             self._update()
 
     def set_reference_source(self, source: Callable[[int, int], ReferenceDistribution | None] | None) -> None:

@@ -48,6 +48,11 @@ class Acceptance:
     accepted_by_position: tuple[int, ...]
     drafted_by_position: tuple[int, ...]
     final: bool  # from RequestStats (True) or folded from the rounds so far
+    # The draft length the engine gives the request now (adaptive: 0 when drafts stopped
+    # paying; None before any round or change), and the time its rounds saved against plain
+    # decoding as the engine measured it (negative: lost).
+    draft_length: int | None = None
+    saved_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,6 +66,10 @@ class Acceptance:
     def forwards_per_token(self) -> float:
         return self.target_forwards / self.generated if self.generated else 0.0
 
+    @property
+    def saved_ms_per_token(self) -> float:
+        return 1e3 * self.saved_s / self.generated if self.generated else 0.0
+
     def rate_by_position(self) -> np.ndarray:
         drafted = np.asarray(self.drafted_by_position, float)
         accepted = np.asarray(self.accepted_by_position, float)
@@ -72,6 +81,11 @@ def acceptance_of(state: LiveState, request_id: int) -> Acceptance | None:
     view = state.requests.get(request_id)
     if view is None:
         return None
+    rounds = [r for (rid, _), r in state.spec_rounds.items() if rid == request_id]
+    # the latest change the engine announced, else the length the latest round was given
+    draft_length = state.draft_lengths.get(request_id)
+    if draft_length is None and rounds:
+        draft_length = max(rounds, key=lambda r: r.round).draft_length
     if view.finished is not None:
         s = view.finished.stats
         if not s.spec_rounds:
@@ -86,8 +100,9 @@ def acceptance_of(state: LiveState, request_id: int) -> Acceptance | None:
             s.spec_accepted_by_position,
             s.spec_drafted_by_position,
             True,
+            draft_length,
+            s.spec_saved_s,
         )
-    rounds = [r for (rid, _), r in state.spec_rounds.items() if rid == request_id]
     if not rounds:
         return None
     width = max(len(r.draft_ids) for r in rounds)
@@ -105,7 +120,22 @@ def acceptance_of(state: LiveState, request_id: int) -> Acceptance | None:
         tuple(accepted),
         tuple(drafted),
         False,
+        draft_length,
+        sum(r.saved_s for r in rounds),
     )
+
+
+def saving_text(a: Acceptance) -> str:
+    """The draft length now and what speculation saved or lost per token, as measured."""
+    if a.draft_length is None:
+        length = ""
+    elif a.draft_length == 0:
+        length = "draft length now <b>0</b> (drafts stopped paying: plain decoding until they would again) · "
+    else:
+        length = f"draft length now <b>{a.draft_length}</b> · "
+    ms = a.saved_ms_per_token
+    verdict = f"saved <b>{ms:.2f} ms</b>" if ms >= 0 else f"lost <b>{-ms:.2f} ms</b>"
+    return f"{length}{verdict} per token against plain decoding (measured by the engine)"
 
 
 def latest_speculative_request(state: LiveState) -> int | None:
@@ -267,6 +297,7 @@ class SpeculationPanel(QWidget):
             f"Request {a.request_id} ({where}): acceptance <b>{a.acceptance_rate:.0%}</b> "
             f"({a.accepted} of {a.drafted} drafts) · mean accepted length <b>{a.mean_accepted_length:.2f}</b> "
             f"per round ({a.rounds} rounds) · target forwards per token <b>{a.forwards_per_token:.2f}</b>"
+            f"<br>{saving_text(a)}"
         )
         rates = a.rate_by_position()
         positions = np.arange(1, len(rates) + 1)

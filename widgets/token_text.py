@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 # Glyphs for the characters a tokenizer produces most often where a plain label shows nothing.
 _VISIBLE = {
     " ": "␣",
@@ -31,3 +33,8 @@ def visible(text: str, limit: int = 24) -> str:
             out.append(ch)
     shown = "".join(out)
     return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+def escape_html(text: str) -> str:
+    """`text` safe inside Qt rich text (quotes left as they are: no attribute holds it)."""
+    return html.escape(text, quote=False)

@@ -1,7 +1,9 @@
 """The probability panel's what-if as a question and its answer (no Qt here): which token under
 which settings was asked of the shell, what the shell answered, and what the bars and the banner
 show meanwhile. The shell recomputes exactly (engine.core.what_if, through the engine
-thread); ids restart with each engine, so an answer belongs to the token object it was asked for.
+thread) and says on which logits (the step's own, kept for the token, or recomputed through the
+engine's paged forward); ids restart with each engine, so an answer belongs to the token object it
+was asked for.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ from engine.config import SamplingParams
 from engine.events import TokenGenerated, TokenSnapshot
 
 WHAT_IF_LABEL = "what-if (settings changed since this token)"
-WHAT_IF_HOW = (
-    "recomputed on the engine: this token's full logits from one forward over its context, "
-    "then the sampler's own stages under these settings"
-)
+# What a what-if is when the shell does not say on which logits it ran.
+WHAT_IF_HOW = "recomputed on the engine: the sampler's own stages under these settings"
 WHAT_IF_WAITING = "recomputing this token on the engine…"
 WHAT_IF_STREAMING = (
     "select a token, or let the reply finish, to recompute it (each recomputation is a forward "
@@ -57,6 +57,7 @@ class _Answer:
     snapshot: TokenSnapshot | None
     error: str
     notes: tuple[str, ...]
+    how: str
 
 
 class WhatIfState:
@@ -66,13 +67,19 @@ class WhatIfState:
         self._answer: _Answer | None = None
 
     def answered(
-        self, key: WhatIfKey, snapshot: TokenSnapshot | None, error: str, notes: tuple[str, ...]
+        self,
+        key: WhatIfKey,
+        snapshot: TokenSnapshot | None,
+        error: str,
+        notes: tuple[str, ...],
+        how: str = WHAT_IF_HOW,
     ) -> bool:
-        """Take the shell's answer; False when it answers a question no longer asked."""
+        """Take the shell's answer (`how`: on which logits it ran); False when it answers a
+        question no longer asked."""
         asked = self._asked
         if asked is None or asked[0] != key:
             return False
-        self._answer = _Answer(asked[1], key[2], snapshot, error, notes)
+        self._answer = _Answer(asked[1], key[2], snapshot, error, notes, how)
         return True
 
     def view(self, token: TokenGenerated, recorded: TokenSnapshot, streaming: bool) -> WhatIfView:
@@ -89,7 +96,7 @@ class WhatIfState:
             if answer.snapshot is None:
                 return WhatIfView(label, None, answer.error)
             notes = "".join(f"\n· {note}" for note in answer.notes)
-            return WhatIfView(f"{label}: {WHAT_IF_HOW}{notes}", answer.snapshot)
+            return WhatIfView(f"{label}: {answer.how}{notes}", answer.snapshot)
         key = (token.request_id, token.index, params)
         asked = self._asked
         new = asked is None or asked[0] != key or asked[1] is not token

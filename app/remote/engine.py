@@ -62,6 +62,7 @@ from engine.events import (
     RequestStats,
     TokenSnapshot,
 )
+from engine.inside import ControlVector, ExpertRoutes, Steered, TextScore, TokenInside, WhatIfAnswer
 from engine.request import ChatMessage, Request, ToolSpec
 
 if TYPE_CHECKING:
@@ -210,8 +211,36 @@ class RemoteEngine:
 
     def what_if(
         self, request: Request, output_ids: Sequence[int], recorded: TokenSnapshot, params: SamplingParams
-    ) -> Future[TokenSnapshot]:
+    ) -> Future[WhatIfAnswer]:
         return self._unavailable("a what-if")
+
+    def inspect_token(
+        self, request: Request, output_ids: Sequence[int], token_id: int, top_k: int = 5
+    ) -> Future[TokenInside]:
+        return self._unavailable("the logit lens and attention of a token")
+
+    def expert_routes(self, request: Request, output_ids: Sequence[int]) -> Future[ExpertRoutes]:
+        return self._unavailable("expert routes")
+
+    def score_text(self, text: str, top_k: int = 5) -> Future[TextScore]:
+        return self._unavailable("scoring a text")
+
+    def read_control_vector(self, path: str) -> Future[ControlVector]:
+        return self._unavailable("steering with a control vector")
+
+    def contrast_vector(self, positive: str, negative: str) -> Future[ControlVector]:
+        return self._unavailable("steering with a control vector")
+
+    def steer(
+        self,
+        request: Request,
+        output_ids: Sequence[int],
+        vector: ControlVector,
+        layer: int | None,
+        strength: float,
+        top_n: int = 10,
+    ) -> Future[Steered]:
+        return self._unavailable("steering with a control vector")
 
     def measure_speedup(
         self, request: Request, speculative: SpeculativeConfig, progress: Callable[[str], None]

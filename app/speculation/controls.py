@@ -50,7 +50,11 @@ class SpeculationControls(QWidget):
         self.num_draft.setValue(4)
         self.num_draft.setToolTip("Draft tokens per round (the most, when adaptive)")
         self.adaptive = QCheckBox("Adaptive")
-        self.adaptive.setToolTip("Shrink or grow each round to what was recently accepted")
+        self.adaptive.setChecked(True)  # the engine's default: never slower than not speculating
+        self.adaptive.setToolTip(
+            "Each reply's draft length follows its recent acceptance and the engine's measured step "
+            "times, down to none when drafts do not pay; off: always the tokens per round above"
+        )
         self.self_layers = QSpinBox()
         self.self_layers.setRange(0, 256)
         self.self_layers.setSpecialValueText("auto (a quarter)")

@@ -1,40 +1,65 @@
 """`python -m engine bench --speculation`: speculative decoding against plain decoding on the
-same engine, model and prompts, in one run: a repeat-this-text task (where n-gram lookup
-shines) and free chat, for the n-gram and the self-draft proposers. Speedup < 1 is reported as
-it is: speculation costs a draft and a wider verify forward, and pays only when drafts land.
-Each run is timed and its speedup counted as the app's "Measure speedup" does (engine.core.speedup)."""
+same engine, model and prompts, in one run.
+
+1. The verify step (engine/bench/verify_step.py): a step verifying k drafts against a plain
+   decode step at the same context, interleaved, on the model and on each of `--verify-models`
+   (a 1.7B-shaped GGUF, say): what a verification costs beyond one row, and where.
+2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
+   prompts, for the n-gram and the self-draft proposers (and a draft model with
+   `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
+   self, then the next round in another order), greedy with EOS ignored so every run makes the
+   same tokens. Reported per method: tokens/s, the speedup (ratio of the runs' medians), the
+   share of drafts accepted, target forwards per token, the saving per token the engine
+   measured, and whether every prompt's greedy text equals plain greedy decoding's.
+Speedups below 1 are reported as they are; with adaptive draft lengths (the default) a proposer
+that does not pay should sit near 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import sys
 from typing import Any
 
-from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+import torch
+
+from engine.bench.verify_step import verify_step_cost
+from engine.config import EngineConfig, ModelSpec, SamplingParams, SpeculativeConfig
 from engine.core.speedup import timed_run
-from engine.events import RequestFinished
 from engine.model.loaded import LoadedModel
+from engine.model.loading import load_model
 from engine.request import Request
-from engine.results import SpeedRun, SpeedupResult
+from engine.units import tokens_per_s
 
 PASSAGE = (
     "The lighthouse stood at the end of the long stone pier. Every night the keeper climbed "
     "the one hundred and twelve steps, trimmed the wick, polished the great lens, and watched "
     "the beam sweep across the dark water until the first grey light of morning."
 )
-TASKS = {
-    "repeat": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
-    "chat": "What are three good habits for staying healthy? Explain each briefly.",
+TASKS: dict[str, tuple[str, ...]] = {
+    "repeat": (f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",),
+    "chat": (
+        "What are three good habits for staying healthy? Explain each briefly.",
+        "Write a short story about a robot who learns to paint.",
+        "How does a refrigerator keep food cold?",
+    ),
 }
 
 
-def proposers(num_layers: int, num_draft: int) -> dict[str, SpeculativeConfig | None]:
-    return {
-        "none": None,
-        "ngram": SpeculativeConfig("ngram", num_draft=num_draft),
-        "self": SpeculativeConfig("self", num_draft=num_draft, self_draft_layers=max(1, num_layers // 4)),
+def proposers(args: argparse.Namespace) -> dict[str, SpeculativeConfig]:
+    adaptive = getattr(args, "adaptive_draft", True)
+    methods = {
+        "ngram": SpeculativeConfig("ngram", num_draft=args.num_draft, adaptive=adaptive),
+        "self": SpeculativeConfig("self", num_draft=args.num_draft, adaptive=adaptive),
     }
+    if getattr(args, "draft_model", None):
+        methods["draft"] = SpeculativeConfig(
+            "draft", num_draft=args.num_draft, draft_model=args.draft_model, adaptive=adaptive
+        )
+    return methods
 
 
 def _request(prompt: str, new_tokens: int) -> Request:
@@ -42,50 +67,119 @@ def _request(prompt: str, new_tokens: int) -> Request:
     return Request.chat(prompt, sampling=params)
 
 
-def _row(done: RequestFinished, run: SpeedRun, speedup: float, equals_plain: bool) -> dict[str, Any]:
-    s = done.stats
+def run_tasks(
+    loaded: LoadedModel, args: argparse.Namespace, configs: dict[str, SpeculativeConfig]
+) -> dict[str, Any]:
+    """Every method on every task's prompts, `args.rounds` interleaved rounds."""
+    base = EngineConfig(block_size=args.block_size)
+    timed_run(loaded, base, _request("Hello", 4))  # warm-up
+    for method in configs.values():  # built once outside the timing (the self-draft calibrates once)
+        timed_run(loaded, EngineConfig(block_size=args.block_size, speculative=method), _request("Hi", 2))
+    names = ["none", *configs]
+    report: dict[str, Any] = {}
+    for task, prompts in TASKS.items():
+        requests = [_request(p, args.new_tokens) for p in prompts]
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        tokens: dict[str, list[tuple[int, ...]]] = {}
+        figures: dict[str, dict[str, float]] = {}
+        for r in range(max(1, args.rounds)):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                print(f"{task} round {r + 1}: {name}", file=sys.stderr)
+                spec = None if name == "none" else configs[name]
+                config = EngineConfig(block_size=args.block_size, speculative=spec)
+                total, ids, stats = 0.0, [], []
+                for request in requests:
+                    done, run = timed_run(loaded, config, request)
+                    total += run.seconds
+                    ids.append(done.token_ids)
+                    stats.append(done.stats)
+                seconds[name].append(total)
+                tokens.setdefault(name, tuple(ids))  # type: ignore[arg-type]
+                figures[name] = _figures(stats)
+        plain_s = statistics.median(seconds["none"])
+        made = sum(len(t) for t in tokens["none"])
+        rows = {}
+        for name in names:
+            run_s = statistics.median(seconds[name])
+            rows[name] = {
+                "tokens_per_s": tokens_per_s(made, run_s),
+                "speedup": plain_s / run_s if run_s else 0.0,
+                "rounds_s": seconds[name],
+                **figures[name],
+                "output_equals_plain": tokens[name] == tokens["none"],
+            }
+        report[task] = rows
+    return report
+
+
+def _figures(stats: list[Any]) -> dict[str, float]:
+    drafted = sum(s.spec_drafted for s in stats)
+    generated = sum(s.generated_tokens for s in stats)
     return {
-        "tokens_per_s": run.tokens_per_s,
-        "acceptance_rate": s.acceptance_rate,
-        "mean_accepted_length": s.mean_accepted_length,
-        "target_forwards_per_token": s.target_forwards / s.generated_tokens,
-        "speedup": speedup,
-        "output_equals_plain": equals_plain,
+        "drafts_proposed": drafted,
+        "drafts_accepted": sum(s.spec_accepted for s in stats),
+        "acceptance_rate": sum(s.spec_accepted for s in stats) / drafted if drafted else 0.0,
+        "target_forwards_per_token": sum(s.target_forwards for s in stats) / max(1, generated),
+        "saved_ms_per_token": 1e3 * sum(s.spec_saved_s for s in stats) / max(1, generated),
     }
 
 
 def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
-    configs = proposers(loaded.info.num_layers, args.num_draft)
-    plain_config = EngineConfig(block_size=args.block_size)
-    timed_run(loaded, plain_config, _request("Hello", 4))  # warm-up
     report: dict[str, Any] = {
         "model": loaded.info.name,
-        "dtype": loaded.info.dtype,
+        "quantization": loaded.info.quantization,
+        "threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
-        "tasks": {},
+        "num_draft": args.num_draft,
     }
-    for task, prompt in TASKS.items():
-        request = _request(prompt, args.new_tokens)
-        print(f"{task}: none", file=sys.stderr)
-        plain_done, plain = timed_run(loaded, plain_config, request)
-        rows = {"none": _row(plain_done, plain, 1.0, True)}
-        for name, spec in configs.items():
-            if spec is None:
-                continue
-            print(f"{task}: {name}", file=sys.stderr)
-            done, run = timed_run(loaded, EngineConfig(block_size=args.block_size, speculative=spec), request)
-            speedup = SpeedupResult(name, run, plain).speedup
-            rows[name] = _row(done, run, speedup, done.token_ids == plain_done.token_ids)
-        report["tasks"][task] = rows
+    parts = set((getattr(args, "speculation_parts", None) or "verify,tasks").split(","))
+    if "verify" in parts:
+        print("verify step: this model", file=sys.stderr)
+        steps = [verify_step_cost(loaded, k=args.num_draft)]
+        for source in getattr(args, "verify_models", None) or ():
+            print(f"verify step: {source}", file=sys.stderr)
+            other = load_model(ModelSpec(source, device=args.device))
+            steps.append(verify_step_cost(other, k=args.num_draft))
+            del other
+            gc.collect()
+        report["verify_step"] = steps
+    if "tasks" in parts:
+        configs = proposers(args)
+        report["tasks"] = run_tasks(loaded, args, configs)
+        report["greedy_equals_plain"] = all(
+            row["output_equals_plain"] for rows in report["tasks"].values() for row in rows.values()
+        )
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    for task, rows in report["tasks"].items():
-        print(f"{task}:")
-        for name, row in rows.items():
-            print(
-                f"  {name:6} {row['tokens_per_s']:7.2f} tok/s  speedup {row['speedup']:.2f}  "
-                f"acceptance {row['acceptance_rate']:.0%}  mean accepted {row['mean_accepted_length']:.2f}  "
-                f"forwards/token {row['target_forwards_per_token']:.2f}"
-            )
+    print(_table(report))
     return 0
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"{report['model']} ({report['quantization']}), {report['threads']} threads"]
+    for step in report.get("verify_step", []):
+        ratio = step["verify_vs_plain"]
+        lines.append(
+            f"verify step, {step['drafts']} drafts, {step['model']}: {step['verify']['step_ms']:.1f} ms vs "
+            f"plain {step['plain']['step_ms']:.1f} ms = {ratio['step']:.2f}x (forward {ratio['forward']:.2f}x)"
+        )
+        for name, split in step["split_ms"].items():
+            lines.append(
+                "    "
+                + f"{name:6} "
+                + "  ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in split.items())
+                + " ms"
+            )
+    for task, rows in report.get("tasks", {}).items():
+        lines.append(f"{task}:")
+        for name, row in rows.items():
+            lines.append(
+                f"  {name:6} {row['tokens_per_s']:7.2f} tok/s  speedup {row['speedup']:.2f}  "
+                f"acceptance {row['acceptance_rate']:.0%} of {row['drafts_proposed']}  "
+                f"forwards/token {row['target_forwards_per_token']:.2f}  "
+                f"saved {row['saved_ms_per_token']:+.2f} ms/token  "
+                f"same text: {'yes' if row['output_equals_plain'] else 'NO'}"
+            )
+    return "\n".join(lines)

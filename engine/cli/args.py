@@ -58,7 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft model source for --speculative draft")
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per speculative round")
     p.add_argument("--self-draft-layers", type=int, default=None, help="layers kept by --speculative self")
-    p.add_argument("--adaptive-draft", action="store_true", help="adapt the round size to recent acceptance")
+    p.add_argument(
+        "--adaptive-draft",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each sequence's draft length adapts to its recent acceptance and the measured costs, "
+        "down to none (default); --no-adaptive-draft keeps --num-draft",
+    )
     p.add_argument(
         "--quantization",
         default="auto",

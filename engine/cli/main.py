@@ -14,6 +14,7 @@ import sys
 from engine.cli import models as cli_models
 from engine.cli import physics as cli_physics
 from engine.cli import quant as cli_quant
+from engine.cli import score as cli_score
 from engine.cli import serve as cli_serve
 from engine.cli.args import (
     MODEL_HELP,
@@ -101,6 +102,26 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
         help="with --grammar: llguidance against xgrammar (if installed) on the model's vocabulary",
     )
     b.add_argument(
+        "--verify-models",
+        type=lambda text: [s for s in text.split(",") if s],
+        default=None,
+        metavar="LIST",
+        help="--speculation: also time the verify step on these models (e.g. a 1.7B-shaped .gguf)",
+    )
+    b.add_argument(
+        "--speculation-parts",
+        default="verify,tasks",
+        metavar="LIST",
+        help="--speculation: verify (the verify step vs a decode step), tasks (the proposers vs plain)",
+    )
+    b.add_argument("--draft-model", default=None, help="--speculation: also a draft model of the family")
+    b.add_argument(
+        "--adaptive-draft",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--speculation: draft lengths adapt per sequence (default) or stay at --num-draft",
+    )
+    b.add_argument(
         "--serve-load",
         action="store_true",
         help="a load run against the HTTP server: clients dropping, cancelling, n > 1; lost, mixed up, "
@@ -115,6 +136,7 @@ def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
     cli_quant.add_commands(sub)
     cli_models.add_commands(sub)
     cli_serve.add_command(sub)
+    cli_score.add_command(sub)
     return parser
 
 
@@ -159,6 +181,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> int:
             return cli_serve.run(args)
         if args.command == "quant-report":
             return cli_quant.run(args)
+        if args.command == "score":
+            return cli_score.run(args)
     except (ConfigError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

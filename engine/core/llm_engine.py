@@ -29,14 +29,17 @@ from engine.config import (
     EngineConfig,
     SamplingParams,
 )
+from engine.core.drafter import make_proposer
 from engine.core.group_driver import GroupDriver, GroupError
-from engine.core.postprocess import Postprocessor
+from engine.core.kept_logits import KeptLogits
+from engine.core.postprocess import Postprocessor, RoundContext
 from engine.core.runner import ForwardResult, ModelRunner
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.stats import request_stats
 from engine.core.step_clock import DeviceClock
 from engine.events import (
+    DraftLength,
     EngineError,
     Event,
     KVStats,
@@ -60,7 +63,9 @@ from engine.model.kv_storage import PagedKVStorage
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.sampling.sampler import Sampler
-from engine.speculative.proposers import Proposer, make_proposer
+from engine.speculative.adaptive import DraftTuner
+from engine.speculative.proposers import Proposer
+from engine.speculative.self_draft import Calibration
 from engine.text import chat_template
 from engine.text.token_text import TokenText, eos_ids_of
 from engine.tools.use import ToolUse, parsed, tool_use
@@ -115,7 +120,17 @@ class LLMEngine:
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
-        self._proposer: Proposer | None = make_proposer(config, loaded) if config.speculative else None
+        spec = config.speculative
+        self._proposer: Proposer | None = (
+            make_proposer(config, loaded, num_blocks, self._greedy_replies) if spec else None
+        )
+        # the draft length of each sequence, from the engine's measured costs and acceptance
+        self.tuner: DraftTuner | None = (
+            DraftTuner(spec.num_draft, spec.adaptive, self._proposer.free)
+            if spec is not None and self._proposer is not None
+            else None
+        )
+        self._drafting: tuple[float, int] = (0.0, 0)  # this step's drafting: seconds, draft forwards
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -137,6 +152,8 @@ class LLMEngine:
         )
         self.groups = GroupDriver(self.emit, self.kv, self.scheduler, self.seqs, self.text, self.limits)
         self.groups.tool_reply = self.tool_reply
+        # the logits recorded tokens were drawn from: a what-if under their own settings is exact
+        self.kept_logits = KeptLogits()
         self.post = Postprocessor(
             self.kv,
             self.groups,
@@ -145,8 +162,9 @@ class LLMEngine:
             self.finish,
             self.max_model_len,
             self._proposer,
-            config.speculative,
+            self.tuner,
             self.fail_request,
+            self.kept_logits,
         )
         self.post.live = lambda seq: seq.seq_id in self.seqs
         self.clock = DeviceClock(loaded.device)  # the forward's time on its device (CUDA events)
@@ -162,6 +180,8 @@ class LLMEngine:
     @proposer.setter
     def proposer(self, proposer: Proposer | None) -> None:
         self._proposer = self.post.proposer = proposer
+        if proposer is not None and self.tuner is not None:
+            self.tuner.free = proposer.free
 
     def emit(self, event: Event) -> None:
         if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):
@@ -303,6 +323,8 @@ class LLMEngine:
         self.seqs.pop(seq.seq_id, None)
         if self.proposer is not None:
             self.proposer.release(seq)
+        if self.tuner is not None:
+            self.tuner.release(seq.seq_id)
 
     def tool_reply(self, use: ToolUse, request_id: int, token_ids: tuple[int, ...], branch: int = 0) -> None:
         """A reply of a request that offered tools, read for calls (ToolCallsParsed)."""
@@ -348,15 +370,27 @@ class LLMEngine:
             result = self._forward(batch)
         except Exception as exc:  # noqa: BLE001 - find the request that broke it; the rest go on
             self._isolate_failed_forward(batch, exc)
+            self._drafting = (0.0, 0)
             return
         forward_s = self.clock.stop(mark)  # on CUDA: synchronized, the device's own time
         t_post = time.perf_counter()
-        self.post.run(batch, result, self.step_count)
+        drafting_s, forwards = self._drafting
+        rounds = RoundContext(t_post - t_drafted, batch.decode_tokens, self._decoding(batch))
+        self.post.run(batch, result, self.step_count, rounds)
         self.peak_blocks_used = max(self.peak_blocks_used, self.kv.pool.num_used)
         t_end = time.perf_counter()
         self.step_count += 1
+        if self.tuner is not None and not batch.prefill_tokens:
+            # a decode step's cost by its rows (schedule and forward: what rows change)
+            self.tuner.observe_step(batch.decode_tokens, t_post - t_drafted, drafting_s, forwards)
+        self._drafting = (0.0, 0)
         phases = (t_drafted - t0, forward_s, t_end - t_post)
         self._emit_step(batch, result, shapes, t0, phases, t_end)
+
+    @staticmethod
+    def _decoding(batch: ScheduledBatch) -> int:
+        """Sequences decoding this step (a token each, or a speculative round)."""
+        return sum(1 for seq in batch.seqs if not seq.is_prefill)
 
     def _logit_counts(self, seqs: list[Sequence], num_tokens: list[int]) -> dict[int, int]:
         return {
@@ -454,23 +488,65 @@ class LLMEngine:
 
     # ---- speculative decoding: drafts before the schedule ----------------------------------
     def _propose_drafts(self) -> None:
-        """Give each decoding sequence a round of draft tokens, kept apart from its tokens
-        (spec_token_ids) until verified; the scheduler and the runner compute them after it."""
-        spec = self.config.speculative
-        assert spec is not None and self.proposer is not None
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
-                continue  # still prefilling
-            k = min(
-                seq.draft_k or spec.num_draft,
+        """Give each decoding sequence its round of draft tokens (as many as its draft length,
+        engine.speculative.adaptive), kept apart from its tokens (spec_token_ids) until verified;
+        the scheduler and the runner compute them after it. A free proposer also proposes for
+        sequences at length 0: shadow drafts, scored against what they then decode."""
+        spec, proposer, tuner = self.config.speculative, self.proposer, self.tuner
+        assert spec is not None and proposer is not None and tuner is not None
+        decoding = [
+            seq
+            for seq in self.scheduler.running
+            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
+        ]
+        asked: list[Sequence] = []
+        lengths: list[int] = []
+        shadows: list[Sequence] = []
+        for seq in decoding:
+            tuner.score_shadow(seq.seq_id, seq.token_ids)
+            cap = min(
                 seq.params.max_new_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
-            if k <= 0:
-                continue
-            drafts, qs = self.proposer.propose(seq, k)
+            before = tuner.tuning(seq.seq_id).draft_length
+            k = tuner.choose(seq.seq_id, len(decoding), cap)
+            after = tuner.tuning(seq.seq_id).draft_length
+            if after != before:
+                self.emit(DraftLength(seq.seq_id, after, tuner.acceptance(seq.seq_id), time.perf_counter()))
+            seq.draft_length = k
+            if k > 0:
+                asked.append(seq)
+                lengths.append(k)
+            elif cap > 0 and tuner.wants_shadow(seq.seq_id):
+                shadows.append(seq)
+        if not asked and not shadows:
+            return
+        start = time.perf_counter()
+        proposals = proposer.propose([*asked, *shadows], [*lengths, *[spec.num_draft] * len(shadows)])
+        seconds = time.perf_counter() - start
+        for seq, (drafts, qs) in zip(asked, proposals):
             seq.spec_token_ids = list(drafts)
             seq.draft_q = list(qs)
+            seq.draft_s = seconds / (len(asked) + len(shadows))
+        for seq, (drafts, _) in zip(shadows, proposals[len(asked) :]):
+            tuner.start_shadow(seq.seq_id, seq.num_tokens, drafts)
+        if asked:
+            self._drafting = (seconds, max(1, proposer.forwards))
+
+    def _greedy_replies(self, prompts: tuple[str, ...], new_tokens: int) -> Calibration:
+        """The target's greedy replies to `prompts` on a plain engine of its own (the
+        self-draft's calibration): each full token sequence and where its reply starts."""
+        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=32 * 2**20)
+        engine = LLMEngine(self.loaded, plain)
+        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+        requests = [Request.chat(prompt, sampling=params) for prompt in prompts]
+        sequences, starts = [], []
+        for request, end in zip(requests, engine.run(requests)):
+            if isinstance(end, RequestFinished) and end.token_ids:
+                prompt = engine.prompt_ids(request)
+                sequences.append([*prompt, *end.token_ids])
+                starts.append(len(prompt))
+        return Calibration(sequences, starts)
 
     def _trim_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts of sequences the scheduler did not run (preempted) or ran only in part (the

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.config import SpeculativeConfig
 from engine.core.group_driver import GroupDriver
+from engine.core.kept_logits import KeptLogits
 from engine.core.runner import ForwardResult
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
@@ -36,9 +37,21 @@ from engine.grammar.state import GrammarDeadEnd
 from engine.kv.manager import KVCacheManager
 from engine.sampling.mask import TokenMask
 from engine.sampling.sampler import SampleResult
+from engine.speculative.adaptive import DraftTuner
 from engine.speculative.proposers import Proposer
-from engine.speculative.verify import Verdict, verify
+from engine.speculative.verify import Verdict, verify, verify_greedy
 from engine.text.token_text import TokenText
+
+
+@dataclass(frozen=True, slots=True)
+class RoundContext:
+    """What a step's speculative rounds are measured against: the step's time up to its
+    postprocess (scheduling and the forward), its decode rows (drafts included) and how many
+    sequences decoded in it."""
+
+    step_s: float
+    rows: int
+    decoding: int
 
 
 class Postprocessor:
@@ -55,16 +68,20 @@ class Postprocessor:
         finish: Callable[[Sequence, str, str], None],
         max_model_len: int,
         proposer: Proposer | None,
-        speculative: SpeculativeConfig | None,
+        tuner: DraftTuner | None,
         fail: Callable[[Sequence, str], None],
+        kept: KeptLogits | None = None,
     ):
         self.kv, self.groups, self.text, self.emit, self.finish = kv, groups, text, emit, finish
         self.max_model_len = max_model_len
-        self.proposer, self.speculative = proposer, speculative
+        self.proposer, self.tuner = proposer, tuner
         self.fail = fail  # fails a sequence's request alone
         self.live: Callable[[Sequence], bool] = lambda seq: True  # still in the engine (LLMEngine sets it)
+        # the logits of the tokens that record a snapshot, for exact what-ifs (None: none kept)
+        self.kept = kept
         self.step_count = 0  # the step being postprocessed (run() sets it)
         self.step_t = 0.0  # its time, every token it gives is stamped with
+        self.rounds = RoundContext(0.0, 0, 0)  # the step's, for its speculative rounds
 
     def _guarded(self, seq: Sequence, work: Callable[..., object], *args: Any) -> None:
         """`work(*args)` for `seq`, unless its request already failed this step; if it raises,
@@ -76,8 +93,12 @@ class Postprocessor:
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
             self.fail(seq, f"the request failed after the forward: {type(exc).__name__}: {exc}")
 
-    def run(self, batch: ScheduledBatch, result: ForwardResult, step: int) -> None:
+    def run(
+        self, batch: ScheduledBatch, result: ForwardResult, step: int, rounds: RoundContext | None = None
+    ) -> None:
         self.step_count = step
+        if rounds is not None:
+            self.rounds = rounds
         self.step_t = time.perf_counter()
         logits = result.logits
         rows = result.rows
@@ -121,9 +142,15 @@ class Postprocessor:
 
     # ---- plain ---------------------------------------------------------------------------
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        self._keep(seq, logits)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         result = seq.sampler.sample(logits, prompt, seq.output_ids, mask_of(seq))
         self.emit_token(seq, result)
+
+    def _keep(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The row the sequence's next token is drawn from, kept when the token records a snapshot."""
+        if self.kept is not None and seq.params.snapshot_top_n > 0:
+            self.kept.keep(seq.token_ids, logits)
 
     def _grammar_end(self, seq: Sequence, token: int) -> tuple[str | None, str]:
         """Consume the committed `token` in the sequence's grammar: (reason the reply ends, why)."""
@@ -191,6 +218,8 @@ class Postprocessor:
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> Verdict:
         d = seq.num_draft_tokens
         drafts = list(seq.spec_token_ids)
+        if seq.sampler.plain_greedy and seq.grammar is None:
+            return verify_greedy(logits, drafts)  # one argmax over the round's rows
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
         # Under a grammar: each position's mask, the matcher walked through the drafts and back.
@@ -206,8 +235,8 @@ class Postprocessor:
         return verify(p, drafts, seq.draft_q, seq.sampler.draw, seq.sampler.uniform)
 
     def _emit_round(self, seq: Sequence, verdict: Verdict, logits: torch.Tensor) -> None:
-        proposer, spec = self.proposer, self.speculative
-        assert proposer is not None and spec is not None
+        proposer, tuner = self.proposer, self.tuner
+        assert proposer is not None and tuner is not None
         drafts = list(seq.spec_token_ids)
         seq.drop_drafts(0)
         emitted = drafts[: verdict.accepted] + [verdict.token]
@@ -222,8 +251,17 @@ class Postprocessor:
             counts.extend([0] * (len(drafts) - len(counts)))
             for j in range(n):
                 counts[j] += 1
-        if spec.adaptive:
-            seq.draft_k = min(spec.num_draft, verdict.accepted + 1)
+        context = self.rounds
+        outcome = tuner.round_done(
+            seq.seq_id,
+            len(drafts),
+            verdict.accepted,
+            context.rows,
+            context.step_s,
+            context.decoding,
+            seq.draft_s,
+        )
+        seq.spec_saved_s += outcome.saved_s
         self.emit(
             SpecRound(
                 seq.seq_id,
@@ -237,12 +275,22 @@ class Postprocessor:
                 tuple(emitted),
                 verdict.bonus,
                 time.perf_counter(),
+                seq.draft_length,
+                outcome.draft_s,
+                outcome.saved_s,
             )
         )
         prompt = seq.token_ids[: seq.num_prompt_tokens]
+        # one log-sum-exp over the round's rows, where no grammar masks them
+        plain = seq.sampler.plain_greedy and seq.grammar is None
+        greedy = seq.sampler.greedy_results(logits, emitted) if plain else None
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
-            result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token, mask_of(seq))
+            self._keep(seq, logits[i])
+            if greedy is not None:
+                result = greedy[i]
+            else:
+                result = seq.sampler.result_for(logits[i], prompt, seq.output_ids, token, mask_of(seq))
             if self.emit_token(seq, result, kind, seq.spec_rounds):
                 return  # finished: the rest of the round is dropped
 

@@ -10,6 +10,7 @@ both read and write the same pool through the same attention.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,12 +20,32 @@ from engine.core.sequence import Sequence
 from engine.kernels.policy import KernelPolicy, StepRecord
 from engine.kv.manager import KVCacheManager
 from engine.limits import blocks_for_tokens
+from engine.model.attention_probs import AttentionRecorder
 from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
-from engine.model.llama_forward import EXECUTOR, LlamaForward, ResidualObserver, unsupported_reason
+from engine.model.layer_hooks import layer_hooks
+from engine.model.llama_forward import (
+    EXECUTOR,
+    LlamaForward,
+    ResidualEdit,
+    ResidualObserver,
+    unsupported_reason,
+)
 from engine.model.paged_attention import PagedBatch, PagedCache, paged_attention
+from engine.model.routers import RouteRecorder, record_routes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+
+@dataclass(slots=True)
+class ForwardProbe:
+    """What a forward that inspects the model shows or changes beside its logits (engine/core/
+    replay.py builds one; a step of generation never does, and then none of it runs)."""
+
+    residual: ResidualObserver | None = None  # (stage, residual of the logit rows)
+    edit: ResidualEdit | None = None  # (stage, residual of every row) -> the residual to go on with
+    attention: AttentionRecorder | None = None  # every head's probabilities of the short rows
+    routes: RouteRecorder | None = None  # each MoE router's choices for every row
 
 
 @dataclass(slots=True)
@@ -62,16 +83,21 @@ class ModelRunner:
         num_tokens: list[int],
         logit_counts: dict[int, int],
         observer: ResidualObserver | None = None,
+        probe: ForwardProbe | None = None,
     ) -> ForwardResult:
         """Run the batch. `logit_counts[seq_id]` = how many of that sequence's last rows need
         logits (1 to sample, 1 + drafts to verify a speculative round; absent: none).
         `observer(stage, hidden)`: the residual stream of those same rows (in ForwardResult.rows'
         order) after the embedding (stage 0) and after each layer (engine/model/llama_forward.py);
-        kvscope's own forward only."""
+        kvscope's own forward only. `probe`: what an inspecting forward records or changes
+        (the residual observed and edited on either executor, attention probabilities, routes)."""
         if observer is not None and self.own_forward is None:
             raise ValueError(
                 f"observing the residual stream needs kvscope's own forward; this model runs {self.executor}"
             )
+        if probe is not None and probe.residual is not None:
+            observer = probe.residual
+        edit = probe.edit if probe is not None else None
         order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)  # decode rows first
         seqs = [seqs[i] for i in order]
         num_tokens = [num_tokens[i] for i in order]
@@ -106,11 +132,18 @@ class ModelRunner:
         batch = PagedBatch(self.storage, long_tensor(slots), slices)
         input_ids, position_ids = long_tensor(ids), long_tensor(positions)
         keep_rows = long_tensor(keep)
+        if probe is not None:
+            batch.recorder = probe.attention
         with torch.inference_mode(), self.policy.step(num_tokens, kernel_rows) as record:
             if self.own_forward is not None:
-                logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer)
+                logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
             else:
-                logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
+                with contextlib.ExitStack() as hooks:
+                    if observer is not None or edit is not None:
+                        hooks.enter_context(layer_hooks(self.model, keep_rows, observer, edit))
+                    if probe is not None and probe.routes is not None:
+                        hooks.enter_context(record_routes(self.model, probe.routes))
+                    logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
         return ForwardResult(logits.float(), rows, record)
 
     def _transformers_forward(

@@ -58,10 +58,13 @@ class Sequence:
     target_forwards: int = 0  # engine steps that ran this sequence through the model
     # Speculative decoding: the current round's draft tokens, kept apart from token_ids until the
     # verifier decides (vLLM's spec_token_ids; the scheduler and the runner count and compute them
-    # after the committed tokens), their draft distributions, the round size and the record.
+    # after the committed tokens), their draft distributions, the draft length the round was
+    # given and its share of the drafting time, and the record (the saving measured per round).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_q: list[torch.Tensor | None] = field(default_factory=list)  # None: a one-hot proposal
-    draft_k: int = 0
+    draft_length: int = 0
+    draft_s: float = 0.0
+    spec_saved_s: float = 0.0
     spec_rounds: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0

@@ -33,6 +33,7 @@ from engine.events import (
     RequestFinished,
     TokenSnapshot,
 )
+from engine.inside import ControlVector, ExpertRoutes, Steered, TextScore, TokenInside, WhatIfAnswer
 from engine.limits import ContextFit, Limits
 from engine.request import ChatMessage, Request, ToolSpec
 from engine.results import DeviceLimits, DeviceStatus, SpeedupResult, Tokens
@@ -184,15 +185,62 @@ class Engine:
 
     def what_if(
         self, request: Request, output_ids: Sequence[int], recorded: TokenSnapshot, params: SamplingParams
-    ) -> Future[TokenSnapshot]:
+    ) -> Future[WhatIfAnswer]:
         from engine.core.what_if import WhatIf  # torch: imported with the engine, on its thread
 
-        def recompute(core: LLMEngine) -> TokenSnapshot:
+        def recompute(core: LLMEngine) -> WhatIfAnswer:
             if self._what_if is None:
                 self._what_if = WhatIf()
             return self._what_if.recompute(core, request, output_ids, recorded, params)
 
         return self._call(recompute)
+
+    def inspect_token(
+        self, request: Request, output_ids: Sequence[int], token_id: int, top_k: int = 5
+    ) -> Future[TokenInside]:
+        from engine.core.inside_token import inside_token  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: inside_token(core, request, output_ids, token_id, top_k))
+
+    def expert_routes(self, request: Request, output_ids: Sequence[int]) -> Future[ExpertRoutes]:
+        from engine.core.experts import expert_routes  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: expert_routes(core, request, output_ids))
+
+    def score_text(self, text: str, top_k: int = 5) -> Future[TextScore]:
+        from engine.core.scoring import score_text  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: score_text(core, text, top_k))
+
+    def read_control_vector(self, path: str) -> Future[ControlVector]:
+        # gguf's reader: imported with the engine, on its thread
+        from engine.model.control_vector import check_control_vector, read_control_vector
+
+        def read(core: LLMEngine) -> ControlVector:
+            vector = read_control_vector(path)
+            info = core.loaded.info
+            check_control_vector(vector, info.hidden_size, info.num_layers)
+            return vector
+
+        return self._call(read)
+
+    def contrast_vector(self, positive: str, negative: str) -> Future[ControlVector]:
+        from engine.core.steering import contrast_vector  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: contrast_vector(core, positive, negative))
+
+    def steer(
+        self,
+        request: Request,
+        output_ids: Sequence[int],
+        vector: ControlVector,
+        layer: int | None,
+        strength: float,
+        top_n: int = 10,
+    ) -> Future[Steered]:
+        from engine.core.steering import steer  # torch: imported with the engine, on its thread
+
+        return self._call(lambda core: steer(core, request, output_ids, vector, layer, strength, top_n))
 
     def measure_speedup(
         self, request: Request, speculative: SpeculativeConfig, progress: Callable[[str], None]

@@ -42,6 +42,7 @@ def request_stats(
         spec_accepted=first.spec_accepted,
         spec_accepted_by_position=tuple(first.spec_accepted_by_position),
         spec_drafted_by_position=tuple(first.spec_drafted_by_position),
+        spec_saved_s=first.spec_saved_s,
         queued_s=max(0.0, scheduled - first.arrival_time),
         prefill_s=max(0.0, times[0] - scheduled) if times else 0.0,
     )

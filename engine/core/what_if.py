@@ -1,18 +1,22 @@
 """What-if: a generated token's sampling stages recomputed under other settings, exactly.
 
-The token's full logits are recomputed with one forward of the engine's model over the token's
-context (the request's prompt ids and the reply's tokens before it; an int8 KV cache is read
-back through the paged path, as the engine reads it), then the request's own stage code
-(engine.sampling.sampler / stages, whatever stages the settings switch on, penalties included)
-runs over the whole vocabulary under the new settings. Nothing is approximated from the top
-candidates a snapshot recorded: with the token's own settings the result is its recorded
-snapshot, up to the float rounding of one forward against the engine's paged, chunked ones.
-One stage is random: XTC fires on a coin; the what-if shows it as if its coin came up, and
-`what_if_notes` says so. A reply made under a grammar keeps it: its matcher is replayed over the
-reply's tokens before the token, and its mask is the first stage as it was.
+The stages run on the logits the token was drawn from, over the whole vocabulary, through the
+request's own stage code (engine.sampling.sampler / stages, penalties included). Which logits:
+- the step's own, kept for the token when it was drawn (engine/core/kept_logits.py): under the
+  token's own settings the result is then its recorded snapshot bit for bit, on any weights;
+- when they were no longer kept (a budget of the last few hundred tokens), recomputed through the
+  engine's own paged forward and kernels (engine/core/replay.py: the context's cached blocks as
+  the reply's steps wrote them, the token's row alone, as a decode step runs it). Those are the
+  step's numbers up to the float rounding of a forward whose neighbours differ (a float32 GEMM's
+  last bits follow the batch's rows); the answer says which it used.
+Nothing is approximated from the top candidates a snapshot recorded. One stage is random: XTC
+fires on a coin; the what-if shows it as if its coin came up, and `what_if_notes` says so. A reply
+made under a grammar keeps it: its matcher is replayed over the reply's tokens before the token,
+and its mask is the first stage as it was.
 
-`WhatIf.recompute` runs on the engine thread (Engine.call): it uses the engine's model and
-tokenizer. It keeps the last token's logits, so moving a slider re-runs only the stages.
+`WhatIf.recompute` runs on the engine thread (Engine's question queue): it uses the engine's
+model, pool and tokenizer. It keeps the last recomputed logits, so moving a slider re-runs only
+the stages.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SamplingParams
+from engine.core.replay import Replay
 from engine.events import TokenSnapshot
-from engine.model.logits import context_logits
+from engine.inside import KEPT, RECOMPUTED, WhatIfAnswer
 from engine.request import Request
 from engine.sampling.sampler import Sampler
 from engine.sampling.stages import build_stages
@@ -36,11 +41,13 @@ if TYPE_CHECKING:
 
     from engine.core.llm_engine import LLMEngine
 
-# How the app says what the numbers are (shown beside every what-if).
-HOW = (
-    "recomputed on the engine: this token's full logits from one forward over its context, "
-    "then the sampler's own stages under the new settings"
-)
+# How the app says what the numbers are (shown beside every what-if), by the logits' source.
+HOW = {
+    KEPT: "exact: the step's own logits, kept for this token, through the sampler's own stages "
+    "under the new settings",
+    RECOMPUTED: "this token's logits recomputed through the engine's paged forward and kernels (the "
+    "step's own were no longer kept), through the sampler's own stages under the new settings",
+}
 
 
 def what_if_notes(params: SamplingParams) -> tuple[str, ...]:
@@ -62,9 +69,9 @@ class WhatIf:
     """Recomputes tokens' stages on the engine thread, keeping the last token's logits."""
 
     def __init__(self) -> None:
-        # The last context, the model and KV dtype it ran through (weakly: a model the engine
-        # has dropped is not kept alive here) and its logits.
-        self._key: tuple[tuple[int, ...], str] | None = None
+        # The last recomputed context, the model it ran through (weakly: a model the engine has
+        # dropped is not kept alive here) and its logits.
+        self._key: tuple[int, ...] | None = None
         self._model: weakref.ref[PreTrainedModel] | None = None
         self._logits: torch.Tensor | None = None
 
@@ -75,12 +82,12 @@ class WhatIf:
         output_ids: Sequence[int],
         recorded: TokenSnapshot,
         params: SamplingParams,
-    ) -> TokenSnapshot:
+    ) -> WhatIfAnswer:
         """The snapshot the token would have had under `params`: `request`'s prompt, the reply's
         `output_ids` before the token, the token `recorded.drawn_id` as drawn. As many candidates
         as the recorded snapshot shows."""
         prompt = core.prompt_ids(request)
-        logits = self._logits_for(core, [*prompt, *output_ids])
+        logits, source = self._logits_for(core, [*prompt, *output_ids])
         shown = replace(
             params,
             snapshot_top_n=recorded_top_n(recorded),
@@ -97,12 +104,16 @@ class WhatIf:
             mask = grammar.mask(with_forced=True)
         snapshot = sampler.result_for(logits, prompt, list(output_ids), recorded.drawn_id, mask).snapshot
         assert snapshot is not None  # snapshot_top_n > 0 always records one
-        return snapshot
+        return WhatIfAnswer(snapshot, source, HOW[source])
 
-    def _logits_for(self, core: LLMEngine, context: list[int]) -> torch.Tensor:
-        model, key = core.loaded.model, (tuple(context), core.config.kv_dtype)
+    def _logits_for(self, core: LLMEngine, context: list[int]) -> tuple[torch.Tensor, str]:
+        kept = core.kept_logits.get(context)
+        if kept is not None:
+            return kept, KEPT
+        model, key = core.loaded.model, tuple(context)
         same_model = self._model is not None and self._model() is model
         if self._logits is None or key != self._key or not same_model:
-            self._logits = context_logits(model, context, core.config.kv_dtype)
+            with Replay(core, context) as replay:
+                self._logits = replay.last_row()
             self._key, self._model = key, weakref.ref(model)
-        return self._logits
+        return self._logits, RECOMPUTED

@@ -200,10 +200,13 @@ class KVCacheManager:
         return [table[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
 
     # ---- after the forward -----------------------------------------------------------------
-    def commit(self, seq: BlockTableOwner, num_new_tokens: int, num_kept: int | None = None) -> None:
+    def commit(
+        self, seq: BlockTableOwner, num_new_tokens: int, num_kept: int | None = None, cache: bool = True
+    ) -> None:
         """`num_new_tokens` more of the sequence's tokens now have K/V in their slots. With
         speculative decoding only the first `num_kept` of them were verified: the rest of the
-        written slots are rolled back, and only verified tokens can enter the prefix cache."""
+        written slots are rolled back, and only verified tokens can enter the prefix cache.
+        `cache=False`: none of them does (K/V a steered forward wrote are not the model's)."""
         bs = self.block_size
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
         self._set_fills(seq, start, end, "append")
@@ -216,7 +219,7 @@ class KVCacheManager:
                 del seq.block_table[needed:]
                 self.pool.free(list(reversed(emptied)), seq.seq_id)
         seq.num_computed_tokens = kept_end
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(seq, start // bs, kept_end // bs)
 
     def _set_fills(

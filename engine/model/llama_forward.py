@@ -31,8 +31,9 @@ Observing the forward: `__call__(..., observer=fn)` calls `fn(stage, hidden)` wi
 stream of the rows that get logits (`logit_rows`, [R, hidden] in the model's dtype): stage 0 is
 the embedding (what enters layer 0), stage i + 1 what layer i leaves. `final_logits(hidden)` turns
 such a residual into logits the way the last layer's is (final norm, head, the family's scaling and
-soft cap), which is what a logit lens needs. With no observer (the engine's hot path) nothing of it
-runs.
+soft cap), which is what a logit lens needs. `edit=fn` replaces the residual stream of every row
+after each stage by `fn(stage, x)` (before the observer sees it): steering adds a direction there.
+With neither (the engine's hot path) nothing of it runs.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ Tensor = torch.Tensor
 Norm = Callable[[Tensor], Tensor]
 # observer(stage, hidden): the residual stream of the logit rows after stage (0: the embedding)
 ResidualObserver = Callable[[int, Tensor], None]
+# edit(stage, x): the residual stream of every row after stage, changed (steering adds a direction)
+ResidualEdit = Callable[[int, Tensor], Tensor]
 
 EXECUTOR = "kvscope's own forward"
 
@@ -377,6 +380,7 @@ class LlamaForward:
         batch: PagedBatch,
         logit_rows: Tensor,  # [R] rows whose logits are needed
         observer: ResidualObserver | None = None,
+        edit: ResidualEdit | None = None,
     ) -> Tensor:
         storage: PagedKVStorage = batch.storage
         d, heads = self.head_dim, self.heads
@@ -387,6 +391,8 @@ class LlamaForward:
         slots = batch.slot_rows()  # where each layer writes the new tokens' K/V
         tokens = x.shape[0]
         residual_multiplier = self.residual_multiplier
+        if edit is not None:
+            x = edit(0, x)
         if observer is not None:
             observer(0, x.index_select(0, logit_rows))
         kvk = self.kvk
@@ -448,10 +454,12 @@ class LlamaForward:
             y = _call(layer.down_proj, layer.act(gate) * up)
             if layer.after_mlp is not None:
                 y = layer.after_mlp(y)
-            if plain is not None and observer is None:
+            if plain is not None and observer is None and edit is None:
                 pending = y  # the add is exact either way: the next layer's norm does it
             else:
                 x = x + y if residual_multiplier is None else x + y * residual_multiplier
+                if edit is not None:
+                    x = edit(index + 1, x)
             if observer is not None:
                 observer(index + 1, x.index_select(0, logit_rows))
         if pending is not None:

@@ -100,11 +100,11 @@ def _notes(
     return (forward, threads, *[f"kernels {line}" for line in policy.describe()], BATCH_TRUTH_NOTE)
 
 
-# What a greedy reply depends on (README, "Batch truth"; tests/engine/test_batch_truth.py and
-# tests/e2e/test_batch_truth_real_model.py).
+# What a greedy reply depends on (README, "Batch truth"; tests/engine/test_batch_truth.py,
+# tests/e2e/test_batch_truth_real_model.py and tests/e2e/test_speculative_exact.py).
 BATCH_TRUTH_NOTE = (
-    "batch truth: a greedy reply is the same alone, batched, chunked, prefix-cached and preempted "
-    "(every kernel computes each row alone; a prompt's chunks end at fixed positions); it may differ "
-    "on another machine (its kernel table), between native bits and float32, and with speculative "
-    "decoding (a round's rows attend as a chunk)"
+    "batch truth: a greedy reply is the same alone, batched, chunked, prefix-cached, preempted and "
+    "with speculative decoding (every kernel computes each row alone; a prompt's chunks end at fixed "
+    "positions; a speculative round's rows attend as their decodes); it may differ on another machine "
+    "(its kernel table) and between native bits and float32"
 )

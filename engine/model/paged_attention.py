@@ -4,11 +4,15 @@ A forward packs every scheduled token of every sequence into one row with explic
 step's metadata (`PagedBatch`) is built once per step (the slot of every new token, each
 sequence's blocks as a view or an index, the causal masks of prefill chunks), not once per layer.
 
-Each sequence attends over exactly its own keys. The step's decoding sequences (one query each)
-go through one batched computation per layer (engine/model/decode_attention: one gather of their
-blocks, fixed-shape products per block, a sequential sum over blocks), which is batch invariant by
-construction: a request's tokens never depend on its neighbours. Each prefill chunk (and each
-speculative verification, several rows) is causal after its cached tokens, one SDPA per chunk.
+Each sequence attends over exactly its own keys. With kvk every row of every sequence attends
+row by row on its C kernel (engine/model/row_attention), prefill chunks too; without kvk every
+sequence with at most ROW_LIMIT rows this step (a decode, a speculative verification's k + 1
+rows, a tiny chunk) does, each row over exactly the positions before it, in one batched torch
+computation per layer (engine/model/decode_attention: one
+gather of their blocks, fixed-shape products per block, a sequential sum over blocks). Both are
+batch invariant by construction: a request's tokens never depend on its neighbours, and a
+verification row equals the decode at its position. Without kvk each longer prefill chunk is
+causal after its cached tokens, one SDPA per chunk.
 
 Per layer the attention honours what the family's own attention does: a sliding window (keys in
 (position - window, position]), logit soft-capping (Gemma 2), attention sinks (gpt-oss: one extra
@@ -40,10 +44,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from engine.model.attention_probs import AttentionRecorder
 from engine.model.decode_attention import DecodeGroup, decode_attention
 from engine.model.kv_storage import PagedKVStorage, SeqSlice
 from engine.model.layer_attention import LayerAttention
-from engine.model.row_attention import RowPlan, row_attention
+from engine.model.row_attention import ROW_LIMIT, RowPlan, row_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,6 +69,9 @@ class PagedBatch:
     # transformers' layers that wrote K/V and that attended through the pool, this forward
     written: list[int] = field(default_factory=list)
     attended: list[int] = field(default_factory=list)
+    # Keeps every head's probabilities of the short rows (engine/model/attention_probs.py): set
+    # only by a forward that inspects a token, None for every step of generation.
+    recorder: AttentionRecorder | None = None
 
     def slot_rows(self) -> torch.Tensor:
         """Where the new tokens' K/V go in every layer's pool (storage.slot_rows), once per step."""
@@ -80,10 +88,18 @@ class PagedBatch:
         return plan if isinstance(plan, RowPlan) else None
 
     def decode_group(self, window: int | None) -> DecodeGroup | None:
-        """The sequences with one query row this step (None: there are none)."""
+        """Without kvk: the rows of every sequence with at most ROW_LIMIT rows this step, each
+        one a decode at its own position over exactly the keys before it (None: there are none).
+        A speculative round's verification rows are then the decodes they stand for, bit for bit,
+        as on kvk's row attention (SDPA over a chunk would round them otherwise)."""
         if window not in self._decode:
-            decoding = [seq for seq in self.seqs if seq.q_len == 1]
-            self._decode[window] = DecodeGroup.build(self.storage, decoding, window) if decoding else None
+            rows = [
+                SeqSlice(seq.q_start + r, 1, seq.context_len - seq.q_len + r + 1, seq.blocks)
+                for seq in self.seqs
+                if seq.q_len <= ROW_LIMIT
+                for r in range(seq.q_len)
+            ]
+            self._decode[window] = DecodeGroup.build(self.storage, rows, window) if rows else None
         return self._decode[window]
 
     def causal_mask(self, index: int, seq: SeqSlice, window: int | None) -> torch.Tensor | None:
@@ -110,18 +126,24 @@ def attend(
 ) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
     [T, heads, head_dim]. With kvk: every row of every sequence row by row in one C call
-    (row_attention). Without: the decoding sequences in one batched torch computation
-    (decode_attention), every chunk by itself (SDPA)."""
+    (row_attention), prefill chunks too. Without: the rows of every sequence with at most ROW_LIMIT
+    rows in one batched torch computation (decode_attention, each row a decode at its own
+    position), each longer chunk by itself (SDPA). A batch with a recorder keeps every head's
+    probabilities of the rows that attend row by row."""
     plan = batch.row_plan()
+    recorder = batch.recorder
     if plan is not None:
+        probs = None if recorder is None else recorder.kvk_buffer(layer, plan, q.shape[1], how)
         if plan.count == q.shape[0]:  # every row (a decode-only step, the common one)
-            return row_attention(storage, layer, q, plan, how).to(q.dtype)
+            return row_attention(storage, layer, q, plan, how, probs).to(q.dtype)
         out = torch.empty_like(q)
-        out[plan.rows] = row_attention(storage, layer, q[plan.rows], plan, how).to(q.dtype)
+        out[plan.rows] = row_attention(storage, layer, q[plan.rows], plan, how, probs).to(q.dtype)
         _chunks(storage, layer, q, batch, how, out, skip=plan.covered)
         return out
+    if recorder is not None:
+        recorder.record_torch(storage, layer, q, batch.seqs, how)
     group = batch.decode_group(how.window)
-    if group is not None and group.count == len(batch.seqs):  # a decode-only step, the common one
+    if group is not None and group.count == q.shape[0]:  # every row (a decode-only step, the common one)
         return decode_attention(storage, layer, q[group.rows], group, how)
     out = torch.empty_like(q)
     if group is not None:
@@ -133,7 +155,7 @@ def attend(
         batch,
         how,
         out,
-        skip=frozenset(i for i, s in enumerate(batch.seqs) if s.q_len == 1),
+        skip=frozenset(i for i, s in enumerate(batch.seqs) if s.q_len <= ROW_LIMIT),
     )
     return out
 

@@ -26,12 +26,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.config import MAX_NUM_DRAFT
 from engine.kernels import native
 from engine.limits import blocks_for_tokens
 
 if TYPE_CHECKING:
     from engine.model.kv_storage import PagedKVStorage, SeqSlice
     from engine.model.layer_attention import LayerAttention
+
+# Without kvk, a sequence with at most this many query rows in a step attends row by row in torch
+# (decode_attention): decode (1), a speculative verification (1 + k rows, k <= MAX_NUM_DRAFT: every
+# round's rows, so each is the decode it stands for), a chunk this short. With kvk every row does.
+ROW_LIMIT = 1 + MAX_NUM_DRAFT
 
 _POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
@@ -120,9 +126,17 @@ def _block_ids(seq: SeqSlice) -> list[int]:
 
 
 def row_attention(
-    storage: PagedKVStorage, layer: int, q: torch.Tensor, plan: RowPlan, how: LayerAttention
+    storage: PagedKVStorage,
+    layer: int,
+    q: torch.Tensor,
+    plan: RowPlan,
+    how: LayerAttention,
+    probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [count, heads, d] (the plan's rows; any row stride, heads contiguous) -> [count, heads, d]."""
+    """q [count, heads, d] (the plan's rows; any row stride, heads contiguous) -> [count, heads, d].
+    `probs`: float32 [count, heads, width] (width >= every row's stop - start, contiguous) that the
+    kernel fills with each row's probabilities over its positions [start, stop), zero past a
+    row's end (the attention view's numbers: the step's own)."""
     count, heads, d = q.shape
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
         q = q.float().contiguous()
@@ -153,8 +167,8 @@ def row_attention(
         None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         heads * d,
-        None,
-        0,
+        None if probs is None else probs.data_ptr(),
+        0 if probs is None else probs.shape[-1],
     )
     if status != 0:
         raise RuntimeError(f"kvk_paged_attention refused layer {layer}'s rows (status {status})")

@@ -50,6 +50,12 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self.stages = build_stages(params, decode_token=self._decode_token, uniform=self.uniform)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no stage and no snapshot: the token is the raw logits' argmax (the hot
+        path of sampling, and of verifying a greedy speculative round)."""
+        return self.params.greedy and not self.stages and self.params.snapshot_top_n == 0
+
     def _generator_for(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:
@@ -69,7 +75,7 @@ class Sampler:
     ) -> SampleResult:
         scores = logits.detach().to(torch.float32).reshape(1, -1)
         want_snapshot = self.params.snapshot_top_n > 0
-        if self.params.greedy and not self.stages and not want_snapshot:
+        if self.plain_greedy:
             # The hot path of plain greedy decoding: an argmax and one log-sum-exp (after the
             # grammar's mask, when there is one).
             if mask is not None:
@@ -137,6 +143,14 @@ class Sampler:
             scores, prompt_ids, output_ids, self.params.snapshot_top_n > 0, mask
         )
         return self._result(scores, trace, penalized, token, mask)
+
+    def greedy_results(self, logits: torch.Tensor, tokens: Sequence[int]) -> list[SampleResult]:
+        """Plain greedy (`plain_greedy`): each row's token and its log-prob from one log-sum-exp
+        over the rows of a speculative round (logits [len(tokens), V]), as `sample` gives them."""
+        rows = logits.detach().to(torch.float32)[: len(tokens)]
+        picked = rows[torch.arange(len(tokens)), torch.as_tensor(list(tokens))]
+        logprobs: list[float] = (picked - rows.logsumexp(-1)).tolist()
+        return [SampleResult(t, self._checked(lp), None) for t, lp in zip(tokens, logprobs)]
 
     def _process(
         self,

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import ConfigError
+from engine.errors import InspectionError
 from engine.events import RequestFailed, RequestFinished, RequestStarted, TokenGenerated
 from engine.serve import codec
 from engine.serve.bridge import DEFAULT_MAX_BODY_BYTES, EngineBridge, Started
@@ -37,10 +38,10 @@ from engine.serve.channel import Channel, ChannelOverflow
 from engine.serve.errors import ServeError
 from engine.serve.guards import error_response, install
 from engine.serve.logprobs import TokenStrings
-from engine.serve.params import Plan, chat_plan, completion_plan
+from engine.serve.params import Plan, Prompt, chat_plan, completion_plan
 from engine.serve.prompts import Overloaded
 from engine.serve.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
-from engine.serve.replies import Reply
+from engine.serve.replies import CompletionEntry, EchoedPrompt, Reply
 from engine.serve.schema import GENERATION_RESPONSES, INFO_RESPONSES, served_openapi
 from engine.text.chat_template import ChatTemplateError
 
@@ -156,6 +157,27 @@ def build_app(
             "completion", _planned(lambda: completion_plan(body, bounds)), body.stream, request, arrival
         )
 
+    async def echo(prompt: Prompt, ids: list[int], plan: Plan) -> EchoedPrompt:
+        """A completion prompt as echo returns it: its text and, with logprobs, its tokens scored."""
+        top = -1 if plan.top_logprobs is None else plan.top_logprobs
+        try:
+            text, score = await bridge.score_prompt(ids, top)
+        except InspectionError as exc:
+            raise ServeError(str(exc), "prompt", "invalid_value") from exc
+        if prompt.text is not None:
+            text = prompt.text  # the prompt as given, not as its tokens decode
+        entries: list[CompletionEntry] = []
+        if score is not None:
+            offset = 0
+            for token in score.tokens:
+                piece = strings.text_of(token.token_id)
+                top_map = None
+                if token.top is not None:
+                    top_map = {strings.text_of(i): lp for i, lp in zip(token.top.ids, token.top_logprobs)}
+                entries.append((piece, token.logprob, top_map, offset))
+                offset += len(piece)
+        return EchoedPrompt(text, tuple(entries), len(ids))
+
     async def _prompt_ids(kind: str, plan: Plan) -> list[list[int]]:
         """Every prompt of the plan as checked token ids, tokenized on the prompt pool."""
         param = "messages" if kind == "chat" else "prompt"
@@ -177,8 +199,14 @@ def build_app(
         started: list[Started] = []
         places = len(plan.prompts)
         prompts.admit(places)  # 429 when the waiting queue is full
+        echoed: list[EchoedPrompt] = []
         try:
-            for ids in await _prompt_ids(kind, plan):
+            prompt_ids = await _prompt_ids(kind, plan)
+            if plan.echo:
+                echoed = [await echo(p, ids, plan) for p, ids in zip(plan.prompts, prompt_ids, strict=True)]
+            if plan.score_only:  # max_tokens 0: the prompts scored, nothing generated
+                return JSONResponse(Reply(kind, plan, [], strings, model, echoed).body())
+            for ids in prompt_ids:
                 started.append(
                     await bridge.start_request(
                         ids,
@@ -196,7 +224,9 @@ def build_app(
         finally:
             prompts.leave(places)
         tokenizer_here = None if plan.engine_text else tokenizer
-        reply = Reply(kind, plan, started, strings, model, tokenizer_here, tool_format=bridge.tool_format)
+        reply = Reply(
+            kind, plan, started, strings, model, echoed, tokenizer_here, tool_format=bridge.tool_format
+        )
         try:
             first = await _opening(channel, reply)
         except BaseException:

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
+from engine.core.scoring import score_ids
 from engine.core.service import Engine
 from engine.events import Event, ModelInfo
+from engine.inside import TextScore
 from engine.request import Request
 from engine.serve.channel import Channel
 from engine.serve.codec import RequestTagged
@@ -178,6 +180,17 @@ class EngineBridge:
             return Started(request_id, len(ids), tuple(ids[-PROMPT_CONTEXT_TOKENS:]))
 
         return await asyncio.wrap_future(self.engine._call(begin))
+
+    async def score_prompt(self, ids: list[int], top_k: int) -> tuple[str, TextScore | None]:
+        """A completion prompt's token ids (tokenized and checked): its text as the tokens decode
+        and, with `top_k` >= 0, every token scored under the ones before it on the engine thread
+        (engine/core/scoring.py: log-probs, ranks, the top `top_k`)."""
+
+        def score(core: LLMEngine) -> tuple[str, TextScore | None]:
+            text = str(core.tokenizer.decode(ids))
+            return text, (score_ids(core, ids, top_k) if top_k >= 0 else None)
+
+        return await asyncio.wrap_future(self.engine._call(score))
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)

@@ -96,7 +96,11 @@ class Plan:
     max_tokens_given: bool
     include_usage: bool
     tag: str | None
-    echo_prompts: tuple[str, ...] = ()
+    # completions' `echo`: the prompt comes back before the reply; with `logprobs`, each of its
+    # tokens with its log-probability (prompt log-probs, what loglikelihood evaluations read)
+    echo: bool = False
+    # `max_tokens: 0` with echo: the prompt alone, scored, and nothing generated
+    score_only: bool = False
     tools: ToolRequest | None = None  # a chat request that offers tools
 
     @property
@@ -239,9 +243,14 @@ def completion_plan(body: CompletionRequest, bounds: Bounds) -> Plan:
     top = body.logprobs
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise _refuse("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-    if body.echo and top is not None:
-        raise _refuse("echo", "echo with logprobs (prompt logprobs) is not supported by this server")
-    params = sampling_params(body, body.max_tokens, bounds, _snapshot_size(top))
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise _refuse(
+            "max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing generated)"
+        )
+    if score_only and body.stream:
+        raise _refuse("stream", "max_tokens 0 (the prompt scored, nothing generated) has nothing to stream")
+    params = sampling_params(body, 1 if score_only else body.max_tokens, bounds, _snapshot_size(top))
     if body.kvscope and body.kvscope.reply_prefix_ids:
         raise _refuse(
             "kvscope.reply_prefix_ids", "reply_prefix_ids continues a chat reply: use chat completions"
@@ -258,8 +267,16 @@ def completion_plan(body: CompletionRequest, bounds: Bounds) -> Plan:
         else:
             check_ids(prompt, bounds, "prompt")
             prompts.append(Prompt(ids=tuple(prompt)))
-    echo = tuple(p.text or "" for p in prompts) if body.echo else ()
-    return Plan(tuple(prompts), params, top, body.max_tokens is not None, _usage(body), _tag(body), echo)
+    return Plan(
+        tuple(prompts),
+        params,
+        top,
+        body.max_tokens is not None,
+        _usage(body),
+        _tag(body),
+        echo=body.echo,
+        score_only=score_only,
+    )
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -39,9 +39,19 @@ if TYPE_CHECKING:
 
 Json = dict[str, Any]  # a chunk, a body or a part of one, as it is serialised
 # A token's logprobs entry: chat, `choices[].logprobs.content[]`'s object; completions, (token,
-# logprob, top logprobs by token, text offset)
-CompletionEntry = tuple[str, float, dict[str, float], int]
+# logprob, top logprobs by token, text offset): logprob and top are None for a prompt's first token
+CompletionEntry = tuple[str, float | None, dict[str, float] | None, int]
 LogprobEntry = Json | CompletionEntry
+
+
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """A completion prompt as `echo` returns it before the reply: its text, and with `logprobs`
+    each of its tokens scored under the ones before it (engine/core/scoring.py)."""
+
+    text: str
+    entries: tuple[CompletionEntry, ...]
+    tokens: int
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ class Reply:
         started: list[Started],
         strings: TokenStrings,
         model: str,
+        echoed: list[EchoedPrompt] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         tool_format: ToolFormat | None = None,
     ):
@@ -120,16 +131,22 @@ class Reply:
         self.created = int(time.time())
         self.n = plan.sampling.n
         self.index_of = {s.request_id: i for i, s in enumerate(started)}
-        self.choices = [Choice() for _ in range(len(started) * self.n)]
+        self.choices = [Choice() for _ in range(len(plan.prompts) * self.n)]
         if plan.tools is not None and tool_format is not None:
             for choice in self.choices:
                 choice.tools = ToolStream(tool_format, plan.tools.constrained)
         self.stats: dict[int, RequestStats] = {}
         self.started: set[int] = set()
         self.error: ServeError | None = None
-        for i, prompt_text in enumerate(plan.echo_prompts):
+        self.echoed = echoed or []
+        for i, prompt in enumerate(self.echoed):
             for branch in range(self.n):
-                self.choices[i * self.n + branch].text = prompt_text
+                choice = self.choices[i * self.n + branch]
+                choice.text = prompt.text
+                choice.text_offset = len(prompt.text)
+                choice.logprobs = list(prompt.entries)
+                if plan.score_only:
+                    choice.finish_reason = "length"  # vLLM's for a prompt scored with max_tokens 0
         if tokenizer is not None:
             for i, s in enumerate(started):
                 for branch in range(self.n):
@@ -270,11 +287,16 @@ class Reply:
         return self._with_usage_slot(chunk)
 
     def echo_chunk(self) -> Json | None:
-        if not self.plan.echo_prompts:
+        if not self.echoed:
             return None
         chunk = self._head("text_completion")
         chunk["choices"] = [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": None}
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": self._logprobs_object(c.logprobs) if self.plan.top_logprobs is not None else None,
+                "finish_reason": None,
+            }
             for i, c in enumerate(self.choices)
         ]
         return self._with_usage_slot(chunk)
@@ -334,10 +356,21 @@ class Reply:
             chunk["usage"] = None  # as OpenAI streams it: null until the final usage chunk
         return chunk
 
+    def _usage(self) -> Json:
+        if self.plan.score_only:  # nothing ran as a request: the prompts were scored
+            tokens = sum(e.tokens for e in self.echoed)
+            return {
+                "prompt_tokens": tokens,
+                "completion_tokens": 0,
+                "total_tokens": tokens,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
+        return usage(list(self.stats.values()))
+
     def usage_chunk(self) -> Json:
         chunk = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         chunk["choices"] = []
-        chunk["usage"] = usage(list(self.stats.values()))
+        chunk["usage"] = self._usage()
         chunk["timings"] = timings(list(self.stats.values()))
         return chunk
 
@@ -381,6 +414,6 @@ class Reply:
             for out, c in zip(body["choices"], self.choices):
                 self._extras(out, c, True)
         stats = list(self.stats.values())
-        body["usage"] = usage(stats)
+        body["usage"] = self._usage()
         body["timings"] = timings(stats)
         return body

@@ -5,7 +5,8 @@ draft probability q(x) is accepted with probability min(1, p(x)/q(x)), where p i
 distribution after the request's own sampling stages; on the first rejection the token is drawn
 from the normalised residual max(p - q, 0); when every draft is accepted a bonus token is drawn
 from the target's next distribution. The emitted tokens are distributed exactly as p, whatever
-the draft. Greedy is the special case of one-hot p: drafts are kept while they equal the argmax.
+the draft. Greedy is the special case of one-hot p: drafts are kept while they equal the argmax
+(`verify_greedy`: the whole round from one argmax over its rows, no distribution built).
 """
 
 from __future__ import annotations
@@ -57,3 +58,17 @@ def verify(
         token = draw(residual / total) if total > 0 else draw(p[i])
         return Verdict(i, token, False, tuple(accept_probs), tuple(ps), tuple(qs))
     return Verdict(len(draft), draw(p[len(draft)]), True, tuple(accept_probs), tuple(ps), tuple(qs))
+
+
+def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
+    """A greedy round with no sampling stage: logits [len(draft) + 1, V]. Drafts are kept while
+    each equals its row's argmax; the token after them is the first differing row's argmax (the
+    rejection) or the last row's (the bonus): what `verify` gives with one-hot p and q, from one
+    argmax over the round's rows instead of a distribution per row."""
+    best: list[int] = logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == best[accepted]:
+        accepted += 1
+    examined = min(accepted + 1, len(draft))
+    kept = tuple(1.0 if i < accepted else 0.0 for i in range(examined))
+    return Verdict(accepted, best[accepted], accepted == len(draft), kept, kept, (1.0,) * examined)

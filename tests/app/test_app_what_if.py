@@ -1,6 +1,7 @@
 """The what-if in the window: with the what-if view on, a selected token of a reply is recomputed
-exactly on the engine thread (its full logits, the sampler's stages under the controls' settings)
-and the probability panel shows that, labelled; the same settings give back the recorded token."""
+exactly on the engine thread (the step's own logits, kept for the token, through the sampler's
+stages under the controls' settings) and the probability panel shows that, labelled with the
+logits it ran on; the same settings give back the recorded token bit for bit."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from dataclasses import replace
 import pytest
 from test_app_chat import send_and_wait, use_params
 
-from engine.core import what_if as what_if_module
-from engine.core.what_if import WhatIf
-from widgets.what_if_state import WHAT_IF_HOW
+from engine.core.what_if import HOW, WhatIf
+from engine.inside import KEPT
 
 TIMEOUT_MS = 60_000
 
@@ -22,10 +22,10 @@ def test_a_selected_token_is_recomputed_on_the_engine_under_new_settings(make_wi
     recorded = use_params(window, temperature=0.9, top_k=40, max_new_tokens=4, seed=3)
     finished = send_and_wait(qtbot, window, "Name a colour.")
     threads = []
-    original = what_if_module.context_logits
+    original = WhatIf._logits_for
     monkeypatch.setattr(
-        what_if_module,
-        "context_logits",
+        WhatIf,
+        "_logits_for",
         lambda *args: threads.append(threading.current_thread().name) or original(*args),
     )
     panel = window.panels.probabilities
@@ -37,7 +37,7 @@ def test_a_selected_token_is_recomputed_on_the_engine_under_new_settings(make_wi
     other = replace(recorded, temperature=0.4, top_k=5)
     assert controls.params() == other
     qtbot.waitUntil(
-        lambda: WHAT_IF_HOW in panel.banner.text() and "top-k 5" in panel.banner.text(), timeout=TIMEOUT_MS
+        lambda: HOW[KEPT] in panel.banner.text() and "top-k 5" in panel.banner.text(), timeout=TIMEOUT_MS
     )
     assert set(threads) == {"kvscope-engine"}
 
@@ -45,7 +45,9 @@ def test_a_selected_token_is_recomputed_on_the_engine_under_new_settings(make_wi
     token = window.host.live.token(finished.request_id, 2)
     request = window.host.request(finished.request_id)
     outputs = list(finished.token_ids[:2])
-    expected = WhatIf().recompute(window.host.engine.core, request, outputs, token.snapshot, other)
+    answer = WhatIf().recompute(window.host.engine.core, request, outputs, token.snapshot, other)
+    assert answer.logits_from == KEPT
+    expected = answer.snapshot
     assert (
         [s.name for s in panel.stages] == [s.name for s in expected.stages] == ["raw", "temperature", "top_k"]
     )
@@ -56,7 +58,7 @@ def test_a_selected_token_is_recomputed_on_the_engine_under_new_settings(make_wi
     controls.temperature.setValue(0.9)
     controls.top_k.setValue(40)
     qtbot.waitUntil(
-        lambda: "top-k 40" in panel.banner.text() and WHAT_IF_HOW in panel.banner.text(), timeout=TIMEOUT_MS
+        lambda: "top-k 40" in panel.banner.text() and HOW[KEPT] in panel.banner.text(), timeout=TIMEOUT_MS
     )
-    assert [row.prob for row in panel.rows] == pytest.approx(list(token.snapshot.stages[-1].probs), abs=1e-5)
-    assert threads.count("kvscope-engine") == 1  # the same token: its logits kept, only the stages re-ran
+    assert [row.prob for row in panel.rows] == list(token.snapshot.stages[-1].probs)  # bit for bit
+    assert set(threads) == {"kvscope-engine", "MainThread"}  # the app's on the engine, the test's own here

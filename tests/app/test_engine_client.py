@@ -41,6 +41,12 @@ def test_the_protocol_names_every_question_the_app_asks():
         "device",
         "device_limits",
         "what_if",
+        "inspect_token",
+        "expert_routes",
+        "score_text",
+        "read_control_vector",
+        "contrast_vector",
+        "steer",
         "measure_speedup",
         "loaded_model",
     }
@@ -86,6 +92,11 @@ def test_a_remote_engine_says_which_questions_need_the_engine_here():
         remote.device_limits(),
         remote.loaded_model(),
         remote.fit_context((), (), (), 16, "drop"),
+        remote.inspect_token(request, [], 5),
+        remote.expert_routes(request, [5]),
+        remote.score_text("some text"),
+        remote.read_control_vector("vector.gguf"),
+        remote.contrast_vector("happy", "sad"),
     ):
         with pytest.raises(RuntimeError, match="not available on a remote engine"):
             future.result(0)

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.config import MAX_NUM_DRAFT
 from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
 from engine.model.layer_attention import LayerAttention
 from engine.model.paged_attention import PagedBatch, attend
@@ -108,3 +109,38 @@ def test_decode_rows_beside_a_prefill_chunk_are_unchanged():
     mixed_q = torch.cat([queries, torch.randn(6, KV_HEADS * GROUP, HEAD_DIM)])
     mixed = attend(storage, 0, mixed_q, PagedBatch(storage, torch.arange(8), slices), how)
     assert torch.equal(mixed[:2], decode_only)
+
+
+@pytest.mark.parametrize("rows", [5, 1 + MAX_NUM_DRAFT])
+@pytest.mark.parametrize("kvk", ["on", "off"])
+@pytest.mark.parametrize("name", ["plain", "window", "sinks"])
+def test_a_verification_rows_are_the_decodes_at_their_positions(name, kvk, rows, monkeypatch):
+    """A speculative round's k + 1 rows (beside a decoding sequence and a long prefill chunk)
+    attend exactly as a lone decode at each of their positions would: on kvk's row attention
+    and, without kvk, on the batched torch decode path (SDPA over the chunk would round them
+    otherwise)."""
+    from engine.kernels import native
+
+    if kvk == "off":
+        monkeypatch.setattr(native, "kernels", lambda: None)
+    elif native.kernels() is None:
+        pytest.skip("kvk is not built on this machine")
+    how = HOWS[name]
+    storage = filled_storage("auto", seed=3)
+    ids = [5, 9, 1, 30, 31, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+    past = 37  # 37 tokens cached, then the last token and rows - 1 drafts
+    q = torch.randn(rows, KV_HEADS * GROUP, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    other = (23, [70, 71, 72, 73, 74, 75])
+    other_q = torch.randn(1, KV_HEADS * GROUP, HEAD_DIM)
+    prefill = torch.randn(20, KV_HEADS * GROUP, HEAD_DIM)
+    slices = [
+        SeqSlice(0, 1, other[0], block_index(other[1], "cpu")),
+        SeqSlice(1, rows, past + rows, block_index(ids, "cpu")),
+        SeqSlice(1 + rows, 20, 20, block_index([100, 101, 102, 103, 104], "cpu")),
+    ]
+    packed = torch.cat([other_q, q, prefill])
+    mixed = attend(storage, 0, packed, PagedBatch(storage, torch.arange(packed.shape[0]), slices), how)
+    for r in range(rows):
+        alone = decode(storage, how, [(past + r + 1, ids)], q[r : r + 1])
+        assert torch.equal(mixed[1 + r], alone[0]), f"verification row {r} differs from its decode"
+    assert torch.equal(mixed[0], decode(storage, how, [other], other_q)[0])

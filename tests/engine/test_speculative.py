@@ -6,11 +6,13 @@ import torch
 from tiny_models import IdTokenizer, make_tiny_llama
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.core.drafter import ModelDrafter
 from engine.core.llm_engine import LLMEngine
 from engine.events import BlockEvent, RequestFinished, SpecRound, TokenGenerated
 from engine.model.loaded import LoadedModel
 from engine.request import Request
-from engine.speculative.proposers import DraftModelProposer, NgramProposer, first_layers
+from engine.speculative.proposers import NgramProposer
+from engine.speculative.self_draft import draft_model, first_layers_draft
 from engine.speculative.verify import verify
 
 VOCAB = 300
@@ -57,9 +59,9 @@ def plain(tiny):
 @pytest.mark.parametrize(
     "spec",
     [
-        SpeculativeConfig("ngram", num_draft=3),
-        SpeculativeConfig("ngram", num_draft=5, adaptive=True),
-        SpeculativeConfig("self", num_draft=4, self_draft_layers=2),
+        SpeculativeConfig("ngram", num_draft=3, adaptive=False),
+        SpeculativeConfig("ngram", num_draft=5),
+        SpeculativeConfig("self", num_draft=4, self_draft_layers=2, adaptive=False),
     ],
     ids=["ngram", "ngram-adaptive", "self-2-layers"],
 )
@@ -76,7 +78,10 @@ def test_greedy_with_speculation_equals_plain_greedy(tiny, plain, spec):
 
 def test_greedy_with_a_separate_draft_model(tiny, plain):
     other = make_tiny_llama(vocab_size=VOCAB, seed=10, num_hidden_layers=1, tie_word_embeddings=False)
-    outs, events, _ = generate(tiny, SpeculativeConfig("ngram"), proposer=DraftModelProposer(other, "draft"))
+    loaded = LoadedModel.from_model(other, IdTokenizer(VOCAB), name="tiny draft", source="test")
+    config = EngineConfig(block_size=4, num_blocks=200)
+    drafter = ModelDrafter(draft_model(loaded, "draft"), config, 200, VOCAB)
+    outs, events, _ = generate(tiny, SpeculativeConfig("ngram", adaptive=False), proposer=drafter)
     assert outs == plain
     rounds = [e for e in events if isinstance(e, SpecRound)]
     assert rounds and all(r.proposer == "draft" for r in rounds)
@@ -92,7 +97,7 @@ class WrongProposer(NgramProposer):
         super().__init__()
         self.model = model
 
-    def propose(self, seq, k):
+    def lookup(self, seq, k):
         with torch.inference_mode():
             logits = self.model(torch.tensor([seq.token_ids])).logits[0, -1]
         best = int(logits.argmax())
@@ -121,7 +126,7 @@ def test_after_forced_rejections_logits_equal_a_fresh_run(tiny, plain):
     events = []
     spec_engine = LLMEngine(
         tiny,
-        EngineConfig(block_size=4, num_blocks=200, speculative=SpeculativeConfig("ngram", 3)),
+        EngineConfig(block_size=4, num_blocks=200, speculative=SpeculativeConfig("ngram", 3, adaptive=False)),
         events.append,
     )
     spec_engine.proposer = WrongProposer(tiny.model)
@@ -154,7 +159,7 @@ def test_rollback_frees_blocks_left_empty_and_caches_only_verified_tokens(tiny):
     events = []
     engine = LLMEngine(
         tiny,
-        EngineConfig(block_size=2, num_blocks=100, speculative=SpeculativeConfig("ngram", 6)),
+        EngineConfig(block_size=2, num_blocks=100, speculative=SpeculativeConfig("ngram", 6, adaptive=False)),
         events.append,
     )
     engine.proposer = WrongProposer(tiny.model)
@@ -256,7 +261,9 @@ def test_greedy_verifier_keeps_drafts_while_they_equal_the_argmax():
 
 
 def test_self_draft_shares_weights_and_truncates_layers(tiny):
-    draft = first_layers(tiny.model, 2)
-    assert draft.model.config.num_hidden_layers == 2 and tiny.model.config.num_hidden_layers == 4
-    assert draft.model.embed_tokens.weight is tiny.model.model.embed_tokens.weight
-    assert draft.lm_head is tiny.model.lm_head and tiny.model.model is not draft.model
+    draft = first_layers_draft(tiny, 2).model
+    assert draft.config.num_hidden_layers == 2 and tiny.model.config.num_hidden_layers == 4
+    assert len(draft.model.layers) == 2 and len(tiny.model.model.layers) == 4
+    assert draft.model.layers[1] is tiny.model.model.layers[1]
+    assert draft.model.embed_tokens is tiny.model.model.embed_tokens
+    assert draft.lm_head.storage is tiny.model.lm_head.storage and tiny.model.model is not draft.model

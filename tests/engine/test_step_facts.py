@@ -19,9 +19,13 @@ class FourDrafts:
     """Always proposes 4 tokens (an n-gram lookup without a match would propose fewer)."""
 
     name = "four"
+    free = True
+    forwards = 1
 
-    def propose(self, seq, k):
-        return [(seq.token_ids[-1] + 1 + i) % 500 for i in range(k)], [None] * k
+    def propose(self, seqs, ks):
+        return [
+            ([(seq.token_ids[-1] + 1 + i) % 500 for i in range(k)], [None] * k) for seq, k in zip(seqs, ks)
+        ]
 
     def on_verified(self, seq, valid_tokens):
         pass
@@ -58,7 +62,7 @@ CASES = {
     "plain": (SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True), {}),
     "speculation, 4 drafts": (
         SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
-        {"speculative": SpeculativeConfig("ngram", num_draft=4)},
+        {"speculative": SpeculativeConfig("ngram", num_draft=4, adaptive=False)},
     ),
     "n=4 samples": (SamplingParams(temperature=0.8, n=4, seed=1, max_new_tokens=5, ignore_eos=True), {}),
     "3 beams": (SamplingParams(temperature=0.0, num_beams=3, max_new_tokens=5, ignore_eos=True), {}),
@@ -123,9 +127,9 @@ def test_a_speculative_steps_forward_time_excludes_drafting(tiny_loaded, monkeyp
     )
     propose, forward = engine.proposer.propose, engine.runner.forward
 
-    def slow_propose(seq, k):
+    def slow_propose(seqs, ks):
         clock.now += 10.0
-        return propose(seq, k)
+        return propose(seqs, ks)
 
     def timed_forward(*args):
         clock.now += 1.0

@@ -1,8 +1,10 @@
 """The what-if is exact (engine.core.what_if): a generated token recomputed under its own
-settings is its recorded snapshot, and under other settings it is what the engine itself shows
-for that token under them (a request continuing the reply from the same tokens), whatever the
-tail of the vocabulary holds. The tiny random model's distribution is nearly flat over 49k
-tokens: the heavy tail a top-256 approximation could not reproduce."""
+settings is its recorded snapshot bit for bit (the step's own logits, kept for it), on float32 and
+native weights; once its logits are no longer kept, they are recomputed through the engine's paged
+forward (and the answer says so); under other settings it is what the engine itself shows for
+that token under them (a request continuing the reply from the same tokens), whatever the tail of
+the vocabulary holds. The tiny random model's distribution is nearly flat over 49k tokens: the
+heavy tail a top-256 approximation could not reproduce."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from dataclasses import replace
 import pytest
 
 from engine.config import EngineConfig, SamplingParams
-from engine.core import what_if as what_if_module
+from engine.core import replay as replay_module
+from engine.core.kept_logits import KeptLogits
 from engine.core.llm_engine import LLMEngine
-from engine.core.what_if import WhatIf, what_if_notes
+from engine.core.what_if import HOW, WhatIf, what_if_notes
 from engine.events import TokenGenerated
+from engine.inside import KEPT, RECOMPUTED
 from engine.request import ChatMessage, Request
 
 MESSAGES = (ChatMessage("system", "You are terse."), ChatMessage("user", "Name three colours."))
@@ -53,18 +57,55 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["chunked", "int8-kv"])
-def test_under_its_own_settings_a_token_is_its_recorded_snapshot(tiny_loaded, config):
+def test_under_its_own_settings_a_token_is_its_recorded_snapshot_bit_for_bit(tiny_loaded, config):
     request = Request(messages=MESSAGES, sampling=RECORDED)
     engine, tokens = generate(tiny_loaded, config, request)
     assert len(tokens) == TOKENS
     what_if = WhatIf()
     for token in tokens:
         outputs = [t.token_id for t in tokens[: token.index]]
-        got = what_if.recompute(engine, request, outputs, token.snapshot, RECORDED)
+        answer = what_if.recompute(engine, request, outputs, token.snapshot, RECORDED)
+        assert answer.logits_from == KEPT and answer.how == HOW[KEPT]
+        assert answer.snapshot == token.snapshot  # every stage, probability and count, to the bit
+
+
+def test_native_weights_too(tmp_path):
+    from gguf_files import write_tiny_llama
+    from test_native_gguf import native_loaded
+
+    loaded = native_loaded(write_tiny_llama(tmp_path / "tiny.gguf"))
+    request = Request(prompt_token_ids=tuple(range(5, 30)), sampling=RECORDED)
+    engine, tokens = generate(loaded, CONFIGS[0], request)
+    assert loaded.info.quantization == "native"
+    for token in tokens:
+        outputs = [t.token_id for t in tokens[: token.index]]
+        answer = WhatIf().recompute(engine, request, outputs, token.snapshot, RECORDED)
+        assert answer.logits_from == KEPT and answer.snapshot == token.snapshot
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["chunked", "int8-kv"])
+def test_logits_no_longer_kept_are_recomputed_through_the_paged_forward_and_it_says_so(tiny_loaded, config):
+    request = Request(messages=MESSAGES, sampling=RECORDED)
+    engine, tokens = generate(tiny_loaded, config, request)
+    engine.kept_logits = KeptLogits(0)  # as if the budget had dropped them
+    replays = []
+    original = replay_module.Replay.last_row
+    what_if = WhatIf()
+    for token in tokens:
+        outputs = [t.token_id for t in tokens[: token.index]]
+        replay_module.Replay.last_row = lambda self, *a, **k: replays.append(1) or original(self, *a, **k)
+        try:
+            answer = what_if.recompute(engine, request, outputs, token.snapshot, RECORDED)
+        finally:
+            replay_module.Replay.last_row = original
+        got = answer.snapshot
+        assert answer.logits_from == RECOMPUTED and answer.how == HOW[RECOMPUTED]
         assert got.candidate_ids == token.snapshot.candidate_ids
         assert got.drawn_id == token.token_id
         assert_same_stages(got, token.snapshot, got.candidate_ids)
         assert got.drawn_prob == pytest.approx(token.snapshot.drawn_prob, abs=1e-5)
+    assert len(replays) == TOKENS
+    assert engine.kv.pool.num_used == 0  # the recomputations gave their blocks back
 
 
 OTHER = [
@@ -87,7 +128,7 @@ def test_under_other_settings_it_is_what_the_engine_shows_under_them(tiny_loaded
     other = replace(RECORDED, **settings)
     index = 3
     prefix = tuple(t.token_id for t in tokens[:index])
-    got = WhatIf().recompute(engine, request, list(prefix), tokens[index].snapshot, other)
+    got = WhatIf().recompute(engine, request, list(prefix), tokens[index].snapshot, other).snapshot
     # The engine's own answer: the same conversation continued from the same reply tokens under
     # `other` (the CTRL repetition penalty counts prompt and reply alike, so it sees the same
     # history); one token, whichever it draws.
@@ -102,10 +143,11 @@ def test_under_other_settings_it_is_what_the_engine_shows_under_them(tiny_loaded
 def test_moving_a_setting_reruns_only_the_stages(tiny_loaded, monkeypatch):
     request = Request(messages=MESSAGES, sampling=RECORDED)
     engine, tokens = generate(tiny_loaded, CONFIGS[0], request)
+    engine.kept_logits = KeptLogits(0)  # recomputed: the last recomputation is kept
     forwards = []
-    original = what_if_module.context_logits
+    original = replay_module.Replay.last_row
     monkeypatch.setattr(
-        what_if_module, "context_logits", lambda *args: forwards.append(args[1]) or original(*args)
+        replay_module.Replay, "last_row", lambda self, *a, **k: forwards.append(1) or original(self, *a, **k)
     )
     what_if = WhatIf()
     token = tokens[2]
@@ -126,8 +168,8 @@ def test_xtc_is_shown_as_if_its_coin_came_up_and_says_so(tiny_loaded):
     always = replace(sometimes, xtc_probability=1.0)
     outputs = [t.token_id for t in tokens[:2]]
     what_if = WhatIf()
-    got = what_if.recompute(engine, request, outputs, tokens[2].snapshot, sometimes)
-    fired = what_if.recompute(engine, request, outputs, tokens[2].snapshot, always)
+    got = what_if.recompute(engine, request, outputs, tokens[2].snapshot, sometimes).snapshot
+    fired = what_if.recompute(engine, request, outputs, tokens[2].snapshot, always).snapshot
     assert [s.name for s in got.stages][-1] == "xtc" and got.stages == fired.stages
     assert got.stages[-1].kept_count < got.stages[-2].kept_count  # it cut
     assert what_if_notes(sometimes) == ("XTC shown as if its coin came up (it does with probability 0.3)",)

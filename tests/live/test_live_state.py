@@ -252,3 +252,14 @@ def test_rolling_rate_of_fast_tokens_uses_the_one_second_window():
     times = [0.01 * (i + 1) for i in range(300)]  # 100 tokens/s for 3 s
     state.apply([RequestStarted(1, 3, t=0.0)] + [token(1, i, t=t) for i, t in enumerate(times)])
     assert state.latency.column("tokens_per_s")[-1] == pytest.approx(100.0, rel=0.02)
+
+
+def test_a_replays_sequence_is_named_as_an_inspection_and_a_groups_forks_are_not():
+    from engine.core.group_driver import FORK_SEQ_ID_BASE
+    from engine.core.replay import REPLAY_SEQ_IDS
+
+    state = LiveState()
+    replay = next(REPLAY_SEQ_IDS)
+    assert state.seq_label(replay) == "an inspection of a token (its context replayed)"
+    assert state.seq_label(3) == "#3"
+    assert state.seq_label(FORK_SEQ_ID_BASE) == f"#{FORK_SEQ_ID_BASE}"  # not a replay

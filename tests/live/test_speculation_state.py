@@ -22,7 +22,7 @@ class WrongProposer(NgramProposer):
         super().__init__()
         self.model, self.vocab_size = model, vocab_size
 
-    def propose(self, seq, k):
+    def lookup(self, seq, k):
         with torch.inference_mode():
             best = int(self.model(torch.tensor([seq.token_ids])).logits[0, -1].argmax())
         return [(best + 1 + i) % self.vocab_size for i in range(k)], [None] * k
@@ -34,7 +34,9 @@ REPEATED = "one two three four five " * 8
 
 def test_page_map_after_rollbacks_equals_the_engines_kv_stats(tiny_loaded):
     events: list = []
-    config = EngineConfig(block_size=2, num_blocks=400, speculative=SpeculativeConfig("ngram", num_draft=6))
+    config = EngineConfig(
+        block_size=2, num_blocks=400, speculative=SpeculativeConfig("ngram", num_draft=6, adaptive=False)
+    )
     engine = LLMEngine(tiny_loaded, config, events.append)
     engine.proposer = WrongProposer(tiny_loaded.model, len(tiny_loaded.tokenizer))
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)

@@ -62,7 +62,8 @@ def test_bad_chat_parameters_are_400_naming_the_parameter(server, fields, param)
 def test_bad_completion_parameters_and_bodies(server):
     for fields, param in (
         ({"logprobs": 21}, "logprobs"),
-        ({"echo": True, "logprobs": 2}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),  # nothing to generate, and no echo to score
+        ({"max_tokens": 0, "echo": True, "stream": True}, "stream"),
         ({"suffix": "end"}, "suffix"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ""}, "prompt"),

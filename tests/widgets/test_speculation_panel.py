@@ -5,11 +5,11 @@ import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
-from engine.events import RequestFinished, RequestStats, SpecRound
+from engine.events import DraftLength, RequestFinished, RequestStats, SpecRound
 from engine.request import Request
 from engine.results import SpeedRun, SpeedupResult
 from live.state import LiveState
-from widgets.speculation_panel import SpeculationPanel, acceptance_of, round_rows
+from widgets.speculation_panel import Acceptance, SpeculationPanel, acceptance_of, round_rows, saving_text
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,39 @@ def test_a_slowdown_is_said_plainly_and_a_speedup_as_such(qtbot):
     assert "slows this down" in text and "0.50×" in text and "40.0 tokens/s" in text
     panel.show_speedup(_result(60.0, 40.0))
     assert "1.50× faster" in panel.speedup_label.text()
+
+
+def test_the_draft_length_and_the_measured_saving_are_shown(qtbot, ngram_events):
+    """The summary says the request's current draft length (the engine's last DraftLength, else
+    its latest round's) and the time saved or lost per token: the rounds' sum while streaming,
+    RequestStats.spec_saved_s once finished."""
+    finished = next(e for e in ngram_events if isinstance(e, RequestFinished))
+    rounds = [e for e in ngram_events if isinstance(e, SpecRound)]
+    changes = [e for e in ngram_events if isinstance(e, DraftLength)]
+    live = LiveState()
+    live.apply([e for e in ngram_events if e is not finished])
+    running = acceptance_of(live, finished.request_id)
+    assert running.saved_s == pytest.approx(sum(r.saved_s for r in rounds))
+    want_length = changes[-1].draft_length if changes else rounds[-1].draft_length
+    assert running.draft_length == want_length
+    live.apply([finished])
+    final = acceptance_of(live, finished.request_id)
+    assert final.saved_s == finished.stats.spec_saved_s
+    assert final.saved_ms_per_token == pytest.approx(1e3 * finished.stats.spec_saved_s / 24)
+    panel = SpeculationPanel(live)
+    qtbot.addWidget(panel)
+    panel.refresh({"speculation"})
+    assert f"draft length now <b>{want_length}</b>" in panel.summary.text()
+    assert f"{abs(final.saved_ms_per_token):.2f} ms" in panel.summary.text()
+
+
+def test_a_loss_and_a_draft_length_of_zero_are_said_as_such():
+    base = dict(request_id=1, rounds=4, drafted=8, accepted=0, generated=10, target_forwards=10)
+    lost = Acceptance(
+        **base, accepted_by_position=(), drafted_by_position=(), final=True, draft_length=0, saved_s=-0.02
+    )
+    text = saving_text(lost)
+    assert "draft length now <b>0</b>" in text and "lost <b>2.00 ms</b> per token" in text
+    live = LiveState()
+    live.apply([DraftLength(7, 0, 0.1)])
+    assert live.draft_lengths == {7: 0}

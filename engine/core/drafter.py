@@ -1,0 +1,259 @@
+"""A model that drafts: a smaller model of the target's family, or the target's own layers (a
+self-draft, engine/speculative/self_draft.py), run on the engine's own runner over a paged KV
+pool of its own.
+
+Every decoding sequence's drafts come from the same forwards: a round of k drafts is k forwards
+of the draft for the whole batch (the first one also catches the draft's cache up on the tokens
+the target committed since the last round: 1 + the drafts it accepted), each through kvscope's
+own forward and the kernel table's kernels, like the target's decode steps. A draft's cache keeps
+the positions the target verified and drops the rest (`on_verified`), block by block.
+
+Drafts are drawn under the request's own sampling settings (their distribution is the q the
+verifier needs); a greedy request's drafts are the draft's argmax (one-hot q). A draft whose
+head covers only the first ids of the vocabulary (a self-draft's trimmed head) gives the other
+ids probability 0, which the exact verifier allows for any proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ConfigError, EngineConfig, ModelSpec
+from engine.core.runner import ModelRunner
+from engine.kernels.policy import KernelPolicy
+from engine.kv.block_pool import Block, BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.model.kv_storage import PagedKVStorage
+from engine.model.loaded import LoadedModel
+from engine.model.loading import load_model
+from engine.sampling.sampler import Sampler
+from engine.speculative import self_draft
+from engine.speculative.proposers import Drafts, NgramProposer, Proposer, Sequence, check_same_tokenizer
+from engine.speculative.self_draft import Calibration, DraftModel
+
+
+@dataclass(eq=False)
+class _DraftSeq:
+    """One sequence's side of the draft: the tokens whose K/V the draft has (the target's
+    committed tokens, then its own drafts of the round), its blocks. Shaped like the engine's
+    Sequence where the runner and the KV manager read it."""
+
+    seq_id: int
+    sampler: Sampler
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[Block] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # always empty: a draft has no drafts
+    peak_blocks: int = 0
+    block_keys: list[tuple[tuple[int, ...], bytes]] = field(default_factory=list)  # the manager's memo
+    cow_copies: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        return self.token_ids[start:end]
+
+
+class ModelDrafter:
+    """A draft model as a proposer (engine.speculative.proposers.Proposer): batched drafts."""
+
+    free = False  # proposing runs a model
+
+    def __init__(self, draft: DraftModel, config: EngineConfig, num_blocks: int, vocab_size: int):
+        self.draft = draft
+        self.name = draft.name
+        self.vocab_size = vocab_size  # the target's: a draft's q spans it
+        info = draft.shapes
+        self.storage = PagedKVStorage(
+            info.num_layers,
+            num_blocks,
+            config.block_size,
+            info.num_kv_heads,
+            info.head_dim,
+            draft.dtype,
+            draft.device,
+            kv_dtype=config.kv_dtype,
+            layers=draft.attention or None,
+        )
+        self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size), enable_prefix_caching=False)
+        policy = draft.policy if draft.policy is not None else KernelPolicy()
+        self.runner = ModelRunner(draft.model, self.storage, self.kv, draft.device, policy)
+        self._seqs: dict[int, _DraftSeq] = {}
+        self.forwards = 0  # draft forwards the last `propose` ran
+
+    # ---- Proposer ----------------------------------------------------------------------------
+    def memory_bytes(self) -> tuple[int, int]:
+        """(own weights: a self-draft's fitted head, a draft model's weights; the K/V its pool
+        holds now)."""
+        return self.draft.weight_bytes, self.kv.pool.num_used * self.storage.bytes_per_block
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
+        by_id = {seq.seq_id: seq for seq in seqs}
+        drafts: dict[int, Drafts] = {seq.seq_id: ([], []) for seq in seqs}
+        stopped: set[int] = set()  # below the confidence threshold: the round ends there
+        self.forwards = 0
+        active: list[tuple[_DraftSeq, int]] = []
+        for seq, k in zip(seqs, ks):
+            own = self._catch_up(seq) if k > 0 else None
+            if own is not None:
+                active.append((own, k))
+        for i in range(max((k for _, k in active), default=0)):
+            running = [(own, k) for own, k in active if k > i and own.seq_id not in stopped]
+            if i > 0:  # feed each sequence its previous draft
+                fed = []
+                for own, k in running:
+                    if not self._room(own, 1):
+                        continue  # the pool is full: this sequence's round ends here
+                    own.token_ids.append(drafts[own.seq_id][0][-1])
+                    fed.append((own, k))
+                running = fed
+            if not running:
+                break
+            owns = [own for own, _ in running]
+            counts = [own.num_tokens - own.num_computed_tokens for own in owns]
+            result = self.runner.forward(owns, counts, {own.seq_id: 1 for own in owns})  # type: ignore[arg-type]
+            self.forwards += 1
+            for own, n in zip(owns, counts):
+                self.kv.commit(own, n)
+                row = result.logits[result.rows[own.seq_id][0]]
+                if self.draft.confidence > 0 and float(torch.softmax(row, -1).max()) < self.draft.confidence:
+                    stopped.add(own.seq_id)
+                    continue
+                token, q = self._draw(own, row, by_id[own.seq_id], drafts[own.seq_id][0])
+                drafts[own.seq_id][0].append(token)
+                drafts[own.seq_id][1].append(q)
+        return [drafts[seq.seq_id] for seq in seqs]
+
+    def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
+        """Keep the draft's K/V of the first `valid_tokens` tokens only."""
+        own = self._seqs.get(seq.seq_id)
+        if own is None:
+            return
+        keep = min(own.num_computed_tokens, valid_tokens)
+        del own.token_ids[keep:]
+        own.num_computed_tokens = keep
+        needed = self.kv.blocks_needed(keep)
+        if len(own.block_table) > needed:
+            emptied = own.block_table[needed:]
+            del own.block_table[needed:]
+            self.kv.pool.free(list(reversed(emptied)), own.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        own = self._seqs.pop(seq.seq_id, None)
+        if own is not None:
+            self.kv.free(own)
+
+    # ---- inside ------------------------------------------------------------------------------
+    def _catch_up(self, seq: Sequence) -> _DraftSeq | None:
+        """The sequence's draft side with the target's committed tokens it lacks queued (and
+        room for them in the pool), or None when the pool cannot hold them."""
+        own = self._seqs.get(seq.seq_id)
+        if own is None:
+            own = self._seqs[seq.seq_id] = _DraftSeq(seq.seq_id, Sampler(seq.params))
+        committed = seq.token_ids
+        del own.token_ids[own.num_computed_tokens :]
+        own.token_ids.extend(committed[own.num_computed_tokens :])
+        if own.num_computed_tokens >= len(committed) or not self._room(
+            own, own.num_tokens - own.num_computed_tokens
+        ):
+            self.release(seq)
+            return None
+        return own
+
+    def _room(self, own: _DraftSeq, n: int) -> bool:
+        """Blocks for `n` more tokens, taken now; False when the pool has none left."""
+        if not own.block_table:
+            if not self.kv.can_allocate(own, [], n):
+                return False
+            self.kv.allocate(own, [], 0)
+        if not self.kv.can_append(own, n):
+            return False
+        self.kv.append(own, n)
+        return True
+
+    def _draw(
+        self, own: _DraftSeq, logits: torch.Tensor, seq: Sequence, drafted: list[int]
+    ) -> tuple[int, torch.Tensor | None]:
+        sampler = own.sampler
+        if sampler.plain_greedy:
+            return int(logits.argmax()), None  # one-hot q: the verifier keeps it while it is the argmax
+        if logits.shape[-1] < self.vocab_size:  # a trimmed head: the ids it lacks get probability 0
+            full = logits.new_full((self.vocab_size,), float("-inf"))
+            full[: logits.shape[-1]] = logits
+            logits = full
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        q = sampler.distribution(logits, prompt, [*seq.output_ids, *drafted])
+        if seq.params.greedy:
+            return int(q.argmax()), None  # the penalized argmax; one-hot q
+        return sampler.draw(q), q
+
+
+# ---- which proposer --------------------------------------------------------------------------
+# Replies the self-draft is calibrated on (engine.speculative.self_draft.calibrate): free chat of
+# several kinds, greedy, the target's own words.
+CALIBRATION_PROMPTS = (
+    "What are some good habits for sleeping well?",
+    "Explain how a bicycle stays upright while moving.",
+    "Write a short poem about autumn leaves.",
+    "What should I pack for a weekend camping trip?",
+    "Summarize the plot of a detective story in a few sentences.",
+    "How do I make a simple tomato pasta sauce?",
+    "Why do cats purr?",
+    "Give me three ideas for a birthday party.",
+)
+CALIBRATION_TOKENS = 48
+
+# greedy replies to prompts: (full token sequences, where each reply starts)
+ReplyMaker = Callable[[tuple[str, ...], int], Calibration]
+
+
+def make_proposer(
+    config: EngineConfig, loaded: LoadedModel, num_blocks: int, replies: ReplyMaker
+) -> Proposer:
+    """The proposer named by `config.speculative` for the target `loaded`; a model drafter gets
+    a KV pool of `num_blocks` blocks. `replies` generates the target's own greedy replies (the
+    self-draft's calibration, when no plan is cached for this model)."""
+    spec = config.speculative
+    assert spec is not None, "the engine makes a proposer only for a speculative config"
+    vocab = loaded.info.vocab_size
+    if spec.method == "ngram":
+        return NgramProposer()
+    if spec.method == "self":
+        return ModelDrafter(
+            self_draft_for(loaded, spec.self_draft_layers, replies), config, num_blocks, vocab
+        )
+    assert spec.draft_model, "SpeculativeConfig requires a draft model for 'draft'"
+    draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
+    check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
+    if draft.info.vocab_size > vocab:
+        raise ConfigError(
+            f"The draft model's head has {draft.info.vocab_size} tokens, more than the target's {vocab}."
+        )
+    return ModelDrafter(
+        self_draft.draft_model(draft, f"draft ({draft.info.name})"), config, num_blocks, vocab
+    )
+
+
+def self_draft_for(loaded: LoadedModel, layers: int | None, replies: ReplyMaker) -> DraftModel:
+    """The fitted self-draft: its plan from the cache, or calibrated now on the target's replies
+    (and cached). Without replies to fit on (no chat template), the first layers as they are."""
+    cached = self_draft.load_plan(loaded)
+    if cached is not None and (layers is None or cached[0].layers == layers):
+        return self_draft.fitted_self_draft(loaded, *cached)
+    calibration = replies(CALIBRATION_PROMPTS, CALIBRATION_TOKENS)
+    if len(calibration.sequences) < 2:
+        return self_draft.first_layers_draft(loaded, layers or max(1, loaded.info.num_layers // 4))
+    plan, head = self_draft.calibrate(loaded, calibration, layers)
+    if layers is None:
+        self_draft.save_plan(loaded, plan, head)
+    return self_draft.fitted_self_draft(loaded, plan, head)

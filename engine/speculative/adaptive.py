@@ -1,0 +1,274 @@
+"""How many drafts each sequence gets: the length that makes the most of the engine's time, from
+what this engine measured (never a fixed guess), down to none.
+
+Two measurements, both the engine's own:
+  costs       a decode step's time by its rows (each speculative round adds its drafts' rows),
+              and the drafting time per draft forward, as exponential averages;
+  acceptance  per sequence and draft position j, the recent share of rounds whose j-th draft
+              was kept given the ones before it were (decayed counts, so it follows the text).
+A round of k drafts is expected to give E(k) = 1 + sum_i prod_{j<=i} a_j tokens. Its net, in
+seconds of engine time: (E(k) - 1) plain tokens' worth (a plain step's time over its sequences)
+less what the k rows add to the step and the drafting costs. The chosen length is the k with the
+best positive net, else 0: the sequence decodes plainly.
+
+At 0 it keeps learning. A free proposer (n-gram lookup) still proposes at every plain step and
+its proposal is scored against the tokens the target then decodes (a shadow round: nothing is
+verified, nothing is spent); a costly one (a draft model) gets a one-draft probe round now and
+then, spaced out further each time it fails.
+
+Each round's saving is measured the same way, after the fact: the tokens it gave beyond the
+first at a plain token's time, less the step's time beyond a plain step's of its other rows and
+its share of the drafting (`RoundOutcome`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+# Until the engine has timed steps of two row counts, a verification row is taken to cost this
+# share of a one-row decode step (kvk reads the weights once per step: rows cost their activations
+# and attention; measured on the packaged model at 2 cores between 0.05 and 0.3 of a step).
+PRIOR_ROW_COST = 0.2
+# A cost is the median of its last few timings: a step slowed by the machine (or the first one,
+# which pays one-off costs) moves a median less than an average, and recent ones follow the
+# context's growth.
+TIMINGS_KEPT = 15
+ACCEPTANCE_DECAY = 0.85  # per round: the acceptance of the last ~7 rounds counts
+PROBE_FIRST, PROBE_MOST = 8, 64  # plain steps before a probe round; doubled after each failure
+MAX_ROWS_TRACKED = 64
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """The engine's measured step times by rows (decode and verification steps only) and its
+    drafting time per draft forward: medians of their last timings."""
+
+    by_rows: dict[int, float] = field(default_factory=dict)
+    draft_forward_s: float | None = None
+    _steps: dict[int, deque[float]] = field(default_factory=dict)
+    _drafts: deque[float] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        if rows < 1 or rows > MAX_ROWS_TRACKED or seconds <= 0:
+            return
+        timings = self._steps.setdefault(rows, deque(maxlen=TIMINGS_KEPT))
+        timings.append(seconds)
+        self.by_rows[rows] = statistics.median(timings)
+
+    def observe_drafting(self, forwards: int, seconds: float) -> None:
+        if forwards < 1:
+            return
+        self._drafts.append(seconds / forwards)
+        self.draft_forward_s = statistics.median(self._drafts)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.by_rows)
+
+    def step(self, rows: int) -> float | None:
+        """A decode step's time at `rows` rows: measured, else on the line through the nearest
+        measured row counts, else from the one measured with the prior row cost."""
+        if rows in self.by_rows:
+            return self.by_rows[rows]
+        if not self.by_rows:
+            return None
+        known = sorted(self.by_rows)
+        if len(known) == 1:
+            r0 = known[0]
+            t0 = self.by_rows[r0]
+            one = t0 / (1 + PRIOR_ROW_COST * (r0 - 1))
+            return one * (1 + PRIOR_ROW_COST * (rows - 1))
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if below and above:
+            a, b = below[-1], above[0]
+        elif below:
+            a, b = below[-2], below[-1]
+        else:
+            a, b = above[0], above[1]
+        ta, tb = self.by_rows[a], self.by_rows[b]
+        slope = max(0.0, (tb - ta) / (b - a))
+        return max(1e-9, ta + slope * (rows - a))
+
+    def row_cost(self, rows: int, extra: int) -> float | None:
+        """What `extra` more rows add to a step of `rows` rows."""
+        base, wider = self.step(rows), self.step(rows + extra)
+        if base is None or wider is None:
+            return None
+        return max(0.0, wider - base)
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    kept: list[float] = field(default_factory=list)  # decayed count of rounds keeping draft j
+    reached: list[float] = field(default_factory=list)  # ... of rounds that examined draft j
+
+    def record(self, examined: int, accepted: int) -> None:
+        """A round (or a shadow round) examined its first `examined` drafts and kept `accepted`."""
+        for counts in (self.kept, self.reached):
+            for j in range(len(counts)):
+                counts[j] *= ACCEPTANCE_DECAY
+            counts.extend([0.0] * (examined - len(counts)))
+        for j in range(examined):
+            self.reached[j] += 1.0
+            if j < accepted:
+                self.kept[j] += 1.0
+
+    def rate(self, j: int) -> float:
+        """P(draft j kept | the drafts before it were), with a weak prior at the sequence's mean."""
+        total_kept, total_reached = sum(self.kept), sum(self.reached)
+        mean = (total_kept + 0.5) / (total_reached + 1.0)
+        if j < len(self.reached):
+            return (self.kept[j] + mean) / (self.reached[j] + 1.0)
+        return mean
+
+    def overall(self) -> float:
+        reached = sum(self.reached)
+        return sum(self.kept) / reached if reached else 0.0
+
+    def expected_tokens(self, k: int) -> float:
+        total, chain = 1.0, 1.0
+        for j in range(k):
+            chain *= self.rate(j)
+            total += chain
+        return total
+
+
+@dataclass(slots=True)
+class SequenceTuning:
+    """One sequence's draft length and what it was chosen from."""
+
+    draft_length: int
+    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    plain_steps: int = 0  # plain steps since the last probe (costly proposers at length 0)
+    probe_every: int = PROBE_FIRST
+    probing: bool = False
+    shadow_at: int = -1  # free proposers at length 0: where the shadow proposal starts
+    shadow: list[int] = field(default_factory=list)
+    saved_s: float = 0.0  # what its rounds saved (or lost: negative), measured
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    saved_s: float  # this round's saving against plain decoding (negative: a loss)
+    draft_s: float  # its share of the drafting
+
+
+class DraftTuner:
+    """The draft lengths of an engine's sequences (`adaptive`), or the configured one always."""
+
+    def __init__(self, most: int, adaptive: bool, free_proposer: bool):
+        self.most, self.adaptive, self.free = most, adaptive, free_proposer
+        self.costs = StepCosts()
+        self._seqs: dict[int, SequenceTuning] = {}
+
+    def tuning(self, seq_id: int) -> SequenceTuning:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = SequenceTuning(self.most)
+        return state
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    # ---- before the step ---------------------------------------------------------------------
+    def choose(self, seq_id: int, decoding: int, cap: int) -> int:
+        """The draft length for this step of a sequence among `decoding` decoding sequences, at
+        most `cap` (its tokens left). 0: plain decoding this step."""
+        state = self.tuning(seq_id)
+        state.probing = False
+        if cap <= 0:
+            return 0
+        if not self.adaptive:
+            return min(self.most, cap)
+        if not self.costs.known:
+            return 0  # the first decode step is plain: it times a plain step
+        state.draft_length = self._best(state, decoding)
+        if state.draft_length == 0 and not self.free:
+            state.plain_steps += 1
+            if state.plain_steps >= state.probe_every:
+                state.plain_steps = 0
+                state.probing = True
+                return 1
+        return min(state.draft_length, cap)
+
+    def _best(self, state: SequenceTuning, decoding: int) -> int:
+        decoding = max(1, decoding)
+        plain = self.costs.step(decoding)
+        if plain is None:
+            return self.most
+        token_s = plain / decoding  # what one plain token costs the engine at this batch
+        best_k, best_net = 0, 0.0
+        for k in range(1, self.most + 1):
+            rows = self.costs.row_cost(decoding, k)
+            if rows is None:
+                return self.most
+            net = (state.acceptance.expected_tokens(k) - 1.0) * token_s - rows - self._drafting(k, decoding)
+            if net > best_net:
+                best_k, best_net = k, net
+        return best_k
+
+    def _drafting(self, k: int, decoding: int) -> float:
+        """A sequence's share of drafting k tokens: a model drafter runs k forwards for all the
+        decoding sequences at once; a lookup is one call per step whatever k (0 until timed)."""
+        per = self.costs.draft_forward_s or 0.0
+        return (per if self.free else k * per) / max(1, decoding)
+
+    # ---- shadow rounds (a free proposer at length 0) --------------------------------------------
+    def wants_shadow(self, seq_id: int) -> bool:
+        state = self.tuning(seq_id)
+        return self.adaptive and self.free and state.shadow_at < 0
+
+    def start_shadow(self, seq_id: int, at: int, drafts: list[int]) -> None:
+        state = self.tuning(seq_id)
+        if drafts:
+            state.shadow_at, state.shadow = at, list(drafts)
+
+    def score_shadow(self, seq_id: int, tokens: list[int]) -> None:
+        """Score a pending shadow proposal against the committed tokens once it is decided."""
+        state = self._seqs.get(seq_id)
+        if state is None or state.shadow_at < 0:
+            return
+        decoded = tokens[state.shadow_at : state.shadow_at + len(state.shadow)]
+        agreed = 0
+        while agreed < len(decoded) and decoded[agreed] == state.shadow[agreed]:
+            agreed += 1
+        if agreed < len(decoded) or len(decoded) == len(state.shadow):
+            state.acceptance.record(min(agreed + 1, len(state.shadow)), agreed)
+            state.shadow_at, state.shadow = -1, []
+
+    # ---- after the step ----------------------------------------------------------------------
+    def observe_step(self, rows: int, seconds: float, drafting_s: float, draft_forwards: int) -> None:
+        """A decode-only step's rows and time (drafting apart), and its drafting."""
+        self.costs.observe_step(rows, seconds)
+        self.costs.observe_drafting(draft_forwards, drafting_s)
+
+    def round_done(
+        self,
+        seq_id: int,
+        drafted: int,
+        accepted: int,
+        step_rows: int,
+        step_s: float,
+        decoding: int,
+        draft_share_s: float,
+    ) -> RoundOutcome:
+        """A verified round: its acceptance recorded, and what it saved measured against a plain
+        step of the other rows."""
+        state = self.tuning(seq_id)
+        examined = min(accepted + 1, drafted)
+        state.acceptance.record(examined, accepted)
+        if state.probing:
+            state.probe_every = PROBE_FIRST if accepted else min(PROBE_MOST, state.probe_every * 2)
+        without = self.costs.step(max(1, step_rows - drafted))
+        plain = self.costs.step(max(1, decoding))
+        saved = 0.0
+        if without is not None and plain is not None:
+            saved = accepted * plain / max(1, decoding) - max(0.0, step_s - without) - draft_share_s
+        state.saved_s += saved
+        return RoundOutcome(saved, draft_share_s)
+
+    def acceptance(self, seq_id: int) -> float:
+        return self.tuning(seq_id).acceptance.overall()
