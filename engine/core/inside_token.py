@@ -78,7 +78,7 @@ def inside_token(
         residual=(lambda stage, hidden: residuals.__setitem__(stage, hidden[0].clone())) if head else None,
         attention=recorder,
     )
-    with Replay(core, context) as replay:
+    with Replay(core, context, prompt_tokens=len(context) - len(output_ids)) as replay:
         logits = replay.last_row(probe)
         block_ids = replay.block_ids[: blocks_for_tokens(len(context), core.kv.block_size)]
         reused = replay.reused

@@ -39,7 +39,17 @@ REPLAY_SEQ_IDS = itertools.count(REPLAY_SEQ_BASE)
 class Replay:
     """`with Replay(core, ids) as replay:` then `replay.run(...)` until every token is in."""
 
-    def __init__(self, core: LLMEngine, ids: list[int], reuse: bool = True, keep: bool = True):
+    def __init__(
+        self,
+        core: LLMEngine,
+        ids: list[int],
+        reuse: bool = True,
+        keep: bool = True,
+        prompt_tokens: int | None = None,
+    ):
+        """`prompt_tokens`: where the request's prompt ends in `ids` (a reply's context): the rows
+        after it were decode rows and are recomputed as decode rows are (their one-row kernels),
+        so a replayed row has the bits its step gave it. None: all of `ids` is a prompt."""
         if not ids:
             raise InspectionError("there is no token to run")
         window = core.limits.context_window
@@ -47,7 +57,8 @@ class Replay:
             raise InspectionError(f"{len(ids)} tokens do not fit in the model's context of {window} tokens")
         self.core = core
         self.keep = keep and core.kv.enable_prefix_caching
-        self.seq = Sequence(next(REPLAY_SEQ_IDS), list(ids), len(ids), SamplingParams())
+        prompt = len(ids) if prompt_tokens is None else max(1, min(prompt_tokens, len(ids)))
+        self.seq = Sequence(next(REPLAY_SEQ_IDS), list(ids), prompt, SamplingParams())
         kv = core.kv
         cached = kv.find_cached_prefix(self.seq) if reuse else []
         need = blocks_for_tokens(len(ids), kv.block_size) - len(cached)
@@ -106,6 +117,9 @@ class Replay:
         while self.done < until:
             start = self.done
             count = min(size, until - start)
+            prompt = self.seq.num_prompt_tokens
+            if start < prompt < start + count:
+                count = prompt - start  # the prompt's rows and the reply's take different kernels
             rows = {"none": 0, "last": 1, "all": count}[logits]
             counts = {self.seq.seq_id: rows} if rows else {}
             result = self.core.runner.forward(

@@ -108,9 +108,12 @@ class ModelRunner:
         keep: list[int] = []
         rows: dict[int, tuple[int, int]] = {}
         # the row count each sequence's kernels are chosen for (engine.kernels.policy): a
-        # decode (or speculative round) one row, a prefill its whole length, so a prompt's rows
-        # meet the same kernels however it is chunked, cached or batched
-        kernel_rows = [seq.num_tokens if seq.is_prefill else 1 for seq in seqs]
+        # prompt's rows its whole length, so they meet the same kernels however it is chunked,
+        # cached or batched; every row after the prompt one row, as it was decoded (a decode, a
+        # speculative round, a recompute after preemption or a replay of a reply)
+        kernel_rows = [
+            seq.num_prompt_tokens if seq.num_computed_tokens < seq.num_prompt_tokens else 1 for seq in seqs
+        ]
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens

@@ -87,7 +87,7 @@ class WhatIf:
         `output_ids` before the token, the token `recorded.drawn_id` as drawn. As many candidates
         as the recorded snapshot shows."""
         prompt = core.prompt_ids(request)
-        logits, source = self._logits_for(core, [*prompt, *output_ids])
+        logits, source = self._logits_for(core, [*prompt, *output_ids], len(prompt))
         shown = replace(
             params,
             snapshot_top_n=recorded_top_n(recorded),
@@ -106,14 +106,16 @@ class WhatIf:
         assert snapshot is not None  # snapshot_top_n > 0 always records one
         return WhatIfAnswer(snapshot, source, HOW[source])
 
-    def _logits_for(self, core: LLMEngine, context: list[int]) -> tuple[torch.Tensor, str]:
+    def _logits_for(
+        self, core: LLMEngine, context: list[int], prompt_tokens: int
+    ) -> tuple[torch.Tensor, str]:
         kept = core.kept_logits.get(context)
         if kept is not None:
             return kept, KEPT
         model, key = core.loaded.model, tuple(context)
         same_model = self._model is not None and self._model() is model
         if self._logits is None or key != self._key or not same_model:
-            with Replay(core, context) as replay:
+            with Replay(core, context, prompt_tokens=prompt_tokens) as replay:
                 self._logits = replay.last_row()
             self._key, self._model = key, weakref.ref(model)
         return self._logits, RECOMPUTED

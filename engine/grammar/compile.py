@@ -114,7 +114,12 @@ def check(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer | None = None) ->
     """The compiled grammar's text, or GrammarError saying in one line why there is none.
     Without a tokenizer the check is the grammar's own (what the app does as you type); with
     one it is also checked against that vocabulary."""
-    text = grammar_text(spec)
+    try:
+        text = grammar_text(spec)
+    except GrammarError:
+        raise
+    except ValueError as exc:  # llguidance's own refusals (a schema's integer past 64 bits, say)
+        raise GrammarError(f"the {spec.label} cannot be used: {one_line(str(exc))}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
     if is_error:
         raise GrammarError(f"the {spec.label} cannot be compiled: {one_line(messages[0])}")

@@ -4,14 +4,15 @@ A forward packs every scheduled token of every sequence into one row with explic
 step's metadata (`PagedBatch`) is built once per step (the slot of every new token, each
 sequence's blocks as a view or an index, the causal masks of prefill chunks), not once per layer.
 
-Each sequence attends over exactly its own keys. Every sequence with at most ROW_LIMIT rows this
-step (a decode, a speculative verification's k + 1 rows, a tiny chunk) attends row by row, each
-row over exactly the positions before it: on kvk's C kernel (engine/model/row_attention), or
-without kvk in one batched torch computation per layer (engine/model/decode_attention: one
+Each sequence attends over exactly its own keys. With kvk every row of every sequence attends
+row by row on its C kernel (engine/model/row_attention), prefill chunks too; without kvk every
+sequence with at most ROW_LIMIT rows this step (a decode, a speculative verification's k + 1
+rows, a tiny chunk) does, each row over exactly the positions before it, in one batched torch
+computation per layer (engine/model/decode_attention: one
 gather of their blocks, fixed-shape products per block, a sequential sum over blocks). Both are
 batch invariant by construction: a request's tokens never depend on its neighbours, and a
-verification row equals the decode at its position. Each longer prefill chunk is causal after
-its cached tokens, one SDPA per chunk.
+verification row equals the decode at its position. Without kvk each longer prefill chunk is
+causal after its cached tokens, one SDPA per chunk.
 
 Per layer the attention honours what the family's own attention does: a sliding window (keys in
 (position - window, position]), logit soft-capping (Gemma 2), attention sinks (gpt-oss: one extra
@@ -124,11 +125,11 @@ def attend(
     storage: PagedKVStorage, layer: int, q: torch.Tensor, batch: PagedBatch, how: LayerAttention
 ) -> torch.Tensor:
     """q [T, heads, head_dim] packed over the batch's sequences (their K/V already written) ->
-    [T, heads, head_dim]. With kvk: every sequence of at most ROW_LIMIT rows row by row in one C
-    call (row_attention), each longer chunk by itself (SDPA). Without: the rows of those same
-    sequences in one batched torch computation (decode_attention, each row a decode at its own
-    position), each longer chunk by itself. A batch with a recorder keeps every head's probabilities of the
-    rows that attend row by row."""
+    [T, heads, head_dim]. With kvk: every row of every sequence row by row in one C call
+    (row_attention), prefill chunks too. Without: the rows of every sequence with at most ROW_LIMIT
+    rows in one batched torch computation (decode_attention, each row a decode at its own
+    position), each longer chunk by itself (SDPA). A batch with a recorder keeps every head's
+    probabilities of the rows that attend row by row."""
     plan = batch.row_plan()
     recorder = batch.recorder
     if plan is not None:

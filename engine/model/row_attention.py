@@ -2,15 +2,20 @@
 
 Every query row attends exactly its own positions through its sequence's block table, computed
 alone in one fixed order: a decode row, a speculative verification row and a short prefill row at
-the same position are the same computation, whatever else shares the step. The sequences of a step
-with at most ROW_LIMIT rows (every decoding sequence, a verification round's k + 1 rows, a tiny
-chunk) take this path; longer prefill chunks keep one SDPA each (a GEMM over the chunk's rows is
-faster there, and a chunk that long is computed once).
+the same position are the same computation, whatever else shares the step. Every sequence of a
+step takes this path, prefill chunks too: SDPA's CPU kernel splits a chunk's rows into blocks
+from the chunk's first row and computes a block of 1 to 3 rows by another path, so a prompt's
+last rows rounded differently when a prefix-cache hit started their chunk elsewhere than the
+prompt's own (the packaged model's greedy replies differed from their replies alone under the
+serve load run). Row by row, a row's bits depend only on its position and the cache: alone,
+batched, chunked, cached or recomputed. A prefill's attention is a few percent of its FLOPs
+(the projections and the MLP are the rest), so the GEMM SDPA would bring is small there.
 
 The step's layout (which rows, their block tables and positions) is built once per step and read
 by every layer; a layer's attention is then one C call on views of its query rows and its pool.
 Without kvk (no build and no compiler) the torch decode path (engine/model/decode_attention.py)
-runs the decoding sequences instead, and other short chunks take SDPA.
+runs the decoding sequences instead and every prefill chunk takes SDPA (which is not batch
+invariant: see above).
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ if TYPE_CHECKING:
     from engine.model.kv_storage import PagedKVStorage, SeqSlice
     from engine.model.layer_attention import LayerAttention
 
-# A sequence with at most this many query rows in a step attends row by row: decode (1), a
-# speculative verification (1 + k rows, k <= MAX_NUM_DRAFT: every round's rows, so each is the
-# decode it stands for), a chunk this short.
+# Without kvk, a sequence with at most this many query rows in a step attends row by row in torch
+# (decode_attention): decode (1), a speculative verification (1 + k rows, k <= MAX_NUM_DRAFT: every
+# round's rows, so each is the decode it stands for), a chunk this short. With kvk every row does.
 ROW_LIMIT = 1 + MAX_NUM_DRAFT
 
 _POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
@@ -56,7 +61,7 @@ class RowPlan:
         lib = native.kernels()
         if lib is None or storage.kv[0].dtype not in _POOL_KINDS:
             return None
-        chosen = [i for i, seq in enumerate(seqs) if seq.q_len <= ROW_LIMIT]
+        chosen = list(range(len(seqs)))
         if not chosen:
             return None
         tables: list[int] = []

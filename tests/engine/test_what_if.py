@@ -188,7 +188,9 @@ def test_a_token_made_under_a_grammar_keeps_its_mask_in_the_what_if(tiny_loaded)
     what_if = WhatIf()
     for token in tokens:
         outputs = [t.token_id for t in tokens[: token.index]]
-        own = what_if.recompute(engine, request, outputs, token.snapshot, replace(recorded, grammar=None))
+        own = what_if.recompute(
+            engine, request, outputs, token.snapshot, replace(recorded, grammar=None)
+        ).snapshot
         assert own.candidate_ids == token.snapshot.candidate_ids
         mine, theirs = own.grammar, token.snapshot.grammar
         assert (mine.allowed, mine.forced, mine.forced_ids, mine.cut_ids) == (
@@ -201,5 +203,38 @@ def test_a_token_made_under_a_grammar_keeps_its_mask_in_the_what_if(tiny_loaded)
         assert_same_stages(own, token.snapshot, own.candidate_ids)
         hotter = what_if.recompute(
             engine, request, outputs, token.snapshot, replace(recorded, temperature=2.0, grammar=None)
-        )
+        ).snapshot
         assert hotter.stages[1].name == "grammar" and hotter.stages[1].kept_count == own.stages[1].kept_count
+
+
+def test_recomputed_logits_on_native_weights_are_the_steps_bit_for_bit(tmp_path):
+    """Once the step's logits are gone, the replay recomputes the context as the reply's steps
+    computed it: the prompt's rows with the kernels of the prompt's length, every reply row (the
+    inspected one, and the partial block's before it) with a decode row's. A kernel table whose
+    many-row kernel rounds otherwise (dense bfloat16) would show any other choice."""
+    import torch
+    from gguf_files import write_tiny_llama
+    from test_native_gguf import native_loaded
+
+    loaded = native_loaded(write_tiny_llama(tmp_path / "tiny.gguf"))
+    loaded.policy.choose = lambda storage, rows: "kvk" if rows == 1 else storage.kernels()[-1]
+    prompt = tuple(range(5, 30))
+    greedy = SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=0.0, snapshot_top_n=4)
+    request = Request(prompt_token_ids=prompt, sampling=greedy)
+    engine, tokens = generate(
+        loaded, EngineConfig(block_size=4, num_blocks=256, prefill_chunk_size=8), request
+    )
+    kept = {
+        i: engine.kept_logits.get([*prompt, *(t.token_id for t in tokens[:i])]) for i in range(len(tokens))
+    }
+    assert all(v is not None for v in kept.values())
+    engine.kept_logits = KeptLogits(0)
+    for index in (0, 1, 6, 8):  # the prompt's last row; reply rows in the first and later blocks
+        context = [*prompt, *(t.token_id for t in tokens[:index])]
+        with replay_module.Replay(engine, context, prompt_tokens=len(prompt)) as replay:
+            again = replay.last_row()
+        assert torch.equal(again, kept[index].to(again.device)), index
+        with replay_module.Replay(engine, context) as replay:  # all of it taken for a prompt
+            as_prompt = replay.last_row()
+        if index > 1:
+            assert not torch.equal(as_prompt, kept[index].to(as_prompt.device)), "the test can fail"

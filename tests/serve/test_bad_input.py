@@ -36,6 +36,8 @@ def post(server, path, body, **kwargs):
         ("/v1/chat/completions", {"seed": 2**64}, "seed"),
         ("/v1/chat/completions", {"max_tokens": 10**12}, "max_tokens"),
         ("/v1/chat/completions", {"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
+        # found by the fuzz run: llguidance's own ValueError for an integer past 64 bits was a 500
+        ("/v1/completions", {"prompt": "x", "guided_json": {"enum": [-33069558816125382656]}}, "guided_json"),
     ],
 )
 def test_bad_values_are_400_naming_the_parameter(server, path, fields, param):
