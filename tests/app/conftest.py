@@ -25,12 +25,25 @@ def isolated_user_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSCOPE_CONFIG_DIR", str(tmp_path / "config"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def collect_what_was_frozen():
+    """Objects frozen by no_app_threads_left are collectable again once the tests are done, while
+    Qt is still up (their Qt parts are deleted on the GUI thread, not at interpreter exit)."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def no_app_threads_left():
     # Qt objects a finished test left in reference cycles are collected here, on the GUI thread:
     # collected later by a collection that runs on a worker thread, their deletion is deferred
     # to the GUI thread by shiboken, and crashes there once Qt has torn their parents down.
     gc.collect()
+    # What survived is live: frozen out of later collections, so each test's collections scan
+    # only what tests made since (a full collection over the process's millions of objects, two
+    # or three a test, took most of the app tests' time). Unfrozen at the end of the session.
+    gc.freeze()
     yield
     for thread in threading.enumerate():
         if thread.name == "kvscope-inspect":
