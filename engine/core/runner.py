@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,14 @@ from engine.model.routers import RouteRecorder, record_routes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+
+def _kernel_rows(seq: Any) -> int:
+    """The row count a sequence's kernels are chosen for in this step (see forward)."""
+    prompt = getattr(seq, "num_prompt_tokens", None)
+    if prompt is None:  # a drafter's sequence (engine/core/drafter.py): catch-up rows as a prefill
+        return int(seq.num_tokens) if seq.is_prefill else 1
+    return int(prompt) if seq.num_computed_tokens < prompt else 1
 
 
 @dataclass(slots=True)
@@ -111,9 +119,7 @@ class ModelRunner:
         # prompt's rows its whole length, so they meet the same kernels however it is chunked,
         # cached or batched; every row after the prompt one row, as it was decoded (a decode, a
         # speculative round, a recompute after preemption or a replay of a reply)
-        kernel_rows = [
-            seq.num_prompt_tokens if seq.num_computed_tokens < seq.num_prompt_tokens else 1 for seq in seqs
-        ]
+        kernel_rows = [_kernel_rows(seq) for seq in seqs]
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
