@@ -58,7 +58,10 @@ def fills_lazily(device: torch.device | str) -> bool:
     (kvk's row attention on the CPU): the fit estimate counts a load's process without it."""
     from engine.kernels import native  # here: asked once per engine and per estimate
 
-    return native.kernels() is not None and torch.device(device).type == "cpu"
+    # Off for now: paths that read a block's unwritten slots (the int8 pool's gather, a sliding
+    # window's page map) found garbage there; zero-filled until each is proven to read only
+    # written rows.
+    return False and native.kernels() is not None and torch.device(device).type == "cpu"
 
 
 class PagedKVStorage:
