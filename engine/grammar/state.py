@@ -137,6 +137,11 @@ class GrammarState:
                 if not permitted or not self.consume(token):
                     break
                 walked += 1
+                if self.finished:
+                    # The draft completes the grammar: the reply ends when it is committed, and
+                    # the matcher is not walked on (llguidance's rollback out of a stopped state,
+                    # past its end-of-text, leaves the same tokens consumed again not stopped).
+                    break
         finally:
             self.rollback(walked)
         return masks + [None] * (len(drafts) + 1 - len(masks))

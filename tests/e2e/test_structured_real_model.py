@@ -152,12 +152,6 @@ def test_beams_under_a_schema_validate(engine):
         jsonschema.validate(json.loads(seq.text), schema)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect after the speculation and grammar merges: the speculative reply emits the "
-    "end-of-text token after the schema completes where plain decoding stops at the completion "
-    "(the tokens before it are equal); the engine-level test on the tiny model passes",
-)
 def test_speculative_decoding_under_a_schema_equals_plain_decoding(native):
     schema = SCHEMAS["arrays"]
     request = Request.chat(

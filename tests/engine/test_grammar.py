@@ -175,6 +175,21 @@ def test_a_draft_walk_leaves_the_matcher_where_it_was(tiny_loaded):
     assert child.consume(ids[0]) and child.position == 1 and state.position == 0
 
 
+def test_a_draft_that_completes_the_grammar_still_completes_it_when_committed(tiny_loaded):
+    """Drafts past the grammar's end (its completion, then end-of-text): the walk stops at the
+    completion, and committing the same tokens afterwards finishes the grammar as in plain
+    decoding (walking on and rolling back out of llguidance's stopped state did not)."""
+    tok = tiny_loaded.tokenizer
+    grammars = Grammars(tok, tiny_loaded.info.vocab_size, {tok.eos_token_id})
+    state = grammars.start(GrammarSpec("choice", json.dumps(["yes", "no"])))
+    ids = tok("yes", add_special_tokens=False)["input_ids"]
+    masks = state.masks_along([*ids, tok.eos_token_id])
+    assert state.position == 0 and all(m is not None for m in masks[: len(ids)]) and masks[-1] is None
+    for token in ids:
+        assert state.consume(token)
+    assert state.finished
+
+
 # ---- generation under a grammar ---------------------------------------------------------------------
 def test_a_reply_under_a_schema_validates_and_shows_the_mask_stage(engine):
     params = SamplingParams(
