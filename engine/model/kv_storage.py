@@ -23,6 +23,8 @@ the KV calculator).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,14 +56,24 @@ class SeqSlice:
 
 
 def fills_lazily(device: torch.device | str) -> bool:
-    """Whether a pool on `device` is left unfilled, its pages resident only as blocks are written
-    (kvk's row attention on the CPU): the fit estimate counts a load's process without it."""
-    from engine.kernels import native  # here: asked once per engine and per estimate
+    """Whether a pool on `device` is resident only as its blocks are written: on the CPU it lives
+    in anonymous memory the kernel maps zero-filled on demand (`_zero_pool`), so unwritten slots
+    read as zeros without being resident. The fit estimate counts a load's process without it."""
+    return torch.device(device).type == "cpu"
 
-    # Off for now: paths that read a block's unwritten slots (the int8 pool's gather, a sliding
-    # window's page map) found garbage there; zero-filled until each is proven to read only
-    # written rows.
-    return False and native.kernels() is not None and torch.device(device).type == "cpu"
+
+def _zero_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU, in an anonymous mapping rather than torch.zeros's memset:
+    its pages are zero and not resident until touched. The engine touches only the blocks its
+    sequences hold (kvk's rows read written positions; the int8 gather and the torch decode path
+    read whole held blocks, whose unwritten slots read as zeros), so a 256 MiB pool for a short
+    chat costs what the chat holds."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    # the tensor keeps the mapping alive (torch.frombuffer holds the buffer); unmapped with it
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=count).view(shape)
 
 
 class PagedKVStorage:
@@ -83,13 +95,11 @@ class PagedKVStorage:
         shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
         store = torch.int8 if self.quantized else dtype
         # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views).
-        # With kvk's row attention, which reads only positions already written, the pool is left
-        # unfilled: its pages become resident as blocks are used, not all at once (a 256 MiB pool
-        # for a short chat costs what the chat holds). The torch decode path reads whole blocks
-        # under a mask, so there every slot must hold a finite value: zeros.
-        make = torch.empty if fills_lazily(device) else torch.zeros
-        self.lazy = make is torch.empty
-        self.kv = [make(shape, dtype=store, device=device) for _ in range(num_layers)]
+        # Every slot reads as zero until written (the torch decode path reads whole blocks under a
+        # mask, so each must hold a finite value); on the CPU its pages become resident only as
+        # blocks are written (_zero_pool).
+        self.lazy = fills_lazily(device)
+        self.kv = [_zero_pool(shape, store, device) for _ in range(num_layers)]
         self.k = [pair[0] for pair in self.kv]
         self.v = [pair[1] for pair in self.kv]
         self.k_scale: list[torch.Tensor] = []
@@ -97,9 +107,7 @@ class PagedKVStorage:
         if self.quantized:
             scale_shape = (num_blocks, num_kv_heads, block_size)
             for scales in (self.k_scale, self.v_scale):
-                scales.extend(
-                    make(scale_shape, dtype=KV_INT8_SCALE_DTYPE, device=device) for _ in range(num_layers)
-                )
+                scales.extend(_zero_pool(scale_shape, KV_INT8_SCALE_DTYPE, device) for _ in range(num_layers))
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.kv_dtype = dtype, kv_dtype

@@ -10,7 +10,7 @@ too), so a fit estimate counts it instead of a guess.
   weights and pool when this kind of process (the app, the headless engine) last measured one on
   this machine, kept in kvscope's cache. The engine thread measures every load
   (engine/core/service.py: resident set before and after).
-- The KV pool: where it fills lazily (kvk on the CPU: engine.model.kv_storage.fills_lazily) its
+- The KV pool: where it fills lazily (on the CPU: engine.model.kv_storage.fills_lazily) its
   pages become resident only as blocks are written, so a load's process holds the runtime and
   the weights, and grows toward the whole pool as the cache fills; both figures are given. What
   a running engine's pool holds is what of it is resident now (mincore), not its size.

@@ -187,10 +187,11 @@ def test_what_of_a_lazy_pool_is_resident_is_measured_not_assumed():
 
     pool = PagedKVStorage(4, 512, 16, 4, 64, torch.float32, "cpu")  # 4 layers x 8 MiB
     size = sum(t.numel() * t.element_size() for t in pool.kv)
-    if not fills_lazily("cpu"):  # zeros: every page written at once
-        assert pool_resident(pool) == size
-        return
+    assert fills_lazily("cpu")
     assert pool_resident(pool) < size // 16  # untouched
+    # unwritten slots read as zeros (the torch decode path and the int8 gather read whole held
+    # blocks); reading a few blocks makes no more than those resident
+    assert int(torch.count_nonzero(pool.kv[1][:, :8])) == 0 and pool_resident(pool) < size // 16
     pool.kv[0][:, :256].fill_(1.0)  # half the blocks of one layer written
     assert abs(pool_resident(pool) - size // 8) <= size // 32
     written = torch.ones(1 << 20)
