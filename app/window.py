@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 
-from PySide6.QtCore import QSize, Qt, QTimer, Slot
+from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -209,6 +209,7 @@ class MainWindow(QMainWindow):
         # Sized first: resizeDocks() below shares out this width and height among the docks.
         screen = self.screen().availableGeometry()
         self.resize(*first_run_size((screen.width(), screen.height())))
+        self._placed = self.size()  # the size it was given: _fit_screen never shrinks below it
         self._build_docks()
         # the model's inside for the pinned token: the logit lens under the probabilities, the
         # attention, experts, scoring and steering tabbed beside them
@@ -329,8 +330,10 @@ class MainWindow(QMainWindow):
         # Below COMPACT_WIDTH (a 1366 px laptop, a 2560 px screen at 200%) three graphs side by
         # side would each be too narrow to read: memory becomes a tab of the latency group.
         compact = self.width() < COMPACT_WIDTH
-        memory = self._dock("memory", "Memory", self.panels.memory, bottom, fixed_height_for_width=True)
-        latency = self._dock("latency", "Latency", self.panels.latency, bottom)
+        # the row's graphs scroll too: the tallest least height of a tab group holds the whole
+        # row (and the window) that tall, which on a 960x540 screen it could not be
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom, scrolls=True)
+        latency = self._dock("latency", "Latency", self.panels.latency, bottom, scrolls=True)
         self.splitDockWidget(page_map, latency if compact else memory, Qt.Orientation.Horizontal)
         if compact:
             self.tabifyDockWidget(latency, memory)
@@ -340,7 +343,7 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(latency, quality)
         roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom, scrolls=True)
         self.tabifyDockWidget(latency, roofline)
-        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom)
+        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom, scrolls=True)
         self.tabifyDockWidget(latency, steps)
         speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom, scrolls=True)
         self.tabifyDockWidget(latency, speculation)
@@ -462,6 +465,7 @@ class MainWindow(QMainWindow):
         geometry, state = self.settings.window_layout()
         if geometry is not None:
             self.restoreGeometry(geometry)
+            self._placed = self.size()
         if state is not None:
             self.restoreState(state)
 
@@ -612,6 +616,28 @@ class MainWindow(QMainWindow):
         )
 
     # ---- closing ---------------------------------------------------------------------------
+    def event(self, event: QEvent) -> bool:
+        handled = super().event(event)
+        if event.type() == QEvent.Type.LayoutRequest:
+            self._fit_screen()
+        return handled
+
+    def _fit_screen(self) -> None:
+        """Back within the screen once the panels allow it. Qt grows a window whose minimum grows
+        (a load's progress and stage under the Load button, while it loads) and never shrinks it
+        again: on a 960x540 screen the window stayed 6 px taller than the screen after the load."""
+        if self.isMaximized() or self.isFullScreen() or not self.isVisible():
+            return
+        screen = self.screen().availableGeometry()
+        frame = self.frameGeometry().size() - self.size()  # the window manager's decoration
+        # the screen's room, or the size it was placed at where that is larger (a test's screen)
+        room = (screen.size() - frame).expandedTo(self._placed)
+        least = self.minimumSizeHint().expandedTo(self.minimumSize())
+        width = min(self.width(), max(least.width(), room.width()))
+        height = min(self.height(), max(least.height(), room.height()))
+        if (width, height) != (self.width(), self.height()):
+            self.resize(width, height)
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         if not self._closed:
             self._closed = True

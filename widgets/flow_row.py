@@ -48,7 +48,13 @@ class FlowRow(QLayout):
 
     def setGeometry(self, rect: QRect) -> None:  # noqa: N802 - Qt's name
         super().setGeometry(rect)
-        self._place(rect, move=True)
+        needed = self._place(rect, move=True)
+        # The lines it needs at this width as its widget's least height: a box layout above it
+        # squeezed by a short window otherwise gives it one line, and the second is drawn over
+        # whatever is below (the chat's tools row over its transcript at 960x540).
+        owner = self.parentWidget()
+        if owner is not None and owner.layout() is self and owner.minimumHeight() != needed:
+            owner.setMinimumHeight(needed)
 
     def _shown(self) -> list[QLayoutItem]:
         return [item for item in self._items if not item.isEmpty()]  # a hidden widget takes no room

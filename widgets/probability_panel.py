@@ -115,9 +115,11 @@ class ProbabilityPanel(QWidget):
             "current settings, as a new branch (the prefix's KV blocks come from the prefix cache)"
         )
         self.continue_button.clicked.connect(self._on_continue_clicked)
-        self.continue_hint = QLabel(CONTINUE_HINT)
+        # a line of its own above the button, as tall as its wrapped text (LiveLabel's least
+        # height is its text's at this width): beside the button at a narrow width it wrapped to
+        # four lines within a one-line row and was drawn over the bars
+        self.continue_hint = LiveLabel(CONTINUE_HINT)
         self.continue_hint.setStyleSheet(f"color: {theme.MUTED};")
-        self.continue_hint.setWordWrap(True)
         self._chosen_for: tuple[int, int] | None = None  # the token the chosen row belongs to
 
         layout = QVBoxLayout(self)
@@ -130,8 +132,9 @@ class ProbabilityPanel(QWidget):
         layout.addWidget(self.grammar_note)
         layout.addWidget(self.reference_note)
         layout.addWidget(self.bars, 1)
+        layout.addWidget(self.continue_hint)
         continue_row = QHBoxLayout()
-        continue_row.addWidget(self.continue_hint, 1)
+        continue_row.addStretch(1)
         continue_row.addWidget(self.continue_button)
         layout.addLayout(continue_row)
         self._update()

@@ -217,6 +217,25 @@ LEAST = {"chat": (420, 380), "probabilities": (250, 380), "page map": (250, 150)
 LEAST_AT = {(960, 540): {"chat": (380, 250), "probabilities": (230, 380), "page map": (250, 120)}}
 
 
+def test_a_window_its_panels_grew_goes_back_within_the_screen(make_window, qtbot, monkeypatch):
+    """Qt grows a window whose least size grows (a load's progress under the Load button) and
+    never shrinks it: the window goes back to the screen's room, or the size it was placed at."""
+    import app.window
+
+    monkeypatch.setattr(app.window, "first_run_size", lambda available: (960, 540))
+    window = make_window(start=False)
+    qtbot.waitUntil(lambda: window.width() == 960)
+    room = max(540, window.screen().availableGeometry().height())
+    grows = window.controls.model.load_progress
+    grows.show()
+    grows.setMinimumHeight(room + 100)  # the Controls ask for more than the screen for a while
+    qtbot.waitUntil(lambda: window.height() > room)
+    grows.setMinimumHeight(0)
+    grows.hide()
+    qtbot.waitUntil(lambda: window.height() <= room)
+    assert window.width() == 960
+
+
 @pytest.mark.parametrize("screen", SCREENS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_first_run_layout_shows_the_chat_the_probabilities_and_the_page_map_at_once(
     make_window, qtbot, monkeypatch, screen
