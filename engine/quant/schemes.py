@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.kernels import native
 from engine.quant.base import (
     M,
     QuantizationError,
@@ -70,17 +71,20 @@ class NativeGguf(QuantScheme):
 
     name = "native"
     description = (
-        "a GGUF file's own quantized blocks kept at their bits: Q4_0/Q4_1/Q4_K as int4 groups, Q8_0 as "
-        "Q8_0 blocks; packed kernels for decode rows, dense matmuls for prefill rows (GGUF sources only)"
+        "a GGUF file's own blocks kept at their bits (F16, BF16, Q4_0..Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) "
+        "and multiplied by kvk's kernels, the kernel per row count measured; without kvk, Q4_0/Q4_1/Q4_K "
+        "as torch's int4 groups and Q8_0 as its blocks (GGUF sources only)"
     )
 
     def check(self, device: torch.device) -> tuple[bool, str]:
         if device.type != "cpu":
             return False, "its packed kernels here are torch's CPU ones; on a GPU load the GGUF with 'none'"
+        if native.kernels() is not None:
+            return True, f"{native.status()}: every common GGUF type at its bits"
         problem = missing_kernels(("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"), device)
         if problem:
             return False, problem
-        return True, "torch's packed int4/int8 CPU kernels for decode rows, dense matmuls for prefill"
+        return True, f"slower path ({native.status()}): torch's packed int4/int8 CPU kernels"
 
     def quantize(self, model: M, tokenizer: PreTrainedTokenizerBase | None = None) -> M:
         raise QuantizationError("'native' applies while a GGUF file is read; load the file with it instead.")
