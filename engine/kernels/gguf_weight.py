@@ -1,10 +1,10 @@
 """A GGUF tensor kept as the file stores it: its blocks, memory-mapped, multiplied by kvk.
 
 Two kernels, chosen per row count by the kernel table (engine/kernels/policy.py):
-  "kvk"         the C kernel on the blocks themselves, activations quantized to 8 bits per
-                block (one scale per 32 inputs for the 32-weight types, per 256 for the K-quants
-                and IQ4_XS: llama.cpp's scheme); every row computed alone, so a sequence's rows
-                never depend on the rows beside them.
+  "kvk"         the C kernel on the blocks themselves, activations rounded to 16 bits in two
+                8-bit planes per block (one scale per 32 inputs for the 32-weight types, per 256
+                for the K-quants and IQ4_XS, as llama.cpp's blocks are laid out); every row
+                computed alone, so a sequence's rows never depend on the rows beside them.
   "dense-bf16"  the layer decoded to bfloat16 into a reused buffer, then oneDNN's bfloat16 GEMM
                 with bfloat16 activations: faster for long prefill chunks (the weights are read
                 once per chunk; the GEMM reuses them across rows), never for a decode row. It
@@ -156,14 +156,20 @@ class GGUFWeight(WeightStorage):
         still one dot product over all its inputs."""
         rows_per_slice = max(1, DENSE_SLICE_WEIGHTS // self.in_features)
         activations = flat.to(torch.bfloat16)
-        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        if activations.shape[0] == 1:
+            # oneDNN multiplies a lone row by another code path (a GEMV) whose last bits differ
+            # from the same row among others (measured: 10 of 97 rows of a 1536 -> 576 layer):
+            # a prompt's last row alone (a prefix-cache hit, a one-row last chunk) would not get
+            # the bits it gets in its prompt. It goes in twice, as DenseWeight's float32 row does.
+            activations = activations.expand(2, -1)
+        y = torch.empty(activations.shape[0], self.out_features, dtype=torch.float32)
         for start in range(0, self.out_features, rows_per_slice):
             table = self.row_table[start : start + rows_per_slice]
             weight = self.lib.dequantize_bf16(
                 self.ggml_type, table, self.in_features, _bf16_scratch(table.shape[0], self.in_features)
             )
             y[:, start : start + table.shape[0]] = F.linear(activations, weight)
-        return y
+        return y[: flat.shape[0]]
 
     def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 activations times every weight decoded to float32 (the exact LM head)."""

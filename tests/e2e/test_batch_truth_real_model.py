@@ -14,6 +14,7 @@ from engine.config import EngineConfig, ModelSpec, SamplingParams
 from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFinished
 from engine.request import Request
+from engine.serve.load import prompt_pool
 
 pytestmark = pytest.mark.slow
 WORDS = [
@@ -76,3 +77,18 @@ def test_the_packaged_model_replies_the_same_alone_batched_chunked_preempted_and
     cached, engine = run(packaged, requests(), engine=engine)
     assert engine.kv.hit_tokens > 0
     assert cached == alone
+
+
+def test_a_prompts_last_row_alone_gets_the_bits_it_gets_with_its_prompt(packaged):
+    """A one-row last chunk (what a prefix-cache hit leaves of a prompt of 16k + 1 tokens): that
+    row meets the prompt's kernels alone, and the reply must be the reply alone (the serve load's
+    prompt 19 differed at native bits while oneDNN took its lone-row GEMV in the dense kernel)."""
+    load_prompt, _ = prompt_pool(0)[19]  # 97 tokens as a chat
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for request in [Request.chat(load_prompt, sampling=greedy), *requests()[1::2]]:
+        (alone,) = LLMEngine(packaged, EngineConfig(enable_prefix_caching=False)).run([request])
+        assert isinstance(alone, RequestFinished)
+        chunk = alone.stats.prompt_tokens - 1  # the prompt in one chunk, then its last row
+        config = EngineConfig(enable_prefix_caching=False, prefill_chunk_size=chunk)
+        (split,) = LLMEngine(packaged, config).run([request])
+        assert isinstance(split, RequestFinished) and split.token_ids == alone.token_ids

@@ -211,6 +211,17 @@ def test_anything_but_a_row_table_is_refused_not_read_as_addresses():
         kvk.dequantize_rows(Q.Q4_0, row_addresses(blocks), 64, torch.tensor([8]))
 
 
+def test_the_dense_kernel_gives_a_lone_row_the_bits_it_gets_among_others():
+    """A prompt's last row can meet the dense kernel alone (a prefix-cache hit leaves it, or a
+    one-row last chunk): it must get the bits it gets with the rest of its prompt. oneDNN takes a
+    GEMV for one row, whose last bits differ (a greedy reply under the serve load changed)."""
+    storage = GGUFWeight(Q.Q4_K, random_blocks(Q.Q4_K, 576, 1536, seed=5), 1536)
+    x = torch.randn(97, 1536, generator=torch.Generator().manual_seed(7))
+    together = storage.matmul("dense-bf16", x)
+    alone = torch.cat([storage.matmul("dense-bf16", x[r : r + 1]) for r in range(x.shape[0])])
+    assert torch.equal(alone, together)
+
+
 def test_the_dense_kernel_a_slice_at_a_time_is_the_whole_layers_product(monkeypatch):
     """The dense kernel decodes a few rows at a time into a small buffer (the process never holds
     a whole layer's bfloat16 copy); each output is the bfloat16 GEMM of the whole row."""
