@@ -270,7 +270,7 @@ class MainWindow(QMainWindow):
     ) -> QDockWidget:
         """A dock for `widget`; `scrolls` puts it in a scroll area, for a panel whose own minimum
         size would otherwise hold every dock tabbed with it (and the window) at that size, and
-        `fixed_height_for_width` in a _NoHeightForWidth."""
+        `fixed_height_for_width` in a _NoHeightForWidth (inside the scroll area with both)."""
         dock = QDockWidget(title, self)
         dock.setObjectName(f"dock_{key}")  # saveState/restoreState match docks by object name
         if scrolls:
@@ -278,7 +278,9 @@ class MainWindow(QMainWindow):
             area_widget.setObjectName(f"scroll_{key}")
             area_widget.setWidgetResizable(True)
             area_widget.setFrameShape(QFrame.Shape.NoFrame)
-            area_widget.setWidget(widget)
+            # a panel with a height for width (a wrapped legend over a plot) asks a scroll area
+            # for the legend's height plus the plot's preferred 480 px: a scroll bar at any size
+            area_widget.setWidget(_NoHeightForWidth(widget) if fixed_height_for_width else widget)
             dock.setWidget(area_widget)
         elif fixed_height_for_width:
             dock.setWidget(_NoHeightForWidth(widget))
@@ -332,8 +334,9 @@ class MainWindow(QMainWindow):
         compact = self.width() < COMPACT_WIDTH
         # the row's graphs scroll too: the tallest least height of a tab group holds the whole
         # row (and the window) that tall, which on a 960x540 screen it could not be
-        memory = self._dock("memory", "Memory", self.panels.memory, bottom, scrolls=True)
-        latency = self._dock("latency", "Latency", self.panels.latency, bottom, scrolls=True)
+        graph = {"scrolls": True, "fixed_height_for_width": True}
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom, **graph)
+        latency = self._dock("latency", "Latency", self.panels.latency, bottom, **graph)
         self.splitDockWidget(page_map, latency if compact else memory, Qt.Orientation.Horizontal)
         if compact:
             self.tabifyDockWidget(latency, memory)
@@ -343,7 +346,7 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(latency, quality)
         roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom, scrolls=True)
         self.tabifyDockWidget(latency, roofline)
-        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom, scrolls=True)
+        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom, **graph)
         self.tabifyDockWidget(latency, steps)
         speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom, scrolls=True)
         self.tabifyDockWidget(latency, speculation)
