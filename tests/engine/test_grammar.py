@@ -8,9 +8,9 @@ import jsonschema
 import llguidance
 import pytest
 import torch
+from recorded_engine import make_engine, run_events
 
 from engine.config import EngineConfig, GrammarSpec, SamplingParams, SpeculativeConfig
-from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished, SpecRound, TokenGenerated
 from engine.grammar.compile import GrammarError, check
 from engine.grammar.grammars import Grammars
@@ -34,23 +34,8 @@ def schema(value) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(value))
 
 
-class Sink(list):
-    """Every event of the engine it is given to (the tests clear it between requests)."""
-
-
-def make_engine(loaded, config):
-    sink = Sink()
-    engine = LLMEngine(loaded, config, sink.append)
-    engine.test_events = sink
-    return engine
-
-
 def run(engine, request):
-    events = engine.test_events
-    events.clear()
-    engine.add_request(request)
-    while engine.has_work():
-        engine.step()
+    events = run_events(engine, request)
     ends = [e for e in events if isinstance(e, (RequestFinished, RequestFailed))]
     assert len(ends) == 1
     return ends[0], events

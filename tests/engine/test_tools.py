@@ -8,9 +8,9 @@ import json
 
 import jsonschema
 import pytest
+from recorded_engine import make_engine, run_events
 
 from engine.config import EngineConfig, GrammarSpec, SamplingParams
-from engine.core.llm_engine import LLMEngine
 from engine.events import RequestFailed, RequestFinished, ToolCall, ToolCallsParsed
 from engine.grammar.compile import check
 from engine.request import ChatMessage, Request, ToolSpec
@@ -199,24 +199,7 @@ def test_the_format_is_read_off_the_template(default_tokenizer):
 
 
 # ---- generation ---------------------------------------------------------------------------------
-class Sink(list):
-    """Every event of the engine it is given to (the tests clear it between requests)."""
-
-
-def make_engine(loaded, config):
-    sink = Sink()
-    engine = LLMEngine(loaded, config, sink.append)
-    engine.test_events = sink
-    return engine
-
-
-def run(engine, request):
-    events = engine.test_events
-    events.clear()
-    engine.add_request(request)
-    while engine.has_work():
-        engine.step()
-    return events
+run = run_events
 
 
 @pytest.fixture(scope="module")
