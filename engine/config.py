@@ -32,6 +32,9 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: +-100 already bans or forces a token
 # server: a temperature or repetition penalty of 5e-324 broke the step). vLLM raises a
 # temperature under 0.01 to it; here it is refused, with the range in the message.
 MIN_TEMPERATURE = 0.01
+# Above this the distribution is uniform to float32's precision; a temperature past float32's
+# range (the fuzzer's 1e308) becomes inf there and turns the grammar's -inf logits into NaN.
+MAX_TEMPERATURE = 1e4
 PENALTY_RANGE = (0.01, 100.0)  # the repetition penalty divides (or multiplies) logits by it
 LENGTH_PENALTY_LIMIT = 10.0  # a beam's score is divided by its length to this power
 # what a logit bias may be given as (the dataclass normalises it to the tuple form)
@@ -154,8 +157,8 @@ class SamplingParams:
         object.__setattr__(self, "grammar", _grammar(self.grammar))
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(
-            self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
-            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}",
+            self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {self.temperature}",
         )
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

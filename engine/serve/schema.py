@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from engine.config import LENGTH_PENALTY_LIMIT, MIN_TEMPERATURE, PENALTY_RANGE
+from engine.config import LENGTH_PENALTY_LIMIT, MAX_TEMPERATURE, MIN_TEMPERATURE, PENALTY_RANGE
 from engine.serve.logprobs import MAX_TOP_LOGPROBS
 from engine.serve.params import MAX_STOP, MAX_STOP_CHARS, SEED_RANGE, Bounds
 
@@ -221,7 +221,12 @@ def _request_rules(model: str, bounds: Bounds) -> dict[str, Schema]:
         "model": _nullable({"type": "string", "enum": [model]}),
         "max_tokens": _nullable(tokens),
         "temperature": _nullable(
-            {"anyOf": [{"type": "number", "enum": [0]}, _number(minimum=MIN_TEMPERATURE)]}
+            {
+                "anyOf": [
+                    {"type": "number", "enum": [0]},
+                    _number(minimum=MIN_TEMPERATURE, maximum=MAX_TEMPERATURE),
+                ]
+            }
         ),
         "top_p": _nullable(_number(exclusiveMinimum=0, maximum=1)),
         "top_k": _nullable({"type": "integer", "minimum": -1}),

@@ -38,6 +38,14 @@ def post(server, path, body, **kwargs):
         ("/v1/chat/completions", {"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         # found by the fuzz run: llguidance's own ValueError for an integer past 64 bits was a 500
         ("/v1/completions", {"prompt": "x", "guided_json": {"enum": [-33069558816125382656]}}, "guided_json"),
+        # found by the 10-minute fuzz run: a temperature past float32's range (inf there) turned the
+        # grammar's -inf logits into NaN inside the step, a 500
+        (
+            "/v1/completions",
+            {"prompt": "x", "temperature": 1.03e308, "guided_regex": "[a-z]+"},
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"temperature": 1e5}, "temperature"),
     ],
 )
 def test_bad_values_are_400_naming_the_parameter(server, path, fields, param):
