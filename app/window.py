@@ -266,24 +266,22 @@ class MainWindow(QMainWindow):
         widget: QWidget,
         area: Qt.DockWidgetArea,
         scrolls: bool = False,
-        fixed_height_for_width: bool = False,
+        graph: bool = False,
     ) -> QDockWidget:
         """A dock for `widget`; `scrolls` puts it in a scroll area, for a panel whose own minimum
-        size would otherwise hold every dock tabbed with it (and the window) at that size, and
-        `fixed_height_for_width` in a _NoHeightForWidth (inside the scroll area with both)."""
+        size would otherwise hold every dock tabbed with it (and the window) at that size. A
+        `graph` (a wrapped legend over a plot) scrolls too, inside a _NoHeightForWidth: its height
+        for width is the legend's plus the plot's preferred 480 px, which a scroll area would
+        honour with a scroll bar at any size."""
         dock = QDockWidget(title, self)
         dock.setObjectName(f"dock_{key}")  # saveState/restoreState match docks by object name
-        if scrolls:
+        if scrolls or graph:
             area_widget = QScrollArea()
             area_widget.setObjectName(f"scroll_{key}")
             area_widget.setWidgetResizable(True)
             area_widget.setFrameShape(QFrame.Shape.NoFrame)
-            # a panel with a height for width (a wrapped legend over a plot) asks a scroll area
-            # for the legend's height plus the plot's preferred 480 px: a scroll bar at any size
-            area_widget.setWidget(_NoHeightForWidth(widget) if fixed_height_for_width else widget)
+            area_widget.setWidget(_NoHeightForWidth(widget) if graph else widget)
             dock.setWidget(area_widget)
-        elif fixed_height_for_width:
-            dock.setWidget(_NoHeightForWidth(widget))
         else:
             dock.setWidget(widget)
         dock.setFeatures(
@@ -334,9 +332,8 @@ class MainWindow(QMainWindow):
         compact = self.width() < COMPACT_WIDTH
         # the row's graphs scroll too: the tallest least height of a tab group holds the whole
         # row (and the window) that tall, which on a 960x540 screen it could not be
-        graph = {"scrolls": True, "fixed_height_for_width": True}
-        memory = self._dock("memory", "Memory", self.panels.memory, bottom, **graph)
-        latency = self._dock("latency", "Latency", self.panels.latency, bottom, **graph)
+        memory = self._dock("memory", "Memory", self.panels.memory, bottom, graph=True)
+        latency = self._dock("latency", "Latency", self.panels.latency, bottom, graph=True)
         self.splitDockWidget(page_map, latency if compact else memory, Qt.Orientation.Horizontal)
         if compact:
             self.tabifyDockWidget(latency, memory)
@@ -346,7 +343,7 @@ class MainWindow(QMainWindow):
         self.tabifyDockWidget(latency, quality)
         roofline = self._dock("roofline", "Roofline", self.panels.roofline, bottom, scrolls=True)
         self.tabifyDockWidget(latency, roofline)
-        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom, **graph)
+        steps = self._dock("step_timeline", "Engine steps", self.panels.step_timeline, bottom, graph=True)
         self.tabifyDockWidget(latency, steps)
         speculation = self._dock("speculation", "Speculation", self.panels.speculation, bottom, scrolls=True)
         self.tabifyDockWidget(latency, speculation)
@@ -464,6 +461,30 @@ class MainWindow(QMainWindow):
         self.chat.view_changed.connect(self._on_view_changed)
 
     # ---- layout ----------------------------------------------------------------------------
+    def event(self, event: QEvent) -> bool:
+        handled = super().event(event)
+        if event.type() == QEvent.Type.LayoutRequest:
+            self._fit_screen()
+        return handled
+
+    def _fit_screen(self) -> None:
+        """Back within the screen once the panels allow it. Qt grows a window whose minimum grows
+        (a load's progress and stage under the Load button, while it loads) and never shrinks it
+        again: on a 960x540 screen the window stayed 6 px taller than the screen after the load."""
+        if self.isMaximized() or self.isFullScreen() or not self.isVisible():
+            return
+        screen = self.screen().availableGeometry()
+        frame = self.frameGeometry().size() - self.size()  # the window manager's decoration
+        # the screen's room, or the size it was placed at where that is larger (a test's screen)
+        room = (screen.size() - frame).expandedTo(self._placed)
+        if self.width() <= room.width() and self.height() <= room.height():
+            return  # the common case: no layout asked of the docks
+        least = self.minimumSizeHint().expandedTo(self.minimumSize())
+        width = min(self.width(), max(least.width(), room.width()))
+        height = min(self.height(), max(least.height(), room.height()))
+        if (width, height) != (self.width(), self.height()):
+            self.resize(width, height)
+
     def _restore_layout(self) -> None:
         geometry, state = self.settings.window_layout()
         if geometry is not None:
@@ -619,28 +640,6 @@ class MainWindow(QMainWindow):
         )
 
     # ---- closing ---------------------------------------------------------------------------
-    def event(self, event: QEvent) -> bool:
-        handled = super().event(event)
-        if event.type() == QEvent.Type.LayoutRequest:
-            self._fit_screen()
-        return handled
-
-    def _fit_screen(self) -> None:
-        """Back within the screen once the panels allow it. Qt grows a window whose minimum grows
-        (a load's progress and stage under the Load button, while it loads) and never shrinks it
-        again: on a 960x540 screen the window stayed 6 px taller than the screen after the load."""
-        if self.isMaximized() or self.isFullScreen() or not self.isVisible():
-            return
-        screen = self.screen().availableGeometry()
-        frame = self.frameGeometry().size() - self.size()  # the window manager's decoration
-        # the screen's room, or the size it was placed at where that is larger (a test's screen)
-        room = (screen.size() - frame).expandedTo(self._placed)
-        least = self.minimumSizeHint().expandedTo(self.minimumSize())
-        width = min(self.width(), max(least.width(), room.width()))
-        height = min(self.height(), max(least.height(), room.height()))
-        if (width, height) != (self.width(), self.height()):
-            self.resize(width, height)
-
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         if not self._closed:
             self._closed = True

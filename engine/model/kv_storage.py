@@ -56,9 +56,10 @@ class SeqSlice:
 
 
 def fills_lazily(device: torch.device | str) -> bool:
-    """Whether a pool on `device` is resident only as its blocks are written: on the CPU it lives
+    """Whether a pool on `device` is resident only as its blocks are touched: on the CPU it lives
     in anonymous memory the kernel maps zero-filled on demand (`_zero_pool`), so unwritten slots
-    read as zeros without being resident. The fit estimate counts a load's process without it."""
+    read as zeros and untouched blocks cost nothing. The fit estimate counts a load's process
+    without it."""
     return torch.device(device).type == "cpu"
 
 
