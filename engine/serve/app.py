@@ -225,7 +225,15 @@ def build_app(
             prompts.leave(places)
         tokenizer_here = None if plan.engine_text else tokenizer
         reply = Reply(
-            kind, plan, started, strings, model, echoed, tokenizer_here, tool_format=bridge.tool_format
+            kind,
+            plan,
+            started,
+            strings,
+            model,
+            echoed,
+            tokenizer_here,
+            tool_format=bridge.tool_format,
+            cancel=bridge.cancel,  # a request whose every choice met a stop string the server found
         )
         try:
             first = await _opening(channel, reply)

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.config import EngineConfig, SamplingParams
@@ -152,8 +152,11 @@ class EngineBridge:
         tools: ToolRequest | None = None,
     ) -> Started:
         """Start a request of checked prompt ids on the engine thread; its events go to
-        `channel`. `detokenize` False: the engine makes no text for it (the server does)."""
+        `channel`. `detokenize` False: the engine makes no text for it, and the server finds its
+        stop strings in the text it makes (serve/replies.py), so the engine is not given them."""
         request_id = next(self._ids)
+        if not detokenize:
+            sampling = replace(sampling, stop=())
         arrived = time.perf_counter() if arrival is None else arrival
 
         def begin(core: LLMEngine) -> Started:

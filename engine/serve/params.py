@@ -105,17 +105,13 @@ class Plan:
 
     @property
     def engine_text(self) -> bool:
-        """The engine must make the text itself: stop strings are found in it, beam search ranks
-        finished texts, and an attached app (a tagged request) reads its replies' text from the
-        events stream; a request with tools is read for calls as it streams, markers (special
-        tokens the text leaves out) included. Otherwise the server detokenizes, off the engine
-        thread."""
-        return (
-            bool(self.sampling.stop)
-            or self.sampling.beam_search
-            or self.tag is not None
-            or self.tools is not None
-        )
+        """The engine must make the text itself: beam search ranks finished texts, an attached
+        app (a tagged request) reads its replies' text from the events stream, and a request
+        with tools is read for calls by the engine at its end (the reading a grammar that holds
+        calls was built for). Otherwise the server detokenizes, off
+        the engine thread, and finds the stop strings itself (Reply): as vLLM's front end does,
+        it cancels the engine's request once every choice has stopped."""
+        return self.sampling.beam_search or self.tag is not None or self.tools is not None
 
 
 def param_of(message: str) -> str | None:

@@ -7,14 +7,18 @@ fraction of the serialisation). Choice `i * n + branch` is sample `branch` of pr
 
 Given a tokenizer, the reply makes its text itself from the token ids (the engine was asked for
 none: Request.detokenize), with the engine's own streaming detokenizer, on the server's thread.
+It finds the stop strings in that text too: a choice ends at the token that completes one, the
+tokens the engine made after it (its steps run ahead of the server) are dropped from the reply
+and its usage, and once every choice of an engine request has stopped the reply cancels that
+request (`cancel`), as vLLM's front end aborts a request its detokenizer stopped.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.events import (
@@ -122,6 +126,7 @@ class Reply:
         echoed: list[EchoedPrompt] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         tool_format: ToolFormat | None = None,
+        cancel: Callable[[int], None] = lambda request_id: None,
     ):
         self.kind = kind  # "chat" or "completion"
         self.plan = plan
@@ -131,6 +136,12 @@ class Reply:
         self.created = int(time.time())
         self.n = plan.sampling.n
         self.index_of = {s.request_id: i for i, s in enumerate(started)}
+        self.request_ids = [s.request_id for s in started]
+        self._cancel = cancel
+        # Engine requests the server stopped (a stop string in its text), and the tokens each
+        # made past its choices' ends: no part of the reply
+        self.cut: set[int] = set()
+        self.overflow: dict[int, int] = {}
         self.choices = [Choice() for _ in range(len(plan.prompts) * self.n)]
         if plan.tools is not None and tool_format is not None:
             for choice in self.choices:
@@ -151,7 +162,7 @@ class Reply:
             for i, s in enumerate(started):
                 for branch in range(self.n):
                     self.choices[i * self.n + branch].detokenizer = IncrementalDetokenizer(
-                        tokenizer, s.prompt_tail
+                        tokenizer, s.prompt_tail, plan.sampling.stop
                     )
 
     @property
@@ -168,7 +179,7 @@ class Reply:
             if request_index is None:
                 continue
             if isinstance(event, TokenGenerated):
-                self._token(request_index * self.n + event.branch, event, changed)
+                self._token(request_index, request_index * self.n + event.branch, event, changed)
             elif isinstance(event, ToolCallsParsed):
                 self.choices[request_index * self.n + event.branch].parsed = event
             elif isinstance(event, SequenceFinished) and event.finish_reason in ("stop", "length", "grammar"):
@@ -191,8 +202,24 @@ class Reply:
     def _delta(self, changed: dict[int, Json], index: int) -> Json:
         return changed.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None})
 
-    def _token(self, index: int, token: TokenGenerated, changed: dict[int, Json]) -> None:
-        choice, delta = self.choices[index], self._delta(changed, index)
+    def _token(self, request_index: int, index: int, token: TokenGenerated, changed: dict[int, Json]) -> None:
+        choice = self.choices[index]
+        if choice.finish_reason is not None:  # made after the stop string the server found
+            request_id = self.request_ids[request_index]
+            self.overflow[request_id] = self.overflow.get(request_id, 0) + 1
+            return
+        delta = self._delta(changed, index)
+        self._token_text(choice, token, delta)
+        self._token_logprobs(choice, token, delta)
+        if choice.detokenizer is not None and choice.detokenizer.stopped:
+            self._finish(index, "stop", changed)
+            base = request_index * self.n
+            if all(c.finish_reason is not None for c in self.choices[base : base + self.n]):
+                request_id = self.request_ids[request_index]
+                self.cut.add(request_id)
+                self._cancel(request_id)
+
+    def _token_text(self, choice: Choice, token: TokenGenerated, delta: Json) -> None:
         text_delta = token.text_delta
         if choice.detokenizer is not None:  # the server makes the text (no tools: see Plan.engine_text)
             text_delta = choice.detokenizer.push(token.token_id)
@@ -205,6 +232,8 @@ class Reply:
         else:
             choice.text += text_delta
             delta["text"] += text_delta
+
+    def _token_logprobs(self, choice: Choice, token: TokenGenerated, delta: Json) -> None:
         if self.plan.top_logprobs is None or token.snapshot is None:
             return
         token_text = token.text or self.strings.text_of(token.token_id)
@@ -243,10 +272,12 @@ class Reply:
         self._delta(changed, index)["finish_reason"] = reason
 
     def _request_finished(self, request_index: int, event: RequestFinished, changed: dict[int, Json]) -> None:
+        self.stats[event.request_id] = self._reply_stats(event)
+        if event.request_id in self.cut:  # every choice already ended, at its stop string
+            return
         if event.finish_reason == "cancelled":
             self.error = ServeError("The request was cancelled: the server is shutting down.", status=503)
             return
-        self.stats[event.request_id] = event.stats
         base = request_index * self.n
         if self.plan.sampling.beam_search and event.sequences:
             # Beams stream nothing while they search: the best one is the reply, all at once.
@@ -267,6 +298,17 @@ class Reply:
                 self._finish(base + seq.branch, choice.ended or seq.finish_reason, changed, event.note)
         else:
             self._finish(base, event.finish_reason, changed, event.note)
+
+    def _reply_stats(self, event: RequestFinished) -> RequestStats:
+        """The engine's figures of the request, less the tokens it made past the reply's stop
+        strings (and, where it stamped one gap per token, their gaps)."""
+        stats, over = event.stats, self.overflow.get(event.request_id, 0)
+        if not over:
+            return stats
+        itl = stats.itl_s
+        if len(itl) == stats.generated_tokens - 1:
+            itl = itl[: max(0, len(itl) - over)]
+        return replace(stats, generated_tokens=stats.generated_tokens - over, itl_s=itl)
 
     # ---- chunks and bodies -----------------------------------------------------------------
     def _head(self, obj: str) -> Json:

@@ -234,6 +234,31 @@ def test_stop_string_ends_the_reply_before_it(client):
     assert cut.finish_reason == "stop" and cut.message.content == full[: full.index(stop)]
     texts, chunks = streamed(client, stop=stop, **args)
     assert texts[0] == cut.message.content and chunks[-1].choices[0].finish_reason == "stop"
+    # The server found the stop string and cancelled the engine's request: the tokens the engine
+    # made past it are in neither the reply nor its usage.
+    scored = client.chat.completions.create(model=MODEL, stop=[stop], logprobs=True, **args)
+    tokens = scored.choices[0].logprobs.content
+    assert scored.usage.completion_tokens == len(tokens) < args["max_tokens"]
+    assert stop in "".join(t.token for t in tokens)[len(cut.message.content) :]
+
+
+def test_each_sample_stops_at_its_own_stop_string(client):
+    args = dict(
+        messages=chat("Write a sentence."),
+        temperature=1.0,
+        seed=9,
+        n=2,
+        max_tokens=24,
+        extra_body={"ignore_eos": True},
+    )
+    full = [c.message.content for c in client.chat.completions.create(model=MODEL, **args).choices]
+    stop = full[0][len(full[0]) // 2 : len(full[0]) // 2 + 2]
+    cut = client.chat.completions.create(model=MODEL, stop=[stop], **args).choices
+    for choice, text in zip(cut, full, strict=True):
+        if stop in text:
+            assert choice.finish_reason == "stop" and choice.message.content == text[: text.index(stop)]
+        else:  # the other sample never met it: it runs to its length
+            assert choice.finish_reason == "length" and choice.message.content == text
 
 
 # ---- the prefix cache ------------------------------------------------------------------------
@@ -249,3 +274,45 @@ def test_cached_tokens_on_a_repeated_long_system_prompt(client):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 300 and cached % 4 == 0 and cached < second.usage.prompt_tokens
     assert second.model_extra["timings"]["cache_n"] == cached
+
+
+def test_a_stop_string_the_server_finds_cancels_the_request_once(default_tokenizer):
+    """The reply (server side) finds the stop string, cancels the engine request once, and
+    leaves out of the text and the usage the tokens the engine made after it."""
+    from engine.config import SamplingParams
+    from engine.events import RequestFinished, RequestStarted, RequestStats, TokenGenerated
+    from engine.serve.bridge import Started
+    from engine.serve.logprobs import TokenStrings
+    from engine.serve.params import Plan, Prompt
+    from engine.serve.replies import Reply
+
+    ids = default_tokenizer.encode("The cat sat. Then the dog ran far away")
+    text = default_tokenizer.decode(ids)
+    kept = next(i + 1 for i in range(len(ids)) if "." in default_tokenizer.decode(ids[: i + 1]))
+    plan = Plan((Prompt(),), SamplingParams(max_new_tokens=32, stop=(".",)), None, True, False, None)
+    cancelled: list[int] = []
+    for stream in (True, False):
+        reply = Reply(
+            "completion",
+            plan,
+            [Started(7, 3)],
+            TokenStrings([]),
+            MODEL,
+            tokenizer=default_tokenizer,
+            cancel=cancelled.append,
+        )
+        made = [TokenGenerated(7, i, t, "", "", -1.0) for i, t in enumerate(ids)]
+        stats = RequestStats(3, len(ids), 0, 0.1, (0.01,) * (len(ids) - 1), 1.0, 0, 1)
+        chunks = reply.fold(
+            [RequestStarted(7, 3), *made, RequestFinished(7, "cancelled", "", tuple(ids), stats)]
+        )
+        assert reply.done and reply.error is None
+        if stream:
+            assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(".")]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            body = reply.body()
+            assert body["choices"][0]["text"] == text[: text.index(".")]
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["usage"]["completion_tokens"] == kept
+    assert cancelled == [7, 7]  # once per reply
