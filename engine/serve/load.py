@@ -7,7 +7,9 @@ The server runs in this process on the model asked for; the clients in a process
 (their JSON parsing does not take the server's GIL), as asyncio tasks over httpx. First every
 prompt of a fixed pool (random lengths) is asked alone, greedy, one at a time: its reference.
 Then each client, until the time is up, picks at random:
-  70% a greedy request of the pool (streamed or not), whose reply must equal its reference;
+  60% a greedy request of the pool (streamed or not), whose reply must equal its reference;
+  10% the same with a stop string taken from the middle of its reference (the server finds it
+      and cancels the engine's request), whose reply must be the reference up to it;
   10% a stream it drops after a few chunks (the connection closed);
    5% a request it cancels after a random wait (its task cancelled, the connection closed);
   15% n = 2 or 3 samples (temperature 0.8), which must come back with n finished choices.
@@ -70,7 +72,7 @@ WORDS = [
     "language",
 ]
 POOL = 24  # distinct prompts (each with its reference)
-DROP, CANCEL, SAMPLES = 0.10, 0.05, 0.15  # shares of the requests; the rest are greedy
+DROP, CANCEL, SAMPLES, STOPS = 0.10, 0.05, 0.15, 0.10  # shares of the requests; the rest are greedy
 WARMUP_SHARE = 0.2  # of the duration, before RSS is taken as the baseline
 MAX_WARMUP_S = 60.0
 RSS_TOLERANCE = 0.05  # RSS at the end within 5% of RSS after the warm-up
@@ -82,6 +84,7 @@ class LoadResult:
     clients: int
     requests: int = 0
     greedy: int = 0
+    stopped: int = 0  # greedy with a stop string
     sampled: int = 0
     dropped: int = 0
     cancelled: int = 0
@@ -168,6 +171,16 @@ async def _stream(
     return text, times, False, tokens
 
 
+def _stop_of(reference: str) -> tuple[str | None, str]:
+    """A stop string from the middle of a reference, and the reply it must leave (the reference
+    up to its first occurrence); none for a reference too short to hold one."""
+    middle = len(reference) // 2
+    stop = reference[middle : middle + 3]
+    if len(reference) < 6:
+        return None, reference
+    return stop, reference[: reference.index(stop)]
+
+
 def _body(model: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
         "model": model,
@@ -216,10 +229,17 @@ async def _client(
                 else:
                     out.tokens += response.json()["usage"]["completion_tokens"]
             else:
-                out.greedy += 1
+                stop, expected = (
+                    _stop_of(refs[index]) if roll < DROP + CANCEL + SAMPLES + STOPS else (None, refs[index])
+                )
+                extra = {"stop": [stop]} if stop else {}
+                if stop:
+                    out.stopped += 1
+                else:
+                    out.greedy += 1
                 start = time.perf_counter()
                 if rng.random() < 0.7:
-                    text, times, done, tokens = await _stream(http, _body(model, prompt, max_tokens))
+                    text, times, done, tokens = await _stream(http, _body(model, prompt, max_tokens, **extra))
                     if not done:
                         out.lost += 1
                         out.problems.append(f"prompt {index}: the stream ended without [DONE]")
@@ -228,7 +248,9 @@ async def _client(
                         out.ttft_s.append(times[0] - start)
                         out.itl_s.extend(b - a for a, b in zip(times, times[1:]))
                 else:
-                    response = await http.post("/v1/chat/completions", json=_body(model, prompt, max_tokens))
+                    response = await http.post(
+                        "/v1/chat/completions", json=_body(model, prompt, max_tokens, **extra)
+                    )
                     if response.status_code != 200:
                         out.lost += 1
                         out.problems.append(f"prompt {index}: HTTP {response.status_code}")
@@ -236,9 +258,9 @@ async def _client(
                     text = response.json()["choices"][0]["message"]["content"]
                     tokens = response.json()["usage"]["completion_tokens"]
                 out.tokens += tokens
-                if text != refs[index]:
+                if text != expected:
                     out.mismatches += 1
-                    out.problems.append(f"prompt {index}: {text[:60]!r} != reference {refs[index][:60]!r}")
+                    out.problems.append(f"prompt {index} (stop {stop!r}): {text[:60]!r} != {expected[:60]!r}")
         except Exception as exc:  # noqa: BLE001 - a broken request is counted, the client goes on
             out.lost += 1
             out.problems.append(f"prompt {index}: {type(exc).__name__}: {exc}"[:300])
@@ -340,7 +362,8 @@ def table(result: LoadResult, model: str) -> str:
         ("clients", f"{result.clients} for {result.duration_s:.0f} s"),
         (
             "requests",
-            f"{result.requests} ({result.greedy} greedy, {result.sampled} n>1, {result.dropped} dropped "
+            f"{result.requests} ({result.greedy} greedy, {result.stopped} greedy with a stop string, "
+            f"{result.sampled} n>1, {result.dropped} dropped "
             f"mid-stream, {result.cancelled} cancelled)",
         ),
         ("lost", str(result.lost)),

@@ -1,5 +1,5 @@
 """The load run's path, short (the command runs it for ten minutes: python -m engine bench
---serve-load): clients streaming, hanging up, cancelling and asking n samples at once lose
+--serve-load): clients streaming, hanging up, cancelling, stopping at a stop string and asking n samples at once lose
 nothing, mix nothing up (every greedy reply equals the one it got alone) and leak no block."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ def test_a_short_load_run_loses_and_mixes_up_nothing(tiny_loaded):
     config = EngineConfig(block_size=4, num_blocks=1024, max_num_seqs=8)
     result = run_load(config, clients=12, duration_s=8.0, loaded=tiny_loaded)
     print(table(result, "tiny-random-llama"))
-    assert result.requests > 20 and result.greedy and result.dropped and result.sampled
+    assert result.requests > 20 and result.greedy and result.stopped and result.dropped and result.sampled
     assert result.lost == 0 and result.mismatches == 0, result.problems[:5]
     assert result.blocks_leaked == 0
     assert (
