@@ -153,23 +153,34 @@ class GGUFWeight(WeightStorage):
         reused buffer, then the GEMM. A whole layer's bfloat16 copy (64 MiB for a 1.7B model's
         gate|up) would be held by the process for its life; a slice of DENSE_SLICE_WEIGHTS keeps
         the buffer in cache between decoding and GEMM and changes no output: each output is
-        still one dot product over all its inputs."""
+        still one dot product over all its inputs.
+
+        The GEMM always multiplies exactly DENSE_ROW_TILE rows (the last tile padded with copies
+        of its last row): oneDNN picks its code path by the row count, and paths round
+        differently (measured: a lone row's GEMV gave 10 of 97 rows of a 1536 -> 576 layer other
+        bits; without AVX512-BF16, 2-3 rows and 8-32 rows each differed from 97), so a prompt's
+        last row alone (a prefix-cache hit, a one-row last chunk) would not get the bits it gets
+        in its prompt. At one shape a row's bits are its own wherever it sits in the tile
+        (measured at every oneDNN ISA this CPU offers: tests/engine/test_kvk.py)."""
         rows_per_slice = max(1, DENSE_SLICE_WEIGHTS // self.in_features)
-        activations = flat.to(torch.bfloat16)
-        if activations.shape[0] == 1:
-            # oneDNN multiplies a lone row by another code path (a GEMV) whose last bits differ
-            # from the same row among others (measured: 10 of 97 rows of a 1536 -> 576 layer):
-            # a prompt's last row alone (a prefix-cache hit, a one-row last chunk) would not get
-            # the bits it gets in its prompt. It goes in twice, as DenseWeight's float32 row does.
-            activations = activations.expand(2, -1)
+        rows = flat.shape[0]
+        if rows == 0:
+            return torch.empty(0, self.out_features)
+        tiles = -(-rows // DENSE_ROW_TILE)
+        activations = torch.empty(tiles * DENSE_ROW_TILE, self.in_features, dtype=torch.bfloat16)
+        activations[:rows] = flat
+        activations[rows:] = activations[rows - 1 : rows]
         y = torch.empty(activations.shape[0], self.out_features, dtype=torch.float32)
         for start in range(0, self.out_features, rows_per_slice):
             table = self.row_table[start : start + rows_per_slice]
             weight = self.lib.dequantize_bf16(
                 self.ggml_type, table, self.in_features, _bf16_scratch(table.shape[0], self.in_features)
             )
-            y[:, start : start + table.shape[0]] = F.linear(activations, weight)
-        return y[: flat.shape[0]]
+            for tile in range(0, activations.shape[0], DENSE_ROW_TILE):
+                y[tile : tile + DENSE_ROW_TILE, start : start + table.shape[0]] = F.linear(
+                    activations[tile : tile + DENSE_ROW_TILE], weight
+                )
+        return y[:rows]
 
     def exact_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 activations times every weight decoded to float32 (the exact LM head)."""
@@ -199,6 +210,10 @@ class GGUFWeight(WeightStorage):
 # buffer a call costs its page faults: measured 10x the decoding itself for a whole layer's copy).
 _SCRATCH = threading.local()
 DENSE_SLICE_WEIGHTS = 1 << 22  # 8 MiB of bfloat16
+# Rows per GEMM call of the dense kernel: a long prompt's GEMMs lose ~16% against one call of 512
+# rows (2048 x 2048, this 2-core EPYC), and a lone row costs a 64-row GEMM; the kernel table
+# measures the dense kernel this way, so it is chosen only where it still wins.
+DENSE_ROW_TILE = 64
 
 
 def _bf16_scratch(rows: int, cols: int) -> torch.Tensor:

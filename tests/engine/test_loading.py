@@ -82,8 +82,12 @@ def test_loaded_folder_computes_the_same_logits_as_the_saved_model(tiny_folder):
     loaded = load_model(ModelSpec(str(tiny_folder), device="cpu"))
     reference = make_tiny_llama(vocab_size=loaded.info.vocab_size)
     ids = torch.tensor([[1, 400, 2000, 31]])
+    # the saved weights, bit for bit (the head too, kept in the kernels' own layout)
+    assert torch.equal(loaded.model.lm_head.storage.dequantize(), reference.lm_head.weight)
     with torch.inference_mode():
-        assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
+        # the same logits to float32's rounding, not bit for bit: the kernels' GEMM (oneDNN) sums
+        # in another order than nn.Linear's, by CPU (equal on one EPYC, not on CI's machine)
+        torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture
