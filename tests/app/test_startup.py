@@ -20,17 +20,20 @@ ABSENT = b"libkvscope-x.so.0"
 
 
 @pytest.fixture
-def app_state(qapp):
-    """main() themes the shared QApplication and sets process-wide threads: put them back."""
+def app_state(qapp, monkeypatch):
+    """main() would theme the shared QApplication: not here (a style, palette or stylesheet set
+    re-polishes every widget alive, and beside those earlier app tests leave that took 218 s, and
+    as long again to put back). It sets process-wide names and threads: put them back."""
     import torch
 
-    saved = (qapp.styleSheet(), qapp.palette(), qapp.applicationName(), qapp.desktopFileName())
+    import widgets.theme
+
+    monkeypatch.setattr(widgets.theme, "apply_theme", lambda app, stylesheet=None: None)
+    saved = (qapp.applicationName(), qapp.desktopFileName())
     threads, interval = torch.get_num_threads(), sys.getswitchinterval()
     yield qapp
-    qapp.setStyleSheet(saved[0])
-    qapp.setPalette(saved[1])
-    qapp.setApplicationName(saved[2])
-    qapp.setDesktopFileName(saved[3])
+    qapp.setApplicationName(saved[0])
+    qapp.setDesktopFileName(saved[1])
     torch.set_num_threads(threads)
     sys.setswitchinterval(interval)
 
