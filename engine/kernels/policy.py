@@ -11,8 +11,8 @@ A step's rows are not one block: each sequence's rows take the kernel chosen for
 sequence*, never for the step's total: a decode row (and a speculative round's rows) the
 one-row kernel, a prefill chunk the kernel for its whole prompt's length (not the chunk's, which
 a prefix-cache hit shortens), and the LM head's logit rows the one-row kernel. Every kernel here
-computes each row alone (packed and bfloat16 dense paths at any row count, oneDNN float32 given
-two rows or more: tests/engine/test_batch_truth.py), so a request's tokens do not depend on what
+computes each row alone (packed paths at any row count, the bfloat16 dense path in fixed tiles of
+64 rows, oneDNN float32 given two rows or more: tests/engine/test_batch_truth.py, test_kvk.py), so a request's tokens do not depend on what
 else shares its step. The runner declares the step's rows with `KernelPolicy.step`; calls
 outside a step (a reference forward through transformers' own code) choose by their total rows.
 """

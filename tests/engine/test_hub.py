@@ -334,8 +334,14 @@ def test_no_network_is_said_in_one_line(hub, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    from huggingface_hub.utils import _http
+
+    backoffs: list[float] = []
+    monkeypatch.setattr(_http.time, "sleep", backoffs.append)
     with pytest.raises(HubError) as err:
         search_models("tiny")
+    # said at once: no retries with backoff (huggingface_hub's would wait 23 s to say the same)
+    assert backoffs == []
     assert str(err.value).startswith(
         "Cannot reach the Hugging Face Hub at http://127.0.0.1"
     ) and "\n" not in str(err.value)
