@@ -7,6 +7,7 @@ which is exactly the failure SmoothQuant was invented to fix."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,33 @@ def int8_matmul(a: torch.Tensor, b_t: torch.Tensor, use_int_mm: bool) -> torch.T
     return torch._int_mm(a, b_t)[:rows].float()
 
 
+@functools.cache
+def _int_mm_exact(device_type: str) -> bool:
+    """Whether torch._int_mm gives the exact products here, probed once per device type with
+    codes near +-127 (where a 16-bit intermediate would saturate). On a CPU with AVX-512 but
+    no VNNI, oneDNN's int8 GEMM sums pairs of products in saturating 16-bit lanes (measured,
+    oneDNN capped at AVX512_CORE: 1e4 where 2e4 was right), so the int8 figures would be wrong."""
+    device = torch.device(device_type)
+    if not has_aten_kernel("_int_mm", device):
+        return False
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(100, 128, (32, 256), generator=g, dtype=torch.int8) * torch.randint(
+        0, 2, (32, 256), generator=g, dtype=torch.int8
+    ).mul(2).sub(1)
+    b = torch.randint(-127, 128, (64, 256), generator=g, dtype=torch.int8)
+    exact = (a.long() @ b.long().t()).float()
+    try:
+        got = int8_matmul(a.to(device), b.t().to(device), use_int_mm=True).cpu()
+    except RuntimeError:
+        return False
+    return bool(torch.equal(got, exact))
+
+
+def int_mm_usable(device: torch.device) -> bool:
+    """torch._int_mm has a kernel for the device and it multiplies exactly (_int_mm_exact)."""
+    return _int_mm_exact(device.type)
+
+
 class W8A8Linear(nn.Module):
     weight_int8: torch.Tensor  # buffers
     weight_scales: torch.Tensor
@@ -64,7 +92,7 @@ class W8A8Linear(nn.Module):
         inv = None if smoothing is None else (1.0 / smoothing.float()).to(linear.weight.dtype)
         self.register_buffer("inv_smoothing", inv)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.use_int_mm = has_aten_kernel("_int_mm", weight.device)
+        self.use_int_mm = int_mm_usable(weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -78,8 +106,14 @@ class W8A8Linear(nn.Module):
 
 
 def _int_mm_status(device: torch.device) -> tuple[bool, str]:
-    if has_aten_kernel("_int_mm", device):
+    if int_mm_usable(device):
         return True, f"torch._int_mm (int8 x int8 -> int32) on {device.type}"
+    if has_aten_kernel("_int_mm", device):
+        return True, (
+            f"reference path: torch._int_mm on this {device.type} does not give exact int8 products "
+            "(without AVX-512 VNNI oneDNN saturates 16-bit sums), so they are computed exactly in "
+            "float64 (correct figures, slow)"
+        )
     return True, (
         f"reference path: this PyTorch build has no {device.type} kernel for torch._int_mm, so the int8 "
         "products are computed exactly in float64 (correct figures, slow)"

@@ -22,7 +22,7 @@ from engine.quant.schemes import (
     scheme_statuses,
 )
 from engine.quant.smoothquant import calibrate_input_absmax, smoothing_factors
-from engine.quant.w8a8 import W8A8Linear, int8_matmul
+from engine.quant.w8a8 import W8A8Linear, int8_matmul, int_mm_usable
 from engine.quant.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 # Stated bounds: relative L2 error of a quantized linear's output against the fp32 layer, on
@@ -151,8 +151,32 @@ def test_int_mm_equals_the_exact_reference_products():
     a = torch.randint(-127, 128, (9, 200), dtype=torch.int8)
     b = torch.randint(-127, 128, (64, 200), dtype=torch.int8)
     exact = (a.long() @ b.long().t()).float()
-    assert torch.equal(int8_matmul(a, b.t(), use_int_mm=True), exact)
+    # torch._int_mm where the probe found it exact (not on a CPU without VNNI); the float64 path always
+    if int_mm_usable(torch.device("cpu")):
+        assert torch.equal(int8_matmul(a, b.t(), use_int_mm=True), exact)
     assert torch.equal(int8_matmul(a, b.t(), use_int_mm=False), exact)
+
+
+def test_an_inexact_int_mm_is_not_used_and_the_status_says_why():
+    """oneDNN capped below VNNI (a Skylake-class CPU) saturates int8 sums: the probe must see it,
+    the layer take the exact float64 path and the scheme's status say so (a fresh process: the
+    ISA cap is read once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from engine.quant import w8a8; d = torch.device('cpu'); "
+        "print(w8a8.int_mm_usable(d)); print(w8a8.W8A8().check(d)[1])"
+    )
+    for isa, usable in (("AVX512_CORE", "False"), ("ALL", None)):
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        said_usable, status = out.stdout.splitlines()
+        if usable is not None:
+            assert said_usable == usable
+        assert status.startswith("torch._int_mm") == (said_usable == "True"), status
 
 
 def test_smoothquant_rescues_an_activation_outlier_channel():
