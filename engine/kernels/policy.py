@@ -12,8 +12,8 @@ sequence*, never for the step's total: a decode row (and a speculative round's r
 one-row kernel, a prefill chunk the kernel for its whole prompt's length (not the chunk's, which
 a prefix-cache hit shortens), and the LM head's logit rows the one-row kernel. Every kernel here
 computes each row alone (packed paths at any row count, the bfloat16 dense path in fixed tiles of
-64 rows, oneDNN float32 given two rows or more: tests/engine/test_batch_truth.py, test_kvk.py), so a request's tokens do not depend on what
-else shares its step. The runner declares the step's rows with `KernelPolicy.step`; calls
+64 rows, oneDNN float32 given two rows or more: tests/engine/test_batch_truth.py, test_kvk.py), so
+a request's tokens do not depend on what else shares its step. The runner declares the step's rows with `KernelPolicy.step`; calls
 outside a step (a reference forward through transformers' own code) choose by their total rows.
 """
 
