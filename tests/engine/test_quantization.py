@@ -171,7 +171,9 @@ def test_an_inexact_int_mm_is_not_used_and_the_status_says_why():
     )
     for isa, usable in (("AVX512_CORE", "False"), ("ALL", None)):
         env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 0, out.stderr
         said_usable, status = out.stdout.splitlines()
         if usable is not None:
