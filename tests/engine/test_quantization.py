@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from onednn_capped import run_capped
 from tiny_models import make_tiny_llama
 from torch import nn
 
@@ -161,21 +162,12 @@ def test_an_inexact_int_mm_is_not_used_and_the_status_says_why():
     """oneDNN capped below VNNI (a Skylake-class CPU) saturates int8 sums: the probe must see it,
     the layer take the exact float64 path and the scheme's status say so (a fresh process: the
     ISA cap is read once)."""
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import torch; from engine.quant import w8a8; d = torch.device('cpu'); "
         "print(w8a8.int_mm_usable(d)); print(w8a8.W8A8().check(d)[1])"
     )
     for isa, usable in (("AVX512_CORE", "False"), ("ALL", None)):
-        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert out.returncode == 0, out.stderr
-        said_usable, status = out.stdout.splitlines()
+        said_usable, status = run_capped(code, isa)
         if usable is not None:
             assert said_usable == usable
         assert status.startswith("torch._int_mm") == (said_usable == "True"), status
