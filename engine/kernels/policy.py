@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from engine.cache_dirs import cache_root
+from engine.kernels import native
 from engine.kernels.gguf_weight import GGUFWeight, random_blocks
 from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
@@ -294,8 +295,12 @@ def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int,
 
 
 def _cache_file() -> Path:
+    """Per CPU, torch version, thread count and kvk build (its source's hash): a table measured
+    for other kernels would pick crossovers they no longer have."""
     cpu = device_name(torch.device("cpu"))
-    name = f"kernels-{platform.machine()}-torch{torch.__version__}-t{torch.get_num_threads()}-{cpu}"
+    lib = native.kernels()
+    kvk = lib.path.stem if lib is not None else "nokvk"
+    name = f"kernels-{platform.machine()}-torch{torch.__version__}-t{torch.get_num_threads()}-{kvk}-{cpu}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return cache_root() / "kernels" / f"{safe}.json"
 

@@ -122,6 +122,24 @@ def test_the_float_path_is_the_float64_product(kvk, qtype):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_the_vector_quantizer_writes_the_portable_loops_bytes(kvk, qtype):
+    """Activations are quantized by intrinsics where the build has them, by a scalar loop
+    elsewhere; both must write the same planes, scales and sums or the builds (and the reference
+    the tests above check) would round differently. Rows with heavy tails, exact ties at .5,
+    zeros, a NaN and huge values."""
+    cols = 512
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, cols, generator=gen)
+    x[1] *= torch.rand(cols, generator=gen) ** 8 * 100  # heavy-tailed
+    x[2] = torch.arange(cols) % 7 - 3.5  # halves: round to nearest even
+    x[3] = 0.0
+    x[4, [20, 250]] = float("nan")  # in the last 16 inputs of a block of 32 and of 256
+    x[5, ::9] = 3e38
+    vector, scalar = kvk.quantize_rows(qtype, x), kvk.quantize_rows(qtype, x, scalar=True)
+    assert np.array_equal(vector, scalar)
+
+
 @pytest.mark.parametrize("qtype", [*QUANTIZED, Q.F16], ids=lambda t: t.name)
 def test_a_row_is_the_same_alone_and_among_others(kvk, qtype):
     """Batch invariance by construction: threads split the weight rows, never a dot product, and

@@ -234,6 +234,19 @@ class Kvk:
             raise RuntimeError(f"kvk_unpack_block refused GGML type {ggml_type}")
         return codes, a, b
 
+    def quantize_rows(self, ggml_type: int, x: torch.Tensor, scalar: bool = False) -> np.ndarray:
+        """Activations float32 [R, k] quantized as kvk_matmul quantizes them for `ggml_type`: the
+        bytes of this build's layout [R, row stride], by its own routine or, with `scalar`, by
+        the portable loop (tests: both write the same bytes)."""
+        x = x.float().contiguous()
+        rows, k = x.shape
+        stride = self.lib.kvk_quantize_rows(ggml_type, k, x.data_ptr(), rows, None, 0)
+        if stride < 0:
+            raise RuntimeError(f"kvk_quantize_rows refused GGML type {ggml_type} with {k} inputs")
+        out = np.zeros((rows, stride), dtype=np.uint8)
+        self.lib.kvk_quantize_rows(ggml_type, k, x.data_ptr(), rows, out.ctypes.data, int(scalar))
+        return out
+
 
 def check_table(rows: np.ndarray) -> None:
     """A table of row addresses (row_addresses), not the blocks themselves: the kernels would read
@@ -296,6 +309,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.kvk_paged_attention.restype = _c_int
     lib.kvk_unpack_block.argtypes, lib.kvk_unpack_block.restype = [_c_int, _ptr, _ptr, _ptr, _ptr], _c_int
+    lib.kvk_quantize_rows.argtypes = [_c_int, _c_i64, _ptr, _c_i64, _ptr, _c_int]
+    lib.kvk_quantize_rows.restype = _c_i64
     lib.kvk_add_rms_norm.argtypes = [_ptr, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, ctypes.c_float]
     lib.kvk_add_rms_norm.argtypes += [_c_i64, _c_i64, _ptr, _c_i64]
     lib.kvk_add_rms_norm.restype = _c_int

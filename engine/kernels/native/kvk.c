@@ -433,6 +433,14 @@ static const int8_t IQ4_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                      -127, -115, -103, -90, -75, -59, -39, -15};  // table + 128, as int8
 
 enum { NW = 4, RT = 2, SEQUENTIAL_ROWS = 8 };
+// How far ahead of its reads a one-row matmul asks for a weight row's bytes (a software prefetch
+// per cache line of each group). The hardware prefetcher alone left a Q4_K decode waiting on its
+// loads (perf: 14% of samples behind the first load of a group); measured one row against
+// 16384 x 2048 and 2048 x 8192 layers of Q4_K, Q4_0 and Q6_K (GB/s, 10 interleaved rounds):
+// none 13-25, 512 B 15-24, 1 KiB 16-27, 2 KiB 18-28, 4 KiB 18-28.
+#ifndef KVK_PREFETCH
+#define KVK_PREFETCH 2048
+#endif
 
 typedef struct {
     __m512i codes[4];
@@ -500,15 +508,25 @@ static inline uint16_t ld16(const uint8_t *p) {
     return h;
 }
 
-// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register: a
-// masked gather of 32-bit words (each reads its field and the 2 bytes after it, inside its block),
-// then their low halves. Building the vector from scalars went through the stack (the compiler's
-// choice) and stalled store forwarding at every group.
+// The 16-bit values at p, p + stride, ... (n <= 8 of them; the rest zero) in one register, each
+// inserted straight from memory. Measured slower: a masked gather (Zen 4 runs it as microcode: its
+// result's consumer held 13% of a Q4_0 decode's samples, Q4_0 at 9.8 GB/s against Q4_1's 17.8),
+// and a vector built from scalars, which the compiler did through the stack (store forwarding
+// stalled at every group). A row's last group (fewer than 8 blocks) reads only its own blocks.
 static inline __m128i halves8(const uint8_t *p, int stride, int n) {
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-    const __mmask8 m = n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << n) - 1);
-    const __m256i w = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), m, idx, (const void *)p, 1);
-    return _mm256_cvtepi32_epi16(w);
+    __m128i v = _mm_cvtsi32_si128(ld16(p));
+    if (n >= 8) {
+        v = _mm_insert_epi16(v, ld16(p + stride), 1);
+        v = _mm_insert_epi16(v, ld16(p + 2 * stride), 2);
+        v = _mm_insert_epi16(v, ld16(p + 3 * stride), 3);
+        v = _mm_insert_epi16(v, ld16(p + 4 * stride), 4);
+        v = _mm_insert_epi16(v, ld16(p + 5 * stride), 5);
+        v = _mm_insert_epi16(v, ld16(p + 6 * stride), 6);
+        return _mm_insert_epi16(v, ld16(p + 7 * stride), 7);
+    }
+    uint16_t h[8] = {0};
+    for (int j = 0; j < n; j++) h[j] = ld16(p + j * stride);
+    return _mm_loadu_si128((const __m128i *)h);
 }
 
 // Group g (chunks 4g.. of the row; blocks 8g..) of a 32-weight-type row: codes, lane scales, and
@@ -782,6 +800,37 @@ static inline __attribute__((always_inline)) void tile(const int t, const int by
         }
 }
 
+// One weight row against one activation row (a decode step's every matmul): tile()'s operations
+// for NWc = nr = 1, in the same order, with the accumulator in a register. tile()'s accumulators
+// live behind a pointer (their count is the call's row count), so each group's sum went through
+// memory: a store and a reload on every group's dependency chain (perf: 15% of a Q4_K decode's
+// samples on that pair). Two rows at a time measured 20-40% slower on every type (their groups'
+// registers spilled).
+static inline __attribute__((always_inline)) void tile_one_row(const int t, const int bytes, const int act,
+                                                               const int sub, const uint8_t *row, const int64_t k,
+                                                               const uint8_t *A, const act_layout *l, float *o,
+                                                               float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    group_t G;
+    const int64_t groups = (k + 255) / 256, blocks = k / 32;
+    const int gbytes = act == 32 ? 8 * bytes : bytes;
+    for (int64_t g = 0; g < groups; g++) {
+        if (KVK_PREFETCH > 0)
+            for (int q = 0; q < gbytes; q += 64)
+                _mm_prefetch((const char *)(row + g * gbytes + KVK_PREFETCH + q), _MM_HINT_T0);
+        if (act == 32) {
+            const int nch = group32(t, bytes, row, blocks, g, &G, o);
+            compute32(1, 1, &G, nch, A, l, g, 0, 1, &acc);
+        } else {
+            group256(t, row + g * bytes, &G, o + g * (256 / sub));
+            compute256(t, 1, 1, &G, A, l, g, 0, 1, &acc);
+        }
+    }
+    const int64_t subs = act == 32 ? 8 * groups : k / sub;
+    const float *xs = (const float *)(A + l->off_xs);
+    *out = _mm512_reduce_add_ps(acc) + dot_f32(o, xs, subs);
+}
+
 // The weight rows [i0, i1) of one thread, in tiles of NW (the last tile may be narrower: the
 // same per-output operations).
 static inline __attribute__((always_inline)) void rows_typed(const int t, const int bytes, const int act, const int sub,
@@ -796,6 +845,12 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     // streams it never ramps up on: 5 GB/s against 20+). More rows: tiles of NW, each activation
     // load shared by NW weight rows. Either way each output's operations are the same.
     const int step = nr <= SEQUENTIAL_ROWS ? 1 : NW;
+    if (nr == 1) {
+        for (int64_t i = i0; i < i1; i++) tile_one_row(t, bytes, act, sub, rowp[i], k, A, l, o, y + i);
+        free(acc);
+        free(o);
+        return;
+    }
     for (int64_t i = i0; i < i1; i += step) {
         const int nw = i1 - i < step ? (int)(i1 - i) : step;
         const uint8_t *rows[NW];
@@ -1059,6 +1114,62 @@ static void rows_bf16_avx512(int t, const uint8_t *const *rowp, int64_t i0, int6
 }
 #endif  // KVK_AVX512
 
+#ifdef KVK_AVX512
+// quantize_row's bytes, 16 inputs at a time: the same float operations (a multiply, a subtraction,
+// round-to-nearest-even, the clamps) in the same order, so both builds quantize alike. The scalar
+// loop cost ~15 operations an input on one thread before each matmul's parallel region (a 1.7B
+// down projection's 8192 inputs: ~40 us of a 760 us call).
+static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *dst) {
+    int8_t *xq = (int8_t *)dst, *xl = (int8_t *)(dst + l->off_lo);
+    float *dx = (float *)(dst + l->off_dx);
+    float *xs = (float *)(dst + l->off_xs);
+    const int64_t k = l->k, act = l->act, sub = l->sub;
+    memset(dst, 0, (size_t)l->stride);
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t g = 0; g < k / act; g++) {
+        const float *xg = x + g * act;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < act; i += 16) m = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(xg + i), sign), m);  // a NaN input leaves m, as fmaxf does
+        const float amax = _mm512_reduce_max_ps(m);
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float inv_lo = d > 0.0f ? 256.0f / d : 0.0f;
+        dx[g] = d;
+        const __m512 vd = _mm512_set1_ps(d), vinv = _mm512_set1_ps(inv), vinv_lo = _mm512_set1_ps(inv_lo);
+        for (int64_t j = 0; j < act / sub; j++) {
+            int32_t s_hi = 0, s_lo = 0;
+            for (int64_t i = 0; i < sub; i += 16) {
+                const int64_t e = g * act + j * sub + i;
+                const __m512 v = _mm512_loadu_ps(xg + j * sub + i);
+                __m512i hi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                hi = _mm512_max_epi32(_mm512_min_epi32(hi, lim), nlim);
+                const __m512 rest = _mm512_sub_ps(v, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(hi)));
+                __m512i lo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(rest, vinv_lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                lo = _mm512_max_epi32(_mm512_min_epi32(lo, lim), nlim);
+                s_hi += _mm512_reduce_add_epi32(hi);
+                s_lo += _mm512_reduce_add_epi32(lo);
+                const __m128i h8 = _mm512_cvtepi32_epi8(hi), l8 = _mm512_cvtepi32_epi8(lo);
+                if (l->interleave) {  // 4 lanes of 4 inputs of one block: at stride 8 in its chunk
+                    const int64_t c = e / 64, within = e % 64, blk = within / 32, m0 = (within % 32) / 4;
+                    uint32_t hw[4], lw[4];
+                    memcpy(hw, &h8, 16);
+                    memcpy(lw, &l8, 16);
+                    for (int q = 0; q < 4; q++) {
+                        const int64_t pos = c * 64 + (2 * (m0 + q) + blk) * 4;
+                        memcpy(xq + pos, hw + q, 4);
+                        memcpy(xl + pos, lw + q, 4);
+                    }
+                } else {
+                    _mm_storeu_si128((__m128i *)(xq + e), h8);
+                    _mm_storeu_si128((__m128i *)(xl + e), l8);
+                }
+            }
+            xs[(g * act) / sub + j] = d * (float)s_hi + (d * LO_SCALE) * (float)s_lo;
+        }
+    }
+}
+#endif
+
 // ---- the entry points -------------------------------------------------------------------------
 static _Thread_local uint8_t *act_buf = NULL;
 static _Thread_local int64_t act_cap = 0;
@@ -1128,7 +1239,11 @@ KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
     uint8_t *act = act_scratch(l.stride * nr);
     if (!act) return -2;
 #pragma omp parallel for schedule(static) if (nr * k >= 65536)
+#ifdef KVK_AVX512
+    for (int64_t r = 0; r < nr; r++) quantize_row_avx512(x + r * xs, &l, act + r * l.stride);
+#else
     for (int64_t r = 0; r < nr; r++) quantize_row(x + r * xs, &l, act + r * l.stride);
+#endif
 #ifdef KVK_AVX512
     // threads take whole tiles of weight rows: each output is one thread's, computed as alone
     const int64_t tiles = (n + NW - 1) / NW;
@@ -1230,6 +1345,33 @@ KVK_API int kvk_dequantize_rows(int t, const uint8_t *const *rowp, int64_t k, co
 #pragma omp parallel for schedule(static) if (m * k >= 262144)
     for (int64_t j = 0; j < m; j++) dequant_row(t, rowp[ids[j]], k, out + j * k);
     return 0;
+}
+
+// nr rows of k activations quantized for type t as kvk_matmul quantizes them, into out (nr x the
+// row stride bytes: the planes, scales and sums as this build lays them out), by the build's own
+// routine, or with `scalar` by the portable loop (tests: the two write the same bytes). Returns the
+// row stride, or -1 for a type or shape it does not take.
+KVK_API int64_t kvk_quantize_rows(int t, int64_t k, const float *x, int64_t nr, uint8_t *out, int scalar) {
+    kvk_type ti = {0, 0, 0, 0};
+    if (!type_info(t, &ti) || ti.sub == 0 || k % ti.block || nr < 0) return -1;
+#ifdef KVK_AVX512
+    const int interleave = ti.act == 32;
+#else
+    const int interleave = 0;
+#endif
+    act_layout l = layout_for(k, &ti, interleave);
+    if (out == NULL) return l.stride;
+    for (int64_t r = 0; r < nr; r++) {
+#ifdef KVK_AVX512
+        if (!scalar) {
+            quantize_row_avx512(x + r * k, &l, out + r * l.stride);
+            continue;
+        }
+#endif
+        quantize_row(x + r * k, &l, out + r * l.stride);
+    }
+    (void)scalar;
+    return l.stride;
 }
 
 // One block's codes and (a, b) pairs, for tests: codes [block], a and b [block / sub].
