@@ -798,17 +798,20 @@ static inline __attribute__((always_inline)) void tile(const int t, const int by
         }
 }
 
-// One weight row against one activation row (a decode step's every matmul): tile()'s operations
-// for NWc = nr = 1, in the same order, with the accumulator in a register. tile()'s accumulators
-// live behind a pointer (their count is the call's row count), so each group's sum went through
-// memory: a store and a reload on every group's dependency chain (perf: 15% of a Q4_K decode's
-// samples on that pair). Two rows at a time measured 20-40% slower on every type (their groups'
-// registers spilled).
-static inline __attribute__((always_inline)) void tile_one_row(const int t, const int bytes, const int act,
-                                                               const int sub, const uint8_t *row, const int64_t k,
-                                                               const uint8_t *A, const act_layout *l, float *o,
-                                                               float *out) {
-    __m512 acc = _mm512_setzero_ps();
+// One weight row against NR <= SEQUENTIAL_ROWS activation rows (a decode step's every matmul, a
+// speculative round's few rows): tile()'s operations for NWc = 1, in the same order per output,
+// with the accumulators in registers (NR is a compile-time constant here). tile()'s accumulators
+// live behind a pointer (their count is the call's row count), so each group's sums went through
+// memory: a store and a reload on every group's dependency chain (perf: 15% of a one-row Q4_K
+// decode's samples on that pair). Two weight rows at a time measured 20-40% slower on every
+// type (their groups' registers spilled).
+static inline __attribute__((always_inline)) void tile_few_rows(const int t, const int bytes, const int act,
+                                                                const int sub, const int NR, const uint8_t *row,
+                                                                const int64_t k, const uint8_t *A,
+                                                                const act_layout *l, float *o, float *out,
+                                                                const int64_t ys) {
+    __m512 acc[SEQUENTIAL_ROWS];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
     group_t G;
     const int64_t groups = (k + 255) / 256, blocks = k / 32;
     const int gbytes = act == 32 ? 8 * bytes : bytes;
@@ -816,17 +819,24 @@ static inline __attribute__((always_inline)) void tile_one_row(const int t, cons
         if (KVK_PREFETCH > 0)
             for (int q = 0; q < gbytes; q += 64)
                 _mm_prefetch((const char *)(row + g * gbytes + KVK_PREFETCH + q), _MM_HINT_T0);
-        if (act == 32) {
-            const int nch = group32(t, bytes, row, blocks, g, &G, o);
-            compute32(1, 1, &G, nch, A, l, g, 0, 1, &acc);
-        } else {
-            group256(t, row + g * bytes, &G, o + g * (256 / sub));
-            compute256(t, 1, 1, &G, A, l, g, 0, 1, &acc);
+        int nch = 4;
+        if (act == 32) nch = group32(t, bytes, row, blocks, g, &G, o);
+        else group256(t, row + g * bytes, &G, o + g * (256 / sub));
+        int r0 = 0;
+        for (; r0 + RT <= NR; r0 += RT) {
+            if (act == 32) compute32(1, RT, &G, nch, A, l, g, r0, NR, acc);
+            else compute256(t, 1, RT, &G, A, l, g, r0, NR, acc);
+        }
+        if (r0 < NR) {
+            if (act == 32) compute32(1, 1, &G, nch, A, l, g, r0, NR, acc);
+            else compute256(t, 1, 1, &G, A, l, g, r0, NR, acc);
         }
     }
     const int64_t subs = act == 32 ? 8 * groups : k / sub;
-    const float *xs = (const float *)(A + l->off_xs);
-    *out = _mm512_reduce_add_ps(acc) + dot_f32(o, xs, subs);
+    for (int r = 0; r < NR; r++) {
+        const float *xs = (const float *)(A + r * l->stride + l->off_xs);
+        out[r * ys] = _mm512_reduce_add_ps(acc[r]) + dot_f32(o, xs, subs);
+    }
 }
 
 // The weight rows [i0, i1) of one thread, in tiles of NW (the last tile may be narrower: the
@@ -842,15 +852,17 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     // one sequential run the hardware prefetcher follows (four interleaved rows are four short
     // streams it never ramps up on: 5 GB/s against 20+). More rows: tiles of NW, each activation
     // load shared by NW weight rows. Either way each output's operations are the same.
-    const int step = nr <= SEQUENTIAL_ROWS ? 1 : NW;
-    if (nr == 1) {
-        for (int64_t i = i0; i < i1; i++) tile_one_row(t, bytes, act, sub, rowp[i], k, A, l, o, y + i);
+    if (nr <= SEQUENTIAL_ROWS) {
+#define KVK_FEW(NR) \
+    case NR: for (int64_t i = i0; i < i1; i++) tile_few_rows(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys); break;
+        switch (nr) { KVK_FEW(1) KVK_FEW(2) KVK_FEW(3) KVK_FEW(4) KVK_FEW(5) KVK_FEW(6) KVK_FEW(7) KVK_FEW(8) }
+#undef KVK_FEW
         free(acc);
         free(o);
         return;
     }
-    for (int64_t i = i0; i < i1; i += step) {
-        const int nw = i1 - i < step ? (int)(i1 - i) : step;
+    for (int64_t i = i0; i < i1; i += NW) {
+        const int nw = i1 - i < NW ? (int)(i1 - i) : NW;
         const uint8_t *rows[NW];
         for (int j = 0; j < nw; j++) rows[j] = rowp[i + j];
         if (nw == NW) {
