@@ -1022,6 +1022,7 @@ static inline __attribute__((always_inline)) void f32_row(const int t, const int
     if (t == T_Q8_0) {  // signed codes as stored: d * q, one rounding (exact: 11 x 8 bits)
         for (int64_t j = 0; j < k / 32; j++) {
             const uint8_t *A = row + j * bytes;
+            if (KVK_PREFETCH > 0 && j % 2 == 0) _mm_prefetch((const char *)(A + KVK_PREFETCH), _MM_HINT_T0);
             const __m512 d = _mm512_set1_ps(rd_f16(A));
             for (int h = 0; h < 2; h++) {
                 const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(A + 2 + 16 * h)));
@@ -1033,6 +1034,7 @@ static inline __attribute__((always_inline)) void f32_row(const int t, const int
         for (int64_t j = 0; j < blocks; j += 2) {
             const uint8_t *A = row + j * bytes;
             const uint8_t *B = j + 1 < blocks ? A + bytes : ZERO_BLOCK;
+            if (KVK_PREFETCH > 0) _mm_prefetch((const char *)(A + KVK_PREFETCH), _MM_HINT_T0);
             const __m512i c = codes32_natural(t, A, B);  // [A's 32 | B's 32] in weight order
             float aA, oA, aB, oB;
             scales32(t, A, &aA, &oA);
@@ -1046,6 +1048,8 @@ static inline __attribute__((always_inline)) void f32_row(const int t, const int
             group_t G;
             float o[16], a[16];
             const uint8_t *b = row + g * bytes;
+            if (KVK_PREFETCH > 0)
+                for (int q = 0; q < bytes; q += 64) _mm_prefetch((const char *)(b + KVK_PREFETCH + q), _MM_HINT_T0);
             group256(t, b, &G, o);
             block_scales(t, b, a, o);  // the float a and b, as gguf rounds them
             for (int ch = 0; ch < 4; ch++)
