@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from engine.cache_dirs import cache_root
-from engine.kernels import native
 from engine.kernels.gguf_weight import GGUFWeight, random_blocks
+from engine.kernels.native import kernels as kvk_library
 from engine.kernels.packing import quantize_int4_groups, quantize_int8_per_row
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, Q8BlockWeight, WeightStorage
 from engine.measure.memory import device_name
@@ -298,7 +298,7 @@ def _cache_file() -> Path:
     """Per CPU, torch version, thread count and kvk build (its source's hash): a table measured
     for other kernels would pick crossovers they no longer have."""
     cpu = device_name(torch.device("cpu"))
-    lib = native.kernels()
+    lib = kvk_library()
     kvk = lib.path.stem if lib is not None else "nokvk"
     name = f"kernels-{platform.machine()}-torch{torch.__version__}-t{torch.get_num_threads()}-{kvk}-{cpu}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
