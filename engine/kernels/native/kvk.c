@@ -521,8 +521,7 @@ static inline __attribute__((always_inline)) int group32(const int t, const int 
                                                          int64_t g, group_t *G, float *o) {
     const int64_t first = 8 * g;
     const int nb = blocks - first < 8 ? (int)(blocks - first) : 8;
-    // the 8 halves gathered in a register (scalar stores read back as one vector would stall
-    // store forwarding: measured 2x slower)
+    // the 8 halves in one register (halves8: inserts straight from memory)
     const __m256 d8 = _mm256_cvtph_ps(halves8(row + first * bytes, bytes, nb));
     __m256 o8;
     if (t == T_Q4_1 || t == T_Q5_1) o8 = _mm256_cvtph_ps(halves8(row + first * bytes + 2, bytes, nb));
@@ -840,7 +839,6 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
                                                              int64_t i0, int64_t i1, int64_t k, const uint8_t *A,
                                                              const act_layout *l, int64_t nr, float *y, int64_t ys) {
     const int64_t ostride = ((k / 32 + 8) / 16 + 1) * 16 * 2;  // room for k/16 entries and a tail
-    __m512 *acc = (__m512 *)aligned_alloc(64, sizeof(__m512) * NW * (size_t)nr);
     float *o = (float *)aligned_alloc(64, sizeof(float) * NW * (size_t)ostride);
     // Few activation rows (decode): one weight row at a time, so the weights stream from memory in
     // one sequential run the hardware prefetcher follows (four interleaved rows are four short
@@ -851,10 +849,10 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     case NR: for (int64_t i = i0; i < i1; i++) tile_few_rows(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys); break;
         switch (nr) { KVK_FEW(1) KVK_FEW(2) KVK_FEW(3) KVK_FEW(4) KVK_FEW(5) KVK_FEW(6) KVK_FEW(7) KVK_FEW(8) }
 #undef KVK_FEW
-        free(acc);
         free(o);
         return;
     }
+    __m512 *acc = (__m512 *)aligned_alloc(64, sizeof(__m512) * NW * (size_t)nr);
     for (int64_t i = i0; i < i1; i += NW) {
         const int nw = i1 - i < NW ? (int)(i1 - i) : NW;
         const uint8_t *rows[NW];
