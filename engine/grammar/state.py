@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -52,7 +51,10 @@ class GrammarState:
         `with_forced`: also what it forces from here (a snapshot shows it; it costs a walk)."""
         cached = self._masks.get(self.position)
         if cached is None:
-            llguidance.torch.fill_next_token_bitmask(self._matcher, self._words)
+            # what llguidance.torch.fill_next_token_bitmask does, without importing that module:
+            # it compiles a torch function at import, which pulls in torch's compiler stack
+            # (+41 MiB resident in every engine process, grammar or not)
+            self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
             if self._matcher.is_error():
                 raise GrammarDeadEnd(self._dead_end_message())
             bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little")[: self.width]
