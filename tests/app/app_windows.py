@@ -21,9 +21,12 @@ def start_tiny(qtbot, window, loaded, config) -> None:
 
 class StepGate:
     """Holds the engine thread after its n-th step until released: a deterministic
-    mid-generation moment to look at the window (no sleeps, no timing)."""
+    mid-generation moment to look at the window (no sleeps, no timing). With `when`, only the
+    steps after which `when()` holds count (on the engine thread): a test of two requests
+    counts from the step both run in, however many steps the first took alone before the
+    second arrived."""
 
-    def __init__(self, core, after_steps: int):
+    def __init__(self, core, after_steps: int, when=None):
         self.reached = threading.Event()
         self.released = threading.Event()
         self._remaining = after_steps
@@ -31,6 +34,8 @@ class StepGate:
 
         def gated_step():
             original()
+            if when is not None and not when():
+                return
             self._remaining -= 1
             if self._remaining == 0:
                 self.reached.set()
