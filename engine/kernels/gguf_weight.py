@@ -209,15 +209,11 @@ class GGUFWeight(WeightStorage):
 # One bfloat16 buffer for the dense kernel's slices, reused across calls and layers (a fresh
 # buffer a call costs its page faults: measured 10x the decoding itself for a whole layer's copy).
 _SCRATCH = threading.local()
-# 4 MiB of bfloat16: measured 2^19..2^23 weights a slice, 1.7B-shaped Q4_K layers at 128 rows
-# (this 2-core EPYC): 2^21 and 2^22 alike, 2^19 10-20% slower (GEMMs too narrow).
-DENSE_SLICE_WEIGHTS = 1 << 21
-# Rows per GEMM call of the dense kernel. oneDNN's bfloat16 GEMM, 2048 x 2048 and 512 x 8192:
-# 350 GFLOP/s at 64 rows a call, 370-400 at 128, 400-420 at 256, 410-430 at 512; a whole 1.7B
-# Q4_K layer at 128 rows measured 7-8% faster in one 128-row call than in two of 64. A lone row
-# costs a 128-row GEMM; the kernel table measures the dense kernel this way, so it is chosen only
-# where it still wins (at 64 rows: kvk for Q4_K and Q4_0 here, dense for Q6_K).
-DENSE_ROW_TILE = 128
+DENSE_SLICE_WEIGHTS = 1 << 22  # 8 MiB of bfloat16
+# Rows per GEMM call of the dense kernel: a long prompt's GEMMs lose ~16% against one call of 512
+# rows (2048 x 2048, this 2-core EPYC), and a lone row costs a 64-row GEMM; the kernel table
+# measures the dense kernel this way, so it is chosen only where it still wins.
+DENSE_ROW_TILE = 64
 
 
 def _bf16_scratch(rows: int, cols: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ sequence*, never for the step's total: a decode row (and a speculative round's r
 one-row kernel, a prefill chunk the kernel for its whole prompt's length (not the chunk's, which
 a prefix-cache hit shortens), and the LM head's logit rows the one-row kernel. Every kernel here
 computes each row alone (packed paths at any row count, the bfloat16 dense path in fixed tiles of
-128 rows, oneDNN float32 given two rows or more: tests/engine/test_batch_truth.py, test_kvk.py), so
+64 rows, oneDNN float32 given two rows or more: tests/engine/test_batch_truth.py, test_kvk.py), so
 a request's tokens do not depend on what else shares its step. The runner declares the step's rows with `KernelPolicy.step`; calls
 outside a step (a reference forward through transformers' own code) choose by their total rows.
 """
@@ -47,8 +47,7 @@ TIMING_REPEATS = 7
 CALLS_PER_REPEAT = 4  # calls of each kernel per repeat, on rotating copies of the probe layer
 PROBE_BYTES = 48 * 2**20
 PROBE_SHAPE = (1024, 1024)
-TABLE_VERSION = 7  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row counts;
-# 7: the GGUF dense kernel in tiles of 128 rows
+TABLE_VERSION = 6  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row counts
 # A dense kernel must beat the native one by this much, at two row counts in a row (or at the
 # last one), to take over: measured busy, one bucket's times flipped by 10-30% (issue 24: a busy
 # machine's table chose dense kernels at 32-64 rows where a quiet one chose packed).
