@@ -113,12 +113,14 @@ class LLMEngine:
             kv_dtype=config.kv_dtype,
             layers=loaded.attention or None,
         )
-        self.kv = KVCacheManager(pool, config.enable_prefix_caching, copy_block=self.storage.copy_block)
+        policy = loaded.policy if loaded.policy is not None else KernelPolicy()
+        self.kv = KVCacheManager(
+            pool, config.enable_prefix_caching, copy_block=self.storage.copy_block, kernels_at=policy.kernels_at
+        )
         self.max_model_len = min(
             config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
             info.max_position_embeddings,
         )
-        policy = loaded.policy if loaded.policy is not None else KernelPolicy()
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
         spec = config.speculative
         self._proposer: Proposer | None = (

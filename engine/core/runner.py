@@ -37,12 +37,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def _kernel_rows(seq: Any) -> int:
-    """The row count a sequence's kernels are chosen for in this step (see forward)."""
+def _kernel_segments(seq: Any, n: int) -> list[tuple[int, int]]:
+    """[(rows, the row count their kernels are chosen for)] of a sequence's `n` rows this step
+    (see forward): a prompt's rows its whole length, the rows after it one row each, split where
+    a chunk (a recompute after preemption) crosses the prompt's end."""
     prompt = getattr(seq, "num_prompt_tokens", None)
     if prompt is None:  # a drafter's sequence (engine/core/drafter.py): catch-up rows as a prefill
-        return int(seq.num_tokens) if seq.is_prefill else 1
-    return int(prompt) if seq.num_computed_tokens < prompt else 1
+        return [(n, int(seq.num_tokens) if seq.is_prefill else 1)]
+    in_prompt = min(n, max(0, prompt - seq.num_computed_tokens))
+    return [(m, k) for m, k in ((in_prompt, int(prompt)), (n - in_prompt, 1)) if m]
 
 
 @dataclass(slots=True)
@@ -119,7 +122,7 @@ class ModelRunner:
         # prompt's rows its whole length, so they meet the same kernels however it is chunked,
         # cached or batched; every row after the prompt one row, as it was decoded (a decode, a
         # speculative round, a recompute after preemption or a replay of a reply)
-        kernel_rows = [_kernel_rows(seq) for seq in seqs]
+        segments = [segment for seq, n in zip(seqs, num_tokens) for segment in _kernel_segments(seq, n)]
         bs = self.storage.block_size
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
@@ -143,7 +146,7 @@ class ModelRunner:
         keep_rows = long_tensor(keep)
         if probe is not None:
             batch.recorder = probe.attention
-        with torch.inference_mode(), self.policy.step(num_tokens, kernel_rows) as record:
+        with torch.inference_mode(), self.policy.step([m for m, _ in segments], [k for _, k in segments]) as record:
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
             else:

@@ -1,10 +1,9 @@
 """A GGUF tensor kept as the file stores it: its blocks, memory-mapped, multiplied by kvk.
 
 Two kernels, chosen per row count by the kernel table (engine/kernels/policy.py):
-  "kvk"         the C kernel on the blocks themselves, activations rounded to 16 bits in two
-                8-bit planes per block (one scale per 32 inputs for the 32-weight types, per 256
-                for the K-quants and IQ4_XS, as llama.cpp's blocks are laid out); every row
-                computed alone, so a sequence's rows never depend on the rows beside them.
+  "kvk"         the C kernel on the blocks themselves, activations rounded to 16-bit codes (one
+                scale per 256 inputs); every row computed alone, so a sequence's rows never
+                depend on the rows beside them, and a prompt's rows get the bits a decode row gets.
   "dense-bf16"  the layer decoded to bfloat16 into a reused buffer, then oneDNN's bfloat16 GEMM
                 with bfloat16 activations: faster for long prefill chunks (the weights are read
                 once per chunk; the GEMM reuses them across rows), never for a decode row. It

@@ -107,6 +107,14 @@ class KernelPolicy:
             if len(storage.kernels()) > 1 and table_key(storage) not in self.table:
                 self.table[table_key(storage)] = measure(storage)
 
+    def kernels_at(self, rows: int) -> bytes:
+        """The kernels rows chosen for `rows` run, one per format with a choice, as bytes: two rows
+        computed under equal values ran the same kernels, so their outputs (and the K/V a model
+        writes from them) are the same bits. The prefix cache keys a block by it
+        (engine/kv/manager.py): a block another kernel computed is not another prompt's."""
+        key = bucket(rows)
+        return ";".join(f"{name}={table[key]}" for name, table in sorted(self.table.items())).encode()
+
     def describe(self) -> list[str]:
         """One line per measured format: which kernel runs which row counts, and how the table
         was made."""
@@ -134,8 +142,9 @@ class KernelPolicy:
     # ---- the step --------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, seq_rows: Sequence[int], kernel_rows: Sequence[int] | None = None) -> Iterator[StepRecord]:
-        """Run a forward whose packed rows are, in order, `seq_rows[i]` rows per sequence, the
-        kernel of sequence i chosen for `kernel_rows[i]` rows (default: its own rows)."""
+        """Run a forward whose packed rows are, in order, runs of `seq_rows[i]` rows (a sequence's
+        rows, or those on one side of its prompt's end), run i's kernels chosen for
+        `kernel_rows[i]` rows (default: its own rows)."""
         self._seq_rows, self._plans, self.record = tuple(seq_rows), {}, StepRecord()
         self._kernel_rows = tuple(kernel_rows) if kernel_rows is not None else self._seq_rows
         self._packed_rows = sum(self._seq_rows)

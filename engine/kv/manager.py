@@ -5,9 +5,14 @@ the scheduler decides before anything changes. Prefix caching keys only full blo
 tokens are all committed to the cache, chained so a block's key names its entire prefix; a hit
 never covers the last prompt token, which is always recomputed to produce the first logits.
 
-A key is the SHA-256 of (the parent block's key, the block's tokens), as vLLM's since
-CVE-2025-25183: with a 64-bit hash two different prefixes can be made to collide, and one
-request would attend to K/V another's prompt wrote.
+A key is the SHA-256 of (the parent block's key, the block's tokens, the kernels that computed
+them), as vLLM's since CVE-2025-25183 but for the kernels: with a 64-bit hash two different
+prefixes can be made to collide, and one request would attend to K/V another's prompt wrote. The
+kernels: a prompt's rows run the kernels its whole length chooses, every row after it the one-row
+kernels (engine/kernels/policy.py), and kernels round differently; so a block is shared only with
+a prompt that would have computed every one of its positions with the same kernels, and a reply is
+the same bits cached or alone. Where the kernel table keeps one kernel at every row count (float32
+models; kvk's GGUF formats where it measures fastest throughout) the kernels never split a key.
 
 Forks (n samples, beams) share all of a sequence's blocks by ref count. A sequence about to
 write into a shared block first copies it (copy-on-write): only the last, partly filled block
@@ -48,12 +53,18 @@ class BlockTableOwner(Protocol):
 ROOT_KEY = b"kvscope-prefix-root"
 
 
-def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    """Key of a full block: SHA-256 of its parent's key and its tokens (as 64-bit ints), so a
-    key names the block's entire prefix and two prefixes share one only by a SHA-256 collision."""
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...], kernels: bytes = b"") -> bytes:
+    """Key of a full block: SHA-256 of its parent's key, its tokens (as 64-bit ints) and the
+    kernels that computed them, so a key names the block's entire prefix and two prefixes share
+    one only by a SHA-256 collision."""
     digest = hashlib.sha256(ROOT_KEY if parent is None else parent)
     digest.update(array("q", tokens).tobytes())
+    digest.update(kernels)
     return digest.digest()
+
+
+# rows -> the kernels rows chosen for that many run (KernelPolicy.kernels_at)
+KernelsAt = Callable[[int], bytes]
 
 
 class KVCacheManager:
@@ -62,8 +73,11 @@ class KVCacheManager:
         pool: BlockPool,
         enable_prefix_caching: bool = True,
         copy_block: Callable[[int, int], None] | None = None,
+        kernels_at: KernelsAt | None = None,
     ):
         self.pool = pool
+        # which kernels compute a position (see the module doc); None: one kernel for every row
+        self.kernels_at = kernels_at
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         # Copies one block's K/V (src id, dst id) for copy-on-write; None keeps bookkeeping only.
@@ -92,11 +106,25 @@ class KVCacheManager:
             if memo[last][0] != tuple(tokens[last * bs : (last + 1) * bs]):
                 memo.clear()
         parent = memo[-1][1] if memo else None
+        prompt = getattr(seq, "num_prompt_tokens", len(tokens))  # a drafter's sequence: never cached
         for i in range(len(memo), num_full_blocks):
             block = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = chain_hash(parent, block)
+            parent = chain_hash(parent, block, self._block_kernels(prompt, i))
             memo.append((block, parent))
         return [key for _, key in memo[:num_full_blocks]]
+
+    def _block_kernels(self, prompt_tokens: int, index: int) -> bytes:
+        """The kernels that compute block `index`'s positions in a sequence whose prompt is
+        `prompt_tokens` long: the prompt's for its positions, the one-row kernels' after it."""
+        if self.kernels_at is None:
+            return b""
+        start, stop = index * self.block_size, (index + 1) * self.block_size
+        in_prompt, after = self.kernels_at(prompt_tokens), self.kernels_at(1)
+        if stop <= prompt_tokens or in_prompt == after:
+            return in_prompt
+        if start >= prompt_tokens:
+            return after
+        return b"%d|%s|%s" % (prompt_tokens - start, in_prompt, after)  # the prompt ends inside
 
     def find_cached_prefix(self, seq: BlockTableOwner) -> list[Block]:
         """Longest run of cached full blocks matching the sequence's start, never reaching its

@@ -10,6 +10,9 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama
 
+from engine.config import SamplingParams
+from engine.core.runner import _kernel_segments
+from engine.core.sequence import Sequence
 from engine.kernels import int4_layout
 from engine.kernels import policy as policy_module
 from engine.kernels.linear import KernelLinear, fuse_projections
@@ -152,6 +155,26 @@ def test_each_sequence_takes_the_kernel_of_its_own_row_count():
     # bit for bit: a row's result does not depend on what else shared the step
     assert torch.equal(together[0], alone_a[0])
     assert torch.equal(together[2:], alone_prefill)
+
+
+def test_a_recomputed_chunk_across_the_prompts_end_takes_both_kernels():
+    """A sequence recomputed after preemption runs its prompt and its reply in one chunk: the
+    prompt's rows the kernels of its length, the reply's the one-row kernels they were decoded
+    with, so the K/V it writes again are the bits it wrote the first time."""
+    seq = Sequence(1, list(range(12)), 7, SamplingParams())  # a 7-token prompt, 5 decoded
+    assert _kernel_segments(seq, 12) == [(7, 7), (5, 1)]
+    seq.num_computed_tokens = 4
+    assert _kernel_segments(seq, 3) == [(3, 7)]  # a chunk inside the prompt
+    seq.num_computed_tokens = 8
+    assert _kernel_segments(seq, 4) == [(4, 1)]  # after it
+
+
+def test_the_kernels_at_a_row_count_name_every_formats_choice():
+    storage = storages()["int4-g32"]
+    policy = forced_policy(storage, {1: "packed", 64: "dense-bf16"})
+    assert policy.kernels_at(1) == policy.kernels_at(63) == b"int4-g32=packed"
+    assert policy.kernels_at(64) == policy.kernels_at(5000) == b"int4-g32=dense-bf16"
+    assert KernelPolicy().kernels_at(1) == b""  # one kernel everywhere: nothing to tell apart
 
 
 def test_the_table_is_measured_once_and_kept_on_disk(tmp_path, monkeypatch):

@@ -81,20 +81,21 @@ def test_the_kernels_codes_and_scales_are_the_blocks_weights(kvk, qtype):
         assert np.allclose(mine, want[row], rtol=1e-6, atol=1e-9)
 
 
-def rounded_activations(x: torch.Tensor, block: int) -> np.ndarray:
-    """x quantized per `block` inputs as kvk does, back in float64: d = amax / 127, a high plane
-    round(x / d) and a low plane round(256 * (x - d * hi) / d) (round to nearest even, float32
-    arithmetic), x ~ d * (hi + lo / 256)."""
+def rounded_activations(x: torch.Tensor) -> np.ndarray:
+    """x quantized as kvk does, back in float64: per group of 256 inputs d = amax / 32767 and
+    q = round(x * (32767 / amax)) (round to nearest even, float32 arithmetic), clamped to
+    +-32767: x ~ d * q, one 16-bit plane."""
     f32 = np.float32
-    v = x.numpy().astype(f32).reshape(x.shape[0], -1, block)
-    amax = np.abs(v).max(-1, keepdims=True)
-    d = (amax / f32(127)).astype(f32)
-    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, 1), 0).astype(f32)
-    hi = np.clip(np.rint((v * inv).astype(f32)), -127, 127).astype(f32)
-    rest = (v - (d * hi).astype(f32)).astype(f32)
-    inv_lo = np.where(d > 0, f32(256) / np.where(d > 0, d, 1), 0).astype(f32)
-    lo = np.clip(np.rint((rest * inv_lo).astype(f32)), -127, 127)
-    return (d.astype(np.float64) * (hi.astype(np.float64) + lo / 256.0)).reshape(x.shape[0], -1)
+    v = x.numpy().astype(f32)
+    out = np.zeros(v.shape, dtype=np.float64)
+    for g in range(0, v.shape[1], 256):
+        part = v[:, g : g + 256]
+        amax = np.abs(part).max(-1, keepdims=True)
+        d = (amax / f32(32767)).astype(f32)
+        inv = np.where(amax > 0, f32(32767) / np.where(amax > 0, amax, 1), 0).astype(f32)
+        q = np.clip(np.rint((part * inv).astype(f32)), -32767, 32767)
+        out[:, g : g + 256] = d.astype(np.float64) * q
+    return out
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
@@ -103,10 +104,10 @@ def test_the_integer_product_is_exact_for_its_rounded_activations(kvk, qtype):
     blocks = random_blocks(qtype, 64, cols, seed=2)
     weights = dequantize(blocks, qtype).reshape(64, cols).astype(np.float64)
     x = torch.randn(3, cols)
-    want = rounded_activations(x, 256 if qtype in SUPER_BLOCK else 32) @ weights.T
+    want = rounded_activations(x) @ weights.T
     got = kvk.matmul(qtype, row_addresses(blocks), cols, x).numpy()
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
-    # and the rounding itself costs what ~16 bits of each block's range cost
+    # and the rounding itself costs what ~16 bits of each group's range cost
     exact = x.double().numpy() @ weights.T
     assert np.abs(got - exact).max() <= 2e-4 * np.abs(exact).max()
 

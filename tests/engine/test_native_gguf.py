@@ -113,7 +113,7 @@ def test_native_model_keeps_the_blocks_and_matches_its_dequantized_twin(tiny_ggu
     assert isinstance(attn.q_proj.storage, GGUFWeight) and maps_the_file(attn.q_proj.storage.parts[0])
     twin = reference_model(tiny_gguf)
     # the weights are the file's exactly (q/k rows in transformers' order, llama.cpp's RoPE
-    # permutation undone by the kernel's row map), so only the kernels' 8-bit activations differ
+    # permutation undone by the kernel's row map), so only the kernels' 16-bit activations differ
     for name in (
         "model.layers.0.self_attn.q_proj",
         "model.layers.1.self_attn.k_proj",

@@ -343,7 +343,7 @@ def test_a_gguf_mixing_formats_in_a_layer_runs_the_own_forward_with_split_projec
     assert engine.runner.executor == EXECUTOR
     their_tokens, theirs, _ = run(loaded, config, prompts, own=False)
     assert tokens == their_tokens
-    # kvk rounds each layer's input to two 8-bit planes: the two codes' inputs differ in their last
+    # kvk rounds each layer's input to 16-bit codes: the two codes' inputs differ in their last
     # float32 bits (the own forward on kvk runs its norms and RoPE in C, layer_ops.c, summing in
     # its own order), which can move an activation across a rounding boundary, one step of its
     # block's 16-bit range: ~1e-4 on these logits

@@ -3,7 +3,7 @@
 from engine.config import SamplingParams
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool
-from engine.kv.manager import KVCacheManager
+from engine.kv.manager import KVCacheManager, chain_hash
 
 BS = 4
 
@@ -139,8 +139,8 @@ def test_keys_agreeing_in_64_bits_are_told_apart(monkeypatch):
 
     real = manager.chain_hash
 
-    def colliding(parent, tokens):
-        key = real(parent, tokens)
+    def colliding(parent, tokens, kernels=b""):
+        key = real(parent, tokens, kernels)
         return bytes(8) + key[8:] if parent is None else key
 
     monkeypatch.setattr(manager, "chain_hash", colliding)
@@ -166,3 +166,52 @@ def test_block_keys_are_sha256_of_the_parent_key_and_the_tokens():
     a = seq(1, range(10))
     prefill(kv, a)
     assert [b.block_hash for b in a.block_table[:2]] == kv._block_keys(a, 2)
+
+
+def kernel_table(threshold):
+    """A kernel table's answer: prompts of `threshold` rows or more run 'dense', fewer 'kvk'."""
+    return lambda rows: b"dense" if rows >= threshold else b"kvk"
+
+
+def test_a_block_is_shared_only_with_a_prompt_whose_kernels_computed_it_alike():
+    """A prompt's rows run the kernels its whole length picks; kernels round differently, so a
+    block a short prompt computed is not served to a long one (its reply would not be its own)."""
+    kv = KVCacheManager(BlockPool(12, BS), True, kernels_at=kernel_table(8))
+    short = seq(1, range(6))  # 6 rows: kvk
+    prefill(kv, short)
+    long = seq(2, range(10))  # 10 rows: dense, the same first block
+    assert prefill(kv, long) == []
+    also_short = seq(3, list(range(5)) + [70, 71])  # 7 rows: kvk, the first block shared
+    assert ids(prefill(kv, also_short)) == ids(short.block_table[:1])
+    also_long = seq(4, list(range(8)) + [80])  # dense: the long prompt's two blocks
+    assert ids(prefill(kv, also_long)) == ids(long.block_table[:2])
+    kv.pool.check_invariants()
+
+
+def test_decoded_positions_are_keyed_by_the_one_row_kernels():
+    """Tokens after a prompt were computed one row at a time: a later prompt reuses them only
+    where its own kernels are the one-row ones; a block the prompt ends inside names both."""
+    kv = KVCacheManager(BlockPool(12, BS), True, kernels_at=kernel_table(6))
+    a = seq(1, range(6))  # positions 0-5: dense
+    prefill(kv, a)
+    for token in (6, 7):  # decoded: kvk
+        a.token_ids.append(token)
+        kv.append(a, 1)
+        kv.commit(a, 1)
+    keys = kv._block_keys(a, 2)
+    assert keys[1] == chain_hash(keys[0], (4, 5, 6, 7), b"2|dense|kvk")
+    follow_up = seq(2, list(range(8)) + [90, 91])  # 10 rows, all dense: only block 0 is its own
+    assert ids(prefill(kv, follow_up)) == ids(a.block_table[:1])
+    kv.pool.check_invariants()
+
+
+def test_one_kernel_at_every_row_count_shares_as_before():
+    kv = KVCacheManager(BlockPool(12, BS), True, kernels_at=lambda rows: b"kvk")
+    a = seq(1, range(6))
+    prefill(kv, a)
+    for token in (6, 7):
+        a.token_ids.append(token)
+        kv.append(a, 1)
+        kv.commit(a, 1)
+    follow_up = seq(2, list(range(8)) + [90, 91])
+    assert ids(prefill(kv, follow_up)) == ids(a.block_table[:2])

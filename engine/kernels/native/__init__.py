@@ -52,8 +52,8 @@ class Kvk:
     ) -> torch.Tensor:
         """x float32 [R, k] (rows contiguous) times the weight rows whose addresses `rows` holds
         (row_addresses: one tensor, several fused, or a permutation) -> float32 [R, len(rows)].
-        `exact`: float32 activations (every weight decoded to float32), else the two 8-bit
-        activation planes."""
+        `exact`: float32 activations (every weight decoded to float32), else 16-bit activation
+        codes (one scale per 256 inputs)."""
         check_table(rows)
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k:
             raise ValueError(

@@ -14,10 +14,10 @@ Why a plain C library over ctypes rather than a torch C++ extension: it compiles
 uses (torch's wheels ship libgomp.so.1, and a library asking for that soname gets the one already
 loaded), so `torch.set_num_threads` governs both and they never compete for the cores. Why not
 ggml through a binding: ggml-python on PyPI is an sdist that builds all of ggml (minutes), and
-its graph API costs a context and a graph per matmul call from Python; the kernels here read the
-same blocks with the same 8-bit activation scheme, and keep each output's arithmetic independent
-of the batch (a sequence's tokens never depend on its neighbours), which ggml's tiling does not
-promise.
+its graph API costs a context and a graph per matmul call from Python; its kernels round the
+activations to 8 bits (too coarse for the product's quality bound, kvk.c), and the kernels here
+keep each output's arithmetic independent of the batch (a sequence's tokens never depend on its
+neighbours), which ggml's tiling does not promise.
 """
 
 from __future__ import annotations

@@ -1,21 +1,27 @@
 // kvscope's CPU kernels for GGUF block formats (the "kvk" library).
 //
 // A weight row is read as the GGUF file stores it (memory-mapped, never copied) and multiplied by
-// activations quantized once per call, with one scale per 32 inputs for the 32-weight block types
-// and one per 256 for the super-block (K-quant, IQ4_XS) types, as llama.cpp's ggml-cpu blocks
-// them, but to two 8-bit planes instead of one: x ~ d * (hi + lo / 256), hi = round(x / d),
-// lo = round(256 * (x - d * hi) / d), about 16 bits of the block's range. One 8-bit plane (what
-// llama.cpp uses) was measured too coarse for a small model's heavy-tailed activations: on the
-// packaged SmolLM2-135M (Q4_1) against its float32 twin, mean KL 2.1e-3 and top-1 97.0% with one
-// plane, against the product's bound of 5e-4 and 99.5%. The second plane costs a second integer
-// dot product of the same codes, which the memory-bound decode mostly hides. Every quantized type is read through one description: per sub-block of S weights
-// (S = 32 or 16), unsigned 8-bit codes c and two floats a, b with
+// activations quantized once per call to one 16-bit plane: per group of 256 inputs (a K-quant
+// super-block, 8 blocks of the 32-weight types) a scale dx = amax / 32767 and codes
+// xq = round(x / dx). One 8-bit plane per 32 inputs (llama.cpp's q8) was measured too coarse for a
+// small model's heavy-tailed activations: on the packaged SmolLM2-135M (Q4_1) against its float32
+// twin, mean KL 2.1e-3 and top-1 97.0%, against the product's bound of 5e-4 and 99.5%; the 16-bit
+// plane measures KL 3.3e-7 and top-1 100% there (the two 8-bit planes it replaced: 1.2e-7, 100%).
+// Every quantized type is read through one description: per sub-block of S weights (S = 32 or 16),
+// 8-bit codes c and two floats a, b with
 //     w = a * c + b
 // (Q4_0: c = q, a = d, b = -8d; Q8_0: c = q + 128, a = d, b = -128d; Q4_K: a = d*sc, b = -dmin*m;
-// IQ4: c = table[q] + 128, ...), so that a row's dot product with a quantized activation x = dx*xq
-// is, per sub-block, a*dx*sum(c*xq) + b*dx*sum(xq): integer dots of unsigned codes with signed
-// activations (AVX-512 VNNI's vpdpbusd, 64 products an instruction), one per plane, plus a
-// correction from the activation's block sums. F16/BF16 weights are multiplied in float32 against float32 activations.
+// Q6_K, Q3_K, IQ4_XS: c centred (q - 32, q - 4, the table's signed values), b = 0), so that a row's
+// dot product with x = dx*xq is, per sub-block, a*dx*sum(c*xq) + b*dx*sum(xq): integer dot products
+// of the codes, widened to 16-bit lanes, with the 16-bit activations (AVX-512 VNNI's vpdpwssd, 32
+// products an instruction), plus a correction from the activations' sub-block sums. The K-quants'
+// sub-block scales are integers: their codes are multiplied by them in 16 bits (exactly: at most
+// 4096), so a super-block sums in int32 and is scaled once by d * dx. 16-bit products run at half
+// the rate of 8-bit ones (vpdpbusd, what llama.cpp uses), and at the rate of oneDNN's bfloat16
+// GEMM (vdpbf16ps): every one of them is one instruction a cycle on Zen 4 (measured). With the two
+// 8-bit planes (vpdpbusd twice, plus maddubs for the K-quants) a row of several activation rows
+// cost twice as many products; a prompt's rows now run at 200-310 GFLOP/s on 2 cores (was 110-180).
+// F16/BF16 weights are multiplied in float32 against float32 activations.
 //
 // The LM head needs more than that: every logit the sampler, the probability panel and the server
 // report must come from the file's weights. kvk_matmul_f32 multiplies any type by float32
@@ -306,91 +312,159 @@ static void dequant_row(int t, const uint8_t *row, int64_t k, float *w) {
     for (int64_t g = 0; g < k / ti.block; g++) dequant_block(t, row + g * ti.bytes, w + g * ti.block);
 }
 
+// A block decoded to float32 exactly as gguf-py decodes it: a * (c - mid) for the symmetric types
+// (one rounding), a * c + b for the types with a minimum (two roundings, no fused multiply-add).
+static inline int symmetric_mid(int t) {
+    switch (t) {
+        case T_Q4_0: return 8;
+        case T_Q5_0: return 16;
+        case T_Q8_0: case T_IQ4_NL: case T_IQ4_XS: return 128;
+        case T_Q3_K: return 4;
+        case T_Q6_K: return 32;
+    }
+    return -1;
+}
+
 // ---- activations ------------------------------------------------------------------------------
-// A row quantized for one weight type: xq int8 [k]; dx float [k/act] (the scale of each activation
-// block); xs float [k/sub] (dx * sum(xq) over each of the weight type's sub-blocks: the b * sum(x)
-// terms). Rows are laid out one after another in one buffer; the offsets below are per row.
+// A row quantized for one weight type: one 16-bit plane per input, xq = round(x / dx) in
+// [-XQ_MAX, XQ_MAX], with one scale dx = amax / XQ_MAX per group of 256 inputs (a super-block of
+// the K-quants, 8 blocks of the 32-weight types; a row's last group of those may be shorter);
+// and xs [k / sub] = dx * sum(xq) over each of the weight type's sub-blocks (the b * sum(x) terms).
+// xq is laid out in the kernel's order within each chunk of 64 inputs (slot_of: the order in which
+// a chunk's 64 byte codes leave vpunpcklbw/vpunpckhbw as two vectors of 16-bit lanes), zero past
+// k up to the next chunk. Rows are laid out one after another in one buffer.
 typedef struct {
-    int64_t k, act, sub, stride;  // stride: bytes per row
-    int64_t off_lo, off_dx, off_xs;  // the low plane, the scales, the b-term sums
+    int64_t k, sub, groups, stride;  // stride: bytes per row
+    int64_t off_dx, off_xs;          // the group scales, the b-term sums
 } act_layout;
 
-// The low plane's step: 1/256 of the high plane's (a shift when the two dots are combined).
-#define LO_SHIFT 8
-#define LO_SCALE (1.0f / 256.0f)
+// 15 bits and a sign. The K-quants' 16-bit weights (a code times its sub-block's integer scale,
+// centred where the type is symmetric) reach 4096 (Q6_K: |c - 32| <= 32 times |sc| <= 128), and a
+// 32-bit lane sums 16 products a super-block: 16 * 4096 * 32767 < 2^31, so no sum overflows.
+#define XQ_MAX 32767
+
+// Where input e of a row sits in xq: chunk by chunk, the first 8 of each 16 inputs in the chunk's
+// low vector (slots 0-31), the last 8 in its high vector (slots 32-63).
+static inline int64_t slot_of(int64_t e) {
+    const int64_t p = e & 63, j = p >> 4, t = p & 15;
+    return (e & ~(int64_t)63) + (t < 8 ? 8 * j + t : 32 + 8 * j + (t - 8));
+}
 
 static act_layout layout_for(int64_t k, const kvk_type *ti) {
     act_layout l;
     l.k = k;
-    l.act = ti->act;
     l.sub = ti->sub;
-    int64_t xq = (k + 127) & ~(int64_t)63;  // one spare chunk: a tail block's zero twin
-    l.off_lo = xq;
-    l.off_dx = 2 * xq;
-    int64_t dx = ((k / ti->act + 16) * 4 + 63) & ~(int64_t)63;  // + a last group's zero twins
-    l.off_xs = 2 * xq + dx;
+    l.groups = (k + 255) / 256;
+    const int64_t xq = ((k + 63) & ~(int64_t)63) * 2;  // a tail block's zero twin included
+    l.off_dx = xq;
+    l.off_xs = xq + (((l.groups + 16) * 4 + 63) & ~(int64_t)63);
+    // + a last group's zero b-terms (the 32-weight types' kernel reads 8 per group)
     l.stride = l.off_xs + (((k / ti->sub + 16) * 4 + 63) & ~(int64_t)63);
     return l;
 }
 
 static void quantize_row(const float *x, const act_layout *l, uint8_t *dst) {
-    int8_t *xq = (int8_t *)dst, *xl = (int8_t *)(dst + l->off_lo);
+    int16_t *xq = (int16_t *)dst;
     float *dx = (float *)(dst + l->off_dx);
     float *xs = (float *)(dst + l->off_xs);
-    const int64_t k = l->k, act = l->act, sub = l->sub;
+    const int64_t k = l->k, sub = l->sub;
     memset(dst, 0, (size_t)l->stride);
-    for (int64_t g = 0; g < k / act; g++) {
-        const float *xg = x + g * act;
+    for (int64_t g = 0; g < l->groups; g++) {
+        const int64_t e0 = 256 * g, n = k - e0 < 256 ? k - e0 : 256;
         float amax = 0.0f;
-        for (int i = 0; i < act; i++) amax = fmaxf(amax, fabsf(xg[i]));
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const float inv_lo = d > 0.0f ? 256.0f / d : 0.0f;
+        for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[e0 + i]));
+        const float d = amax / (float)XQ_MAX, inv = amax > 0.0f ? (float)XQ_MAX / amax : 0.0f;
         dx[g] = d;
-        for (int64_t j = 0; j < act / sub; j++) {
-            int32_t s_hi = 0, s_lo = 0;
+        for (int64_t j = 0; j < n / sub; j++) {
+            int32_t s = 0;
             for (int64_t i = 0; i < sub; i++) {
-                const int64_t e = g * act + j * sub + i;
-                const float v = xg[j * sub + i];
-                int hi = (int)nearbyintf(v * inv);
-                hi = hi > 127 ? 127 : hi < -127 ? -127 : hi;
-                const float rest = v - d * (float)hi;  // |rest| <= d / 2
-                int lo = (int)nearbyintf(rest * inv_lo);
-                lo = lo > 127 ? 127 : lo < -127 ? -127 : lo;
-                s_hi += hi;
-                s_lo += lo;
-                xq[e] = (int8_t)hi;
-                xl[e] = (int8_t)lo;
+                const int64_t e = e0 + j * sub + i;
+                int q = (int)nearbyintf(x[e] * inv);
+                q = q > XQ_MAX ? XQ_MAX : q < -XQ_MAX ? -XQ_MAX : q;
+                s += q;
+                xq[slot_of(e)] = (int16_t)q;
             }
-            xs[(g * act) / sub + j] = d * (float)s_hi + (d * LO_SCALE) * (float)s_lo;
+            xs[e0 / sub + j] = d * (float)s;
+        }
+    }
+}
+
+// The K-quants read as 16-bit weights: whether the type's codes are centred (symmetric types:
+// w = a * (c - mid), no b term), and a super-block's integer sub-block scales and its d.
+static inline int centered_type(int t) { return t == T_Q6_K || t == T_Q3_K || t == T_IQ4_XS; }
+
+static float kquant_int_scales(int t, const uint8_t *b, int *sc) {
+    switch (t) {
+        case T_Q4_K: case T_Q5_K: {
+            uint8_t s[8], m[8];
+            get_scale_min_k4(b + 4, s, m);
+            for (int j = 0; j < 8; j++) sc[j] = s[j];
+            return rd_f16(b);
+        }
+        case T_Q6_K:
+            for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
+            return rd_f16(b + 208);
+        case T_Q3_K: {
+            int8_t s[16];
+            q3k_scales(b + 96, s);
+            for (int j = 0; j < 16; j++) sc[j] = s[j];
+            return rd_f16(b + 108);
+        }
+        case T_Q2_K:
+            for (int j = 0; j < 16; j++) sc[j] = b[j] & 0x0f;
+            return rd_f16(b + 80);
+        default: {  // IQ4_XS
+            int8_t s[8];
+            iq4xs_scales(b, s);
+            for (int j = 0; j < 8; j++) sc[j] = s[j];
+            return rd_f16(b);
         }
     }
 }
 
 // ---- one output: a weight row against one quantized activation row (portable) ----------------
+// Per group: the K-quants' integer sum over the super-block (codes times their sub-block scales,
+// times the inputs' codes) scaled once by d * dx; the 32-weight types' integer sum per block
+// scaled by its a, the group's sum then by dx; then the b terms.
 __attribute__((unused)) static float dot_row_portable(int t, const kvk_type *ti, const uint8_t *row, int64_t k,
-                              const uint8_t *act, const act_layout *l) {
-    const int8_t *xq = (const int8_t *)act, *xl = (const int8_t *)(act + l->off_lo);
+                                                      const uint8_t *act, const act_layout *l) {
+    const int16_t *xq = (const int16_t *)act;
     const float *dx = (const float *)(act + l->off_dx);
     const float *xs = (const float *)(act + l->off_xs);
     float total = 0.0f, offsets = 0.0f;
     float a[16], o[16];
-    int per = ti->block / ti->sub;
-    for (int64_t g = 0; g < k / ti->block; g++) {
-        const uint8_t *b = row + g * ti->bytes;
-        block_scales(t, b, a, o);
-        float acc = 0.0f;
-        for (int j = 0; j < per; j++) {
-            int64_t e0 = g * ti->block + j * ti->sub;
-            int64_t dot = 0;
-            for (int i = 0; i < ti->sub; i++) {
-                const int c = block_code(t, b, j * ti->sub + i);
-                dot += ((int64_t)(c * xq[e0 + i]) << LO_SHIFT) + c * xl[e0 + i];
+    const int per = ti->block / ti->sub;
+    const int cen = ti->block == 256 && centered_type(t), mid = cen ? symmetric_mid(t) : 0;
+    for (int64_t g = 0; g < l->groups; g++) {
+        const int64_t e0 = 256 * g, n = k - e0 < 256 ? k - e0 : 256;
+        if (ti->block == 256) {
+            const uint8_t *b = row + g * ti->bytes;
+            int sc[16];
+            const float d = kquant_int_scales(t, b, sc);
+            block_scales(t, b, a, o);
+            int64_t isum = 0;
+            for (int j = 0; j < per; j++) {
+                int64_t s = 0;
+                for (int i = 0; i < ti->sub; i++) {
+                    const int e = j * ti->sub + i;
+                    s += (int64_t)(block_code(t, b, e) - mid) * xq[slot_of(e0 + e)];
+                }
+                isum += s * sc[j];
+                if (!cen) offsets += o[j] * xs[e0 / ti->sub + j];
             }
-            if (ti->act == 32) acc += dx[e0 / 32] * (a[j] * LO_SCALE * (float)dot);
-            else acc += a[j] * LO_SCALE * (float)dot;
-            offsets += o[j] * xs[e0 / ti->sub];
+            total += (float)isum * (d * dx[g]);
+        } else {
+            float part = 0.0f;
+            for (int64_t b0 = e0; b0 < e0 + n; b0 += 32) {
+                const uint8_t *b = row + (b0 / 32) * ti->bytes;
+                block_scales(t, b, a, o);
+                int64_t s = 0;
+                for (int i = 0; i < 32; i++) s += (int64_t)block_code(t, b, i) * xq[slot_of(b0 + i)];
+                part += (float)s * a[0];
+                offsets += o[0] * xs[b0 / 32];
+            }
+            total += part * dx[g];
         }
-        total += ti->act == 32 ? acc : dx[g * ti->block / 256] * acc;
     }
     return total + offsets;
 }
@@ -404,28 +478,39 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
     return acc;
 }
 
+
 #ifdef KVK_AVX512
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------
-// A chunk is 64 weights: 64 unsigned codes in one register, in the row's order (for the 32-weight
-// types two blocks A and B: dpbusd's lanes 0-7 are A's, 8-15 B's, and one permutation of the
-// group's 8 products of block scales gives a chunk its lanes' factors). A group is 256 weights: a
-// super-block, or 4 chunks of the 32-weight types. The work
-// is tiled by NW weight rows x RT activation rows: each group of the NW rows is unpacked once into
-// a small buffer, then multiplied with every activation row.
-//   32-weight types: per chunk and (row, activation row), dpbusd -> float -> times a*dx, summed
-//     (the a*dx of the group's 8 blocks one multiply per group, then one permutation a chunk;
-//     with the activations interleaved to the lanes, as before, a chunk took ~3 operations more:
-//     one row of Q4_0/Q4_1/Q8_0 layers measured 5-45% faster this way, in 10 interleaved rounds).
-//   K-quants (Q2_K..Q6_K): integer sub-block scales, so a super-block accumulates in int32
-//     (maddubs of codes <= 63 with the 8-bit activations, then vpdpwssd with the scales) and is
-//     scaled once by d * dx; IQ4_XS (codes up to 241) takes dpbusd and a 32-bit multiply.
-// Every output's operations depend only on k (groups and chunks in order), never on the rows of
-// the call, the tile it fell in or the thread that ran it.
+// A chunk is 64 weights: 64 8-bit codes in one register, in the row's order (for the 32-weight
+// types two blocks A and B), widened to two vectors of 16-bit lanes (the activations are laid out
+// in the same order, slot_of); a 32-bit lane of their products with the activations then sums one
+// sub-block's products (lanes 0-7 block A's, 8-15 B's). A group is 256 weights: a super-block, or 4
+// chunks of the 32-weight types.
+//   32-weight types: per chunk and (weight row, activation row), vpdpwssd -> float -> times the
+//     lanes' block scales a, summed; the group's sum times dx.
+//   K-quants and IQ4_XS: codes times sub-block scales in 16 bits, so a super-block accumulates in
+//     int32 and is scaled once by d * dx.
+// A call of up to 8 activation rows (decode, a speculative round) takes one weight row at a time,
+// streaming it; a longer one (a prompt) tiles NW weight rows x RT activation rows, every group of
+// the NW rows unpacked once for all activation rows. Every output's operations depend only on k
+// (groups and chunks in order, the same sums and the same reduction), never on the rows of the
+// call, the tile it fell in or the thread that ran it.
 
 static const int8_t IQ4_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                      -127, -115, -103, -90, -75, -59, -39, -15};  // table + 128, as int8
 
-enum { NW = 4, RT = 2, SEQUENTIAL_ROWS = 8 };
+#ifndef KVK_NW
+#define KVK_NW 4
+#endif
+#ifndef KVK_RT
+#define KVK_RT 4
+#endif
+// A prompt's tiles: NW weight rows x RT activation rows, their NW * RT sums in registers. A call of
+// up to SEQUENTIAL_ROWS activation rows takes one weight row at a time (few_rows16).
+#ifndef KVK_RT32
+#define KVK_RT32 4
+#endif
+enum { NW = KVK_NW, RT = KVK_RT, RT32 = KVK_RT32, SEQUENTIAL_ROWS = 8, MAXT = 16 };
 // How far ahead of its reads a one-row matmul asks for a weight row's bytes (a software prefetch
 // per cache line of each group). The hardware prefetcher alone left a Q4_K decode waiting on its
 // loads (perf: 14% of samples behind the first load of a group); measured one row against
@@ -437,8 +522,8 @@ enum { NW = 4, RT = 2, SEQUENTIAL_ROWS = 8 };
 
 typedef struct {
     __m512i codes[4];
-    __m512i sc[4];  // K-quants: i16 lane scales (i32 for IQ4_XS)
-    __m256 d8;      // 32-weight types: the group's 8 block scales, times LO_SCALE (exact)
+    __m512i sc[4];  // K-quants: each 16-bit lane's sub-block scale (lanes in the activations' order)
+    __m256 d8;      // 32-weight types: the group's 8 block scales
     float d;        // K-quants: the super-block's scale
 } group_t;
 
@@ -515,24 +600,25 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
     return v;
 }
 
-// Group g (chunks 4g.. of the row; blocks 8g..) of a 32-weight-type row: codes, lane scales, and
-// the b of each block into o (the 8 scales of the group converted at once). Returns its chunks.
-static inline __attribute__((always_inline)) int group32(const int t, const int bytes, const uint8_t *row, int64_t blocks,
-                                                         int64_t g, group_t *G, float *o) {
+// Group g (chunks 4g.. of the row; blocks 8g.., nb of them: 8 but in a row's last group) of a
+// 32-weight-type row: codes, lane scales, and the b of each block into o (the 8 scales of the group
+// converted at once). Returns its chunks. The callers pass nb = 8 as a constant for every full
+// group, so the compiler unrolls its chunks and keeps them in registers (with a variable count
+// they went through the stack: one row of Q4_0 at 12 GB/s against 20).
+static inline __attribute__((always_inline)) int group32(const int t, const int bytes, const uint8_t *row,
+                                                         int64_t g, const int nb, group_t *G, float *o) {
     const int64_t first = 8 * g;
-    const int nb = blocks - first < 8 ? (int)(blocks - first) : 8;
     // the 8 halves in one register (halves8: inserts straight from memory)
     const __m256 d8 = _mm256_cvtph_ps(halves8(row + first * bytes, bytes, nb));
     __m256 o8;
     if (t == T_Q4_1 || t == T_Q5_1) o8 = _mm256_cvtph_ps(halves8(row + first * bytes + 2, bytes, nb));
     else o8 = _mm256_mul_ps(d8, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : t == T_Q5_0 ? -16.0f : -128.0f));
     _mm256_storeu_ps(o + first, o8);  // blocks past the row's end (a tail's twin) have d = 0: b = 0
-    G->d8 = _mm256_mul_ps(d8, _mm256_set1_ps(LO_SCALE));  // exact
+    G->d8 = d8;
     const int nch = (nb + 1) / 2;
     for (int ch = 0; ch < nch; ch++) {
-        const int64_t ia = first + 2 * ch;
-        const uint8_t *A = row + ia * bytes;
-        const uint8_t *B = ia + 1 < blocks ? A + bytes : ZERO_BLOCK;  // a tail block's zero twin
+        const uint8_t *A = row + (first + 2 * ch) * bytes;
+        const uint8_t *B = 2 * ch + 1 < nb ? A + bytes : ZERO_BLOCK;  // a tail block's zero twin
         G->codes[ch] = codes32_natural(t, A, B);
     }
     return nch;
@@ -568,8 +654,12 @@ static inline __m512i lane_scales16(__m256i s16, int ch, int per_chunk) {
     return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx), _mm512_castsi256_si512(s16));
 }
 
-// A super-block: codes in weight order, its integer lane scales, d, and each sub-block's b into o.
-static inline __attribute__((always_inline)) void group256(const int t, const uint8_t *b, group_t *G, float *o) {
+// A super-block: codes in weight order, its integer lane scales, d, and each sub-block's b into o
+// (the types with a minimum: Q4_K, Q5_K, Q2_K). `centered`: the symmetric types' codes as signed
+// bytes c - mid (Q6_K, Q3_K; IQ4_XS its table's values), which the 16-bit product takes with no b
+// term; else unsigned (the float paths, which decode with block_scales' a and b).
+static inline __attribute__((always_inline)) void group256(const int t, const uint8_t *b, group_t *G, float *o,
+                                                           const int centered) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     switch (t) {
@@ -604,19 +694,16 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
             int8_t sc[8];
             iq4xs_scales(b, sc);
             G->d = rd_f16(b);
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(-128.0f * G->d)));
+            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc));
             const __m256i m4y = _mm256_set1_epi8(0x0f);
-            const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+            const __m512i table =
+                _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(centered ? IQ4_VALUES : IQ4_CODES)));
             for (int ch = 0; ch < 4; ch++) {
                 __m256i q = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * ch));
                 __m256i lo = _mm256_and_si256(q, m4y), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4y);
                 __m512i tt = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                 G->codes[ch] = _mm512_shuffle_epi8(table, _mm512_shuffle_i64x2(tt, tt, _MM_SHUFFLE(3, 1, 2, 0)));
-                G->sc[ch] = _mm512_permutexvar_epi32(
-                    _mm512_setr_epi32(2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch + 1, 2 * ch + 1,
-                                      2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1),
-                    _mm512_castsi256_si512(s32));
+                G->sc[ch] = lane_scales16(s16, ch, 2);
             }
             return;
         }
@@ -626,17 +713,12 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
                 G->d = rd_f16(b + 208);
                 const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
                 s16 = _mm256_cvtepi8_epi16(sc8);
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8));
-                // b = -32 * (d * sc): the a first, rounded as gguf rounds it
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(G->d)), _mm512_set1_ps(-32.0f)));
             } else if (t == T_Q3_K) {
                 int8_t sc[16];
                 q3k_scales(b + 96, sc);
                 G->d = rd_f16(b + 108);
                 const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
                 s16 = _mm256_cvtepi8_epi16(sc8);
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8));
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(G->d)), _mm512_set1_ps(-4.0f)));
             } else {  // Q2_K
                 G->d = rd_f16(b + 80);
                 const float dmin = rd_f16(b + 82);
@@ -655,6 +737,7 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
                     __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s0 + 2), m3);
                     __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
                     G->codes[ch] = _mm512_or_si512(nib, _mm512_slli_epi16(hi, 4));
+                    if (centered) G->codes[ch] = _mm512_sub_epi8(G->codes[ch], _mm512_set1_epi8(32));
                 } else {
                     __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == T_Q3_K ? 32 : 16) + 32 * h));
                     __m256i low0 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s0), m3);
@@ -667,7 +750,7 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
                         __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(hb0), hb1, 1);
                         cc = _mm512_or_si512(cc, _mm512_slli_epi16(hb, 2));
                     }
-                    G->codes[ch] = cc;
+                    G->codes[ch] = t == T_Q3_K && centered ? _mm512_sub_epi8(cc, _mm512_set1_epi8(4)) : cc;
                 }
                 G->sc[ch] = lane_scales16(s16, ch, 4);
             }
@@ -675,195 +758,292 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
     }
 }
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
+// ---- the 16-bit product ----------------------------------------------------------------------
+// A group's weights as 16-bit lanes for vpdpwssd (32 products an instruction) against the
+// activations' chunks: chunk ch's 64 codes widened to a low and a high vector in the activations'
+// order (slot_of), for the K-quants times their sub-block scales (exact: at most 4096), for the
+// 32-weight types as they are, with the float scale of each 32-bit lane's block beside them.
+typedef struct {
+    __m512i w[8];  // chunk ch: w[2 ch] against the activations' low vector, w[2 ch + 1] the high
+    __m512 f[4];   // 32-weight types: chunk ch's 32-bit lanes' block scales (8 lanes a block)
+    float d;       // K-quants: the super-block's scale
+} wgroup_t;
+
+// acc += the pairwise products of a and b's 16-bit lanes (vpdpwssd), in place. GCC 12 kept each
+// accumulator of the intrinsic in another register and moved it in and out around every product
+// (two moves a product in a prompt's tiles: a Q4_K layer at 250 GF/s instead of 300+).
+static inline __attribute__((always_inline)) __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
 }
 
-// The products of one group with RTc activation rows from r0, for NWc weight rows: register
-// accumulators (the shapes are compile-time constants), added into acc [w * nr + r].
-static inline __attribute__((always_inline)) void compute32(const int NWc, const int RTc, const group_t *G, int nch,
-                                                            const uint8_t *A, const act_layout *l, int64_t g,
-                                                            int64_t r0, int64_t nr, __m512 *acc) {
-    __m512 part[NW][RT], f[NW][RT];
-    for (int w = 0; w < NWc; w++)
-        for (int r = 0; r < RTc; r++) {
-            part[w][r] = _mm512_setzero_ps();
-            // the group's 8 blocks' a * dx (a scaled by LO_SCALE): lanes 0-7 of a 512-bit vector
-            const float *dx = (const float *)(A + (r0 + r) * l->stride + l->off_dx) + 8 * g;
-            f[w][r] = _mm512_castps256_ps512(_mm256_mul_ps(G[w].d8, _mm256_loadu_ps(dx)));
-        }
-    for (int ch = 0; ch < nch; ch++) {
-        // lanes 0-7 take block 2ch's factor, 8-15 block 2ch + 1's
-        const __m512i pick = _mm512_setr_epi32(2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch,
-                                               2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1,
-                                               2 * ch + 1, 2 * ch + 1, 2 * ch + 1);
-        for (int r = 0; r < RTc; r++) {
-            const uint8_t *ar = A + (r0 + r) * l->stride;
-            const __m512i x = _mm512_loadu_si512((const void *)(ar + 256 * g + 64 * ch));
-            const __m512i xl = _mm512_loadu_si512((const void *)(ar + l->off_lo + 256 * g + 64 * ch));
-            for (int w = 0; w < NWc; w++) {
-                // per lane: (hi dot << 8) + lo dot, at most 4 * 255 * 127 * 257: no overflow
-                const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), G[w].codes[ch], x);
-                const __m512i dp = _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, LO_SHIFT), G[w].codes[ch], xl);
-                part[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(pick, f[w][r]), part[w][r]);
-            }
-        }
+static inline __attribute__((always_inline)) void widen16(const int centered, __m512i c, __m512i *lo, __m512i *hi) {
+    const __m512i z = _mm512_setzero_si512();
+    if (centered) {  // signed bytes: into the high byte, then an arithmetic shift
+        *lo = _mm512_srai_epi16(_mm512_unpacklo_epi8(z, c), 8);
+        *hi = _mm512_srai_epi16(_mm512_unpackhi_epi8(z, c), 8);
+    } else {
+        *lo = _mm512_unpacklo_epi8(c, z);
+        *hi = _mm512_unpackhi_epi8(c, z);
     }
-    for (int w = 0; w < NWc; w++)
-        for (int r = 0; r < RTc; r++) acc[w * nr + r0 + r] = _mm512_add_ps(acc[w * nr + r0 + r], part[w][r]);
 }
 
-static inline __attribute__((always_inline)) void compute256(const int t, const int NWc, const int RTc, const group_t *G,
-                                                             const uint8_t *A, const act_layout *l, int64_t g,
-                                                             int64_t r0, int64_t nr, __m512 *acc) {
-    // the two planes in separate int32 sums (the high one can reach 2^30 for Q6_K's scales: the
-    // shift would overflow it), joined in float at the super-block's end
-    __m512i isb[NW][RT], isl[NW][RT];
-    for (int w = 0; w < NWc; w++)
-        for (int r = 0; r < RTc; r++) isb[w][r] = isl[w][r] = _mm512_setzero_si512();
+// Group g of a row as 16-bit weights, and its b terms into o (the 32-weight types' 8 per group,
+// the K-quants' 256 / sub). nb: the group's blocks (32-weight types). Returns its chunks.
+static inline __attribute__((always_inline)) int prepare16(const int t, const int bytes, const int act, const int sub,
+                                                           const uint8_t *row, int64_t g, const int nb,
+                                                           wgroup_t *W, float *o) {
+    group_t G;
+    if (act == 32) {
+        const int nch = group32(t, bytes, row, g, nb, &G, o);
+        const __m512 d8 = _mm512_castps256_ps512(G.d8);
+        for (int ch = 0; ch < nch; ch++) {
+            widen16(0, G.codes[ch], &W->w[2 * ch], &W->w[2 * ch + 1]);
+            // lanes 0-7 take block 2ch's scale, 8-15 block 2ch + 1's
+            const __m512i pick = _mm512_setr_epi32(2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch,
+                                                   2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1,
+                                                   2 * ch + 1, 2 * ch + 1, 2 * ch + 1);
+            W->f[ch] = _mm512_permutexvar_ps(pick, d8);
+        }
+        return nch;
+    }
+    group256(t, row + g * bytes, &G, o + g * (256 / sub), 1);
     for (int ch = 0; ch < 4; ch++) {
-        for (int r = 0; r < RTc; r++) {
-            const uint8_t *ar = A + (r0 + r) * l->stride + 256 * g + 64 * ch;
-            const __m512i x = _mm512_loadu_si512((const void *)ar);
-            const __m512i xl = _mm512_loadu_si512((const void *)(ar + l->off_lo));
-            for (int w = 0; w < NWc; w++) {
-                if (t == T_IQ4_XS) {
-                    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), G[w].codes[ch], x);
-                    const __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), G[w].codes[ch], xl);
-                    isb[w][r] = _mm512_add_epi32(isb[w][r], _mm512_mullo_epi32(hi, G[w].sc[ch]));
-                    isl[w][r] = _mm512_add_epi32(isl[w][r], _mm512_mullo_epi32(lo, G[w].sc[ch]));
-                } else {
-                    isb[w][r] = _mm512_dpwssd_epi32(isb[w][r], _mm512_maddubs_epi16(G[w].codes[ch], x), G[w].sc[ch]);
-                    isl[w][r] = _mm512_dpwssd_epi32(isl[w][r], _mm512_maddubs_epi16(G[w].codes[ch], xl), G[w].sc[ch]);
+        __m512i lo, hi;
+        widen16(centered_type(t), G.codes[ch], &lo, &hi);
+        W->w[2 * ch] = _mm512_mullo_epi16(lo, G.sc[ch]);
+        W->w[2 * ch + 1] = _mm512_mullo_epi16(hi, G.sc[ch]);
+    }
+    W->d = G.d;
+    return 4;
+}
+
+// Group g's products for NWc weight rows (W[0..NWc)) and RTc activation rows from r0, added into
+// acc [w * RTc + r] (registers: the shapes are compile-time constants). Per output, whatever the
+// shapes: the K-quants' super-block summed in int32, then acc += float(sum) * (d * dx); the
+// 32-weight types' chunks each converted and scaled by their blocks' a, then the group's sum
+// times dx. Half a chunk at a time: the NWc weight vectors and RTc activation vectors of a half
+// are loaded once into registers, then every pair multiplied (a tile of 4 x 4 reads 8 vectors
+// for 16 products; loading a vector for each product bound it by loads).
+static inline __attribute__((always_inline)) void compute16(const int act, const int NWc, const int RTc,
+                                                            const wgroup_t *W, int nch, const uint8_t *A,
+                                                            const act_layout *l, int64_t g, int64_t r0,
+                                                            __m512 *acc) {
+    const int16_t *x[SEQUENTIAL_ROWS];
+    for (int r = 0; r < RTc; r++) x[r] = (const int16_t *)(A + (r0 + r) * l->stride) + 256 * g;
+    if (act == 32) {
+        __m512 part[MAXT];
+        for (int i = 0; i < NWc * RTc; i++) part[i] = _mm512_setzero_ps();
+        for (int ch = 0; ch < nch; ch++)
+            for (int r = 0; r < RTc; r++) {  // (here a row's two vectors against each weight row measured best)
+                const __m512i xl = _mm512_loadu_si512((const void *)(x[r] + 64 * ch));
+                const __m512i xh = _mm512_loadu_si512((const void *)(x[r] + 64 * ch + 32));
+                for (int w = 0; w < NWc; w++) {
+                    const __m512i dp = dpwssd(_mm512_madd_epi16(W[w].w[2 * ch], xl), W[w].w[2 * ch + 1], xh);
+                    part[w * RTc + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), W[w].f[ch], part[w * RTc + r]);
                 }
             }
+        for (int r = 0; r < RTc; r++) {
+            const __m512 dr = _mm512_set1_ps(((const float *)(A + (r0 + r) * l->stride + l->off_dx))[g]);
+            for (int w = 0; w < NWc; w++) acc[w * RTc + r] = _mm512_fmadd_ps(part[w * RTc + r], dr, acc[w * RTc + r]);
         }
+        return;
     }
+    __m512i isum[MAXT];
+    for (int ch = 0; ch < 4; ch++)
+        for (int h = 0; h < 2; h++) {
+            __m512i xv[SEQUENTIAL_ROWS], wv[NW];
+            for (int r = 0; r < RTc; r++) xv[r] = _mm512_loadu_si512((const void *)(x[r] + 64 * ch + 32 * h));
+            for (int w = 0; w < NWc; w++) wv[w] = W[w].w[2 * ch + h];
+            for (int w = 0; w < NWc; w++)
+                for (int r = 0; r < RTc; r++)
+                    isum[w * RTc + r] = ch || h ? dpwssd(isum[w * RTc + r], wv[w], xv[r]) : _mm512_madd_epi16(wv[w], xv[r]);
+        }
     for (int r = 0; r < RTc; r++) {
         const float dr = ((const float *)(A + (r0 + r) * l->stride + l->off_dx))[g];
-        for (int w = 0; w < NWc; w++) {
-            const __m512 dd = _mm512_set1_ps(G[w].d * dr);
-            const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isl[w][r]), _mm512_set1_ps(LO_SCALE),
-                                               _mm512_cvtepi32_ps(isb[w][r]));
-            acc[w * nr + r0 + r] = _mm512_fmadd_ps(sum, dd, acc[w * nr + r0 + r]);
-        }
+        for (int w = 0; w < NWc; w++)
+            acc[w * RTc + r] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[w * RTc + r]), _mm512_set1_ps(W[w].d * dr), acc[w * RTc + r]);
     }
 }
 
-// One tile: weight rows rows[0..NWc) against all nr activation rows. acc [NW * nr] and o
-// [NW][ostride] are the caller's scratch. Outputs to out[r * ys + w].
-static inline __attribute__((always_inline)) void tile(const int t, const int bytes, const int act, const int sub,
-                                                       const uint8_t *const *rows, const int NWc, const int64_t k,
-                                                       const uint8_t *A, const act_layout *l, const int64_t nr,
-                                                       __m512 *acc, float *o, const int64_t ostride, float *out,
-                                                       const int64_t ys) {
-    for (int64_t i = 0; i < (int64_t)NWc * nr; i++) acc[i] = _mm512_setzero_ps();
-    group_t G[NW];
-    const int64_t groups = (k + 255) / 256, blocks = k / 32;
-    for (int64_t g = 0; g < groups; g++) {
-        int nch = 4;
-        for (int w = 0; w < NWc; w++) {
-            if (act == 32) nch = group32(t, bytes, rows[w], blocks, g, &G[w], o + w * ostride);
-            else group256(t, rows[w] + g * bytes, &G[w], o + w * ostride + g * (256 / sub));
-        }
-        int64_t r0 = 0;
-        for (; r0 + RT <= nr; r0 += RT) {
-            if (act == 32) compute32(NWc, RT, G, nch, A, l, g, r0, nr, acc);
-            else compute256(t, NWc, RT, G, A, l, g, r0, nr, acc);
-        }
-        if (r0 < nr) {
-            if (act == 32) compute32(NWc, 1, G, nch, A, l, g, r0, nr, acc);
-            else compute256(t, NWc, 1, G, A, l, g, r0, nr, acc);
-        }
+// An output's 16 lanes summed: (lanes i + i+8), then (i + i+4), then (0 + 2) + (1 + 3). One
+// order everywhere, written out so that reduce16x16 (a tile's 16 outputs at once) keeps it.
+static inline float reduce16(__m512 a) {
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// reduce16 of 16 vectors into s[0..16), by transposing as it adds (45 operations for 16 outputs,
+// against ~8 each alone), with reduce16's pairs: its bits.
+static inline __attribute__((always_inline)) void reduce16x16(const __m512 *a, float *s) {
+    __m512 T[8], U[4], S[2];
+    for (int k = 0; k < 8; k++)
+        T[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 4; m++)
+        U[m] = _mm512_add_ps(_mm512_shuffle_f32x4(T[2 * m], T[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(T[2 * m], T[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int n = 0; n < 2; n++)
+        S[n] = _mm512_add_ps(_mm512_shuffle_ps(U[2 * n], U[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(U[2 * n], U[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 R = _mm512_add_ps(_mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(S[0], S[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    float r[16];
+    _mm512_storeu_ps(r, R);
+    for (int j = 0; j < 4; j++)
+        for (int e = 0; e < 4; e++) s[4 * e + j] = r[4 * j + e];  // lane j, element e: output 4e + j
+}
+
+// The b terms of an output (types with a minimum or unsigned codes: sum_j b_j * xs_j) in 16 lanes.
+static inline __attribute__((always_inline)) __m512 b_terms(const float *o, const uint8_t *arow,
+                                                            const act_layout *l, int64_t subs) {
+    const float *xs = (const float *)(arow + l->off_xs);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= subs; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(o + i), _mm512_loadu_ps(xs + i), acc);
+    if (i < subs) {
+        const __mmask16 m = (__mmask16)((1u << (subs - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, o + i), _mm512_maskz_loadu_ps(m, xs + i), acc);
     }
-    const int64_t subs = act == 32 ? 8 * groups : k / sub;  // group32 writes 8 b's per group (0 past the row)
-    for (int w = 0; w < NWc; w++)
-        for (int64_t r = 0; r < nr; r++) {
-            const float *xs = (const float *)(A + r * l->stride + l->off_xs);
-            out[r * ys + w] = _mm512_reduce_add_ps(acc[w * nr + r]) + dot_f32(o + w * ostride, xs, subs);
-        }
+    return acc;
+}
+
+static inline int has_b_terms(const int t, const int act) { return !(act == 256 && centered_type(t)); }
+
+// An output's last step: its lanes summed, and its b terms'.
+static inline __attribute__((always_inline)) float finish(const int t, const int act, __m512 acc, const float *o,
+                                                          const uint8_t *arow, const act_layout *l, int64_t subs) {
+    const float s = reduce16(acc);
+    return has_b_terms(t, act) ? s + reduce16(b_terms(o, arow, l, subs)) : s;
+}
+
+// The blocks of group g: 8 (a K-quant super-block counts as 8), fewer in a 32-weight row's last.
+static inline int group_blocks(const int act, int64_t k, int64_t g) {
+    if (act == 256) return 8;
+    const int64_t left = k / 32 - 8 * g;
+    return left < 8 ? (int)left : 8;
+}
+
+static inline __attribute__((always_inline)) void few_group16(const int t, const int bytes, const int act,
+                                                              const int sub, const int NR, const int nb,
+                                                              const uint8_t *row, int64_t g, const uint8_t *A,
+                                                              const act_layout *l, float *o, __m512 *acc) {
+    wgroup_t W;
+    const int nch = prepare16(t, bytes, act, sub, row, g, nb, &W, o);
+    compute16(act, 1, NR, &W, nch, A, l, g, 0, acc);
 }
 
 // One weight row against NR <= SEQUENTIAL_ROWS activation rows (a decode step's every matmul, a
-// speculative round's few rows): tile()'s operations for NWc = 1, in the same order per output,
-// with the accumulators in registers (NR is a compile-time constant here). tile()'s accumulators
-// live behind a pointer (their count is the call's row count), so each group's sums went through
-// memory: a store and a reload on every group's dependency chain (perf: 15% of a one-row Q4_K
-// decode's samples on that pair). Two weight rows at a time measured 20-40% slower on every
-// type (their groups' registers spilled).
-static inline __attribute__((always_inline)) void tile_few_rows(const int t, const int bytes, const int act,
-                                                                const int sub, const int NR, const uint8_t *row,
-                                                                const int64_t k, const uint8_t *A,
-                                                                const act_layout *l, float *o, float *out,
-                                                                const int64_t ys) {
+// speculative round's few rows): the weights stream from memory in one sequential run the
+// hardware prefetcher follows (four interleaved rows are four short streams it never ramps up on:
+// 5 GB/s against 20+), each group unpacked once for all NR rows, the accumulators in registers.
+static inline __attribute__((always_inline)) void few_rows16(const int t, const int bytes, const int act,
+                                                             const int sub, const int NR, const uint8_t *row,
+                                                             const int64_t k, const uint8_t *A,
+                                                             const act_layout *l, float *o, float *out,
+                                                             const int64_t ys) {
     __m512 acc[SEQUENTIAL_ROWS];
     for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
-    group_t G;
-    const int64_t groups = (k + 255) / 256, blocks = k / 32;
     const int gbytes = act == 32 ? 8 * bytes : bytes;
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = 0; g < l->groups; g++) {
         if (KVK_PREFETCH > 0)
             for (int q = 0; q < gbytes; q += 64)
                 _mm_prefetch((const char *)(row + g * gbytes + KVK_PREFETCH + q), _MM_HINT_T0);
-        int nch = 4;
-        if (act == 32) nch = group32(t, bytes, row, blocks, g, &G, o);
-        else group256(t, row + g * bytes, &G, o + g * (256 / sub));
-        int r0 = 0;
-        for (; r0 + RT <= NR; r0 += RT) {
-            if (act == 32) compute32(1, RT, &G, nch, A, l, g, r0, NR, acc);
-            else compute256(t, 1, RT, &G, A, l, g, r0, NR, acc);
-        }
-        if (r0 < NR) {
-            if (act == 32) compute32(1, 1, &G, nch, A, l, g, r0, NR, acc);
-            else compute256(t, 1, 1, &G, A, l, g, r0, NR, acc);
-        }
+        const int nb = group_blocks(act, k, g);
+        if (nb == 8) few_group16(t, bytes, act, sub, NR, 8, row, g, A, l, o, acc);
+        else few_group16(t, bytes, act, sub, NR, nb, row, g, A, l, o, acc);  // a short last group
+    }
+    const int64_t subs = act == 32 ? 8 * l->groups : k / sub;
+    for (int r = 0; r < NR; r++) out[r * ys] = finish(t, act, acc[r], o, A + r * l->stride, l, subs);
+}
+
+// NWc weight rows against all nr activation rows (a prompt's rows): every group of the rows
+// unpacked once into `packed` [groups][NW], then for each RT activation rows the groups in order
+// with the accumulators in registers. The same operations per output as few_rows16.
+static inline __attribute__((always_inline)) void tile16(const int t, const int bytes, const int act, const int sub,
+                                                         const int NWc, const uint8_t *const *rows, const int64_t k,
+                                                         const uint8_t *A, const act_layout *l, const int64_t nr,
+                                                         wgroup_t *packed, int *nchs, float *o, const int64_t ostride,
+                                                         float *out, const int64_t ys) {
+    const int64_t groups = l->groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const int nb = group_blocks(act, k, g);
+        for (int w = 0; w < NWc; w++)
+            nchs[g] = nb == 8 ? prepare16(t, bytes, act, sub, rows[w], g, 8, &packed[g * NW + w], o + w * ostride)
+                              : prepare16(t, bytes, act, sub, rows[w], g, nb, &packed[g * NW + w], o + w * ostride);
     }
     const int64_t subs = act == 32 ? 8 * groups : k / sub;
-    for (int r = 0; r < NR; r++) {
-        const float *xs = (const float *)(A + r * l->stride + l->off_xs);
-        out[r * ys] = _mm512_reduce_add_ps(acc[r]) + dot_f32(o, xs, subs);
+    const int RTt = act == 32 ? RT32 : RT;
+    int64_t r0 = 0;
+    for (; r0 + RTt <= nr; r0 += RTt) {
+        __m512 acc[MAXT];
+        for (int i = 0; i < NWc * RTt; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if (nchs[g] == 4) compute16(act, NWc, RTt, &packed[g * NW], 4, A, l, g, r0, acc);
+            else compute16(act, NWc, RTt, &packed[g * NW], nchs[g], A, l, g, r0, acc);
+        }
+        if (NWc * RTt == 16) {  // a whole tile: its 16 outputs summed at once, as finish sums each
+            float sums[16], bs[16];
+            reduce16x16(acc, sums);
+            if (has_b_terms(t, act)) {
+                __m512 b[16];
+                for (int w = 0; w < NWc; w++)
+                    for (int r = 0; r < RTt; r++)
+                        b[w * RTt + r] = b_terms(o + w * ostride, A + (r0 + r) * l->stride, l, subs);
+                reduce16x16(b, bs);
+                for (int i = 0; i < 16; i++) sums[i] += bs[i];
+            }
+            for (int w = 0; w < NWc; w++)
+                for (int r = 0; r < RTt; r++) out[(r0 + r) * ys + w] = sums[w * RTt + r];
+        } else {
+            for (int w = 0; w < NWc; w++)
+                for (int r = 0; r < RTt; r++)
+                    out[(r0 + r) * ys + w] =
+                        finish(t, act, acc[w * RTt + r], o + w * ostride, A + (r0 + r) * l->stride, l, subs);
+        }
+    }
+    for (; r0 < nr; r0++) {
+        __m512 acc[NW];
+        for (int i = 0; i < NWc; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if (nchs[g] == 4) compute16(act, NWc, 1, &packed[g * NW], 4, A, l, g, r0, acc);
+            else compute16(act, NWc, 1, &packed[g * NW], nchs[g], A, l, g, r0, acc);
+        }
+        for (int w = 0; w < NWc; w++)
+            out[r0 * ys + w] = finish(t, act, acc[w], o + w * ostride, A + r0 * l->stride, l, subs);
     }
 }
 
-// The weight rows [i0, i1) of one thread, in tiles of NW (the last tile may be narrower: the
-// same per-output operations).
+// The weight rows [i0, i1) of one thread.
 static inline __attribute__((always_inline)) void rows_typed(const int t, const int bytes, const int act, const int sub,
                                                              const uint8_t *const *rowp,
                                                              int64_t i0, int64_t i1, int64_t k, const uint8_t *A,
                                                              const act_layout *l, int64_t nr, float *y, int64_t ys) {
     const int64_t ostride = ((k / 32 + 8) / 16 + 1) * 16 * 2;  // room for k/16 entries and a tail
     float *o = (float *)aligned_alloc(64, sizeof(float) * NW * (size_t)ostride);
-    // Few activation rows (decode): one weight row at a time, so the weights stream from memory in
-    // one sequential run the hardware prefetcher follows (four interleaved rows are four short
-    // streams it never ramps up on: 5 GB/s against 20+). More rows: tiles of NW, each activation
-    // load shared by NW weight rows. Either way each output's operations are the same.
     if (nr <= SEQUENTIAL_ROWS) {
 #define KVK_FEW(NR) \
-    case NR: for (int64_t i = i0; i < i1; i++) tile_few_rows(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys); break;
+    case NR: for (int64_t i = i0; i < i1; i++) few_rows16(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys); break;
         switch (nr) { KVK_FEW(1) KVK_FEW(2) KVK_FEW(3) KVK_FEW(4) KVK_FEW(5) KVK_FEW(6) KVK_FEW(7) KVK_FEW(8) }
 #undef KVK_FEW
         free(o);
         return;
     }
-    __m512 *acc = (__m512 *)aligned_alloc(64, sizeof(__m512) * NW * (size_t)nr);
+    wgroup_t *packed = (wgroup_t *)aligned_alloc(64, sizeof(wgroup_t) * NW * (size_t)l->groups);
+    int *nchs = (int *)malloc(sizeof(int) * (size_t)l->groups);
     for (int64_t i = i0; i < i1; i += NW) {
-        const int nw = i1 - i < NW ? (int)(i1 - i) : NW;
-        const uint8_t *rows[NW];
-        for (int j = 0; j < nw; j++) rows[j] = rowp[i + j];
-        if (nw == NW) {
-            tile(t, bytes, act, sub, rows, NW, k, A, l, nr, acc, o, ostride, y + i, ys);
-        } else {  // a narrower tile: its rows one by one (the same operations per output)
-            for (int j = 0; j < nw; j++) tile(t, bytes, act, sub, rows + j, 1, k, A, l, nr, acc, o, ostride, y + i + j, ys);
+        if (i1 - i >= NW) {
+            tile16(t, bytes, act, sub, NW, rowp + i, k, A, l, nr, packed, nchs, o, ostride, y + i, ys);
+        } else {  // the last, narrower tile: its rows one by one (the same operations per output)
+            for (int64_t j = i; j < i1; j++)
+                tile16(t, bytes, act, sub, 1, rowp + j, k, A, l, nr, packed, nchs, o, ostride, y + j, ys);
         }
     }
-    free(acc);
+    free(nchs);
+    free(packed);
     free(o);
 }
 
@@ -887,6 +1067,7 @@ static void rows_avx512(int t, const uint8_t *const *rowp, int64_t i0, int64_t i
     }
 #undef KVK_CASE
 }
+
 
 // F16 / BF16 against float32 activations: 16 weights decoded at a time.
 static inline __m512 decode16(int t, const uint8_t *row, int64_t i) {
@@ -917,19 +1098,6 @@ static void dot_rows_float_avx512(int t, const uint8_t *row, int64_t k, const fl
             out[(r0 + r) * ys] = s;
         }
     }
-}
-
-// A block decoded to float32 exactly as gguf-py decodes it: a * (c - mid) for the symmetric types
-// (one rounding), a * c + b for the types with a minimum (two roundings, no fused multiply-add).
-static inline int symmetric_mid(int t) {
-    switch (t) {
-        case T_Q4_0: return 8;
-        case T_Q5_0: return 16;
-        case T_Q8_0: case T_IQ4_NL: case T_IQ4_XS: return 128;
-        case T_Q3_K: return 4;
-        case T_Q6_K: return 32;
-    }
-    return -1;
 }
 
 static inline __m512 decode_q16(__m128i codes, float a, float o, int mid) {
@@ -986,7 +1154,7 @@ static inline __attribute__((always_inline)) int decode_group(const int t, const
     group_t G;
     float o[16], a[16];
     const uint8_t *b = row + g * bytes;
-    group256(t, b, &G, o);
+    group256(t, b, &G, o, 0);
     block_scales(t, b, a, o);  // the float a and b, as gguf rounds them
     for (int ch = 0; ch < 4; ch++)
         for (int q = 0; q < 4; q++) {
@@ -1042,7 +1210,7 @@ static inline __attribute__((always_inline)) void f32_row(const int t, const int
             const uint8_t *b = row + g * bytes;
             if (KVK_PREFETCH > 0)
                 for (int q = 0; q < bytes; q += 64) _mm_prefetch((const char *)(b + KVK_PREFETCH + q), _MM_HINT_T0);
-            group256(t, b, &G, o);
+            group256(t, b, &G, o, 0);
             block_scales(t, b, a, o);  // the float a and b, as gguf rounds them
             for (int ch = 0; ch < 4; ch++)
                 for (int q = 0; q < 4; q++) {
@@ -1121,44 +1289,47 @@ static void rows_bf16_avx512(int t, const uint8_t *const *rowp, int64_t i0, int6
 #endif  // KVK_AVX512
 
 #ifdef KVK_AVX512
-// quantize_row's bytes, 16 inputs at a time: the same float operations (a multiply, a subtraction,
-// round-to-nearest-even, the clamps) in the same order, so both builds quantize alike. The scalar
-// loop cost ~15 operations an input on one thread before each matmul's parallel region (a 1.7B
-// down projection's 8192 inputs: ~40 us of a 760 us call).
+// quantize_row's bytes, 16 inputs at a time: the same float operations (a multiply,
+// round-to-nearest-even, the clamps) in the same order, so both builds quantize alike; each chunk
+// of 64 then put in the kernel's order (slot_of) by two 128-bit-lane shuffles. The scalar loop ran
+// on one thread before each matmul's parallel region (a 1.7B down projection's 8192 inputs: ~40
+// us of a 760 us call).
 static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *dst) {
-    int8_t *xq = (int8_t *)dst, *xl = (int8_t *)(dst + l->off_lo);
+    int16_t *xq = (int16_t *)dst;
     float *dx = (float *)(dst + l->off_dx);
     float *xs = (float *)(dst + l->off_xs);
-    const int64_t k = l->k, act = l->act, sub = l->sub;
+    const int64_t k = l->k, sub = l->sub;
     memset(dst, 0, (size_t)l->stride);
-    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const __m512i lim = _mm512_set1_epi32(XQ_MAX), nlim = _mm512_set1_epi32(-XQ_MAX);
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    for (int64_t g = 0; g < k / act; g++) {
-        const float *xg = x + g * act;
+    int16_t natural[256] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < l->groups; g++) {
+        const int64_t e0 = 256 * g, n = k - e0 < 256 ? k - e0 : 256;
+        const float *xg = x + e0;
         __m512 m = _mm512_setzero_ps();
-        for (int i = 0; i < act; i += 16) m = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(xg + i), sign), m);  // a NaN input leaves m, as fmaxf does
+        for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(xg + i), sign), m);  // a NaN input leaves m, as fmaxf does
         const float amax = _mm512_reduce_max_ps(m);
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const float inv_lo = d > 0.0f ? 256.0f / d : 0.0f;
+        const float d = amax / (float)XQ_MAX, inv = amax > 0.0f ? (float)XQ_MAX / amax : 0.0f;
         dx[g] = d;
-        const __m512 vd = _mm512_set1_ps(d), vinv = _mm512_set1_ps(inv), vinv_lo = _mm512_set1_ps(inv_lo);
-        for (int64_t j = 0; j < act / sub; j++) {
-            int32_t s_hi = 0, s_lo = 0;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        memset(natural, 0, sizeof natural);
+        for (int64_t j = 0; j < n / sub; j++) {
+            int32_t s = 0;
             for (int64_t i = 0; i < sub; i += 16) {
-                const int64_t e = g * act + j * sub + i;
-                const __m512 v = _mm512_loadu_ps(xg + j * sub + i);
-                __m512i hi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                hi = _mm512_max_epi32(_mm512_min_epi32(hi, lim), nlim);
-                const __m512 rest = _mm512_sub_ps(v, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(hi)));
-                __m512i lo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(rest, vinv_lo), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                lo = _mm512_max_epi32(_mm512_min_epi32(lo, lim), nlim);
-                s_hi += _mm512_reduce_add_epi32(hi);
-                s_lo += _mm512_reduce_add_epi32(lo);
-                const __m128i h8 = _mm512_cvtepi32_epi8(hi), l8 = _mm512_cvtepi32_epi8(lo);
-                _mm_storeu_si128((__m128i *)(xq + e), h8);
-                _mm_storeu_si128((__m128i *)(xl + e), l8);
+                const int64_t e = j * sub + i;
+                const __m512 v = _mm512_loadu_ps(xg + e);
+                __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
+                s += _mm512_reduce_add_epi32(q);
+                _mm256_store_si256((__m256i *)(natural + e), _mm512_cvtepi32_epi16(q));
             }
-            xs[(g * act) / sub + j] = d * (float)s_hi + (d * LO_SCALE) * (float)s_lo;
+            xs[e0 / sub + j] = d * (float)s;
+        }
+        for (int64_t c = 0; c < n; c += 64) {
+            const __m512i a = _mm512_load_si512((const void *)(natural + c));
+            const __m512i b = _mm512_load_si512((const void *)(natural + c + 32));
+            _mm512_storeu_si512((void *)(xq + e0 + c), _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+            _mm512_storeu_si512((void *)(xq + e0 + c + 32), _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
         }
     }
 }
@@ -1202,7 +1373,7 @@ KVK_API int64_t kvk_row_bytes(int t, int64_t k) {
 // y[r * ys + i] = sum_k W[i, k] * x[r * xs + k] for i < n, r < nr, where rowp[i] is where output
 // row i's weights are (a table of row addresses: the rows of several tensors of one type fused into
 // one call, a permutation of a tensor's rows, or a tensor's rows in order). Quantized types
-// quantize x to two 8-bit planes; float types
+// quantize x to one 16-bit plane; float types
 // multiply it as it is. Returns 0, or -1 for a type or shape it does not take.
 KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
                        const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
@@ -1337,7 +1508,7 @@ KVK_API int kvk_dequantize_rows(int t, const uint8_t *const *rowp, int64_t k, co
 }
 
 // nr rows of k activations quantized for type t as kvk_matmul quantizes them, into out (nr x the
-// row stride bytes: the planes, scales and sums as this build lays them out), by the build's own
+// row stride bytes: the codes, scales and sums as this build lays them out), by the build's own
 // routine, or with `scalar` by the portable loop (tests: the two write the same bytes). Returns the
 // row stride, or -1 for a type or shape it does not take.
 KVK_API int64_t kvk_quantize_rows(int t, int64_t k, const float *x, int64_t nr, uint8_t *out, int scalar) {

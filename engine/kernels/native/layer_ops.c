@@ -3,7 +3,7 @@
 // each (torch's CPU rms_norm is a composite of ~9 ops; RoPE a roll, a multiply and an addcmul):
 // at a decode row the ops' dispatch, not their arithmetic, is what a layer spends outside its
 // matmuls. Only the own forward of a model whose projections run on kvk uses them: kvk rounds
-// each matmul's input to two 8-bit planes, far coarser than these ops' last float32 bit, so they
+// each matmul's input to 16-bit codes, far coarser than these ops' last float32 bit, so they
 // need not round as torch does (the float32 models keep torch's ops, bit for bit with
 // transformers).
 //
