@@ -53,6 +53,7 @@ from engine.events import (
 from engine.grammar.compile import GrammarError
 from engine.grammar.grammars import Grammars
 from engine.grammar.state import GrammarDeadEnd, GrammarState
+from engine.kernels.linear import kv_formats
 from engine.kernels.policy import KernelPolicy
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
@@ -114,8 +115,12 @@ class LLMEngine:
             layers=loaded.attention or None,
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()
+        kv_kinds = kv_formats(loaded.model)  # the prefix cache keys blocks by these formats' kernels
         self.kv = KVCacheManager(
-            pool, config.enable_prefix_caching, copy_block=self.storage.copy_block, kernels_at=policy.kernels_at
+            pool,
+            config.enable_prefix_caching,
+            copy_block=self.storage.copy_block,
+            kernels_at=lambda rows: policy.kernels_at(rows, kv_kinds),
         )
         self.max_model_len = min(
             config.max_model_len or min(info.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_weight import GGUFWeight
-from engine.kernels.policy import KernelPolicy
+from engine.kernels.policy import KernelPolicy, table_key
 from engine.kernels.weights import DenseWeight, Int4GroupWeight, Int8RowWeight, WeightStorage
 
 _Storage = TypeVar("_Storage", bound=WeightStorage)
@@ -139,6 +139,19 @@ class StackedLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         return torch.cat([p.dequantized_weight() for p in self._linears])
+
+
+def kv_formats(model: nn.Module) -> frozenset[str]:
+    """The kernel-table keys of the layers whose outputs reach the K/V a model writes: every
+    KernelLinear but the LM head (a self-draft's head or the logits never touch the cache)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return frozenset(
+        table_key(storage)
+        for module in model.modules()
+        if isinstance(module, (KernelLinear, StackedLinear)) and module is not head
+        for storage in module.storages()
+    )
 
 
 def as_kernel_linear(module: nn.Module, policy: KernelPolicy) -> KernelLinear | None:

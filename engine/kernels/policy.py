@@ -107,13 +107,18 @@ class KernelPolicy:
             if len(storage.kernels()) > 1 and table_key(storage) not in self.table:
                 self.table[table_key(storage)] = measure(storage)
 
-    def kernels_at(self, rows: int) -> bytes:
-        """The kernels rows chosen for `rows` run, one per format with a choice, as bytes: two rows
-        computed under equal values ran the same kernels, so their outputs (and the K/V a model
-        writes from them) are the same bits. The prefix cache keys a block by it
-        (engine/kv/manager.py): a block another kernel computed is not another prompt's."""
+    def kernels_at(self, rows: int, kinds: frozenset[str] | None = None) -> bytes:
+        """The kernels rows chosen for `rows` run, one per format with a choice (of `kinds` only,
+        when given), as bytes: two rows computed under equal values ran the same kernels, so their
+        outputs (and the K/V a model writes from them) are the same bits. The prefix cache keys a
+        block by it (engine/kv/manager.py): a block another kernel computed is not another
+        prompt's."""
         key = bucket(rows)
-        return ";".join(f"{name}={table[key]}" for name, table in sorted(self.table.items())).encode()
+        return ";".join(
+            f"{name}={table[key]}"
+            for name, table in sorted(self.table.items())
+            if kinds is None or name in kinds
+        ).encode()
 
     def describe(self) -> list[str]:
         """One line per measured format: which kernel runs which row counts, and how the table

@@ -172,8 +172,8 @@ def test_a_recomputed_chunk_across_the_prompts_end_takes_both_kernels():
 def test_the_kernels_at_a_row_count_name_every_formats_choice():
     storage = storages()["int4-g32"]
     policy = forced_policy(storage, {1: "packed", 64: "dense-bf16"})
-    assert policy.kernels_at(1) == policy.kernels_at(63) == b"int4-g32=packed"
-    assert policy.kernels_at(64) == policy.kernels_at(5000) == b"int4-g32=dense-bf16"
+    assert policy.kernels_at(1) == policy.kernels_at(32) == b"int4-g32=packed"
+    assert policy.kernels_at(33) == policy.kernels_at(5000) == b"int4-g32=dense-bf16"  # buckets 64, 512
     assert KernelPolicy().kernels_at(1) == b""  # one kernel everywhere: nothing to tell apart
 
 
