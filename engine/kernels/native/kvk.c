@@ -624,18 +624,20 @@ static inline __attribute__((always_inline)) int group32(const int t, const int 
     return nch;
 }
 
-// The K-quant scale bytes -> the 8 (sc, m) of Q4_K/Q5_K, as llama.cpp unpacks them.
-static inline void k4_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    uint32_t u[4];
-    memcpy(u, s, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t m1 = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = m1;
-    u[0] &= k1;
-    memcpy(sc, u, 8);
-    memcpy(mn, u + 2, 8);
+// The Q4_K/Q5_K scale bytes -> [sc0..sc7, m0..m7] in one register (get_scale_min_k4's values; reads
+// 16 bytes at s). Unpacked with scalar operations they went through the stack: a third of a one-row
+// Q4_K matmul's instructions.
+static inline __m128i k4_scales_simd(const uint8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);  // A = s[0..4), B = s[4..8), C = s[8..12)
+    const __m128i acbc = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i _a_b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    // sc0-3 = A & 63, sc4-7 = C & 15 | (A >> 2) & 0x30, m0-3 = B & 63, m4-7 = C >> 4 | (B >> 2) & 0x30
+    const __m128i low = _mm_and_si128(acbc, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high_nibble = _mm_and_si128(_mm_srli_epi16(acbc, 4),
+                                              _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(_a_b, 2), _mm_setr_epi8(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0,
+                                                                            0, 0, 0x30, 0x30, 0x30, 0x30));
+    return _mm_or_si128(_mm_or_si128(low, high_nibble), top);
 }
 
 static inline __m512i lane_scales16(__m256i s16, int ch, int per_chunk) {
@@ -664,13 +666,12 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     switch (t) {
         case T_Q4_K: case T_Q5_K: {
-            uint8_t sc[8], mn[8];
-            k4_scales(b + 4, sc, mn);
+            const __m128i scmn = k4_scales_simd(b + 4);  // [sc0..7, m0..7]
             G->d = rd_f16(b);
             const float dmin = rd_f16(b + 2);
-            const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+            const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
             _mm256_storeu_ps(o, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
-            const __m256i s16 = _mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));
+            const __m256i s16 = _mm256_cvtepu8_epi16(scmn);
             const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16);
             for (int h = 0; h < 2; h++) {
                 __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * h));
@@ -849,21 +850,31 @@ static inline __attribute__((always_inline)) void compute16(const int act, const
         }
         return;
     }
-    __m512i isum[MAXT];
+    // A few outputs (a decode row) sum their super-block in SPLIT independent int32 chains, added at
+    // the end: one chain of 8 vpdpwssd (4-5 cycles each) bound a one-row Q4_K matmul by its
+    // latency (11.5 GB/s a core). Integer sums: the same value however they are split.
+    const int SPLIT = NWc * RTc <= 2 ? 4 : 1;
+    __m512i isum[MAXT * 4];
     for (int ch = 0; ch < 4; ch++)
         for (int h = 0; h < 2; h++) {
+            const int v = 2 * ch + h, part = v % SPLIT;
             __m512i xv[SEQUENTIAL_ROWS], wv[NW];
             for (int r = 0; r < RTc; r++) xv[r] = _mm512_loadu_si512((const void *)(x[r] + 64 * ch + 32 * h));
-            for (int w = 0; w < NWc; w++) wv[w] = W[w].w[2 * ch + h];
+            for (int w = 0; w < NWc; w++) wv[w] = W[w].w[v];
             for (int w = 0; w < NWc; w++)
-                for (int r = 0; r < RTc; r++)
-                    isum[w * RTc + r] = ch || h ? dpwssd(isum[w * RTc + r], wv[w], xv[r]) : _mm512_madd_epi16(wv[w], xv[r]);
+                for (int r = 0; r < RTc; r++) {
+                    __m512i *sum = &isum[(w * RTc + r) * SPLIT + part];
+                    *sum = v >= SPLIT ? dpwssd(*sum, wv[w], xv[r]) : _mm512_madd_epi16(wv[w], xv[r]);
+                }
         }
+    for (int i = 0; i < NWc * RTc && SPLIT == 4; i++)
+        isum[i * 4] = _mm512_add_epi32(_mm512_add_epi32(isum[i * 4], isum[i * 4 + 1]),
+                                       _mm512_add_epi32(isum[i * 4 + 2], isum[i * 4 + 3]));
     for (int r = 0; r < RTc; r++) {
         const float dr = ((const float *)(A + (r0 + r) * l->stride + l->off_dx))[g];
         for (int w = 0; w < NWc; w++)
-            acc[w * RTc + r] =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[w * RTc + r]), _mm512_set1_ps(W[w].d * dr), acc[w * RTc + r]);
+            acc[w * RTc + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[(w * RTc + r) * SPLIT]),
+                                               _mm512_set1_ps(W[w].d * dr), acc[w * RTc + r]);
     }
 }
 
@@ -988,11 +999,19 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
         if (NWc * RTt == 16) {  // a whole tile: its 16 outputs summed at once, as finish sums each
             float sums[16], bs[16];
             reduce16x16(acc, sums);
-            if (has_b_terms(t, act)) {
+            if (has_b_terms(t, act)) {  // b_terms of the 16, their 16 chains side by side
                 __m512 b[16];
-                for (int w = 0; w < NWc; w++)
-                    for (int r = 0; r < RTt; r++)
-                        b[w * RTt + r] = b_terms(o + w * ostride, A + (r0 + r) * l->stride, l, subs);
+                const float *xs[RT > RT32 ? RT : RT32];
+                for (int r = 0; r < RTt; r++) xs[r] = (const float *)(A + (r0 + r) * l->stride + l->off_xs);
+                for (int i = 0; i < 16; i++) b[i] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < subs; j += 16) {
+                    const __mmask16 m = subs - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (subs - j)) - 1);
+                    for (int w = 0; w < NWc; w++) {
+                        const __m512 ow = _mm512_maskz_loadu_ps(m, o + w * ostride + j);
+                        for (int r = 0; r < RTt; r++)
+                            b[w * RTt + r] = _mm512_fmadd_ps(ow, _mm512_maskz_loadu_ps(m, xs[r] + j), b[w * RTt + r]);
+                    }
+                }
                 reduce16x16(b, bs);
                 for (int i = 0; i < 16; i++) sums[i] += bs[i];
             }
