@@ -146,7 +146,10 @@ class ModelRunner:
         keep_rows = long_tensor(keep)
         if probe is not None:
             batch.recorder = probe.attention
-        with torch.inference_mode(), self.policy.step([m for m, _ in segments], [k for _, k in segments]) as record:
+        with (
+            torch.inference_mode(),
+            self.policy.step([m for m, _ in segments], [k for _, k in segments]) as record,
+        ):
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
             else:

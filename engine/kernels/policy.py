@@ -47,11 +47,11 @@ TIMING_REPEATS = 7
 CALLS_PER_REPEAT = 4  # calls of each kernel per repeat, on rotating copies of the probe layer
 PROBE_BYTES = 48 * 2**20
 PROBE_SHAPE = (1024, 1024)
-TABLE_VERSION = 6  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row counts
-# A dense kernel must beat the native one by this much, at two row counts in a row (or at the
-# last one), to take over: measured busy, one bucket's times flipped by 10-30% (issue 24: a busy
-# machine's table chose dense kernels at 32-64 rows where a quiet one chose packed).
-SWITCH_MARGIN = 0.25
+TABLE_VERSION = 7  # 6: per-call best of 7 x 4 for every kernel, a 25% margin confirmed at two row
+# counts; 7: the margin is the storage's (GGUF: 100%, GGUFWeight.dense_margin)
+# A dense kernel must beat the native one by the storage's margin (WeightStorage.dense_margin), at
+# two row counts in a row (or at the last one), to take over.
+SWITCH_MARGIN = WeightStorage.dense_margin
 
 
 def bucket(rows: int) -> int:
@@ -139,7 +139,8 @@ class KernelPolicy:
         if lines:
             lines.append(
                 f"table: best of {TIMING_REPEATS * CALLS_PER_REPEAT} interleaved timings per kernel and row count; a dense "
-                f"kernel takes over only {SWITCH_MARGIN:.0%} faster at two row counts in a row; a prefill "
+                f"kernel takes over only {SWITCH_MARGIN:.0%} faster at two row counts in a row (a GGUF "
+                f"format's {GGUFWeight.dense_margin:.0%}: it rounds to bfloat16 what kvk keeps); a prefill "
                 "takes the kernel for its prompt's length, a decode row the one-row kernel"
             )
         return lines
@@ -244,6 +245,7 @@ def _time_kernels(
     probes = probes if probes is not None else _probe_copies(storage)
     kernels = storage.kernels()
     native = storage.native_kernel
+    margin = getattr(storage, "dense_margin", SWITCH_MARGIN)
     times: dict[int, dict[str, float]] = {}
     wins = 0
     with torch.inference_mode():
@@ -270,20 +272,21 @@ def _time_kernels(
                         probe.matmul(kernel, x)
                         best[kernel] = min(best[kernel], clock() - start)
             times[rows] = best
-            dense = min((t for k, t in best.items() if k != native), default=float("inf"))
-            wins = wins + 1 if native in best and dense * (1 + SWITCH_MARGIN) < best[native] else 0
-    return choose_by_rows(times, native)
+            wins = wins + 1 if _dense_wins(best, native, margin) else 0
+    return choose_by_rows(times, native, margin)
 
 
-def _dense_wins(by_kernel: dict[str, float], native: str) -> bool:
+def _dense_wins(by_kernel: dict[str, float], native: str, margin: float = SWITCH_MARGIN) -> bool:
     dense = [t for k, t in by_kernel.items() if k != native]
-    return native in by_kernel and bool(dense) and min(dense) * (1 + SWITCH_MARGIN) < by_kernel[native]
+    return native in by_kernel and bool(dense) and min(dense) * (1 + margin) < by_kernel[native]
 
 
-def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int, str]:
+def choose_by_rows(
+    times: dict[int, dict[str, float]], native: str, margin: float = SWITCH_MARGIN
+) -> dict[int, str]:
     """One crossover, measured and confirmed: the storage's own kernel (the packed one, which
     reads the fewest bytes) up to the first row count where a dense kernel is faster by
-    SWITCH_MARGIN there and at the next row count too (or at the last one measured), the
+    `margin` there and at the next row count too (or at the last one measured), the
     fastest dense kernel from there on. A dense matmul only gains on a GEMV-shaped kernel as
     rows grow, so a table that flips back and forth is timing noise; one confirmed switch point
     keeps the choice the same between runs and between a busy machine and a quiet one."""
@@ -301,9 +304,9 @@ def choose_by_rows(times: dict[int, dict[str, float]], native: str) -> dict[int,
             # copy of them; it cannot be faster, and a time saying so was interrupted.
             best[rows] = native
             continue
-        if not switched and _dense_wins(by_kernel, native):
+        if not switched and _dense_wins(by_kernel, native, margin):
             following = order[i + 1] if i + 1 < len(order) else None
-            switched = following is None or _dense_wins(times[following], native)
+            switched = following is None or _dense_wins(times[following], native, margin)
         best[rows] = min(dense, key=dense.__getitem__) if switched else native
     return best
 

@@ -65,6 +65,10 @@ class WeightStorage:
         return self.nbytes + 2 * self.out_features * self.in_features * size
 
     native_kernel = "packed"
+    # How much faster than the native kernel a dense one must be, at two row counts in a row, to
+    # take over in the kernel table: measured busy, one bucket's times flipped by 10-30% (issue 24:
+    # a busy machine's table chose dense kernels at 32-64 rows where a quiet one chose packed).
+    dense_margin = 0.25
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

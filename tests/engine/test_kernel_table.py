@@ -113,3 +113,22 @@ def test_the_notes_say_how_the_table_was_made():
     lines = policy_module.KernelPolicy({"int4-g32": dict(QUIET)}).describe()
     assert lines[0] == "int4-g32: 1-64 rows: packed; 128-512 rows: dense-bf16"
     assert "best of 28" in lines[1] and "25% faster at two row counts in a row" in lines[1]
+    assert "GGUF format's 100%" in lines[1]
+
+
+def test_a_gguf_format_keeps_kvk_unless_the_dense_kernel_is_twice_as_fast():
+    """kvk keeps the activations in 16 bits and its blocks serve every prompt from the prefix
+    cache; the dense kernel's bfloat16 takes over a GGUF format only at twice kvk's speed."""
+    times = {
+        1: {"kvk": 1.0, "dense-bf16": 3.0},
+        64: {"kvk": 10.0, "dense-bf16": 6.0},  # 1.7x: a win with the 25% margin, not with GGUF's
+        128: {"kvk": 20.0, "dense-bf16": 11.0},
+        256: {"kvk": 40.0, "dense-bf16": 19.0},  # 2.1x, confirmed at 512
+        512: {"kvk": 80.0, "dense-bf16": 35.0},
+    }
+    from engine.kernels.gguf_weight import GGUFWeight
+
+    assert policy_module.choose_by_rows(times, "kvk")[64] == "dense-bf16"
+    assert policy_module.choose_by_rows(times, "kvk", GGUFWeight.dense_margin) == {
+        1: "kvk", 64: "kvk", 128: "kvk", 256: "dense-bf16", 512: "dense-bf16"
+    }  # fmt: skip
