@@ -336,6 +336,7 @@ static inline int symmetric_mid(int t) {
 typedef struct {
     int64_t k, sub, groups, stride;  // stride: bytes per row
     int64_t off_dx, off_xs;          // the group scales, the b-term sums
+    int t;                           // the weight type (Q4_K lays its inputs out its own way)
 } act_layout;
 
 // 15 bits and a sign. The K-quants' 16-bit weights (a code times its sub-block's integer scale,
@@ -350,8 +351,30 @@ static inline int64_t slot_of(int64_t e) {
     return (e & ~(int64_t)63) + (t < 8 ? 8 * j + t : 32 + 8 * j + (t - 8));
 }
 
-static act_layout layout_for(int64_t k, const kvk_type *ti) {
+// Q4_K's order: its unpacking reads a super-block's 128 bytes of nibbles as 16-bit lanes and takes
+// each lane's four nibbles apart with a mask and shifts (no byte shuffles, which bound its one-row
+// matmul): vector v = 4 H + n (H the half of the bytes, n the nibble of the lane), lane L holds
+// the weight of nibble n of lane L of the half's 64 bytes. Q4K_SLOT[e]: where weight e of a
+// super-block sits (32 v + L).
+static uint16_t Q4K_SLOT[256];
+
+__attribute__((constructor)) static void init_q4k_slots(void) {
+    for (int v = 0; v < 8; v++)
+        for (int L = 0; L < 32; L++) {
+            const int H = v / 4, n = v % 4;
+            const int J = 64 * H + 2 * L + (n >= 2);  // the byte of qs
+            const int c = J / 32, i = J % 32;
+            Q4K_SLOT[64 * c + 32 * (n % 2) + i] = (uint16_t)(32 * v + L);
+        }
+}
+
+static inline int64_t slot_in(const act_layout *l, int64_t e) {
+    return l->t == T_Q4_K ? (e & ~(int64_t)255) + Q4K_SLOT[e & 255] : slot_of(e);
+}
+
+static act_layout layout_for(int64_t k, int t, const kvk_type *ti) {
     act_layout l;
+    l.t = t;
     l.k = k;
     l.sub = ti->sub;
     l.groups = (k + 255) / 256;
@@ -382,7 +405,7 @@ static void quantize_row(const float *x, const act_layout *l, uint8_t *dst) {
                 int q = (int)nearbyintf(x[e] * inv);
                 q = q > XQ_MAX ? XQ_MAX : q < -XQ_MAX ? -XQ_MAX : q;
                 s += q;
-                xq[slot_of(e)] = (int16_t)q;
+                xq[slot_in(l, e)] = (int16_t)q;
             }
             xs[e0 / sub + j] = d * (float)s;
         }
@@ -447,7 +470,7 @@ __attribute__((unused)) static float dot_row_portable(int t, const kvk_type *ti,
                 int64_t s = 0;
                 for (int i = 0; i < ti->sub; i++) {
                     const int e = j * ti->sub + i;
-                    s += (int64_t)(block_code(t, b, e) - mid) * xq[slot_of(e0 + e)];
+                    s += (int64_t)(block_code(t, b, e) - mid) * xq[slot_in(l, e0 + e)];
                 }
                 isum += s * sc[j];
                 if (!cen) offsets += o[j] * xs[e0 / ti->sub + j];
@@ -459,7 +482,7 @@ __attribute__((unused)) static float dot_row_portable(int t, const kvk_type *ti,
                 const uint8_t *b = row + (b0 / 32) * ti->bytes;
                 block_scales(t, b, a, o);
                 int64_t s = 0;
-                for (int i = 0; i < 32; i++) s += (int64_t)block_code(t, b, i) * xq[slot_of(b0 + i)];
+                for (int i = 0; i < 32; i++) s += (int64_t)block_code(t, b, i) * xq[slot_in(l, b0 + i)];
                 part += (float)s * a[0];
                 offsets += o[0] * xs[b0 / 32];
             }
@@ -789,6 +812,14 @@ static inline __attribute__((always_inline)) void widen16(const int centered, __
     }
 }
 
+// Q4_K's lane scales for half H: [sc(4H) x 16 | sc(4H + 2) x 16] (the low nibbles of a lane's
+// bytes), [sc(4H + 1) x 16 | sc(4H + 3) x 16] (the high ones).
+static const int16_t Q4K_SCALE_PICK[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+    {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+
 // Group g of a row as 16-bit weights, and its b terms into o (the 32-weight types' 8 per group,
 // the K-quants' 256 / sub). nb: the group's blocks (32-weight types). Returns its chunks.
 static inline __attribute__((always_inline)) int prepare16(const int t, const int bytes, const int act, const int sub,
@@ -807,6 +838,27 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
             W->f[ch] = _mm512_permutexvar_ps(pick, d8);
         }
         return nch;
+    }
+    if (t == T_Q4_K) {  // the lanes' four nibbles by mask and shifts, in Q4K_SLOT's order
+        const uint8_t *b = row + g * bytes;
+        const __m128i scmn = k4_scales_simd(b + 4);
+        W->d = rd_f16(b);
+        const float dmin = rd_f16(b + 2);
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
+        _mm256_storeu_ps(o + g * 8, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
+        const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scmn));
+        const __m512i m4 = _mm512_set1_epi16(0x000f);
+        for (int H = 0; H < 2; H++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * H));
+            // lanes 0-15 read sub-block 4H (+1 for the high nibbles), 16-31 sub-block 4H + 2 (+1)
+            const __m512i even = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)Q4K_SCALE_PICK[2 * H]), s16);
+            const __m512i odd = _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)Q4K_SCALE_PICK[2 * H + 1]), s16);
+            W->w[4 * H] = _mm512_mullo_epi16(_mm512_and_si512(v, m4), even);
+            W->w[4 * H + 1] = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), odd);
+            W->w[4 * H + 2] = _mm512_mullo_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 8), m4), even);
+            W->w[4 * H + 3] = _mm512_mullo_epi16(_mm512_srli_epi16(v, 12), odd);
+        }
+        return 4;
     }
     group256(t, row + g * bytes, &G, o + g * (256 / sub), 1);
     for (int ch = 0; ch < 4; ch++) {
@@ -1339,6 +1391,11 @@ static void rows_bf16_avx512(int t, const uint8_t *const *rowp, int64_t i0, int6
 // of 64 then put in the kernel's order (slot_of) by two 128-bit-lane shuffles. The scalar loop ran
 // on one thread before each matmul's parallel region (a 1.7B down projection's 8192 inputs: ~40
 // us of a 760 us call).
+// Q4_K's gather: lane L takes input 2 L (+ 1 for nibbles 2, 3) of the pair of 32-input runs.
+static const int16_t Q4K_PICK[2][32] = {
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63}};
+
 static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *dst) {
     int16_t *xq = (int16_t *)dst;
     float *dx = (float *)(dst + l->off_dx);
@@ -1369,6 +1426,16 @@ static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *ds
                 _mm256_store_si256((__m256i *)(natural + e), _mm512_cvtepi32_epi16(q));
             }
             xs[e0 / sub + j] = d * (float)s;
+        }
+        if (l->t == T_Q4_K) {  // vector 4 H + n: every other input of two 32-input runs (Q4K_SLOT)
+            for (int v = 0; v < 8; v++) {
+                const int H = v / 4, n4 = v % 4;
+                const __m512i a = _mm512_load_si512((const void *)(natural + 128 * H + 32 * (n4 % 2)));
+                const __m512i b = _mm512_load_si512((const void *)(natural + 128 * H + 64 + 32 * (n4 % 2)));
+                _mm512_storeu_si512((void *)(xq + e0 + 32 * v),
+                                    _mm512_permutex2var_epi16(a, _mm512_loadu_si512((const void *)Q4K_PICK[n4 >= 2]), b));
+            }
+            continue;
         }
         for (int64_t c = 0; c < n; c += 64) {
             const __m512i a = _mm512_load_si512((const void *)(natural + c));
@@ -1440,7 +1507,7 @@ KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
         }
         return 0;
     }
-    act_layout l = layout_for(k, &ti);
+    act_layout l = layout_for(k, t, &ti);
     uint8_t *act = act_scratch(l.stride * nr);
     if (!act) return -2;
 #pragma omp parallel for schedule(static) if (nr * k >= 65536)
@@ -1559,7 +1626,7 @@ KVK_API int kvk_dequantize_rows(int t, const uint8_t *const *rowp, int64_t k, co
 KVK_API int64_t kvk_quantize_rows(int t, int64_t k, const float *x, int64_t nr, uint8_t *out, int scalar) {
     kvk_type ti = {0, 0, 0, 0};
     if (!type_info(t, &ti) || ti.sub == 0 || k % ti.block || nr < 0) return -1;
-    act_layout l = layout_for(k, &ti);
+    act_layout l = layout_for(k, t, &ti);
     if (out == NULL) return l.stride;
     for (int64_t r = 0; r < nr; r++) {
 #ifdef KVK_AVX512
