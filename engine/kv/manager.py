@@ -5,14 +5,14 @@ the scheduler decides before anything changes. Prefix caching keys only full blo
 tokens are all committed to the cache, chained so a block's key names its entire prefix; a hit
 never covers the last prompt token, which is always recomputed to produce the first logits.
 
-A key is the SHA-256 of (the parent block's key, the block's tokens, the kernels that computed
-them), as vLLM's since CVE-2025-25183 but for the kernels: with a 64-bit hash two different
-prefixes can be made to collide, and one request would attend to K/V another's prompt wrote. The
-kernels: a prompt's rows run the kernels its whole length chooses, every row after it the one-row
-kernels (engine/kernels/policy.py), and kernels round differently; so a block is shared only with
-a prompt that would have computed every one of its positions with the same kernels, and a reply is
+A key is the SHA-256 of (the parent block's key, the block's tokens), as vLLM's since
+CVE-2025-25183 (with a 64-bit hash two different prefixes can be made to collide, and one request
+would attend to K/V another's prompt wrote), and of the kernels that computed the block: a
+prompt's rows run the kernels its whole length chooses, every row after it the one-row kernels
+(engine/kernels/policy.py), and kernels round differently; so a block is shared only with a
+prompt that would have computed every one of its positions with the same kernels, and a reply is
 the same bits cached or alone. Where the kernel table keeps one kernel at every row count (float32
-models; kvk's GGUF formats where it measures fastest throughout) the kernels never split a key.
+models; the GGUF formats where kvk runs every row) the kernels never split a key.
 
 Forks (n samples, beams) share all of a sequence's blocks by ref count. A sequence about to
 write into a shared block first copies it (copy-on-write): only the last, partly filled block

@@ -522,14 +522,18 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
 static const int8_t IQ4_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                      -127, -115, -103, -90, -75, -59, -39, -15};  // table + 128, as int8
 
+// A prompt's tiles: NW weight rows x RT activation rows (RT32 for the 32-weight types), their NW *
+// RT sums in registers (-D to try others). Measured at 128 rows, GFLOP/s on 2 cores, Q4_K / Q6_K /
+// Q4_0: 4x2 207-236 / 231-265 / 175-182, 4x3 223-233 / 257-263 / 183-186, 2x4 194-224 / 213-267 /
+// 180-211, 6x2 218-226 / 255-268 / 184-189, 4x4 246-256 / 249-259 / 207-216 (the shape kept; the
+// later work took it to 290-310 / 300-310 / 200-230). A call of up to SEQUENTIAL_ROWS activation
+// rows takes one weight row at a time (few_rows16).
 #ifndef KVK_NW
 #define KVK_NW 4
 #endif
 #ifndef KVK_RT
 #define KVK_RT 4
 #endif
-// A prompt's tiles: NW weight rows x RT activation rows, their NW * RT sums in registers. A call of
-// up to SEQUENTIAL_ROWS activation rows takes one weight row at a time (few_rows16).
 #ifndef KVK_RT32
 #define KVK_RT32 4
 #endif
@@ -1177,29 +1181,25 @@ static inline __m512 decode_q16(__m128i codes, float a, float o, int mid) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ci), _mm512_set1_ps(a)), _mm512_set1_ps(o));
 }
 
+// The 16 codes of part q (0..3) of a chunk.
+static inline __m128i chunk_part(__m512i chunk, int q) {
+    switch (q) {
+        case 0: return _mm512_extracti32x4_epi32(chunk, 0);
+        case 1: return _mm512_extracti32x4_epi32(chunk, 1);
+        case 2: return _mm512_extracti32x4_epi32(chunk, 2);
+        default: return _mm512_extracti32x4_epi32(chunk, 3);
+    }
+}
+
 // The 16 weights of part q (0..3) of a chunk, decoded to float32 as gguf rounds them.
 static inline __m512 decode_part(__m512i chunk, int q, float a, float o, int mid) {
-    __m128i part;
-    switch (q) {
-        case 0: part = _mm512_extracti32x4_epi32(chunk, 0); break;
-        case 1: part = _mm512_extracti32x4_epi32(chunk, 1); break;
-        case 2: part = _mm512_extracti32x4_epi32(chunk, 2); break;
-        default: part = _mm512_extracti32x4_epi32(chunk, 3);
-    }
-    return decode_q16(part, a, o, mid);
+    return decode_q16(chunk_part(chunk, q), a, o, mid);
 }
 
 // The same for a centred chunk (group256's signed codes c - mid): a * (c - mid), one rounding,
 // one operation fewer (a Q6_K head's decoding bounds its one-row pass).
 static inline __m512 decode_part_centred(__m512i chunk, int q, float a) {
-    __m128i part;
-    switch (q) {
-        case 0: part = _mm512_extracti32x4_epi32(chunk, 0); break;
-        case 1: part = _mm512_extracti32x4_epi32(chunk, 1); break;
-        case 2: part = _mm512_extracti32x4_epi32(chunk, 2); break;
-        default: part = _mm512_extracti32x4_epi32(chunk, 3);
-    }
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)), _mm512_set1_ps(a));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(chunk_part(chunk, q))), _mm512_set1_ps(a));
 }
 
 // One group (256 weights, or fewer at a 32-type row's end) decoded to float32: w[0..n).
