@@ -154,6 +154,24 @@ static inline __m512 hsum16(__m512 v[16]) {
     }
     return v[0];  // lane order scrambled by the shuffles: fixed, undone by the caller's permute
 }
+
+// 16 elements of the pool at element offset `at` (the vector `index` of d elements, from element
+// i), decoded to float32 exactly as load_vec decodes them, for every kind of pool: the float16
+// and bfloat16 pools of the float16/bfloat16 models and the int8 pool took load_vec's scalar loop
+// (and a dot product per position), several times the float32 path's time a position.
+static inline __m512 load16(const void *pool, int kv_type, const uint16_t *scales, int64_t index, int64_t at) {
+    switch (kv_type) {
+        case KV_F32: return _mm512_loadu_ps((const float *)pool + at);
+        case KV_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + at)));
+        case KV_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + at))), 16));
+        default:  // int8 codes times the slot's float16 scale: one rounding, as load_vec's
+            return _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)pool + at)))),
+                _mm512_set1_ps(h2f(scales[index])));
+    }
+}
 #endif
 
 // The lane order hsum16 leaves its 16 sums in (found once, by summing vectors that name themselves).
@@ -163,17 +181,18 @@ static int hsum_order[16];
 static int hsum_order_ready = 0;
 
 // One (row, KV head): the G query heads that share it. scratch: G * n floats (scores) + 16 * d.
-static void attend_one(const float *q, int g, int d, const void *k_pool, const void *v_pool, int kv_type,
-                       const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads,
-                       int kvh, const int32_t *table, int64_t start, int64_t stop, float scale, float softcap,
-                       const float *sinks, float *out, float *probs, int64_t probs_head_stride,
-                       float *scratch) {
+// (inlined once per kind of pool, kv_type a constant in each: attend_one dispatches)
+static inline __attribute__((always_inline)) void attend_typed(
+    const float *q, int g, int d, const void *k_pool, const void *v_pool, const int kv_type,
+    const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads, int kvh,
+    const int32_t *table, int64_t start, int64_t stop, float scale, float softcap, const float *sinks, float *out,
+    float *probs, int64_t probs_head_stride, float *scratch) {
     const int64_t n = stop - start;
     float *scores = scratch, *vec = scratch + (int64_t)g * n;
     // scores, position by position (16 at a time where the pool is float32 and d a multiple of 16)
     int64_t j = 0;
 #ifdef ATT_AVX512
-    if (kv_type == KV_F32 && d % 16 == 0 && d <= 256) {
+    if (kv_type == KV_F32 && d % 16 == 0 && d <= 256) {  // (the float32 pool's loop as it was measured)
         const float *kp = (const float *)k_pool;
         for (; j + 16 <= n; j += 16) {
             for (int h = 0; h < g; h++) {
@@ -185,6 +204,29 @@ static void attend_one(const float *q, int g, int d, const void *k_pool, const v
                     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * d), _mm512_loadu_ps(key));
                     for (int i = 16; i < d; i += 16)
                         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i), _mm512_loadu_ps(key + i), acc);
+                    part[t] = acc;
+                }
+                __m512 sums = hsum16(part);
+                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
+                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+                _mm512_storeu_ps(scores + h * n + j, sums);
+            }
+        }
+    } else if (d % 16 == 0 && d <= 256) {
+        for (; j + 16 <= n; j += 16) {
+            int64_t index[16];  // the 16 positions' vectors in the pool, found once for every head
+            for (int t = 0; t < 16; t++) {
+                const int64_t p = start + j + t;
+                index[t] = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+            }
+            for (int h = 0; h < g; h++) {
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    const int64_t at = index[t] * d;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * d), load16(k_pool, kv_type, k_scales, index[t], at));
+                    for (int i = 16; i < d; i += 16)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i),
+                                              load16(k_pool, kv_type, k_scales, index[t], at + i), acc);
                     part[t] = acc;
                 }
                 __m512 sums = hsum16(part);
@@ -241,19 +283,27 @@ static void attend_one(const float *q, int g, int d, const void *k_pool, const v
     }
     // values weighted, position by position, into register accumulators where they fit
 #ifdef ATT_AVX512
-    if (kv_type == KV_F32 && d % 16 == 0 && g * d <= 512) {
+    if (d % 16 == 0 && g * d <= 512) {
         __m512 acc[32];
         const int per = d / 16;
         for (int i = 0; i < g * per; i++) acc[i] = _mm512_setzero_ps();
-        const float *vp = (const float *)v_pool;
         for (int64_t t = 0; t < n; t++) {
             const int64_t p = start + t;
-            const float *val =
-                vp + (((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size) * d;
+            const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+            if (kv_type == KV_F32) {  // (loaded where used: the decoded copy below cost float32 25%)
+                const float *val = (const float *)v_pool + index * d;
+                for (int h = 0; h < g; h++) {
+                    const __m512 w = _mm512_set1_ps(scores[h * n + t]);
+                    for (int i = 0; i < per; i++)
+                        acc[h * per + i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * i), acc[h * per + i]);
+                }
+                continue;
+            }
+            __m512 val[16];  // the value decoded once for the g heads (d <= 256: 16 vectors)
+            for (int i = 0; i < per; i++) val[i] = load16(v_pool, kv_type, v_scales, index, index * d + 16 * i);
             for (int h = 0; h < g; h++) {
                 const __m512 w = _mm512_set1_ps(scores[h * n + t]);
-                for (int i = 0; i < per; i++)
-                    acc[h * per + i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * i), acc[h * per + i]);
+                for (int i = 0; i < per; i++) acc[h * per + i] = _mm512_fmadd_ps(w, val[i], acc[h * per + i]);
             }
         }
         for (int h = 0; h < g; h++)
@@ -268,6 +318,25 @@ static void attend_one(const float *q, int g, int d, const void *k_pool, const v
         load_vec(v_pool, kv_type, v_scales, index, d, vec);
         for (int h = 0; h < g; h++) axpy(scores[h * n + t], vec, out + h * d, d);
     }
+}
+
+static void attend_one(const float *q, int g, int d, const void *k_pool, const void *v_pool, int kv_type,
+                       const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads,
+                       int kvh, const int32_t *table, int64_t start, int64_t stop, float scale, float softcap,
+                       const float *sinks, float *out, float *probs, int64_t probs_head_stride,
+                       float *scratch) {
+#define ATT_CASE(KIND)                                                                                      \
+    case KIND:                                                                                              \
+        attend_typed(q, g, d, k_pool, v_pool, KIND, k_scales, v_scales, block_size, kv_heads, kvh, table, start, \
+                     stop, scale, softcap, sinks, out, probs, probs_head_stride, scratch);                  \
+        return;
+    switch (kv_type) {
+        ATT_CASE(KV_F32)
+        ATT_CASE(KV_F16)
+        ATT_CASE(KV_BF16)
+        ATT_CASE(KV_I8)
+    }
+#undef ATT_CASE
 }
 
 static void find_hsum_order(void) {
