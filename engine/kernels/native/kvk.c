@@ -994,10 +994,51 @@ static inline int group_blocks(const int act, int64_t k, int64_t g) {
     return left < 8 ? (int)left : 8;
 }
 
+// Q4_K, one activation row (a decode): the codes' products summed per pair of vectors that share
+// their sub-blocks, then times the scales in 32 bits (vpmulld), not the codes times the scales in
+// 16 bits first: 12 multiplies a super-block instead of 16 (they share one pipe with the products,
+// one a cycle). The same integer as prepare16 + compute16 give (exact sums), so the same bits.
+static const int32_t Q4K_SCALE_PICK32[4][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2},
+                                                {1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3},
+                                                {4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6},
+                                                {5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7}};
+
+static inline __attribute__((always_inline)) void q4k_one_row(const uint8_t *b, const uint8_t *A,
+                                                              const act_layout *l, int64_t g, float *o,
+                                                              __m512 *acc) {
+    const __m128i scmn = k4_scales_simd(b + 4);
+    const float d = rd_f16(b), dmin = rd_f16(b + 2);
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
+    _mm256_storeu_ps(o + g * 8, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
+    const __m512i s32 = _mm512_cvtepu8_epi32(scmn);
+    const __m512i m4 = _mm512_set1_epi16(0x000f);
+    const int16_t *x = (const int16_t *)A + 256 * g;
+    __m512i isum[2];
+    for (int H = 0; H < 2; H++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * H));
+        const int16_t *xh = x + 128 * H;
+        const __m512i even = dpwssd(_mm512_madd_epi16(_mm512_and_si512(v, m4), _mm512_loadu_si512((const void *)xh)),
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 8), m4),
+                                    _mm512_loadu_si512((const void *)(xh + 64)));
+        const __m512i odd =
+            dpwssd(_mm512_madd_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_loadu_si512((const void *)(xh + 32))),
+                   _mm512_srli_epi16(v, 12), _mm512_loadu_si512((const void *)(xh + 96)));
+        isum[H] = _mm512_add_epi32(
+            _mm512_mullo_epi32(even, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)Q4K_SCALE_PICK32[2 * H]), s32)),
+            _mm512_mullo_epi32(odd, _mm512_permutexvar_epi32(_mm512_loadu_si512((const void *)Q4K_SCALE_PICK32[2 * H + 1]), s32)));
+    }
+    const float dr = ((const float *)(A + l->off_dx))[g];
+    acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(isum[0], isum[1])), _mm512_set1_ps(d * dr), acc[0]);
+}
+
 static inline __attribute__((always_inline)) void few_group16(const int t, const int bytes, const int act,
                                                               const int sub, const int NR, const int nb,
                                                               const uint8_t *row, int64_t g, const uint8_t *A,
                                                               const act_layout *l, float *o, __m512 *acc) {
+    if (t == T_Q4_K && NR == 1) {
+        q4k_one_row(row + g * bytes, A, l, g, o, acc);
+        return;
+    }
     wgroup_t W;
     const int nch = prepare16(t, bytes, act, sub, row, g, nb, &W, o);
     compute16(act, 1, NR, &W, nch, A, l, g, 0, acc);
