@@ -5,7 +5,10 @@ Two measurements, both the engine's own:
   costs       a decode step's time by its rows (each speculative round adds its drafts' rows),
               and the drafting time per draft forward, as exponential averages;
   acceptance  per sequence and draft position j, the recent share of rounds whose j-th draft
-              was kept given the ones before it were (decayed counts, so it follows the text).
+              was kept given the ones before it were (decayed counts, so it follows the text),
+              from a prior that is the engine's recent acceptance over all its sequences (with
+              a fixed 0.5, every new sequence spent its first rounds relearning what the engine
+              had measured on the ones before it; 0.5 before any round).
 A round of k drafts is expected to give E(k) = 1 + sum_i prod_{j<=i} a_j tokens. Its net, in
 seconds of engine time: (E(k) - 1) plain tokens' worth (a plain step's time over its sequences)
 less what the k rows add to the step and the drafting costs. The chosen length is the k with the
@@ -104,6 +107,7 @@ class StepCosts:
 class _Acceptance:
     kept: list[float] = field(default_factory=list)  # decayed count of rounds keeping draft j
     reached: list[float] = field(default_factory=list)  # ... of rounds that examined draft j
+    prior: float = 0.5  # the acceptance assumed before any round (one round's weight)
 
     def record(self, examined: int, accepted: int) -> None:
         """A round (or a shadow round) examined its first `examined` drafts and kept `accepted`."""
@@ -119,7 +123,7 @@ class _Acceptance:
     def rate(self, j: int) -> float:
         """P(draft j kept | the drafts before it were), with a weak prior at the sequence's mean."""
         total_kept, total_reached = sum(self.kept), sum(self.reached)
-        mean = (total_kept + 0.5) / (total_reached + 1.0)
+        mean = (total_kept + self.prior) / (total_reached + 1.0)
         if j < len(self.reached):
             return (self.kept[j] + mean) / (self.reached[j] + 1.0)
         return mean
@@ -163,12 +167,18 @@ class DraftTuner:
         self.most, self.adaptive, self.free = most, adaptive, free_proposer
         self.costs = StepCosts()
         self._seqs: dict[int, SequenceTuning] = {}
+        self.seen = _Acceptance()  # every sequence's rounds: a new sequence's prior
 
     def tuning(self, seq_id: int) -> SequenceTuning:
         state = self._seqs.get(seq_id)
         if state is None:
-            state = self._seqs[seq_id] = SequenceTuning(self.most)
+            prior = self.seen.overall() if sum(self.seen.reached) else _Acceptance().prior
+            state = self._seqs[seq_id] = SequenceTuning(self.most, _Acceptance(prior=prior))
         return state
+
+    def _record(self, state: SequenceTuning, examined: int, accepted: int) -> None:
+        state.acceptance.record(examined, accepted)
+        self.seen.record(examined, accepted)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -236,7 +246,7 @@ class DraftTuner:
         while agreed < len(decoded) and decoded[agreed] == state.shadow[agreed]:
             agreed += 1
         if agreed < len(decoded) or len(decoded) == len(state.shadow):
-            state.acceptance.record(min(agreed + 1, len(state.shadow)), agreed)
+            self._record(state, min(agreed + 1, len(state.shadow)), agreed)
             state.shadow_at, state.shadow = -1, []
 
     # ---- after the step ----------------------------------------------------------------------
@@ -259,7 +269,7 @@ class DraftTuner:
         step of the other rows."""
         state = self.tuning(seq_id)
         examined = min(accepted + 1, drafted)
-        state.acceptance.record(examined, accepted)
+        self._record(state, examined, accepted)
         if state.probing:
             state.probe_every = PROBE_FIRST if accepted else min(PROBE_MOST, state.probe_every * 2)
         without = self.costs.step(max(1, step_rows - drafted))

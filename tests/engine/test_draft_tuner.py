@@ -1,0 +1,36 @@
+"""The draft tuner's acceptance: a new sequence starts from what the engine measured on the
+sequences before it, not from a fixed guess."""
+
+from __future__ import annotations
+
+from engine.speculative.adaptive import DraftTuner
+
+
+def tuner_with_costs() -> DraftTuner:
+    tuner = DraftTuner(most=4, adaptive=True, free_proposer=False)
+    tuner.costs.observe_step(1, 0.010)  # a plain step: 10 ms
+    tuner.costs.observe_step(5, 0.016)  # a round of 4 drafts: 16 ms
+    tuner.costs.observe_drafting(1, 0.001)  # a draft forward: 1 ms
+    return tuner
+
+
+def test_with_nothing_measured_a_sequence_drafts_on_the_prior():
+    tuner = tuner_with_costs()
+    assert tuner.choose(1, decoding=1, cap=100) > 0
+
+
+def test_a_new_sequence_starts_from_the_acceptance_the_engine_measured():
+    tuner = tuner_with_costs()
+    for seq in range(3):  # earlier sequences: every draft rejected
+        for _ in range(6):
+            tuner.round_done(
+                seq, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+    assert tuner.acceptance(0) == 0.0
+    assert tuner.choose(99, decoding=1, cap=100) == 0  # a new one does not spend rounds to learn it
+    for seq in range(10, 13):  # later sequences: every draft kept
+        for _ in range(20):
+            tuner.round_done(
+                seq, drafted=4, accepted=4, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+    assert tuner.choose(100, decoding=1, cap=100) == 4
