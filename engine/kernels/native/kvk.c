@@ -667,6 +667,17 @@ static inline __m128i k4_scales_simd(const uint8_t *s) {
     return _mm_or_si128(_mm_or_si128(low, high_nibble), top);
 }
 
+// A Q4_K/Q5_K super-block's [sc0..7, m0..7] (k4_scales_simd), its d, and each sub-block's
+// b = -(dmin * m) into o[0..8) (exactly: one rounding).
+static inline __m128i k4_header(const uint8_t *b, float *d, float *o) {
+    const __m128i scmn = k4_scales_simd(b + 4);
+    *d = rd_f16(b);
+    const float dmin = rd_f16(b + 2);
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
+    _mm256_storeu_ps(o, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));
+    return scmn;
+}
+
 static inline __m512i lane_scales16(__m256i s16, int ch, int per_chunk) {
     // i16 scales of the sub-blocks -> per i16 lane (2 weights) of chunk ch
     static const int16_t idx32[4][32] = {
@@ -693,11 +704,7 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     switch (t) {
         case T_Q4_K: case T_Q5_K: {
-            const __m128i scmn = k4_scales_simd(b + 4);  // [sc0..7, m0..7]
-            G->d = rd_f16(b);
-            const float dmin = rd_f16(b + 2);
-            const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
-            _mm256_storeu_ps(o, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
+            const __m128i scmn = k4_header(b, &G->d, o);  // [sc0..7, m0..7]
             const __m256i s16 = _mm256_cvtepu8_epi16(scmn);
             const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16);
             for (int h = 0; h < 2; h++) {
@@ -845,11 +852,7 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
     }
     if (t == T_Q4_K) {  // the lanes' four nibbles by mask and shifts, in Q4K_SLOT's order
         const uint8_t *b = row + g * bytes;
-        const __m128i scmn = k4_scales_simd(b + 4);
-        W->d = rd_f16(b);
-        const float dmin = rd_f16(b + 2);
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
-        _mm256_storeu_ps(o + g * 8, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
+        const __m128i scmn = k4_header(b, &W->d, o + g * 8);
         const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scmn));
         const __m512i m4 = _mm512_set1_epi16(0x000f);
         for (int H = 0; H < 2; H++) {
@@ -964,18 +967,24 @@ static inline __attribute__((always_inline)) void reduce16x16(const __m512 *a, f
         for (int e = 0; e < 4; e++) s[4 * e + j] = r[4 * j + e];  // lane j, element e: output 4e + j
 }
 
-// The b terms of an output (types with a minimum or unsigned codes: sum_j b_j * xs_j) in 16 lanes.
-static inline __attribute__((always_inline)) __m512 b_terms(const float *o, const uint8_t *arow,
-                                                            const act_layout *l, int64_t subs) {
-    const float *xs = (const float *)(arow + l->off_xs);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= subs; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(o + i), _mm512_loadu_ps(xs + i), acc);
-    if (i < subs) {
-        const __mmask16 m = (__mmask16)((1u << (subs - i)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, o + i), _mm512_maskz_loadu_ps(m, xs + i), acc);
+// The b terms (types with a minimum or unsigned codes: sum_j b_j * xs_j) of NWc weight rows (o,
+// ostride apart) against RTc activation rows from r0, each output's in 16 lanes, b [w * RTc + r];
+// the outputs' chains side by side (one chain at a time was a quarter of a Q4_K tile's time).
+static inline __attribute__((always_inline)) void b_terms(const int NWc, const int RTc, const float *o,
+                                                          const int64_t ostride, const uint8_t *A,
+                                                          const act_layout *l, int64_t r0, int64_t subs,
+                                                          __m512 *b) {
+    const float *xs[SEQUENTIAL_ROWS];
+    for (int r = 0; r < RTc; r++) xs[r] = (const float *)(A + (r0 + r) * l->stride + l->off_xs);
+    for (int i = 0; i < NWc * RTc; i++) b[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < subs; j += 16) {
+        const __mmask16 m = subs - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (subs - j)) - 1);
+        for (int w = 0; w < NWc; w++) {
+            const __m512 ow = _mm512_maskz_loadu_ps(m, o + w * ostride + j);
+            for (int r = 0; r < RTc; r++)
+                b[w * RTc + r] = _mm512_fmadd_ps(ow, _mm512_maskz_loadu_ps(m, xs[r] + j), b[w * RTc + r]);
+        }
     }
-    return acc;
 }
 
 static inline int has_b_terms(const int t, const int act) { return !(act == 256 && centered_type(t)); }
@@ -984,7 +993,10 @@ static inline int has_b_terms(const int t, const int act) { return !(act == 256 
 static inline __attribute__((always_inline)) float finish(const int t, const int act, __m512 acc, const float *o,
                                                           const uint8_t *arow, const act_layout *l, int64_t subs) {
     const float s = reduce16(acc);
-    return has_b_terms(t, act) ? s + reduce16(b_terms(o, arow, l, subs)) : s;
+    if (!has_b_terms(t, act)) return s;
+    __m512 b;
+    b_terms(1, 1, o, 0, arow, l, 0, subs, &b);
+    return s + reduce16(b);
 }
 
 // The blocks of group g: 8 (a K-quant super-block counts as 8), fewer in a 32-weight row's last.
@@ -1006,10 +1018,8 @@ static const int32_t Q4K_SCALE_PICK32[4][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2
 static inline __attribute__((always_inline)) void q4k_one_row(const uint8_t *b, const uint8_t *A,
                                                               const act_layout *l, int64_t g, float *o,
                                                               __m512 *acc) {
-    const __m128i scmn = k4_scales_simd(b + 4);
-    const float d = rd_f16(b), dmin = rd_f16(b + 2);
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scmn, 8)));
-    _mm256_storeu_ps(o + g * 8, _mm256_mul_ps(m, _mm256_set1_ps(-dmin)));  // -(dmin * m), exactly
+    float d;
+    const __m128i scmn = k4_header(b, &d, o + g * 8);
     const __m512i s32 = _mm512_cvtepu8_epi32(scmn);
     const __m512i m4 = _mm512_set1_epi16(0x000f);
     const int16_t *x = (const int16_t *)A + 256 * g;
@@ -1096,19 +1106,9 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
         if (NWc * RTt == 16) {  // a whole tile: its 16 outputs summed at once, as finish sums each
             float sums[16], bs[16];
             reduce16x16(acc, sums);
-            if (has_b_terms(t, act)) {  // b_terms of the 16, their 16 chains side by side
+            if (has_b_terms(t, act)) {
                 __m512 b[16];
-                const float *xs[RT > RT32 ? RT : RT32];
-                for (int r = 0; r < RTt; r++) xs[r] = (const float *)(A + (r0 + r) * l->stride + l->off_xs);
-                for (int i = 0; i < 16; i++) b[i] = _mm512_setzero_ps();
-                for (int64_t j = 0; j < subs; j += 16) {
-                    const __mmask16 m = subs - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (subs - j)) - 1);
-                    for (int w = 0; w < NWc; w++) {
-                        const __m512 ow = _mm512_maskz_loadu_ps(m, o + w * ostride + j);
-                        for (int r = 0; r < RTt; r++)
-                            b[w * RTt + r] = _mm512_fmadd_ps(ow, _mm512_maskz_loadu_ps(m, xs[r] + j), b[w * RTt + r]);
-                    }
-                }
+                b_terms(NWc, RTt, o, ostride, A, l, r0, subs, b);
                 reduce16x16(b, bs);
                 for (int i = 0; i < 16; i++) sums[i] += bs[i];
             }
