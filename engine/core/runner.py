@@ -18,7 +18,7 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.kernels.policy import KernelPolicy, StepRecord
-from engine.kv.manager import KVCacheManager
+from engine.kv.manager import KVCacheManager, kernel_runs
 from engine.limits import blocks_for_tokens
 from engine.model.attention_probs import AttentionRecorder
 from engine.model.kv_storage import PagedKVStorage, SeqSlice, block_index
@@ -44,8 +44,7 @@ def _kernel_segments(seq: Any, n: int) -> list[tuple[int, int]]:
     prompt = getattr(seq, "num_prompt_tokens", None)
     if prompt is None:  # a drafter's sequence (engine/core/drafter.py): catch-up rows as a prefill
         return [(n, int(seq.num_tokens) if seq.is_prefill else 1)]
-    in_prompt = min(n, max(0, prompt - seq.num_computed_tokens))
-    return [(m, k) for m, k in ((in_prompt, int(prompt)), (n - in_prompt, 1)) if m]
+    return kernel_runs(int(prompt), seq.num_computed_tokens, n)
 
 
 @dataclass(slots=True)

@@ -351,7 +351,7 @@ class Engine:
         )
         self.info = self._loaded.info
         if loads:
-            runtime_memory.give_back_freed_memory()  # the load's short-lived copies
+            runtime_memory.give_back_freed_memory()  # the engine's set-up's copies (load_model gave back its own)
         sample = core.sample_memory()
         if loads and self._loaded.device.type == "cpu":  # what the runtime adds to a load, measured
             runtime_memory.record_load(

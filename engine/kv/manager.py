@@ -32,6 +32,16 @@ from engine.kv.block_pool import Block, BlockPool
 from engine.limits import blocks_for_tokens
 
 
+def kernel_runs(prompt_tokens: int, start: int, count: int) -> list[tuple[int, int]]:
+    """[(positions, the row count their kernels are chosen for)] of `count` positions from
+    `start` in a sequence whose prompt is `prompt_tokens` long: a prompt's positions run the
+    kernels its whole length picks, the positions after it the one-row kernels. The runner
+    computes with this rule and the prefix cache keys blocks by it: one rule, so that a block is
+    served only where its positions would be computed with the same kernels."""
+    in_prompt = min(count, max(0, prompt_tokens - start))
+    return [(m, rows_for) for m, rows_for in ((in_prompt, prompt_tokens), (count - in_prompt, 1)) if m]
+
+
 class BlockTableOwner(Protocol):
     """What the manager reads and writes of a sequence (engine.core.sequence.Sequence): its
     committed tokens, how many of them are in the cache, and the blocks that hold them."""
@@ -115,16 +125,14 @@ class KVCacheManager:
 
     def _block_kernels(self, prompt_tokens: int, index: int) -> bytes:
         """The kernels that compute block `index`'s positions in a sequence whose prompt is
-        `prompt_tokens` long: the prompt's for its positions, the one-row kernels' after it."""
+        `prompt_tokens` long (kernel_runs), as a key's part."""
         if self.kernels_at is None:
             return b""
-        start, stop = index * self.block_size, (index + 1) * self.block_size
-        in_prompt, after = self.kernels_at(prompt_tokens), self.kernels_at(1)
-        if stop <= prompt_tokens or in_prompt == after:
-            return in_prompt
-        if start >= prompt_tokens:
-            return after
-        return b"%d|%s|%s" % (prompt_tokens - start, in_prompt, after)  # the prompt ends inside
+        runs = kernel_runs(prompt_tokens, index * self.block_size, self.block_size)
+        names = [self.kernels_at(rows_for) for _, rows_for in runs]
+        if names[0] == names[-1]:
+            return names[0]
+        return b"%d|%s|%s" % (runs[0][0], names[0], names[1])  # the prompt ends inside
 
     def find_cached_prefix(self, seq: BlockTableOwner) -> list[Block]:
         """Longest run of cached full blocks matching the sequence's start, never reaching its
