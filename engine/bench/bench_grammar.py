@@ -214,7 +214,7 @@ def bench_libraries(tokenizer: PreTrainedTokenizerBase, vocab: int, repeats: int
     # imported here: llguidance.torch compiles a function at import, which pulls torch's compiler
     # stack (+44 MiB resident, 0.9 s) into every process that imports the bench modules, and
     # `engine bench --model FILE` reports its process's peak RSS as the engine's
-    import llguidance.torch
+    import llguidance.torch as llg_torch
 
     report: dict[str, Any] = {"vocab_size": vocab, "libraries": {}, "differences": {}, "positions": {}}
     start = time.perf_counter()
@@ -258,11 +258,11 @@ def bench_libraries(tokenizer: PreTrainedTokenizerBase, vocab: int, repeats: int
                 )
                 xm = xgr.GrammarMatcher(compiled)
                 xg_compile[name] = min(xg_compile.get(name, 1e9), time.perf_counter() - t0)
-            ll_words = llguidance.torch.allocate_token_bitmask(1, vocab)
+            ll_words = llg_torch.allocate_token_bitmask(1, vocab)
             xg_words = xgr.allocate_token_bitmask(1, vocab) if xgr is not None else None
             for position, token in enumerate(ids):
                 t0 = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(matcher, ll_words)
+                llg_torch.fill_next_token_bitmask(matcher, ll_words)
                 ll_masks.append(time.perf_counter() - t0)
                 if xm is not None:
                     t0 = time.perf_counter()

@@ -81,22 +81,21 @@ def run_tasks(
         requests = [_request(p, args.new_tokens) for p in prompts]
         seconds: dict[str, list[float]] = {n: [] for n in names}
         tokens: dict[str, list[tuple[int, ...]]] = {}
-        figures: dict[str, dict[str, float]] = {}
+        stats: dict[str, list[Any]] = {n: [] for n in names}  # every round's: the counts over all
         for r in range(max(1, args.rounds)):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 print(f"{task} round {r + 1}: {name}", file=sys.stderr)
                 spec = None if name == "none" else configs[name]
                 config = EngineConfig(block_size=args.block_size, speculative=spec)
-                total, ids, stats = 0.0, [], []
+                total, ids = 0.0, []
                 for request in requests:
                     done, run = timed_run(loaded, config, request)
                     total += run.seconds
                     ids.append(done.token_ids)
-                    stats.append(done.stats)
+                    stats[name].append(done.stats)
                 seconds[name].append(total)
                 tokens.setdefault(name, tuple(ids))  # type: ignore[arg-type]
-                figures[name] = _figures(stats)
         plain_s = statistics.median(seconds["none"])
         made = sum(len(t) for t in tokens["none"])
         rows = {}
@@ -106,7 +105,7 @@ def run_tasks(
                 "tokens_per_s": tokens_per_s(made, run_s),
                 "speedup": plain_s / run_s if run_s else 0.0,
                 "rounds_s": seconds[name],
-                **figures[name],
+                **_figures(stats[name]),
                 "output_equals_plain": tokens[name] == tokens["none"],
             }
         report[task] = rows

@@ -8,6 +8,12 @@ the target committed since the last round: 1 + the drafts it accepted), each thr
 own forward and the kernel table's kernels, like the target's decode steps. A draft's cache keeps
 the positions the target verified and drops the rest (`on_verified`), block by block.
 
+A self-draft's layers are the target's first layers: the K/V of the tokens the target has
+computed are copied from the target's pool (its first layers) instead of run through the draft,
+so a round after plain steps (the tuner's probe) or on a new sequence costs its draft forwards
+and a copy, not a catch-up forward over every token since the last round (the whole prompt at
+the first: most of what self-drafting lost on free chat).
+
 Drafts are drawn under the request's own sampling settings (their distribution is the q the
 verifier needs); a greedy request's drafts are the draft's argmax (one-hot q). A draft whose
 head covers only the first ids of the vocabulary (a self-draft's trimmed head) gives the other
@@ -68,7 +74,14 @@ class ModelDrafter:
 
     free = False  # proposing runs a model
 
-    def __init__(self, draft: DraftModel, config: EngineConfig, num_blocks: int, vocab_size: int):
+    def __init__(
+        self,
+        draft: DraftModel,
+        config: EngineConfig,
+        num_blocks: int,
+        vocab_size: int,
+        target_kv: PagedKVStorage | None = None,
+    ):
         self.draft = draft
         self.name = draft.name
         self.vocab_size = vocab_size  # the target's: a draft's q spans it
@@ -87,6 +100,9 @@ class ModelDrafter:
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size), enable_prefix_caching=False)
         policy = draft.policy if draft.policy is not None else KernelPolicy()
         self.runner = ModelRunner(draft.model, self.storage, self.kv, draft.device, policy)
+        # the target's pool, where the draft's first layers' K/V can be copied from
+        self._source = target_kv if _copies_from(self.storage, target_kv, draft.target_layers) else None
+        self.copied_tokens = 0  # tokens whose K/V the last `propose` copied from the target
         self._seqs: dict[int, _DraftSeq] = {}
         self.forwards = 0  # draft forwards the last `propose` ran
 
@@ -101,7 +117,7 @@ class ModelDrafter:
         by_id = {seq.seq_id: seq for seq in seqs}
         drafts: dict[int, Drafts] = {seq.seq_id: ([], []) for seq in seqs}
         stopped: set[int] = set()  # below the confidence threshold: the round ends there
-        self.forwards = 0
+        self.forwards = self.copied_tokens = 0
         active: list[tuple[_DraftSeq, int]] = []
         for seq, k in zip(seqs, ks):
             own = self._catch_up(seq) if k > 0 else None
@@ -168,6 +184,15 @@ class ModelDrafter:
         ):
             self.release(seq)
             return None
+        if self._source is not None:  # the target's K/V of its computed tokens, but the last
+            start = own.num_computed_tokens
+            count = min(seq.num_computed_tokens, own.num_tokens - 1) - start
+            if count > 0:
+                src = torch.tensor(self.kv.slot_ids(seq.block_table, start, count))  # the same block size
+                dst = torch.tensor(self.kv.slot_ids(own.block_table, start, count))
+                self.storage.copy_positions(self._source, self.draft.target_layers, src, dst)
+                self.kv.commit(own, count)
+                self.copied_tokens += count
         return own
 
     def _room(self, own: _DraftSeq, n: int) -> bool:
@@ -198,31 +223,59 @@ class ModelDrafter:
         return sampler.draw(q), q
 
 
+def _copies_from(storage: PagedKVStorage, source: PagedKVStorage | None, layers: int) -> bool:
+    """Whether the draft's pool can take its first `layers` layers' K/V from `source` as they
+    lie: the same block size, heads, head size and formats."""
+    if source is None or layers < 1 or layers > min(storage.num_layers, source.num_layers):
+        return False
+    mine = (storage.block_size, storage.num_kv_heads, storage.head_dim, storage.dtype, storage.kv_dtype)
+    theirs = (source.block_size, source.num_kv_heads, source.head_dim, source.dtype, source.kv_dtype)
+    return mine == theirs and storage.device == source.device
+
+
 # ---- which proposer --------------------------------------------------------------------------
 # Replies the self-draft is calibrated on (engine.speculative.self_draft.calibrate): free chat of
-# several kinds, greedy, the target's own words.
-CALIBRATION_PROMPTS = (
-    "What are some good habits for sleeping well?",
-    "Explain how a bicycle stays upright while moving.",
-    "Write a short poem about autumn leaves.",
-    "What should I pack for a weekend camping trip?",
-    "Summarize the plot of a detective story in a few sentences.",
-    "How do I make a simple tomato pasta sauce?",
-    "Why do cats purr?",
-    "Give me three ideas for a birthday party.",
+# several kinds on many subjects, greedy, the target's own words; as many as its hidden size asks
+# for (self_draft.calibration_replies), generated as one batch.
+_CALIBRATION_SUBJECTS = (
+    "sleep", "bicycles", "autumn", "camping", "detective stories", "tomato sauce", "cats",
+    "birthday parties", "the moon", "volcanoes", "saving money", "learning a language",
+    "photosynthesis", "the Roman empire", "chess", "coffee", "running a marathon", "rainbows",
+    "electric cars", "bees", "the internet", "gardening", "pizza", "the ocean", "time management",
+    "dinosaurs", "music theory", "recycling", "the stock market", "airplanes", "friendship",
+    "winter", "Python programming", "the human heart", "earthquakes", "baking bread",
+    "job interviews", "the solar system", "yoga", "trees",
+)  # fmt: skip
+_CALIBRATION_FORMS = (
+    "Tell me about {}.",
+    "Explain {} to a child.",
+    "Write a short poem about {}.",
+    "What are three facts about {}?",
+    "Give me advice about {}.",
+    "Why do people like {}?",
 )
-CALIBRATION_TOKENS = 48
+CALIBRATION_PROMPTS = tuple(
+    _CALIBRATION_FORMS[(i + 3 * j) % len(_CALIBRATION_FORMS)].format(subject)
+    for j in range(2)
+    for i, subject in enumerate(_CALIBRATION_SUBJECTS)
+)
+CALIBRATION_TOKENS = 64
 
 # greedy replies to prompts: (full token sequences, where each reply starts)
 ReplyMaker = Callable[[tuple[str, ...], int], Calibration]
 
 
 def make_proposer(
-    config: EngineConfig, loaded: LoadedModel, num_blocks: int, replies: ReplyMaker
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_blocks: int,
+    replies: ReplyMaker,
+    target_kv: PagedKVStorage | None = None,
 ) -> Proposer:
     """The proposer named by `config.speculative` for the target `loaded`; a model drafter gets
     a KV pool of `num_blocks` blocks. `replies` generates the target's own greedy replies (the
-    self-draft's calibration, when no plan is cached for this model)."""
+    self-draft's calibration, when no plan is cached for this model); a self-draft copies its
+    layers' K/V from `target_kv`, the target's pool."""
     spec = config.speculative
     assert spec is not None, "the engine makes a proposer only for a speculative config"
     vocab = loaded.info.vocab_size
@@ -230,7 +283,7 @@ def make_proposer(
         return NgramProposer()
     if spec.method == "self":
         return ModelDrafter(
-            self_draft_for(loaded, spec.self_draft_layers, replies), config, num_blocks, vocab
+            self_draft_for(loaded, spec.self_draft_layers, replies), config, num_blocks, vocab, target_kv
         )
     assert spec.draft_model, "SpeculativeConfig requires a draft model for 'draft'"
     draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
@@ -250,7 +303,8 @@ def self_draft_for(loaded: LoadedModel, layers: int | None, replies: ReplyMaker)
     cached = self_draft.load_plan(loaded)
     if cached is not None and (layers is None or cached[0].layers == layers):
         return self_draft.fitted_self_draft(loaded, *cached)
-    calibration = replies(CALIBRATION_PROMPTS, CALIBRATION_TOKENS)
+    count = self_draft.calibration_replies(loaded.info.hidden_size, len(CALIBRATION_PROMPTS))
+    calibration = replies(CALIBRATION_PROMPTS[:count], CALIBRATION_TOKENS)
     if len(calibration.sequences) < 2:
         return self_draft.first_layers_draft(loaded, layers or max(1, loaded.info.num_layers // 4))
     plan, head = self_draft.calibrate(loaded, calibration, layers)

@@ -44,6 +44,7 @@ from engine.events import (
     Event,
     KVStats,
     MemorySample,
+    ModelLoading,
     RequestEnd,
     RequestFailed,
     RequestFinished,
@@ -129,7 +130,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.storage, self.kv, loaded.device, policy)
         spec = config.speculative
         self._proposer: Proposer | None = (
-            make_proposer(config, loaded, num_blocks, self._greedy_replies) if spec else None
+            make_proposer(config, loaded, num_blocks, self._greedy_replies, self.storage) if spec else None
         )
         # the draft length of each sequence, from the engine's measured costs and acceptance
         self.tuner: DraftTuner | None = (
@@ -532,6 +533,8 @@ class LLMEngine:
         proposals = proposer.propose([*asked, *shadows], [*lengths, *[spec.num_draft] * len(shadows)])
         seconds = time.perf_counter() - start
         for seq, (drafts, qs) in zip(asked, proposals):
+            if not drafts:
+                tuner.nothing_drafted(seq.seq_id)
             seq.spec_token_ids = list(drafts)
             seq.draft_q = list(qs)
             seq.draft_s = seconds / (len(asked) + len(shadows))
@@ -543,7 +546,17 @@ class LLMEngine:
     def _greedy_replies(self, prompts: tuple[str, ...], new_tokens: int) -> Calibration:
         """The target's greedy replies to `prompts` on a plain engine of its own (the
         self-draft's calibration): each full token sequence and where its reply starts."""
-        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=32 * 2**20)
+        # room for a few dozen replies at once (batched, they take ~20 s on the packaged model at
+        # 2 cores; a CPU pool is resident only where written)
+        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=256 * 2**20)
+        self.emit(
+            ModelLoading(
+                f"self-draft: fitting its head on the model's own replies to {len(prompts)} prompts "
+                f"(once per model, then cached)",
+                0.99,
+                time.perf_counter(),
+            )
+        )
         engine = LLMEngine(self.loaded, plain)
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
         requests = [Request.chat(prompt, sampling=params) for prompt in prompts]
@@ -566,6 +579,7 @@ class LLMEngine:
                 keep = max(0, scheduled.get(seq.seq_id, 0) - 1)
                 if keep < seq.num_draft_tokens:
                     seq.drop_drafts(keep)
+                    seq.draft_length = min(seq.draft_length, keep)  # what the tuner asked, as verified
                     self.proposer.on_verified(seq, seq.num_tokens_with_spec)
 
     def _fail_unschedulable(self) -> None:

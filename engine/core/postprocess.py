@@ -260,6 +260,7 @@ class Postprocessor:
             context.step_s,
             context.decoding,
             seq.draft_s,
+            asked=seq.draft_length,
         )
         seq.spec_saved_s += outcome.saved_s
         self.emit(

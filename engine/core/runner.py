@@ -128,7 +128,7 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(seq.tokens_with_spec(start, start + n))
             positions.extend(range(start, start + n))
-            slots.extend(self.kv.slot_ids(seq, start, n))
+            slots.extend(self.kv.slot_ids(seq.block_table, start, n))
             context = start + n
             table = [b.block_id for b in seq.block_table[: blocks_for_tokens(context, bs)]]
             slices.append(SeqSlice(q_start, n, context, block_index(table, self.device)))

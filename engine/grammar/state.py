@@ -54,7 +54,9 @@ class GrammarState:
             # what llguidance.torch.fill_next_token_bitmask does, without importing that module:
             # it compiles a torch function at import, which pulls in torch's compiler stack
             # (+41 MiB resident in every engine process, grammar or not)
-            self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * self._words.element_size())
+            self._matcher.unsafe_compute_mask_ptr(
+                self._words.data_ptr(), self._words.numel() * self._words.element_size()
+            )
             if self._matcher.is_error():
                 raise GrammarDeadEnd(self._dead_end_message())
             bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little")[: self.width]

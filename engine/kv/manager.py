@@ -231,8 +231,9 @@ class KVCacheManager:
         seq.cow_copies += 1
         self.cow_copies += 1
 
-    def slot_ids(self, seq: BlockTableOwner, start: int, count: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
+    def slot_ids(self, block_table: list[Block], start: int, count: int) -> list[int]:
+        """The flat slots (block id * block size + offset) of positions [start, start + count)."""
+        bs, table = self.block_size, block_table
         return [table[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
 
     # ---- after the forward -----------------------------------------------------------------

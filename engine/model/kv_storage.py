@@ -147,6 +147,25 @@ class PagedKVStorage:
         for scales in (*self.k_scale, *self.v_scale):
             scales[dst].copy_(scales[src])
 
+    def copy_positions(
+        self, source: PagedKVStorage, layers: int, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """The K/V (and int8 scales) of `source`'s first `layers` layers at flat slots
+        `src_slots` into this pool's `dst_slots`: a self-draft's layers are its target's first
+        layers, so the K/V its target computed are the ones it would compute (the same layout,
+        heads and formats; checked by the caller)."""
+        src_rows, dst_rows = source.slot_rows(src_slots), self.slot_rows(dst_slots)
+        for layer in range(layers):
+            into = self.kv[layer].view(2, -1, self.head_dim)
+            into.index_copy_(
+                1, dst_rows, source.kv[layer].view(2, -1, self.head_dim).index_select(1, src_rows)
+            )
+            for mine, theirs in ((self.k_scale, source.k_scale), (self.v_scale, source.v_scale)):
+                if mine:
+                    mine[layer].view(-1).index_copy_(
+                        0, dst_rows, theirs[layer].view(-1).index_select(0, src_rows)
+                    )
+
     # ---- writing ---------------------------------------------------------------------------
     def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows the new tokens' heads occupy in a layer's pool seen as [num_blocks * kv_heads

@@ -264,11 +264,15 @@ class DraftTuner:
         step_s: float,
         decoding: int,
         draft_share_s: float,
+        asked: int = 0,
     ) -> RoundOutcome:
         """A verified round: its acceptance recorded, and what it saved measured against a plain
-        step of the other rows."""
+        step of the other rows. `asked`: the drafts asked for; a proposer that stopped short of
+        them (a draft below its confidence threshold) made a forward that gives nothing, which
+        counts as a rejected draft: acceptance is then the share of draft positions that save a
+        step, what a round's net needs."""
         state = self.tuning(seq_id)
-        examined = min(accepted + 1, drafted)
+        examined = min(accepted + 1, max(drafted, asked))
         self._record(state, examined, accepted)
         if state.probing:
             state.probe_every = PROBE_FIRST if accepted else min(PROBE_MOST, state.probe_every * 2)
@@ -279,6 +283,14 @@ class DraftTuner:
             saved = accepted * plain / max(1, decoding) - max(0.0, step_s - without) - draft_share_s
         state.saved_s += saved
         return RoundOutcome(saved, draft_share_s)
+
+    def nothing_drafted(self, seq_id: int) -> None:
+        """The proposer made no draft of those asked (its first was below its confidence
+        threshold): a rejected first draft, and a failed probe (spaced out further)."""
+        state = self.tuning(seq_id)
+        self._record(state, 1, 0)
+        if state.probing:
+            state.probe_every = min(PROBE_MOST, state.probe_every * 2)
 
     def acceptance(self, seq_id: int) -> float:
         return self.tuning(seq_id).acceptance.overall()

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+    from engine.kv.block_pool import Block
+
 # A proposal for one sequence: its draft tokens and, per draft, the distribution it was drawn
 # from (None: a one-hot, deterministic proposal such as n-gram lookup).
 Drafts = tuple[list[int], list["torch.Tensor | None"]]
@@ -20,7 +22,8 @@ Drafts = tuple[list[int], list["torch.Tensor | None"]]
 
 class Sequence(Protocol):
     """What a proposer reads of a sequence (engine.core.sequence.Sequence): its committed tokens,
-    where its prompt ends, and its sampling settings."""
+    where its prompt ends, and its sampling settings; a self-draft also where the target's pool
+    holds its K/V (the blocks of its first num_computed_tokens tokens)."""
 
     @property
     def seq_id(self) -> int: ...
@@ -36,6 +39,12 @@ class Sequence(Protocol):
 
     @property
     def params(self) -> SamplingParams: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_table(self) -> list[Block]: ...
 
 
 class Proposer(Protocol):

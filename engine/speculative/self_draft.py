@@ -3,17 +3,26 @@
 The self-draft is the target's first n layers, then a head fitted to read the final layer's
 answer off layer n's: a least-squares map A, b from layer n's normed residual to the final normed
 hidden state (what the LM head reads), folded into the head's rows (W_head A, W_head b) and
-kept as int8 rows; the head covers only the vocabulary's first ids (a BPE vocabulary is in merge
-order: frequent tokens first) that hold most of the target's own tokens. It drafts only while its
-top probability is at least a confidence threshold. The layer count n, the threshold and the
-vocabulary cut are chosen by measuring, on the target's own greedy replies to a few prompts, how
-often its drafts equal the target's tokens (`calibrate`), once per model; the result is cached.
+kept as int8 rows; the head covers only the vocabulary's first V ids (a BPE vocabulary is in
+merge order: frequent tokens first). It drafts only while its top probability is at least a
+confidence threshold. The layer count n, the vocabulary cut V and the threshold are chosen by
+measuring, on the target's own greedy replies to several dozen prompts, how often its drafts equal
+the target's tokens (`calibrate`), once per model; the result is cached.
 
-Why this and not layer skipping: measured on the packaged SmolLM2-135M (30 layers) over free-chat
-replies, a draft's top-1 agreement with the target was 5-12% keeping the first 4-16 layers as
-they are (early exit), 18% keeping 24; skipping middle layers did no better (first 8 + last 16:
-24%; every other middle layer: 6%). The fitted head on layer 12 agreed 19% overall and 30-40% of
-the drafts it was confident of; see `SelfDraftPlan.measured` for a model's own figures.
+What the fit needs is data: the map has hidden^2 unknowns. Measured on the packaged SmolLM2-135M
+(hidden 576, 30 layers), a draft from layer 12 agreed with the target's next token on 13% of
+held-out reply positions fitted on 4 replies (~400 positions), 31% on 30 replies (3,000) and 34%
+on 60 (6,000); drafting only at >= 50% confidence, 59% of its drafts agreed (on 37% of positions).
+So the calibration sizes its replies by the hidden size (`calibration_replies`).
+
+Why this and not layer skipping: measured on the packaged model, a draft's top-1 agreement was
+5-12% keeping the first 4-16 layers as they are (early exit), 18% keeping 24; skipping middle
+layers did no better (first 8 + last 16: 24%; every other middle layer: 6%).
+
+On a model this small a self-draft does not pay on free chat: a draft forward costs about its
+share of the weights (12 of 30 layers and its head: ~0.3 of a step) and a verified row ~0.2 more,
+more than the ~60% agreement it reaches where it is confident saves. The draft tuner
+(engine/speculative/adaptive.py) measures that and drafts only where it pays.
 """
 
 from __future__ import annotations
@@ -38,17 +47,21 @@ from engine.kernels.weights import Int8RowWeight
 from engine.model.layer_attention import AttentionSpec
 from engine.model.llama_forward import unsupported_reason
 from engine.model.loaded import LoadedModel
+from engine.quant.base import model_weight_bytes
 from engine.shapes import ModelShapes
+from engine.speculative.adaptive import PRIOR_ROW_COST
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 # Candidate thresholds on the draft's top probability (0: draft whatever it believes).
-CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-VOCAB_COVERAGE = 0.95  # the head keeps the first ids holding this share of the replies' tokens
-MIN_VOCAB = 4096
+CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+MIN_VOCAB = 4096  # the smallest vocabulary cut tried; then every power of two up to the whole
 RIDGE = 1e-2  # the least-squares map's ridge, per sample (the fit has hidden^2 unknowns)
+# What a verified draft row adds to a step, as a share of a one-row step, in the choice of a plan
+# (the draft tuner measures it at run time: engine.speculative.adaptive.PRIOR_ROW_COST).
+ROW_COST = PRIOR_ROW_COST
 
 
 @dataclass(slots=True)
@@ -64,6 +77,9 @@ class DraftModel:
     device: torch.device
     weight_bytes: int  # its own (a self-draft's fitted head; a draft model's weights)
     confidence: float = 0.0  # drafts stop at the first whose top probability is below this
+    # its first layers that are the target's own (a self-draft: all of them), whose K/V the
+    # drafter copies from the target's pool instead of computing them again
+    target_layers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +91,17 @@ class SelfDraftPlan:
     confidence: float
     acceptance: float  # of the drafts it makes at that threshold, on held-out replies
     coverage: float  # the share of held-out positions where it is that confident
-    # (layers, confidence, acceptance, coverage) of every candidate measured
-    measured: tuple[tuple[int, float, float, float], ...] = field(default=())
+    cost: float = 0.0  # a draft forward's weight bytes over a decode step's
+    positions: int = 0  # held-out reply positions it was judged on
+    # (layers, vocab, confidence, acceptance, coverage, cost) of every candidate measured
+    measured: tuple[tuple[int, int, float, float, float, float], ...] = field(default=())
 
     def describe(self) -> str:
         return (
             f"first {self.layers} layers + a fitted head over {self.vocab} ids, drafting at >= "
             f"{self.confidence:.0%} confidence: {self.acceptance:.0%} of its drafts agreed with the "
-            f"target at calibration ({self.coverage:.0%} of positions drafted)"
+            f"target at calibration ({self.coverage:.0%} of {self.positions} positions drafted; a draft "
+            f"reads {self.cost:.0%} of a step's weights)"
         )
 
 
@@ -129,6 +148,7 @@ def _self(
         loaded.device,
         weights,
         confidence,
+        target_layers=layers,
     )
 
 
@@ -230,29 +250,43 @@ def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return solution[:-1].T.contiguous(), solution[-1].contiguous()
 
 
-def _vocab_cut(tokens: list[int], vocab_size: int) -> int:
-    """The fewest first ids (a power of two, at least MIN_VOCAB) holding VOCAB_COVERAGE of
-    `tokens`; the whole vocabulary when no cut does."""
-    n = MIN_VOCAB
-    while n < vocab_size:
-        if sum(t < n for t in tokens) >= VOCAB_COVERAGE * len(tokens):
-            return n
-        n *= 2
-    return vocab_size
-
-
 def candidate_layers(total: int) -> list[int]:
     """Layer counts worth measuring: a fifth to a half of the model."""
     return sorted({max(1, min(total - 1, round(total * f))) for f in (0.2, 0.25, 1 / 3, 0.4, 0.5)})
 
 
+def candidate_vocabs(vocab_size: int) -> list[int]:
+    """Vocabulary cuts worth measuring: MIN_VOCAB and every power of two after it, then all."""
+    cuts, n = [], MIN_VOCAB
+    while n < vocab_size:
+        cuts.append(n)
+        n *= 2
+    return [*cuts, vocab_size]
+
+
+def calibration_replies(hidden: int, available: int) -> int:
+    """Replies to calibrate on: enough for ~10 positions per unknown of a row of the map (a
+    reply and its prompt are ~100 positions), within the prompts there are."""
+    return max(8, min(available, -(-10 * hidden // 100)))
+
+
+def net_saving(acceptance: float, coverage: float, cost: float) -> float:
+    """Target steps a draft forward saves, expected: where it is confident (coverage) a draft
+    saves a step when kept (acceptance) and costs a verified row (ROW_COST) either way, and the
+    forward itself costs `cost` of a step wherever it runs."""
+    return coverage * (acceptance - ROW_COST) - cost
+
+
 def calibrate(
     loaded: LoadedModel, calibration: Calibration, layers: int | None = None
 ) -> tuple[SelfDraftPlan, KernelLinear]:
-    """Fit a self-draft's head at each candidate layer count (or at `layers`) on half of the
-    replies, measure its agreement with the target's tokens on the other half at each confidence,
-    and keep the candidate that makes the most accepted drafts per unit of drafting cost."""
+    """Fit a self-draft's map at each candidate layer count (or at `layers`) on three quarters of
+    the replies, measure its agreement with the target's tokens on the other quarter at each
+    vocabulary cut and confidence, and keep the candidate that saves the most target steps per
+    draft forward (`net_saving`: on a small model every candidate may lose; the tuner then
+    drafts rarely, and this is the one that loses least)."""
     model = loaded.model
+    inner: Any = model.model
     total = loaded.info.num_layers
     candidates = [layers] if layers is not None else candidate_layers(total)
     for n in candidates:
@@ -260,57 +294,53 @@ def calibrate(
     norm = _final_norm(model)
     fit_x: dict[int, list[torch.Tensor]] = {n: [] for n in candidates}
     fit_y: list[torch.Tensor] = []
-    held: list[tuple[dict[int, torch.Tensor], torch.Tensor, torch.Tensor]] = []
-    reply_tokens: list[int] = []
+    held: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []
     for index, (ids, start) in enumerate(zip(calibration.sequences, calibration.reply_starts)):
         states, final = _states(model, ids, candidates)
-        reply_tokens.extend(ids[start:])
-        if index % 2 == 0:  # fit on every position of these: prompts and replies
+        if index % 4 != 3 or len(calibration.sequences) < 4:  # fit on every position: prompts, replies
             for n in candidates:
                 fit_x[n].append(norm(states[n]))
             fit_y.append(final)
-        else:  # judge on the replies: position p - 1 predicts token p
-            rows = slice(start - 1, len(ids) - 1)
-            held.append(
-                ({n: norm(states[n][rows]) for n in candidates}, final[rows], torch.tensor(ids[start:]))
-            )
-    vocab = _vocab_cut(reply_tokens, loaded.info.vocab_size)
-    w_head = head_rows(model, vocab)
+        if index % 4 == 3 or (len(calibration.sequences) < 4 and index % 2):  # judge on replies:
+            rows = slice(start - 1, len(ids) - 1)  # position p - 1 predicts token p
+            held.append(({n: norm(states[n][rows]) for n in candidates}, torch.tensor(ids[start:])))
+    vocab_size = loaded.info.vocab_size
+    w_head = head_rows(model, vocab_size)
+    hidden = w_head.shape[1]
     head_bias = getattr(model.get_output_embeddings(), "bias", None)
+    # a decode step reads every layer's weights and the head's once; a draft its layers' and its
+    # own head's (int8 codes and a float32 scale per row)
+    layer_bytes = [model_weight_bytes(layer) for layer in inner.layers]
+    step_bytes = sum(layer_bytes) + model_weight_bytes(model.get_output_embeddings())
     y = torch.cat(fit_y)
-    measured: list[tuple[int, float, float, float]] = []
-    best: tuple[float, int, float, float, float] | None = None
+    targets = torch.cat([t for _, t in held])
+    measured: list[tuple[int, int, float, float, float, float]] = []
+    best: tuple[float, int, int, float, float, float, float] | None = None
     maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for n in candidates:
         a, b = maps[n] = _fit(torch.cat(fit_x[n]), y)
-        confident, agreed = [], []
-        for states, _, targets in held:
-            logits = (states[n] @ a.T + b) @ w_head.T
-            probs = torch.softmax(logits, -1)
+        logits = (torch.cat([states[n] for states, _ in held]) @ a.T + b) @ w_head.T
+        for vocab in candidate_vocabs(vocab_size):
+            probs = torch.softmax(logits[:, :vocab], -1)
             top, pick = probs.max(-1)
-            confident.append(top)
-            agreed.append(pick == targets)
-        top_all, agree_all = torch.cat(confident), torch.cat(agreed)
-        # a draft's cost: its layers' share of the target's (the fitted head is a fraction)
-        cost = n / total
-        for tau in CONFIDENCES:
-            drafted = top_all >= tau
-            coverage = float(drafted.float().mean())
-            acceptance = float(agree_all[drafted].float().mean()) if bool(drafted.any()) else 0.0
-            measured.append((n, tau, acceptance, coverage))
-            score = coverage * acceptance / cost  # accepted drafts per unit of drafting cost
-            # at equal score prefer the more selective threshold: a rejected draft costs a row
-            key = (score + 1e-9 * tau, n, tau, acceptance, coverage)
-            if best is None or key > best:
-                best = key
+            agree = pick == targets
+            cost = (sum(layer_bytes[:n]) + vocab * (hidden + 4)) / step_bytes
+            for tau in CONFIDENCES:
+                drafted = top >= tau
+                coverage = float(drafted.float().mean())
+                acceptance = float(agree[drafted].float().mean()) if bool(drafted.any()) else 0.0
+                measured.append((n, vocab, tau, acceptance, coverage, cost))
+                key = (net_saving(acceptance, coverage, cost), n, vocab, tau, acceptance, coverage, cost)
+                if best is None or key > best:
+                    best = key
     assert best is not None
-    _, n, tau, acceptance, coverage = best
+    _, n, vocab, tau, acceptance, coverage, cost = best
     a, b = maps[n]
-    weight = w_head @ a
-    bias = w_head @ b
+    weight = w_head[:vocab] @ a
+    bias = w_head[:vocab] @ b
     if isinstance(head_bias, torch.Tensor):
         bias = bias + head_bias.detach().float()[:vocab]
-    plan = SelfDraftPlan(n, vocab, tau, acceptance, coverage, tuple(measured))
+    plan = SelfDraftPlan(n, vocab, tau, acceptance, coverage, cost, int(targets.numel()), tuple(measured))
     return plan, fitted_head(weight, bias, loaded.policy)
 
 

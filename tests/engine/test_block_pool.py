@@ -183,7 +183,7 @@ class GroupMachine(RuleBasedStateMachine):
     def _write(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
         self.kv.append(seq, n)
-        for pos, slot in enumerate(self.kv.slot_ids(seq, start, n), start=start):
+        for pos, slot in enumerate(self.kv.slot_ids(seq.block_table, start, n), start=start):
             self.slots[slot] = seq.token_ids[pos]
         self.kv.commit(seq, n)
 
@@ -259,7 +259,9 @@ class GroupMachine(RuleBasedStateMachine):
             for seq in members:
                 for b in seq.block_table:
                     refs[b.block_id] = refs.get(b.block_id, 0) + 1
-                read = [self.slots.get(s) for s in self.kv.slot_ids(seq, 0, seq.num_computed_tokens)]
+                read = [
+                    self.slots.get(s) for s in self.kv.slot_ids(seq.block_table, 0, seq.num_computed_tokens)
+                ]
                 assert read == seq.token_ids[: seq.num_computed_tokens], (
                     f"sequence {seq.seq_id} reads another's K/V"
                 )

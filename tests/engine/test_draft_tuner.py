@@ -34,3 +34,32 @@ def test_a_new_sequence_starts_from_the_acceptance_the_engine_measured():
                 seq, drafted=4, accepted=4, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
             )
     assert tuner.choose(100, decoding=1, cap=100) == 4
+
+
+def test_a_proposer_that_stops_short_of_the_drafts_asked_counts_the_gap_as_rejected():
+    tuner = tuner_with_costs()
+    for _ in range(10):  # asked for 4; the proposer was confident of 1, which was kept
+        tuner.round_done(
+            1, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.004, asked=4
+        )
+    # each round examined 2 positions and saved a step at one: half, not every draft made
+    assert 0.4 < tuner.acceptance(1) < 0.6
+
+
+def test_a_probe_that_drafts_nothing_spaces_the_next_probe_out():
+    tuner = tuner_with_costs()
+    for seq in range(3):  # the engine learned drafts do not pay
+        for _ in range(6):
+            tuner.round_done(
+                seq, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+
+    def plain_steps_to_probe() -> int:
+        steps = 0
+        while tuner.choose(7, decoding=1, cap=100) == 0:
+            steps += 1
+        return steps
+
+    first = plain_steps_to_probe()
+    tuner.nothing_drafted(7)  # the probe's draft was below the proposer's confidence
+    assert plain_steps_to_probe() == 2 * (first + 1) - 1

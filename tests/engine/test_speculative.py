@@ -267,3 +267,33 @@ def test_self_draft_shares_weights_and_truncates_layers(tiny):
     assert draft.model.layers[1] is tiny.model.model.layers[1]
     assert draft.model.embed_tokens is tiny.model.model.embed_tokens
     assert draft.lm_head.storage is tiny.model.lm_head.storage and tiny.model.model is not draft.model
+
+
+def test_self_draft_copies_its_layers_kv_from_the_target_instead_of_computing_them(tiny):
+    spec = SpeculativeConfig("self", num_draft=3, self_draft_layers=2, adaptive=False)
+    config = EngineConfig(block_size=4, num_blocks=200, speculative=spec)
+    engine = LLMEngine(tiny, config)
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+    engine.add_request(Request(prompt_token_ids=tuple(PROMPTS[1]), sampling=params))
+    engine.step()  # the prompt, and its first token
+    (seq,) = engine.seqs.values()
+    copying = engine.proposer
+    assert isinstance(copying, ModelDrafter)
+    ((copied, _),) = copying.propose([seq], [3])
+    # the target's K/V of every token it computed, none run through the draft again: one forward
+    # a draft (the first feeds the token the target has not computed yet)
+    assert copying.copied_tokens == seq.num_computed_tokens == len(PROMPTS[1])
+    assert copying.forwards == 3
+    own = copying._seqs[seq.seq_id]
+    mine = torch.tensor(copying.kv.slot_ids(own.block_table, 0, seq.num_computed_tokens))
+    theirs = torch.tensor(engine.kv.slot_ids(seq.block_table, 0, seq.num_computed_tokens))
+    rows_a, rows_b = copying.storage.slot_rows(mine), engine.storage.slot_rows(theirs)
+    d = engine.storage.head_dim
+    for layer in range(2):
+        a = copying.storage.kv[layer].view(2, -1, d).index_select(1, rows_a)
+        b = engine.storage.kv[layer].view(2, -1, d).index_select(1, rows_b)
+        assert torch.equal(a, b) and bool(b.abs().sum() > 0)
+    # a drafter that computes its cache itself drafts the same tokens
+    computing = ModelDrafter(first_layers_draft(tiny, 2), config, 200, VOCAB)
+    ((computed, _),) = computing.propose([seq], [3])
+    assert computing.copied_tokens == 0 and computed == copied
