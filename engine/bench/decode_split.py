@@ -2,7 +2,8 @@
 
 Measured, not estimated: for one instrumented run the bench wraps the engine's own pieces with
 timers (every kernel layer's call, the paged attention call, the sampler, the event sink), steps a
-greedy request, and splits each decode step's wall time. The wrappers cost a little themselves
+greedy request, and splits each decode step's wall time. Layers that run as one C call each
+(engine/model/fused_layers.py) time their matmuls and attention inside it. The wrappers cost a little themselves
 (two clock reads per call, ~120 calls a token), so the split is taken on its own run, never on
 the rounds whose speed is reported.
 """
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
 
 import engine.model.llama_forward as forward_module
 import engine.model.paged_attention as attention_module
@@ -64,6 +67,11 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
     patch(forward_module, "attend", "attention")
     patch(attention_module, "attend", "attention")
     patch(engine.post, "sample", "sampling")
+    # layers that run as one C call each time their parts in C (engine/model/fused_layers.py)
+    own = engine.runner.own_forward
+    fused = own.fused if own is not None else None
+    if fused is not None:
+        fused.clock = np.zeros(3)
     steps: list[tuple[StepStats, dict[str, float]]] = []
     sink = engine.sink
     events_s = [0.0]
@@ -74,6 +82,10 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
         events_s[0] += time.perf_counter() - start
         if isinstance(event, StepStats):
             parts = clock.take()
+            if fused is not None and fused.clock is not None:
+                for name, seconds in zip(("matmuls", "attention"), fused.clock.tolist()):
+                    parts[name] = parts.get(name, 0.0) + seconds
+                fused.clock[:] = 0.0
             parts["events"], events_s[0] = events_s[0], 0.0
             steps.append((event, parts))
 
@@ -83,6 +95,8 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
         engine.run([Request(prompt_token_ids=tuple(prompt_ids), sampling=params)])
     finally:
         engine.sink = sink
+        if fused is not None:
+            fused.clock = None
         for owner, name, original in restore:
             if isinstance(owner, KernelLinear):
                 del owner.forward  # the instance attribute: back to the class's method

@@ -74,6 +74,12 @@ class StepRecord:
         self.uses[key] = self.uses.get(key, 0) + 1
         self.weight_bytes += storage.bytes_read(kernel)
 
+    def add_uses(self, uses: dict[str, int], weight_bytes: int) -> None:
+        """Many `add`s at once: counts by "kind/kernel" and their bytes (a fused forward's)."""
+        for key, n in uses.items():
+            self.uses[key] = self.uses.get(key, 0) + n
+        self.weight_bytes += weight_bytes
+
     def summary(self) -> str:
         """'int4-g32/packed x120, q8_0/packed x1' (most used first)."""
         return ", ".join(f"{k} x{n}" for k, n in sorted(self.uses.items(), key=lambda kv: -kv[1]))

@@ -51,6 +51,7 @@ from engine.kernels import native
 from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import FusedProjection
 from engine.model.forward_families import FAMILIES, NormKind
+from engine.model.fused_layers import FusedLayers
 from engine.model.kv_storage import PagedKVStorage
 from engine.model.layer_attention import AttentionSpec, LayerAttention
 from engine.model.paged_attention import PagedBatch, attend
@@ -371,6 +372,12 @@ class LlamaForward:
             for kind in plan.rope_kinds
         ]
         self.kvk = _kvk_of(plan)
+        # every layer a C call, where the model is plain enough (engine/model/fused_layers.py)
+        self.fused = (
+            FusedLayers.build(self.kvk, plan.layers, plan.heads, plan.kv_heads, plan.head_dim)
+            if self.kvk is not None
+            else None
+        )
 
     @torch.inference_mode()
     def __call__(
@@ -396,6 +403,16 @@ class LlamaForward:
         if observer is not None:
             observer(0, x.index_select(0, logit_rows))
         kvk = self.kvk
+        fused = self.fused
+        if (
+            fused is not None
+            and observer is None
+            and edit is None
+            and not _global_hooks()
+            and fused.usable(storage, batch, tokens)
+        ):
+            x = fused.run(x.contiguous(), ropes, storage, batch, slots)
+            return self._logits(x, logit_rows)
         pending: Tensor | None = None  # the last layer's MLP output, added into x by the next norm
         for index, layer in enumerate(self.layers):
             plain = layer.plain_norms if kvk is not None else None
@@ -446,12 +463,15 @@ class LlamaForward:
                     a = layer.after_attention(a)
                 x = x + a if residual_multiplier is None else x + a * residual_multiplier
                 h = x if layer.before_mlp is None else layer.before_mlp(x)
-            if layer.gate_up is not None:
+            if layer.gate_up is not None and kvk is not None and layer.act is torch.nn.functional.silu:
+                gated = kvk.silu_mul(_call(layer.gate_up, h))  # as the fused layer computes it
+            elif layer.gate_up is not None:
                 gate, up = _call(layer.gate_up, h).split_with_sizes(layer.gate_up_sizes, dim=-1)
+                gated = layer.act(gate) * up
             else:
                 assert layer.gate_proj is not None and layer.up_proj is not None
-                gate, up = _call(layer.gate_proj, h), _call(layer.up_proj, h)
-            y = _call(layer.down_proj, layer.act(gate) * up)
+                gated = layer.act(_call(layer.gate_proj, h)) * _call(layer.up_proj, h)
+            y = _call(layer.down_proj, gated)
             if layer.after_mlp is not None:
                 y = layer.after_mlp(y)
             if plain is not None and observer is None and edit is None:
@@ -464,6 +484,9 @@ class LlamaForward:
                 observer(index + 1, x.index_select(0, logit_rows))
         if pending is not None:
             x = x + pending
+        return self._logits(x, logit_rows)
+
+    def _logits(self, x: Tensor, logit_rows: Tensor) -> Tensor:
         if logit_rows.numel() == 0:  # a prefill chunk that does not finish its prompt samples nothing
             width = cast(int, self.head.out_features)  # a linear head's vocabulary size
             return x.new_zeros((0, width))

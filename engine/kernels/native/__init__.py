@@ -158,6 +158,20 @@ class Kvk:
         if status != 0:
             raise RuntimeError("kvk_rope refused its shapes")
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of a fused gate|up output [R, 2 * inter] (float32, rows contiguous):
+        float32 [R, inter] (layer_ops.c; the fused decoder layer computes the same)."""
+        rows, width = gate_up.shape
+        if gate_up.dtype != torch.float32 or gate_up.stride(1) != 1 or width % 2:
+            raise ValueError("silu_mul takes float32 [rows, 2 * inter] with contiguous rows")
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        status = self.lib.kvk_silu_mul(
+            gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, out.data_ptr(), width // 2
+        )
+        if status != 0:
+            raise RuntimeError("kvk_silu_mul refused its shapes")
+        return out
+
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -316,6 +330,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_add_rms_norm.restype = _c_int
     lib.kvk_rope.argtypes = [_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_i64]
     lib.kvk_rope.restype = _c_int
+    lib.kvk_silu_mul.argtypes, lib.kvk_silu_mul.restype = [_ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64], _c_int
+    lib.kvk_decoder_layer.argtypes = [_ptr, _ptr, _c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+    lib.kvk_decoder_layer.restype = _c_int
 
 
 def cpu_variants() -> list[str]:

@@ -129,6 +129,9 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, n));
 }
 
+// exp16 for layer_ops.c's SiLU (not exported from the library; one exponential for both).
+__m512 kvk_exp16_nonpositive(__m512 x) { return exp16(x); }
+
 // 16 horizontal sums at once: out[j] = sum of the lanes of v[j].
 static inline __m512 hsum16(__m512 v[16]) {
     // pairwise: interleave halves and add, 4 levels (each level halves the vector count)

@@ -12,6 +12,8 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+#include <time.h>
 
 #define KVK_API __attribute__((visibility("default")))
 
@@ -64,6 +66,157 @@ KVK_API int kvk_rope(float *qk, int64_t ld_row, int64_t ld_head, int64_t rows, i
                 v[i + half] = b * c[i + half] + a * s[i + half];
             }
         }
+    }
+    return 0;
+}
+
+// ---- SiLU(gate) * up --------------------------------------------------------------------------
+#if defined(__AVX512F__)
+#include <immintrin.h>
+__m512 kvk_exp16_nonpositive(__m512 x);  // attention.c's e^x for x <= 0 (within ~1 ulp)
+#endif
+
+// out[r][i] = silu(g) * u with g = gu[r][i], u = gu[r][inter + i] (a fused gate|up projection's
+// output): silu(g) = g * sigmoid(g), sigmoid from t = e^-|g| (never overflows): 1 / (1 + t) for
+// g >= 0, t / (1 + t) below. Vectorised where the build has AVX-512 (e^x within ~1 ulp); each
+// element is computed alone, so a row's values never depend on the rows beside it.
+static inline float silu_mul1(float g, float u) {
+    const float t = expf(-fabsf(g));
+    const float sig = g >= 0.0f ? 1.0f / (1.0f + t) : t / (1.0f + t);
+    return g * sig * u;
+}
+
+KVK_API int kvk_silu_mul(const float *gu, int64_t ld, int64_t rows, int64_t inter, float *out, int64_t ldo) {
+    if (inter <= 0 || rows < 0) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * ld, *u = g + inter;
+        float *o = out + r * ldo;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 t = kvk_exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __m512 denom = _mm512_add_ps(one, t);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, t), denom);
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+        }
+        if (i < inter) {  // the tail through the same vector code, masked
+            const __mmask16 m = (__mmask16)((1u << (inter - i)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+            const __m512 t = kvk_exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __m512 denom = _mm512_add_ps(one, t);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, t), denom);
+            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(m, u + i)));
+            i = inter;
+        }
+#endif
+        for (; i < inter; i++) o[i] = silu_mul1(g[i], u[i]);
+    }
+    return 0;
+}
+
+// ---- a whole decoder layer in one call ---------------------------------------------------------
+// A Llama-shaped layer whose four projections run on kvk (fused q|k|v and gate|up), with plain
+// RMSNorms, RoPE and SiLU: what the own forward does for such a layer op by op (llama_forward.py),
+// the same C functions in the same order on the same values, so the same bits; ~10 Python and
+// torch calls a layer (each a few microseconds at a decode row) become one.
+int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k, const float *x, int64_t xs, int64_t nr,
+               float *y, int64_t ys);
+int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows, int heads, int d, const void *k_pool,
+                        const void *v_pool, int kv_type, const uint16_t *k_scales, const uint16_t *v_scales,
+                        int64_t block_size, int kv_heads, const int32_t *tables, const int64_t *table_start,
+                        const int64_t *start, const int64_t *stop, float scale, float softcap, const float *sinks,
+                        float *out, int64_t out_stride, float *probs, int64_t probs_width);
+
+typedef struct {  // one layer's weights and shapes (built once; engine/model/fused_layers.py)
+    int32_t qkv_t, o_t, gu_t, down_t;  // GGML types
+    int32_t heads, kv_heads, d, rope_width;
+    int64_t hidden, inter;
+    const uint8_t *const *qkv_rows;  // row-address tables (q's rows, k's, v's)
+    const uint8_t *const *o_rows;
+    const uint8_t *const *gu_rows;  // gate's rows, then up's
+    const uint8_t *const *down_rows;
+    const float *qkv_bias, *o_bias, *gu_bias, *down_bias;  // or NULL
+    const float *norm1, *norm2;
+    const float *sinks;  // [heads] or NULL
+    float eps, scale, softcap, unused;
+} kvk_layer_spec;
+
+typedef struct {  // one step's rows (built once a step)
+    int64_t rows, block_size;
+    float *x;        // [rows, hidden]: the residual stream, updated in place
+    const int64_t *kv_rows;  // [rows * kv_heads]: each new token's head's row in a pool seen as [.., d]
+    const int32_t *tables;   // the attention's block tables, where each row's starts, its stop
+    const int64_t *table_start, *stops;
+    float *h, *qkv, *attn, *gu, *m;  // scratch [rows, hidden | q+k+v | heads * d | 2 * inter | inter]
+    float *y;        // [rows, hidden]: in, the previous layer's MLP output (pending) when asked; out, this one's
+} kvk_layer_step;
+
+static void add_bias(float *y, int64_t rows, int64_t n, const float *bias) {
+    if (!bias) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] += bias[i];
+}
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// pending: add S->y (the previous layer's MLP output) into x first. cos/sin: [rows, rope_width];
+// starts: each row's first attended position (the layer's window); k_pool/v_pool: float32
+// [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated into [matmuls,
+// attention, the rest] (engine bench's decode split). Returns 0, or the failing part's number.
+KVK_API int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, int pending, const float *cos,
+                              const float *sin, const int64_t *starts, float *k_pool, float *v_pool,
+                              double *clock) {
+    const int64_t R = S->rows, H = L->hidden, d = L->d;
+    const int64_t qw = (int64_t)L->heads * d, kw = (int64_t)L->kv_heads * d, qkv_n = qw + 2 * kw;
+    double t[10];
+#define TICK(i) \
+    if (clock) t[i] = now_s()
+    TICK(0);
+    if (kvk_add_rms_norm(S->x, H, pending ? S->y : 0, H, S->x, H, L->norm1, L->eps, R, H, S->h, H)) return 1;
+    TICK(1);
+    if (kvk_matmul(L->qkv_t, L->qkv_rows, qkv_n, H, S->h, H, R, S->qkv, qkv_n)) return 2;
+    add_bias(S->qkv, R, qkv_n, L->qkv_bias);
+    TICK(2);
+    if (kvk_rope(S->qkv, qkv_n, d, R, L->heads + L->kv_heads, L->rope_width, cos, sin, L->rope_width)) return 3;
+    for (int64_t r = 0; r < R; r++)  // K and V into the pool, as PagedKVStorage.write_kv
+        for (int h = 0; h < L->kv_heads; h++) {
+            const int64_t row = S->kv_rows[r * L->kv_heads + h];
+            memcpy(k_pool + row * d, S->qkv + r * qkv_n + qw + h * d, (size_t)d * sizeof(float));
+            memcpy(v_pool + row * d, S->qkv + r * qkv_n + qw + kw + h * d, (size_t)d * sizeof(float));
+        }
+    TICK(3);
+    if (kvk_paged_attention(S->qkv, qkv_n, R, L->heads, (int)d, k_pool, v_pool, 0, 0, 0, S->block_size, L->kv_heads,
+                            S->tables, S->table_start, starts, S->stops, L->scale, L->softcap, L->sinks, S->attn,
+                            qw, 0, 0))
+        return 4;
+    TICK(4);
+    float *a = S->y;  // the attention's output projection (y is free until the MLP's end)
+    if (kvk_matmul(L->o_t, L->o_rows, H, qw, S->attn, qw, R, a, H)) return 5;
+    add_bias(a, R, H, L->o_bias);
+    TICK(5);
+    if (kvk_add_rms_norm(S->x, H, a, H, S->x, H, L->norm2, L->eps, R, H, S->h, H)) return 6;
+    TICK(6);
+    if (kvk_matmul(L->gu_t, L->gu_rows, 2 * L->inter, H, S->h, H, R, S->gu, 2 * L->inter)) return 7;
+    add_bias(S->gu, R, 2 * L->inter, L->gu_bias);
+    TICK(7);
+    if (kvk_silu_mul(S->gu, 2 * L->inter, R, L->inter, S->m, L->inter)) return 8;
+    TICK(8);
+    if (kvk_matmul(L->down_t, L->down_rows, H, L->inter, S->m, L->inter, R, S->y, H)) return 9;
+    add_bias(S->y, R, H, L->down_bias);
+    TICK(9);
+#undef TICK
+    if (clock) {
+        clock[0] += (t[2] - t[1]) + (t[5] - t[4]) + (t[7] - t[6]) + (t[9] - t[8]);
+        clock[1] += t[4] - t[3];
+        clock[2] += (t[1] - t[0]) + (t[3] - t[2]) + (t[6] - t[5]) + (t[8] - t[7]);
     }
     return 0;
 }

@@ -1,0 +1,205 @@
+"""A Llama-shaped model on kvk, a decoder layer per C call (layer_ops.c's kvk_decoder_layer).
+
+The own forward (llama_forward.py) runs a layer as ~10 Python and torch calls: the norms, the
+four projections through KernelLinear and the kernel table, RoPE, the K/V write, attention, the
+SiLU gate. At a decode row each costs a few microseconds of dispatch, not arithmetic: on the
+packaged SmolLM2-135M (30 layers) ~3 ms of a ~10 ms token went outside the matmuls and the
+attention. Where every layer is the plain shape (fused q|k|v and gate|up on kvk, Llama's RMSNorms,
+RoPE, SiLU, a float32 pool) and the kernel table picks kvk for the step's rows, the layer runs as
+one call of the same C functions in the same order on the same values: the same bits as op by op
+(tests/engine/test_fused_layers.py), so a sequence's tokens do not depend on which path ran.
+
+Anything else runs op by op: a probe (logit lens, steering, attention maps, expert routes), a
+hooked module, a quantized or half-precision KV pool, another kernel for these rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.kernels.gguf_weight import GGUFWeight
+from engine.kernels.linear import KernelLinear
+from engine.kernels.native import Kvk
+from engine.kernels.policy import KernelPolicy
+
+if TYPE_CHECKING:
+    from engine.model.kv_storage import PagedKVStorage
+    from engine.model.paged_attention import PagedBatch
+
+_p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _LayerSpec(ctypes.Structure):  # layer_ops.c's kvk_layer_spec
+    _fields_ = [
+        *[(n, _i32) for n in ("qkv_t", "o_t", "gu_t", "down_t", "heads", "kv_heads", "d", "rope_width")],
+        ("hidden", _i64),
+        ("inter", _i64),
+        *[(n, _p) for n in ("qkv_rows", "o_rows", "gu_rows", "down_rows")],
+        *[(n, _p) for n in ("qkv_bias", "o_bias", "gu_bias", "down_bias", "norm1", "norm2", "sinks")],
+        *[(n, _f) for n in ("eps", "scale", "softcap", "unused")],
+    ]
+
+
+class _LayerStep(ctypes.Structure):  # layer_ops.c's kvk_layer_step
+    _fields_ = [
+        ("rows", _i64),
+        ("block_size", _i64),
+        *[
+            (n, _p)
+            for n in ("x", "kv_rows", "tables", "table_start", "stops", "h", "qkv", "attn", "gu", "m", "y")
+        ],
+    ]
+
+
+@dataclass(slots=True)
+class _Fused:
+    spec: _LayerSpec
+    rope: int  # which of the step's RoPE tables
+    window: int | None
+    modules: tuple[nn.Module, ...]  # hooks on any of them send the step op by op
+    kept: tuple[Any, ...]  # what the spec's addresses point into
+
+
+def _kvk_storage(module: nn.Module | None) -> GGUFWeight | None:
+    if type(module) is not KernelLinear:
+        return None
+    storage = module.storage
+    return storage if isinstance(storage, GGUFWeight) else None
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedLayers:
+    """Every layer of one model as kvk_decoder_layer calls, or None where a layer is not plain."""
+
+    def __init__(
+        self,
+        lib: Kvk,
+        policy: KernelPolicy,
+        layers: list[_Fused],
+        storages: list[GGUFWeight],
+        hidden: int,
+        inter: int,
+    ):
+        self.lib = lib
+        self.policy = policy  # the projections' kernel table and step record
+        self.layers = layers
+        self.kinds = {s.kind: s for s in storages}  # one storage per format: the step's kernel check
+        self.hidden, self.inter = hidden, inter
+        self.qkv_width = int(layers[0].spec.heads + 2 * layers[0].spec.kv_heads) * int(layers[0].spec.d)
+        self.heads_width = int(layers[0].spec.heads) * int(layers[0].spec.d)
+        # what a step's linears ran and read, for its StepRecord (the same as op by op)
+        self.uses: dict[str, int] = {}
+        for st in storages:
+            self.uses[f"{st.kind}/kvk"] = self.uses.get(f"{st.kind}/kvk", 0) + 1
+        self.weight_bytes = sum(st.bytes_read("kvk") for st in storages)
+        # engine/bench/decode_split.py's: seconds in [matmuls, attention, the rest] of the layers
+        self.clock: np.ndarray | None = None
+
+    @classmethod
+    def build(cls, lib: Kvk, plan_layers: list[Any], heads: int, kv_heads: int, d: int) -> FusedLayers | None:
+        fused: list[_Fused] = []
+        storages: list[GGUFWeight] = []
+        inters = set()
+        for layer in plan_layers:
+            parts = [_kvk_storage(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
+            if (
+                layer.plain_norms is None
+                or layer.q_norm is not None
+                or layer.rope is None
+                or layer.act is not torch.nn.functional.silu
+                or layer.how.sinks is not None
+                or any(p is None for p in parts)
+                or layer.qkv_sizes != [heads * d, kv_heads * d, kv_heads * d]
+                or len(layer.gate_up_sizes) != 2
+                or layer.gate_up_sizes[0] != layer.gate_up_sizes[1]
+            ):
+                return None
+            qkv, o, gu, down = (p for p in parts if p is not None)
+            inter = layer.gate_up_sizes[0]
+            inters.add(inter)
+            norm1, norm2, eps = layer.plain_norms
+            biases = [
+                getattr(m, "bias", None) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
+            ]
+            biases = [None if b is None else b.detach().float().contiguous() for b in biases]
+            how = layer.how
+            spec = _LayerSpec(
+                int(qkv.ggml_type), int(o.ggml_type), int(gu.ggml_type), int(down.ggml_type),
+                heads, kv_heads, d, 0,
+                down.out_features, inter,
+                qkv.row_table.ctypes.data, o.row_table.ctypes.data,
+                gu.row_table.ctypes.data, down.row_table.ctypes.data,
+                *[_address(b) for b in biases], norm1.data_ptr(), norm2.data_ptr(), None,
+                eps, how.scaling if how.scaling is not None else d**-0.5, how.softcap or 0.0, 0.0,
+            )  # fmt: skip
+            modules = (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
+            fused.append(
+                _Fused(spec, layer.rope, how.window, modules, (norm1, norm2, *biases, qkv, o, gu, down))
+            )
+            storages += [qkv, o, gu, down]
+        if not fused or len(inters) != 1:
+            return None
+        policy = plan_layers[0].qkv.policy
+        return cls(lib, policy, fused, storages, int(fused[0].spec.hidden), inters.pop())
+
+    def usable(self, storage: PagedKVStorage, batch: PagedBatch, rows: int) -> bool:
+        """Whether this step can run fused: a float32 pool, every row attending through kvk's
+        row plan with nothing recording, kvk chosen for these rows, no hook on any projection."""
+        if storage.quantized or storage.kv[0].dtype != torch.float32 or batch.recorder is not None:
+            return False
+        plan = batch.row_plan()
+        if plan is None or plan.count != rows:
+            return False
+        for st in self.kinds.values():
+            if any(kernel != "kvk" for _, _, kernel in self.policy.plan(st, rows)):
+                return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for f in self.layers for m in f.modules)
+
+    def run(self, x: torch.Tensor, ropes: list[Any], storage: PagedKVStorage, batch: PagedBatch,
+            slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """x [T, hidden] (contiguous float32, updated in place) through every layer -> x."""
+        rows = x.shape[0]
+        plan = batch.row_plan()
+        assert plan is not None
+        h, qkv, attn, gu, m, y = (
+            torch.empty(rows, width, dtype=torch.float32)
+            for width in (
+                self.hidden,
+                self.qkv_width,
+                self.heads_width,
+                2 * self.inter,
+                self.inter,
+                self.hidden,
+            )
+        )
+        slot_rows = slots.to(torch.int64).contiguous()
+        tables, table_start, _, stops = plan.addresses(None)
+        step = _LayerStep(
+            rows, storage.block_size, x.data_ptr(), slot_rows.data_ptr(), tables, table_start, stops,
+            h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), m.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        tables_cs = [rope.rows() for rope in ropes]
+        rope_ptrs = [(c.data_ptr(), s.data_ptr(), c.shape[-1]) for c, s in tables_cs]
+        fn = self.lib.lib.kvk_decoder_layer
+        ref = ctypes.byref(step)
+        clock = None if self.clock is None else self.clock.ctypes.data
+        for index, layer in enumerate(self.layers):
+            cos, sin, width = rope_ptrs[layer.rope]
+            layer.spec.rope_width = width
+            starts = plan.addresses(layer.window)[2]
+            pair = storage.kv[index]
+            status = fn(ctypes.byref(layer.spec), ref, int(index > 0), cos, sin, starts,
+                        pair[0].data_ptr(), pair[1].data_ptr(), clock)  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"kvk_decoder_layer refused layer {index} (at its part {status})")
+        self.policy.record.add_uses(self.uses, self.weight_bytes)
+        return x.add_(y)  # the last layer's MLP output (op by op: the next norm's residual)

@@ -1,0 +1,111 @@
+"""A decoder layer per C call (engine/model/fused_layers.py) computes what the own forward computes
+op by op, to the last bit: logits, K/V, tokens, the step's kernel record; and it steps aside for
+whatever it does not cover (a probe, a quantized pool, mixed formats)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_tiny_llama
+from tiny_models import IdTokenizer
+
+from engine.bench.decode_split import decode_split
+from engine.config import EngineConfig, SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.events import StepStats
+from engine.kernels import native
+from engine.kernels.policy import KernelPolicy
+from engine.model.gguf_native import load_native
+from engine.model.loaded import LoadedModel
+from engine.request import Request
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="kvk is not built here")
+
+
+def tiny_gguf(path, types=None):
+    model, _ = load_native(write_tiny_llama(path, types), torch.float32, KernelPolicy(), lambda s, f: None)
+    loaded = LoadedModel.from_model(model, IdTokenizer(256), name="tiny", source=str(path), scheme="native")
+    loaded.policy.choose = lambda storage, rows: "kvk" if "kvk" in storage.kernels() else storage.kernels()[0]
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("fused") / "tiny.gguf")
+
+
+PROMPTS = [[5 + i for i in range(30)], [7, 8, 9, 10], list(range(40, 52))]
+
+
+def run(loaded, fused, config=None, observe=False):
+    """Every logits row by (sequence, position), each step's kernels and cost, the engine."""
+    stats = []
+    engine = LLMEngine(
+        loaded, config or EngineConfig(block_size=4, num_blocks=150, prefill_chunk_size=7), stats.append
+    )
+    if not fused:
+        engine.runner.own_forward.fused = None
+    logits, forward = {}, engine.runner.forward
+    observer = (lambda stage, hidden: None) if observe else None
+
+    def recording(seqs, num_tokens, counts):
+        result = forward(seqs, num_tokens, counts, observer)
+        for seq, n in zip(seqs, num_tokens):
+            if seq.seq_id in result.rows:
+                start, count = result.rows[seq.seq_id]
+                end = seq.num_computed_tokens + n
+                for i in range(count):
+                    logits[(seq.seq_id, end - count + i)] = result.logits[start + i].clone()
+        return result
+
+    engine.runner.forward = recording
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(Request(prompt_token_ids=tuple(p), sampling=params))
+        for _ in range(i + 1):  # arrivals while others decode
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    records = [(e.kernel, e.cost) for e in stats if isinstance(e, StepStats)]
+    return logits, records, engine
+
+
+def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(loaded):
+    assert loaded.model is not None
+    fused_logits, fused_records, engine = run(loaded, fused=True)
+    assert engine.runner.own_forward.fused is not None, "a plain Llama on kvk runs fused"
+    op_logits, op_records, _ = run(loaded, fused=False)
+    assert fused_logits.keys() == op_logits.keys() and len(op_logits) == 3 * 12
+    for key in op_logits:
+        assert torch.equal(fused_logits[key], op_logits[key]), key
+    assert fused_records == op_records  # the same kernels and weight bytes said for each step
+
+
+def test_a_probe_or_an_int8_pool_runs_op_by_op(loaded, monkeypatch):
+    from engine.model import fused_layers
+
+    calls = []
+    original = fused_layers.FusedLayers.run
+    monkeypatch.setattr(
+        fused_layers.FusedLayers, "run", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    run(loaded, fused=True)
+    assert calls, "a plain step runs fused"
+    calls.clear()
+    run(loaded, fused=True, observe=True)
+    run(loaded, fused=True, config=EngineConfig(block_size=4, num_blocks=150, kv_dtype="int8"))
+    assert not calls
+
+
+def test_mixed_formats_in_a_layer_are_not_fused(tmp_path):
+    mixed = tiny_gguf(tmp_path / "mixed.gguf", {"attn_v": Q.Q8_0})
+    engine = LLMEngine(mixed, EngineConfig(block_size=4, num_blocks=50))
+    assert engine.runner.own_forward is not None and engine.runner.own_forward.fused is None
+
+
+def test_the_decode_split_counts_the_fused_layers_parts(loaded):
+    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=150))
+    split = decode_split(engine, list(range(5, 25)), 8)
+    assert split["matmuls_ms"] > 0 and split["attention_ms"] > 0
+    assert split["matmuls_ms"] + split["attention_ms"] + split["rest_of_forward_ms"] <= split["step_ms"]
