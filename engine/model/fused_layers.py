@@ -4,8 +4,9 @@ The own forward (llama_forward.py) runs a layer as ~10 Python and torch calls: t
 four projections through KernelLinear and the kernel table, RoPE, the K/V write, attention, the
 SiLU gate. At a decode row each costs a few microseconds of dispatch, not arithmetic: on the
 packaged SmolLM2-135M (30 layers) ~3 ms of a ~10 ms token went outside the matmuls and the
-attention. Where every layer is the plain shape (fused q|k|v and gate|up on kvk, Llama's RMSNorms,
-RoPE, SiLU, a float32 pool) and the kernel table picks kvk for the step's rows, the layer runs as
+attention. Where every layer is the plain shape (q|k|v and gate|up each one projection of GGUF parts on
+kvk: one format, or side by side as Q4_K_M's Q4_K and Q6_K; Llama's RMSNorms, RoPE, SiLU, a
+float32 pool) and the kernel table picks kvk for the step's rows, the layer runs as
 one call of the same C functions in the same order on the same values: the same bits as op by op
 (tests/engine/test_fused_layers.py), so a sequence's tokens do not depend on which path ran.
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_weight import GGUFWeight
-from engine.kernels.linear import KernelLinear
+from engine.kernels.linear import KernelLinear, StackedLinear
 from engine.kernels.native import Kvk
 from engine.kernels.policy import KernelPolicy
 
@@ -35,13 +36,24 @@ if TYPE_CHECKING:
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
+MAX_PARTS = 4  # layer_ops.c's kvk_proj: q|k|v across three formats fits
+
+
+class _Part(ctypes.Structure):  # layer_ops.c's kvk_part
+    _fields_ = [("t", _i32), ("unused", _i32), ("n", _i64), ("rows", _p), ("bias", _p)]
+
+
+class _Proj(ctypes.Structure):  # layer_ops.c's kvk_proj
+    _fields_ = [("count", _i32), ("unused", _i32), ("part", _Part * MAX_PARTS)]
+
+
 class _LayerSpec(ctypes.Structure):  # layer_ops.c's kvk_layer_spec
     _fields_ = [
-        *[(n, _i32) for n in ("qkv_t", "o_t", "gu_t", "down_t", "heads", "kv_heads", "d", "rope_width")],
+        *[(n, _Proj) for n in ("qkv", "o", "gu", "down")],
+        *[(n, _i32) for n in ("heads", "kv_heads", "d", "rope_width")],
         ("hidden", _i64),
         ("inter", _i64),
-        *[(n, _p) for n in ("qkv_rows", "o_rows", "gu_rows", "down_rows")],
-        *[(n, _p) for n in ("qkv_bias", "o_bias", "gu_bias", "down_bias", "norm1", "norm2", "sinks")],
+        *[(n, _p) for n in ("norm1", "norm2", "sinks")],
         *[(n, _f) for n in ("eps", "scale", "softcap", "unused")],
     ]
 
@@ -64,13 +76,44 @@ class _Fused:
     window: int | None
     modules: tuple[nn.Module, ...]  # hooks on any of them send the step op by op
     kept: tuple[Any, ...]  # what the spec's addresses point into
+    spec_ref: Any = None  # ctypes.byref(spec), made once
 
 
-def _kvk_storage(module: nn.Module | None) -> GGUFWeight | None:
-    if type(module) is not KernelLinear:
-        return None
-    storage = module.storage
-    return storage if isinstance(storage, GGUFWeight) else None
+def _kvk_parts(module: nn.Module | None) -> list[tuple[GGUFWeight, torch.Tensor | None]] | None:
+    """A projection as kvk matmuls side by side: [(its GGUF storage, its bias)] of a KernelLinear
+    or of each part of a StackedLinear (in output order); None where any part is not GGUF."""
+    if type(module) is KernelLinear:
+        storage = module.storage
+        if not isinstance(storage, GGUFWeight):
+            return None
+        bias = None if module.bias is None else module.bias.detach().float().contiguous()
+        return [(storage, bias)]
+    if type(module) is StackedLinear:
+        parts: list[tuple[GGUFWeight, torch.Tensor | None]] = []
+        for part in module.parts:
+            inner = _kvk_parts(part)
+            if inner is None:
+                return None
+            parts += inner
+        return parts
+    return None
+
+
+def _policy_of(module: nn.Module) -> KernelPolicy:
+    """The kernel table a projection's KernelLinears share (one per loaded model)."""
+    while type(module) is StackedLinear:
+        module = module.parts[0]
+    assert isinstance(module, KernelLinear)
+    return module.policy
+
+
+def _proj(parts: list[tuple[GGUFWeight, torch.Tensor | None]]) -> _Proj:
+    proj = _Proj(count=len(parts))
+    for i, (storage, bias) in enumerate(parts):
+        proj.part[i] = _Part(
+            int(storage.ggml_type), 0, storage.out_features, storage.row_table.ctypes.data, _address(bias)
+        )
+    return proj
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -92,6 +135,9 @@ class FusedLayers:
         self.lib = lib
         self.policy = policy  # the projections' kernel table and step record
         self.layers = layers
+        for layer in layers:
+            layer.spec_ref = ctypes.byref(layer.spec)
+        self.modules = [m for layer in layers for m in layer.modules]
         self.kinds = {s.kind: s for s in storages}  # one storage per format: the step's kernel check
         self.hidden, self.inter = hidden, inter
         self.qkv_width = int(layers[0].spec.heads + 2 * layers[0].spec.kv_heads) * int(layers[0].spec.d)
@@ -110,45 +156,38 @@ class FusedLayers:
         storages: list[GGUFWeight] = []
         inters = set()
         for layer in plan_layers:
-            parts = [_kvk_storage(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
+            projections = [_kvk_parts(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
             if (
                 layer.plain_norms is None
                 or layer.q_norm is not None
                 or layer.rope is None
                 or layer.act is not torch.nn.functional.silu
                 or layer.how.sinks is not None
-                or any(p is None for p in parts)
+                or any(p is None or len(p) > MAX_PARTS for p in projections)
                 or layer.qkv_sizes != [heads * d, kv_heads * d, kv_heads * d]
                 or len(layer.gate_up_sizes) != 2
                 or layer.gate_up_sizes[0] != layer.gate_up_sizes[1]
             ):
                 return None
-            qkv, o, gu, down = (p for p in parts if p is not None)
+            qkv, o, gu, down = (p for p in projections if p is not None)
             inter = layer.gate_up_sizes[0]
             inters.add(inter)
             norm1, norm2, eps = layer.plain_norms
-            biases = [
-                getattr(m, "bias", None) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
-            ]
-            biases = [None if b is None else b.detach().float().contiguous() for b in biases]
             how = layer.how
             spec = _LayerSpec(
-                int(qkv.ggml_type), int(o.ggml_type), int(gu.ggml_type), int(down.ggml_type),
+                _proj(qkv), _proj(o), _proj(gu), _proj(down),
                 heads, kv_heads, d, 0,
-                down.out_features, inter,
-                qkv.row_table.ctypes.data, o.row_table.ctypes.data,
-                gu.row_table.ctypes.data, down.row_table.ctypes.data,
-                *[_address(b) for b in biases], norm1.data_ptr(), norm2.data_ptr(), None,
+                sum(st.out_features for st, _ in down), inter,
+                norm1.data_ptr(), norm2.data_ptr(), None,
                 eps, how.scaling if how.scaling is not None else d**-0.5, how.softcap or 0.0, 0.0,
             )  # fmt: skip
             modules = (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
-            fused.append(
-                _Fused(spec, layer.rope, how.window, modules, (norm1, norm2, *biases, qkv, o, gu, down))
-            )
-            storages += [qkv, o, gu, down]
+            weights = [part for p in (qkv, o, gu, down) for part in p]
+            fused.append(_Fused(spec, layer.rope, how.window, modules, (norm1, norm2, *weights)))
+            storages += [st for st, _ in weights]
         if not fused or len(inters) != 1:
             return None
-        policy = plan_layers[0].qkv.policy
+        policy = _policy_of(plan_layers[0].o_proj)
         return cls(lib, policy, fused, storages, int(fused[0].spec.hidden), inters.pop())
 
     def usable(self, storage: PagedKVStorage, batch: PagedBatch, rows: int) -> bool:
@@ -162,7 +201,7 @@ class FusedLayers:
         for st in self.kinds.values():
             if any(kernel != "kvk" for _, _, kernel in self.policy.plan(st, rows)):
                 return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for f in self.layers for m in f.modules)
+        return all(not (m._forward_hooks or m._forward_pre_hooks) for m in self.modules)
 
     def run(self, x: torch.Tensor, ropes: list[Any], storage: PagedKVStorage, batch: PagedBatch,
             slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -192,13 +231,14 @@ class FusedLayers:
         fn = self.lib.lib.kvk_decoder_layer
         ref = ctypes.byref(step)
         clock = None if self.clock is None else self.clock.ctypes.data
+        pools = storage.kv_addresses
         for index, layer in enumerate(self.layers):
             cos, sin, width = rope_ptrs[layer.rope]
-            layer.spec.rope_width = width
+            if layer.spec.rope_width != width:
+                layer.spec.rope_width = width
+            k_pool, v_pool = pools[index]
             starts = plan.addresses(layer.window)[2]
-            pair = storage.kv[index]
-            status = fn(ctypes.byref(layer.spec), ref, int(index > 0), cos, sin, starts,
-                        pair[0].data_ptr(), pair[1].data_ptr(), clock)  # fmt: skip
+            status = fn(layer.spec_ref, ref, int(index > 0), cos, sin, starts, k_pool, v_pool, clock)
             if status != 0:
                 raise RuntimeError(f"kvk_decoder_layer refused layer {index} (at its part {status})")
         self.policy.record.add_uses(self.uses, self.weight_bytes)

@@ -103,6 +103,8 @@ class PagedKVStorage:
         self.kv = [_zero_pool(shape, store, device) for _ in range(num_layers)]
         self.k = [pair[0] for pair in self.kv]
         self.v = [pair[1] for pair in self.kv]
+        # each layer's (K, V) pool address: the fused layers' C calls read them every step
+        self.kv_addresses = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.k, self.v)]
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
         if self.quantized:

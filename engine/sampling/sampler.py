@@ -16,6 +16,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.events import TokenSnapshot
+from engine.kernels import native
 from engine.sampling.mask import GRAMMAR_STAGE, TokenMask, apply_mask
 from engine.sampling.snapshot import take_snapshot
 from engine.sampling.stages import PENALTY_STAGES, build_stages
@@ -80,8 +81,15 @@ class Sampler:
             # grammar's mask, when there is one).
             if mask is not None:
                 scores = apply_mask(scores, mask)
-            token = int(scores[0].argmax())
-            return SampleResult(token, self._checked(float(scores[0, token] - scores[0].logsumexp(0))), None)
+            row = scores[0]
+            lib = native.kernels()
+            if lib is not None and row.device.type == "cpu" and row.is_contiguous():
+                found = lib.argmax_logsumexp(row)  # one C call: torch's two took 0.1-0.3 ms
+                if found is not None:
+                    token, lse = found
+                    return SampleResult(token, self._checked(float(row[token]) - lse), None)
+            token = int(row.argmax())
+            return SampleResult(token, self._checked(float(row[token] - row.logsumexp(0))), None)
 
         scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot, mask)
         if self.params.greedy:

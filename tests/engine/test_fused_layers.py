@@ -1,6 +1,6 @@
 """A decoder layer per C call (engine/model/fused_layers.py) computes what the own forward computes
 op by op, to the last bit: logits, K/V, tokens, the step's kernel record; and it steps aside for
-whatever it does not cover (a probe, a quantized pool, mixed formats)."""
+whatever it does not cover (a probe, a quantized pool)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,16 @@ def run(loaded, fused, config=None, observe=False):
     return logits, records, engine
 
 
-def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(loaded):
-    assert loaded.model is not None
-    fused_logits, fused_records, engine = run(loaded, fused=True)
+@pytest.mark.parametrize(
+    "types",
+    [None, {"attn_v": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0}],
+    ids=["one format", "formats side by side (as Q4_K_M's Q4_K and Q6_K)"],
+)
+def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(tmp_path, types):
+    model = tiny_gguf(tmp_path / "tiny.gguf", types)
+    fused_logits, fused_records, engine = run(model, fused=True)
     assert engine.runner.own_forward.fused is not None, "a plain Llama on kvk runs fused"
-    op_logits, op_records, _ = run(loaded, fused=False)
+    op_logits, op_records, _ = run(model, fused=False)
     assert fused_logits.keys() == op_logits.keys() and len(op_logits) == 3 * 12
     for key in op_logits:
         assert torch.equal(fused_logits[key], op_logits[key]), key
@@ -96,12 +101,6 @@ def test_a_probe_or_an_int8_pool_runs_op_by_op(loaded, monkeypatch):
     run(loaded, fused=True, observe=True)
     run(loaded, fused=True, config=EngineConfig(block_size=4, num_blocks=150, kv_dtype="int8"))
     assert not calls
-
-
-def test_mixed_formats_in_a_layer_are_not_fused(tmp_path):
-    mixed = tiny_gguf(tmp_path / "mixed.gguf", {"attn_v": Q.Q8_0})
-    engine = LLMEngine(mixed, EngineConfig(block_size=4, num_blocks=50))
-    assert engine.runner.own_forward is not None and engine.runner.own_forward.fused is None
 
 
 def test_the_decode_split_counts_the_fused_layers_parts(loaded):

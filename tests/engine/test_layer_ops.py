@@ -59,3 +59,27 @@ def test_shapes_the_ops_cannot_take_are_refused():
         kvk.add_rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(ValueError):
         kvk.rope_(torch.randn(2, 3, 8), torch.ones(2, 16), torch.ones(2, 16))
+
+
+@pytest.mark.parametrize("inter", [1536, 37])
+def test_the_silu_gate_is_torchs_within_float32_rounding_and_each_row_alone(inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(3, 2 * inter, generator=g) * 6  # large |gate| too: e^-|g| never overflows
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    got = kvk.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    torch.testing.assert_close(got.double(), want, rtol=4e-7, atol=1e-30)
+    assert torch.equal(kvk.silu_mul(gate_up[1:2].clone()), got[1:2])
+
+
+def test_greedy_sampling_s_argmax_and_log_sum_exp():
+    g = torch.Generator().manual_seed(3)
+    for n in (49152, 37):
+        scores = torch.randn(n, generator=g) * 4
+        scores[n // 3] = scores[n // 2] = scores.max() + 1  # a tie: the first is the argmax
+        scores[5] = -float("inf")  # a masked token
+        index, lse = kvk.argmax_logsumexp(scores)
+        assert index == int(scores.argmax()) == n // 3
+        assert lse == pytest.approx(float(scores.double().logsumexp(0)), rel=1e-6)
+    scores[7] = float("nan")
+    assert kvk.argmax_logsumexp(scores) is None  # the sampler then raises its NaN message

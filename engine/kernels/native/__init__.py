@@ -172,6 +172,15 @@ class Kvk:
             raise RuntimeError("kvk_silu_mul refused its shapes")
         return out
 
+    def argmax_logsumexp(self, scores: torch.Tensor) -> tuple[int, float] | None:
+        """(first index of the largest, log-sum-exp) of float32 scores [n] (contiguous, on the
+        CPU); None when they hold a NaN."""
+        index, lse = ctypes.c_int64(), ctypes.c_float()
+        status = self.lib.kvk_argmax_logsumexp(
+            scores.data_ptr(), scores.numel(), ctypes.byref(index), ctypes.byref(lse)
+        )
+        return None if status else (index.value, lse.value)
+
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -331,6 +340,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_rope.argtypes = [_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int, _ptr, _ptr, _c_i64]
     lib.kvk_rope.restype = _c_int
     lib.kvk_silu_mul.argtypes, lib.kvk_silu_mul.restype = [_ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64], _c_int
+    lib.kvk_argmax_logsumexp.argtypes = [_ptr, _c_i64, _ptr, _ptr]
+    lib.kvk_argmax_logsumexp.restype = _c_int
     lib.kvk_decoder_layer.argtypes = [_ptr, _ptr, _c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     lib.kvk_decoder_layer.restype = _c_int
 

@@ -118,6 +118,51 @@ KVK_API int kvk_silu_mul(const float *gu, int64_t ld, int64_t rows, int64_t inte
     return 0;
 }
 
+// ---- greedy sampling's argmax and log-sum-exp -----------------------------------------------------
+// index = the first position of the largest of x[0..n), lse = log(sum(e^(x - max))) + max: what a
+// plain greedy step needs of its logits, in two passes (torch's argmax and logsumexp took ~0.1-0.3
+// ms for a 49152-token vocabulary in an engine step, a few percent of a small model's token).
+// Sums in 16 float32 lanes, then the lanes in order. Returns 1 (nothing written) if x holds a NaN.
+KVK_API int kvk_argmax_logsumexp(const float *x, int64_t n, int64_t *index, float *lse) {
+    if (n <= 0) return 1;
+    float best = x[0];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {  // the largest value, 16 lanes at a time (max is exact: any order gives it)
+        __m512 top = _mm512_loadu_ps(x);
+        __mmask16 nan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            top = _mm512_max_ps(top, v);
+        }
+        if (nan) return 1;
+        best = _mm512_reduce_max_ps(top);
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return 1;
+        if (x[i] > best) best = x[i];
+    }
+    int64_t at = 0;
+    while (x[at] != best) at++;  // its first position
+    float lanes[16] = {0};
+    i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 peak = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_add_ps(acc, kvk_exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), peak)));
+    _mm512_storeu_ps(lanes, acc);
+#endif
+    for (; i < n; i++) lanes[i % 16] += expf(x[i] - best);
+    float sum = 0.0f;
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    *index = at;
+    *lse = best + logf(sum);
+    return 0;
+}
+
 // ---- a whole decoder layer in one call ---------------------------------------------------------
 // A Llama-shaped layer whose four projections run on kvk (fused q|k|v and gate|up), with plain
 // RMSNorms, RoPE and SiLU: what the own forward does for such a layer op by op (llama_forward.py),
@@ -131,15 +176,24 @@ int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows, int hea
                         const int64_t *start, const int64_t *stop, float scale, float softcap, const float *sinks,
                         float *out, int64_t out_stride, float *probs, int64_t probs_width);
 
+// A projection: up to 4 parts side by side in its output (q|k|v or gate|up across formats: a
+// Q4_K_M file keeps some v projections in Q6_K), each a kvk matmul into its columns, plus its bias.
+typedef struct {
+    int32_t t, unused;  // GGML type
+    int64_t n;          // its output columns
+    const uint8_t *const *rows;  // its row-address table
+    const float *bias;  // [n] or NULL
+} kvk_part;
+
+typedef struct {
+    int32_t count, unused;
+    kvk_part part[4];
+} kvk_proj;
+
 typedef struct {  // one layer's weights and shapes (built once; engine/model/fused_layers.py)
-    int32_t qkv_t, o_t, gu_t, down_t;  // GGML types
+    kvk_proj qkv, o, gu, down;
     int32_t heads, kv_heads, d, rope_width;
     int64_t hidden, inter;
-    const uint8_t *const *qkv_rows;  // row-address tables (q's rows, k's, v's)
-    const uint8_t *const *o_rows;
-    const uint8_t *const *gu_rows;  // gate's rows, then up's
-    const uint8_t *const *down_rows;
-    const float *qkv_bias, *o_bias, *gu_bias, *down_bias;  // or NULL
     const float *norm1, *norm2;
     const float *sinks;  // [heads] or NULL
     float eps, scale, softcap, unused;
@@ -155,10 +209,19 @@ typedef struct {  // one step's rows (built once a step)
     float *y;        // [rows, hidden]: in, the previous layer's MLP output (pending) when asked; out, this one's
 } kvk_layer_step;
 
-static void add_bias(float *y, int64_t rows, int64_t n, const float *bias) {
-    if (!bias) return;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i++) y[r * n + i] += bias[i];
+// y [rows, ys] = x [rows, k] times the projection's parts, each into its columns, then its bias
+// (as the op-by-op forward's KernelLinear and StackedLinear compute each part: the same bits).
+static int project(const kvk_proj *P, int64_t k, const float *x, int64_t rows, float *y, int64_t ys) {
+    int64_t col = 0;
+    for (int p = 0; p < P->count; p++) {
+        const kvk_part *q = &P->part[p];
+        if (kvk_matmul(q->t, q->rows, q->n, k, x, k, rows, y + col, ys)) return 1;
+        if (q->bias)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < q->n; i++) y[r * ys + col + i] += q->bias[i];
+        col += q->n;
+    }
+    return 0;
 }
 
 static inline double now_s(void) {
@@ -182,8 +245,7 @@ KVK_API int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, 
     TICK(0);
     if (kvk_add_rms_norm(S->x, H, pending ? S->y : 0, H, S->x, H, L->norm1, L->eps, R, H, S->h, H)) return 1;
     TICK(1);
-    if (kvk_matmul(L->qkv_t, L->qkv_rows, qkv_n, H, S->h, H, R, S->qkv, qkv_n)) return 2;
-    add_bias(S->qkv, R, qkv_n, L->qkv_bias);
+    if (project(&L->qkv, H, S->h, R, S->qkv, qkv_n)) return 2;
     TICK(2);
     if (kvk_rope(S->qkv, qkv_n, d, R, L->heads + L->kv_heads, L->rope_width, cos, sin, L->rope_width)) return 3;
     for (int64_t r = 0; r < R; r++)  // K and V into the pool, as PagedKVStorage.write_kv
@@ -199,18 +261,15 @@ KVK_API int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, 
         return 4;
     TICK(4);
     float *a = S->y;  // the attention's output projection (y is free until the MLP's end)
-    if (kvk_matmul(L->o_t, L->o_rows, H, qw, S->attn, qw, R, a, H)) return 5;
-    add_bias(a, R, H, L->o_bias);
+    if (project(&L->o, qw, S->attn, R, a, H)) return 5;
     TICK(5);
     if (kvk_add_rms_norm(S->x, H, a, H, S->x, H, L->norm2, L->eps, R, H, S->h, H)) return 6;
     TICK(6);
-    if (kvk_matmul(L->gu_t, L->gu_rows, 2 * L->inter, H, S->h, H, R, S->gu, 2 * L->inter)) return 7;
-    add_bias(S->gu, R, 2 * L->inter, L->gu_bias);
+    if (project(&L->gu, H, S->h, R, S->gu, 2 * L->inter)) return 7;
     TICK(7);
     if (kvk_silu_mul(S->gu, 2 * L->inter, R, L->inter, S->m, L->inter)) return 8;
     TICK(8);
-    if (kvk_matmul(L->down_t, L->down_rows, H, L->inter, S->m, L->inter, R, S->y, H)) return 9;
-    add_bias(S->y, R, H, L->down_bias);
+    if (project(&L->down, L->inter, S->m, R, S->y, H)) return 9;
     TICK(9);
 #undef TICK
     if (clock) {
