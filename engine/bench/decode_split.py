@@ -51,6 +51,30 @@ class _Clock:
         return out
 
 
+class FusedClock:
+    """The fused layers' own timers (engine/model/fused_layers.py): their matmuls and attention
+    run inside one C call a layer, where the Python wrappers cannot see them."""
+
+    def __init__(self, engine: LLMEngine):
+        own = engine.runner.own_forward
+        self.fused = own.fused if own is not None else None
+        if self.fused is not None:
+            self.fused.clock = np.zeros(3)
+
+    def take(self) -> tuple[float, float]:
+        """Seconds in (matmuls, attention) since the last take."""
+        clock = self.fused.clock if self.fused is not None else None
+        if clock is None:
+            return 0.0, 0.0
+        matmuls, attention = float(clock[0]), float(clock[1])
+        clock[:] = 0.0
+        return matmuls, attention
+
+    def close(self) -> None:
+        if self.fused is not None:
+            self.fused.clock = None
+
+
 def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> dict[str, float]:
     """Median milliseconds per decode step (one sequence, so per token) in each part."""
     clock = _Clock()
@@ -67,11 +91,7 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
     patch(forward_module, "attend", "attention")
     patch(attention_module, "attend", "attention")
     patch(engine.post, "sample", "sampling")
-    # layers that run as one C call each time their parts in C (engine/model/fused_layers.py)
-    own = engine.runner.own_forward
-    fused = own.fused if own is not None else None
-    if fused is not None:
-        fused.clock = np.zeros(3)
+    fused = FusedClock(engine)
     steps: list[tuple[StepStats, dict[str, float]]] = []
     sink = engine.sink
     events_s = [0.0]
@@ -82,10 +102,8 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
         events_s[0] += time.perf_counter() - start
         if isinstance(event, StepStats):
             parts = clock.take()
-            if fused is not None and fused.clock is not None:
-                for name, seconds in zip(("matmuls", "attention"), fused.clock.tolist()):
-                    parts[name] = parts.get(name, 0.0) + seconds
-                fused.clock[:] = 0.0
+            for name, seconds in zip(("matmuls", "attention"), fused.take()):
+                parts[name] = parts.get(name, 0.0) + seconds
             parts["events"], events_s[0] = events_s[0], 0.0
             steps.append((event, parts))
 
@@ -95,8 +113,7 @@ def decode_split(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> d
         engine.run([Request(prompt_token_ids=tuple(prompt_ids), sampling=params)])
     finally:
         engine.sink = sink
-        if fused is not None:
-            fused.clock = None
+        fused.close()
         for owner, name, original in restore:
             if isinstance(owner, KernelLinear):
                 del owner.forward  # the instance attribute: back to the class's method

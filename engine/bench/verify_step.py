@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from engine.bench.decode_split import _Clock
+from engine.bench.decode_split import FusedClock, _Clock
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.events import Event, StepStats
@@ -140,6 +140,7 @@ def _split(plain: LLMEngine, verify: LLMEngine, steps: int) -> dict[str, dict[st
             patch(module, "forward", "linears")
     patch(forward_module, "attend", "attention")
     patch(attention_module, "attend", "attention")
+    fused = {"plain": FusedClock(plain), "verify": FusedClock(verify)}
     rows: dict[str, list[dict[str, float]]] = {"plain": [], "verify": []}
     try:
         for _ in range(steps):
@@ -147,12 +148,17 @@ def _split(plain: LLMEngine, verify: LLMEngine, steps: int) -> dict[str, dict[st
                 if not engine.has_work():
                     continue
                 clock.take()
+                fused[name].take()
                 start = time.perf_counter()
                 engine.step()
                 parts = clock.take()
+                for part, seconds in zip(("linears", "attention"), fused[name].take()):
+                    parts[part] = parts.get(part, 0.0) + seconds
                 parts["step"] = time.perf_counter() - start
                 rows[name].append(parts)
     finally:
+        for timer in fused.values():
+            timer.close()
         for owner, name, original in patched:
             if isinstance(owner, KernelLinear):
                 del owner.forward  # the instance attribute: back to the class's method

@@ -108,3 +108,12 @@ def test_the_decode_split_counts_the_fused_layers_parts(loaded):
     split = decode_split(engine, list(range(5, 25)), 8)
     assert split["matmuls_ms"] > 0 and split["attention_ms"] > 0
     assert split["matmuls_ms"] + split["attention_ms"] + split["rest_of_forward_ms"] <= split["step_ms"]
+
+
+def test_the_verify_step_split_counts_the_fused_layers_parts(loaded):
+    from engine.bench.verify_step import verify_step_cost
+
+    step = verify_step_cost(loaded, k=3, context=24, steps=4)
+    for side in ("plain", "verify"):
+        split = step["split_ms"][side]
+        assert split["linears_ms"] > 0 and split["attention_ms"] > 0 and split["rest_ms"] < split["step_ms"]
