@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_llama
+from logit_rows import record_logit_rows
 from tiny_models import IdTokenizer
 
 from engine.bench.decode_split import decode_split
@@ -46,20 +47,7 @@ def run(loaded, fused, config=None, observe=False):
     )
     if not fused:
         engine.runner.own_forward.fused = None
-    logits, forward = {}, engine.runner.forward
-    observer = (lambda stage, hidden: None) if observe else None
-
-    def recording(seqs, num_tokens, counts):
-        result = forward(seqs, num_tokens, counts, observer)
-        for seq, n in zip(seqs, num_tokens):
-            if seq.seq_id in result.rows:
-                start, count = result.rows[seq.seq_id]
-                end = seq.num_computed_tokens + n
-                for i in range(count):
-                    logits[(seq.seq_id, end - count + i)] = result.logits[start + i].clone()
-        return result
-
-    engine.runner.forward = recording
+    logits = record_logit_rows(engine, (lambda stage, hidden: None) if observe else None)
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(Request(prompt_token_ids=tuple(p), sampling=params))

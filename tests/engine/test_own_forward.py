@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 import torch
 from family_configs import VOCAB, tiny_model
+from logit_rows import record_logit_rows
 from test_family_parity import make_prompts
 from tiny_models import IdTokenizer
 
@@ -100,20 +101,7 @@ def run(loaded, config, prompts, own=True, observer=None):
     engine = LLMEngine(loaded, config, events.append)
     if not own:
         engine.runner.own_forward = None  # transformers' modeling code through the same paged attention
-    logits = {}
-    forward = engine.runner.forward
-
-    def recording(seqs, num_tokens, counts):
-        result = forward(seqs, num_tokens, counts, observer)
-        for seq, n in zip(seqs, num_tokens):
-            if seq.seq_id in result.rows:
-                start, count = result.rows[seq.seq_id]
-                end = seq.num_computed_tokens + n
-                for i in range(count):
-                    logits[(seq.seq_id, end - count + i)] = result.logits[start + i].clone()
-        return result
-
-    engine.runner.forward = recording
+    logits = record_logit_rows(engine, observer)
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
     ids = []
     for i, p in enumerate(prompts):
