@@ -366,3 +366,20 @@ def test_every_norm_equals_the_family_s_own_module_bit_for_bit(dtype):
             x = (torch.randn(5, module.weight.numel(), generator=g) * 3).to(dtype)
             with torch.inference_mode():
                 assert torch.equal(norm(x), module(x)), (model_type, dtype, type(module).__name__)
+
+
+def test_static_rope_rows_looked_up_are_the_rotary_s_own_bit_for_bit():
+    from engine.model.llama_forward import _rope_table, _RopeRows, static_rope
+
+    model = tiny_model("llama")
+    rotary = model.model.rotary_emb
+    assert static_rope(rotary)
+    rows = _RopeRows(rotary)
+    x = torch.zeros(3, model.config.hidden_size)
+    g = torch.Generator().manual_seed(0)
+    for positions in (torch.tensor([5]), torch.randint(0, 300, (7,), generator=g), torch.tensor([1000, 3])):
+        got, want = rows(x, positions), _rope_table(rotary, x, positions)
+        assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin)
+    assert rows.table is not None and rows.table.cos.shape[0] == 1024  # grown past position 1000
+    rotary.rope_type = "dynamic"  # its rows depend on the sequence's length: computed each step
+    assert not static_rope(rotary)
