@@ -76,7 +76,7 @@ class _Fused:
     window: int | None
     modules: tuple[nn.Module, ...]  # hooks on any of them send the step op by op
     kept: tuple[Any, ...]  # what the spec's addresses point into
-    spec_ref: Any = None  # ctypes.byref(spec), made once
+    spec_ref: Any  # ctypes.byref(spec), made once
 
 
 def _kvk_parts(module: nn.Module | None) -> list[tuple[GGUFWeight, torch.Tensor | None]] | None:
@@ -135,8 +135,6 @@ class FusedLayers:
         self.lib = lib
         self.policy = policy  # the projections' kernel table and step record
         self.layers = layers
-        for layer in layers:
-            layer.spec_ref = ctypes.byref(layer.spec)
         self.modules = [m for layer in layers for m in layer.modules]
         self.kinds = {s.kind: s for s in storages}  # one storage per format: the step's kernel check
         self.hidden, self.inter = hidden, inter
@@ -183,7 +181,8 @@ class FusedLayers:
             )  # fmt: skip
             modules = (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
             weights = [part for p in (qkv, o, gu, down) for part in p]
-            fused.append(_Fused(spec, layer.rope, how.window, modules, (norm1, norm2, *weights)))
+            kept = (norm1, norm2, *weights)
+            fused.append(_Fused(spec, layer.rope, how.window, modules, kept, ctypes.byref(spec)))
             storages += [st for st, _ in weights]
         if not fused or len(inters) != 1:
             return None

@@ -93,24 +93,14 @@ KVK_API int kvk_silu_mul(const float *gu, int64_t ld, int64_t rows, int64_t inte
         float *o = out + r * ldo;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= inter; i += 16) {
-            const __m512 gv = _mm512_loadu_ps(g + i);
-            const __m512 t = kvk_exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __m512 denom = _mm512_add_ps(one, t);
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, t), denom);
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
-        }
-        if (i < inter) {  // the tail through the same vector code, masked
-            const __mmask16 m = (__mmask16)((1u << (inter - i)) - 1);
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        for (; i < inter; i += 16) {  // the last 16 or fewer through the same code, masked
+            const __mmask16 m = inter - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (inter - i)) - 1);
             const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-            const __m512 t = kvk_exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __m512 denom = _mm512_add_ps(one, t);
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, t), denom);
+            const __m512 t = kvk_exp16_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(gv)));
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, zero, _CMP_LT_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, t), _mm512_add_ps(one, t));
             _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(m, u + i)));
-            i = inter;
         }
 #endif
         for (; i < inter; i++) o[i] = silu_mul1(g[i], u[i]);
