@@ -1,4 +1,5 @@
-"""A Llama-shaped model on kvk, a decoder layer per C call (layer_ops.c's kvk_decoder_layer).
+"""A Llama-shaped model on kvk, its decoder layers in one C call a step (layer_ops.c's
+kvk_decoder_layers, a kvk_decoder_layer each).
 
 The own forward (llama_forward.py) runs a layer as ~10 Python and torch calls: the norms, the
 four projections through KernelLinear and the kernel table, RoPE, the K/V write, attention, the
@@ -76,7 +77,6 @@ class _Fused:
     window: int | None
     modules: tuple[nn.Module, ...]  # hooks on any of them send the step op by op
     kept: tuple[Any, ...]  # what the spec's addresses point into
-    spec_ref: Any  # ctypes.byref(spec), made once
 
 
 def _kvk_parts(module: nn.Module | None) -> list[tuple[GGUFWeight, torch.Tensor | None]] | None:
@@ -121,7 +121,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 class FusedLayers:
-    """Every layer of one model as kvk_decoder_layer calls, or None where a layer is not plain."""
+    """Every layer of one model as one kvk_decoder_layers call, or None where a layer is not plain."""
 
     def __init__(
         self,
@@ -147,6 +147,19 @@ class FusedLayers:
         self.weight_bytes = sum(st.bytes_read("kvk") for st in storages)
         # engine/bench/decode_split.py's: seconds in [matmuls, attention, the rest] of the layers
         self.clock: np.ndarray | None = None
+        self.spec_refs = (_p * len(layers))(*(ctypes.addressof(layer.spec) for layer in layers))
+        # (the storage's pool address list, held so that its identity stays its own; k; v)
+        self._pool_table: tuple[list[tuple[int, int]], Any, Any] | None = None
+
+    def _pools(self, storage: PagedKVStorage) -> tuple[Any, Any]:
+        """Each layer's K and V pool addresses as C arrays, made again only when the pool changes."""
+        pools = storage.kv_addresses
+        if self._pool_table is None or self._pool_table[0] is not pools:
+            n = len(self.layers)
+            k = (_p * n)(*(pools[i][0] for i in range(n)))
+            v = (_p * n)(*(pools[i][1] for i in range(n)))
+            self._pool_table = (pools, k, v)
+        return self._pool_table[1], self._pool_table[2]
 
     @classmethod
     def build(cls, lib: Kvk, plan_layers: list[Any], heads: int, kv_heads: int, d: int) -> FusedLayers | None:
@@ -182,7 +195,7 @@ class FusedLayers:
             modules = (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
             weights = [part for p in (qkv, o, gu, down) for part in p]
             kept = (norm1, norm2, *weights)
-            fused.append(_Fused(spec, layer.rope, how.window, modules, kept, ctypes.byref(spec)))
+            fused.append(_Fused(spec, layer.rope, how.window, modules, kept))
             storages += [st for st, _ in weights]
         if not fused or len(inters) != 1:
             return None
@@ -226,19 +239,25 @@ class FusedLayers:
             h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), m.data_ptr(), y.data_ptr(),
         )  # fmt: skip
         tables_cs = [rope.rows() for rope in ropes]
-        rope_ptrs = [(c.data_ptr(), s.data_ptr(), c.shape[-1]) for c, s in tables_cs]
-        fn = self.lib.lib.kvk_decoder_layer
-        ref = ctypes.byref(step)
-        clock = None if self.clock is None else self.clock.ctypes.data
-        pools = storage.kv_addresses
+        n = len(self.layers)
+        cos, sin, starts = (_p * n)(), (_p * n)(), (_p * n)()
+        window_starts: dict[int | None, int] = {}
         for index, layer in enumerate(self.layers):
-            cos, sin, width = rope_ptrs[layer.rope]
-            if layer.spec.rope_width != width:
-                layer.spec.rope_width = width
-            k_pool, v_pool = pools[index]
-            starts = plan.addresses(layer.window)[2]
-            status = fn(layer.spec_ref, ref, int(index > 0), cos, sin, starts, k_pool, v_pool, clock)
-            if status != 0:
-                raise RuntimeError(f"kvk_decoder_layer refused layer {index} (at its part {status})")
+            c, s = tables_cs[layer.rope]
+            cos[index], sin[index] = c.data_ptr(), s.data_ptr()
+            if layer.spec.rope_width != c.shape[-1]:
+                layer.spec.rope_width = c.shape[-1]
+            if layer.window not in window_starts:
+                window_starts[layer.window] = plan.addresses(layer.window)[2]
+            starts[index] = window_starts[layer.window]
+        k_pools, v_pools = self._pools(storage)
+        clock = None if self.clock is None else self.clock.ctypes.data
+        # every layer in one call: the GIL is taken back once a step (fused_layers: layer_ops.c)
+        status = self.lib.lib.kvk_decoder_layers(
+            self.spec_refs, n, ctypes.byref(step), cos, sin, starts, k_pools, v_pools, clock
+        )
+        if status != 0:
+            layer_index, part = divmod(status, 16)
+            raise RuntimeError(f"kvk_decoder_layer refused layer {layer_index} (at its part {part})")
         self.policy.record.add_uses(self.uses, self.weight_bytes)
         return x.add_(y)  # the last layer's MLP output (op by op: the next norm's residual)

@@ -1,4 +1,4 @@
-"""A decoder layer per C call (engine/model/fused_layers.py) computes what the own forward computes
+"""The decoder layers in one C call (engine/model/fused_layers.py) compute what the own forward computes
 op by op, to the last bit: logits, K/V, tokens, the step's kernel record; and it steps aside for
 whatever it does not cover (a probe, a quantized pool)."""
 
@@ -14,7 +14,7 @@ from tiny_models import IdTokenizer
 from engine.bench.decode_split import decode_split
 from engine.config import EngineConfig, SamplingParams
 from engine.core.llm_engine import LLMEngine
-from engine.events import StepStats
+from engine.events import RequestFailed, StepStats
 from engine.kernels import native
 from engine.kernels.policy import KernelPolicy
 from engine.model.gguf_native import load_native
@@ -105,3 +105,19 @@ def test_the_verify_step_split_counts_the_fused_layers_parts(loaded):
     for side in ("plain", "verify"):
         split = step["split_ms"][side]
         assert split["linears_ms"] > 0 and split["attention_ms"] > 0 and split["rest_ms"] < split["step_ms"]
+
+
+def test_a_layer_the_c_call_refuses_is_named_with_its_part(tmp_path):
+    """All layers run in one C call; a layer it cannot run (here a projection of a type kvk does
+    not take) fails the step with the layer and part named, not a later layer's garbage."""
+    model = tiny_gguf(tmp_path / "tiny.gguf")
+    events = []
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=150), events.append)
+    fused = engine.runner.own_forward.fused
+    assert fused is not None and len(fused.layers) > 1
+    fused.layers[1].spec.o.part[0].t = 99  # no GGML type
+    engine.add_request(Request(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=2)))
+    while engine.has_work():
+        engine.step()
+    failed = [e for e in events if isinstance(e, RequestFailed)]
+    assert len(failed) == 1 and "refused layer 1 (at its part 5)" in failed[0].message
