@@ -77,7 +77,11 @@ def _vm_hwm(status_file: Path) -> int:
 
 
 def run_llama_bench(binary: Path, gguf: Path, prompt: int, new_tokens: int, threads: int) -> LlamaBenchRun:
-    """One repetition of llama-bench: prefill `prompt` tokens, then decode `new_tokens`."""
+    """One repetition of llama-bench: prefill `prompt` tokens into an empty cache, and decode
+    `new_tokens` after `prompt` tokens already in the cache (its -d, "depth"), as kvscope's
+    engine decodes them after its prompt. Without the depth llama-bench decodes from an empty
+    cache, its attention reading none of the prompt's K/V: on a 1.7B model ~2-4 ms a token of
+    attention that kvscope's ITL paid and llama.cpp's did not."""
     args = [
         "-m",
         str(gguf),
@@ -85,6 +89,8 @@ def run_llama_bench(binary: Path, gguf: Path, prompt: int, new_tokens: int, thre
         str(prompt),
         "-n",
         str(new_tokens),
+        "-d",
+        f"0,{prompt}",  # (llama-bench runs each test at each depth: the prefill at 0 is the one read)
         "-t",
         str(threads),
         "-r",
@@ -94,8 +100,14 @@ def run_llama_bench(binary: Path, gguf: Path, prompt: int, new_tokens: int, thre
     ]
     out, peak, wall = _run(binary, args)
     rows = json.loads(out)
-    prefill = next(r for r in rows if r.get("n_prompt") == prompt and not r.get("n_gen"))
-    decode = next(r for r in rows if r.get("n_gen") == new_tokens and not r.get("n_prompt"))
+    prefill = next(
+        r for r in rows if r.get("n_prompt") == prompt and not r.get("n_gen") and not r.get("n_depth")
+    )
+    decode = next(
+        r
+        for r in rows
+        if r.get("n_gen") == new_tokens and not r.get("n_prompt") and r.get("n_depth") == prompt
+    )
     return LlamaBenchRun(float(prefill["avg_ts"]), float(decode["avg_ts"]), peak, wall)
 
 
