@@ -7,8 +7,13 @@ same engine, model and prompts, in one run.
 2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
    prompts, for the n-gram and the self-draft proposers (and a draft model with
    `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
-   self, then the next round in another order), greedy with EOS ignored so every run makes the
-   same tokens. Reported per method: tokens/s, the speedup (ratio of the runs' medians), the
+   self, then the next round in another order), greedy, each reply ending where the model ends
+   its turn (or at --new-tokens): what a user waits for. (With EOS ignored the repeat task went
+   on past the model's end of turn into chat-template text, ~a fifth of its tokens, which no
+   reply shows and where a lookup in the prompt has nothing to find.) Greedy, every method makes
+   plain decoding's tokens. Reported per method: decode tokens/s (from a reply's first token to
+   its last) and the speedup (over plain's, medians of the rounds; also from submission to the
+   last token, the prompt's prefill included, which speculation does not change), the
    share of drafts accepted, target forwards per token, the saving per token the engine
    measured, and whether every prompt's greedy text equals plain greedy decoding's.
 Speedups below 1 are reported as they are; with adaptive draft lengths (the default) a proposer
@@ -63,7 +68,7 @@ def proposers(args: argparse.Namespace) -> dict[str, SpeculativeConfig]:
 
 
 def _request(prompt: str, new_tokens: int) -> Request:
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     return Request.chat(prompt, sampling=params)
 
 
@@ -79,7 +84,10 @@ def run_tasks(
     report: dict[str, Any] = {}
     for task, prompts in TASKS.items():
         requests = [_request(p, args.new_tokens) for p in prompts]
-        seconds: dict[str, list[float]] = {n: [] for n in names}
+        # per round, seconds: "decode" from each reply's first token to its last (speculation's
+        # part: the prompt's prefill is the same work with or without it), "request" from
+        # submission to the last token, prefill included
+        seconds: dict[str, dict[str, list[float]]] = {n: {"decode": [], "request": []} for n in names}
         tokens: dict[str, list[tuple[int, ...]]] = {}
         stats: dict[str, list[Any]] = {n: [] for n in names}  # every round's: the counts over all
         for r in range(max(1, args.rounds)):
@@ -88,23 +96,37 @@ def run_tasks(
                 print(f"{task} round {r + 1}: {name}", file=sys.stderr)
                 spec = None if name == "none" else configs[name]
                 config = EngineConfig(block_size=args.block_size, speculative=spec)
-                total, ids = 0.0, []
+                request_s, decode_s, ids = 0.0, 0.0, []
                 for request in requests:
                     done, run = timed_run(loaded, config, request)
-                    total += run.seconds
+                    request_s += run.seconds
+                    decode_s += max(0.0, run.seconds - done.stats.ttft_s)
                     ids.append(done.token_ids)
                     stats[name].append(done.stats)
-                seconds[name].append(total)
+                seconds[name]["request"].append(request_s)
+                seconds[name]["decode"].append(decode_s)
                 tokens.setdefault(name, tuple(ids))  # type: ignore[arg-type]
-        plain_s = statistics.median(seconds["none"])
-        made = sum(len(t) for t in tokens["none"])
+
+        # a method whose text differed made other tokens: each rate counts its own
+        made = {name: sum(len(t) for t in tokens[name]) for name in names}
+        rate = {  # (the decode phase makes every token but each reply's first)
+            name: {
+                "decode": tokens_per_s(
+                    made[name] - len(requests), statistics.median(seconds[name]["decode"])
+                ),
+                "request": tokens_per_s(made[name], statistics.median(seconds[name]["request"])),
+            }
+            for name in names
+        }
         rows = {}
         for name in names:
-            run_s = statistics.median(seconds[name])
+            plain = rate["none"]
             rows[name] = {
-                "tokens_per_s": tokens_per_s(made, run_s),
-                "speedup": plain_s / run_s if run_s else 0.0,
-                "rounds_s": seconds[name],
+                "tokens_per_s": rate[name]["decode"],
+                "speedup": rate[name]["decode"] / plain["decode"] if plain["decode"] else 0.0,
+                "request_tokens_per_s": rate[name]["request"],
+                "request_speedup": rate[name]["request"] / plain["request"] if plain["request"] else 0.0,
+                "rounds_s": seconds[name]["decode"],
                 **_figures(stats[name]),
                 "output_equals_plain": tokens[name] == tokens["none"],
             }
@@ -175,7 +197,8 @@ def _table(report: dict[str, Any]) -> str:
         lines.append(f"{task}:")
         for name, row in rows.items():
             lines.append(
-                f"  {name:6} {row['tokens_per_s']:7.2f} tok/s  speedup {row['speedup']:.2f}  "
+                f"  {name:6} {row['tokens_per_s']:7.2f} tok/s  speedup {row['speedup']:.2f} "
+                f"(whole request {row['request_speedup']:.2f})  "
                 f"acceptance {row['acceptance_rate']:.0%} of {row['drafts_proposed']}  "
                 f"forwards/token {row['target_forwards_per_token']:.2f}  "
                 f"saved {row['saved_ms_per_token']:+.2f} ms/token  "
