@@ -386,8 +386,13 @@ KVK_API int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows,
         float *scratch = (float *)malloc((size_t)((int64_t)g * longest + 16 * d) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t r = task / kv_heads;
-            const int kvh = (int)(task % kv_heads);
+            // KV head by KV head, each over every row: a thread's consecutive tasks read one head's
+            // keys and values, which the rows of one sequence (a speculative round's, a prompt
+            // chunk's) share, so they come from its cache after the first row, not from memory
+            // again (a 1.7B verify step of 5 rows: attention 10.3 ms, 3.2x a decode row's). Each
+            // task is computed alone, as before: the same bits in any order.
+            const int64_t r = task % nrows;
+            const int kvh = (int)(task / nrows);
             attend_one(q + r * q_stride + (int64_t)kvh * g * d, g, d, k_pool, v_pool, kv_type, k_scales, v_scales,
                        block_size, kv_heads, kvh, tables + table_start[r], start[r], stop[r], scale, softcap,
                        sinks ? sinks + kvh * g : NULL, out + r * out_stride + (int64_t)kvh * g * d,
