@@ -241,15 +241,12 @@ class FusedLayers:
         tables_cs = [rope.rows() for rope in ropes]
         n = len(self.layers)
         cos, sin, starts = (_p * n)(), (_p * n)(), (_p * n)()
-        window_starts: dict[int | None, int] = {}
         for index, layer in enumerate(self.layers):
             c, s = tables_cs[layer.rope]
             cos[index], sin[index] = c.data_ptr(), s.data_ptr()
             if layer.spec.rope_width != c.shape[-1]:
                 layer.spec.rope_width = c.shape[-1]
-            if layer.window not in window_starts:
-                window_starts[layer.window] = plan.addresses(layer.window)[2]
-            starts[index] = window_starts[layer.window]
+            starts[index] = plan.addresses(layer.window)[2]  # (the plan keeps each window's array)
         k_pools, v_pools = self._pools(storage)
         clock = None if self.clock is None else self.clock.ctypes.data
         # every layer in one call: the GIL is taken back once a step (fused_layers: layer_ops.c)

@@ -272,9 +272,9 @@ KVK_API int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, 
 
 // Every layer of a step in one call: layer i is kvk_decoder_layer (specs[i], S, i > 0, cos[i], ...).
 // One call a step instead of one a layer: the engine thread takes the GIL back once a step, not
-// once a layer; in the app each time it does it may wait on the GUI thread's painting (up to the
-// switch interval), which had cost the app 7-15% of its tokens/s against headless. Returns 0, or
-// 16 * layer + its failing part.
+// once a layer, and in the app each time it does it may wait on the GUI thread's painting (up to
+// the switch interval). (The app ran at 0.85-0.93 of headless with a call a layer, 0.91-0.96
+// after; the measure's own noise is of that size.) Returns 0, or 16 * layer + its failing part.
 KVK_API int kvk_decoder_layers(const kvk_layer_spec *const *specs, int64_t n, const kvk_layer_step *S,
                                const float *const *cos, const float *const *sin, const int64_t *const *starts,
                                float *const *k_pools, float *const *v_pools, double *clock) {
