@@ -132,3 +132,26 @@ def test_a_gguf_format_keeps_kvk_unless_the_dense_kernel_is_twice_as_fast():
     assert policy_module.choose_by_rows(times, "kvk", GGUFWeight.dense_margin) == {
         1: "kvk", 64: "kvk", 128: "kvk", 256: "dense-bf16", 512: "dense-bf16"
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("cpu_seconds, cached", [(10.0, True), (0.001, False)], ids=["quiet", "busy"])
+def test_a_table_timed_on_a_busy_machine_serves_its_run_and_is_not_kept(monkeypatch, cpu_seconds, cached):
+    """A table is timed once per kvk build and cached: one timed while another job held the cores
+    would choose kernels for good. Kept only when the timing's threads got their cores (the
+    process's CPU time over wall time x threads); else used for this run, said in the notes, and
+    timed again at the next load."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    saved = []
+    monkeypatch.setattr(policy_module, "_MEASURED", {})
+    monkeypatch.setattr(policy_module, "BUSY_TABLES", {})
+    monkeypatch.setattr(policy_module, "_load_cached", lambda: {})
+    monkeypatch.setattr(policy_module, "_save_cached", lambda key, table: saved.append(key))
+    monkeypatch.setattr(policy_module, "_time_kernels", lambda storage: real_time.sleep(0.05) or dict(QUIET))
+    cpu = iter([0.0, cpu_seconds])
+    table = policy_module.measure(SimpleNamespace(kind="q4_1"), cpu_clock=lambda: next(cpu))
+    assert table == QUIET, "the table timed serves this run either way"
+    assert saved == (["q4_1"] if cached else [])
+    notes = policy_module.KernelPolicy({"q4_1": table}).describe()
+    assert any("busy machine" in line and "q4_1" in line for line in notes) is not cached
