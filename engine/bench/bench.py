@@ -6,7 +6,8 @@ bandwidth floor (bytes read per token / measured memory bandwidth) and MBU.
 
 `--model FILE` with any GGUF file (a 1.7B or 8B download) compares the native engine with
 llama-bench on it by default (no float32 twin of a large file is loaded): ITL, prefill of a
-`--prompt-tokens` long prompt (llama-bench's -p), load time and peak RSS side by side.
+`--prompt-tokens` long prompt (llama-bench's -p; its decode at that depth, -d, as kvscope's follows
+the prompt), load time and peak RSS side by side.
 """
 
 from __future__ import annotations
@@ -257,7 +258,10 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
     for p in results:
         results[p]["prefill_tokens_per_s"] = tokens_per_s(len(prompt_ids), statistics.median(samples[p][0]))
     if "llama.cpp" in results:
-        notes["llama.cpp"] = "llama-bench reports one mean rate per run: its ITL is the median of those means"
+        notes["llama.cpp"] = (
+            "llama-bench reports one mean rate per run: its ITL is the median of those means; it decodes "
+            "with the prompt's tokens already in its cache (its -d), as kvscope decodes after the prompt"
+        )
         assert llama_bench is not None and gguf is not None
         load_s["llama.cpp"] = llama_load_seconds(llama_bench, gguf, torch.get_num_threads())
         peak_rss["llama.cpp"] = max(run.peak_rss_bytes for run in llama_runs)
