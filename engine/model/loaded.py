@@ -106,6 +106,6 @@ BATCH_TRUTH_NOTE = (
     "batch truth: a greedy reply is the same alone, batched, chunked, prefix-cached, preempted and "
     "with speculative decoding (every kernel computes each row alone; a prompt's chunks end at fixed "
     "positions; a speculative round's rows attend as their decodes; a cached block serves only prompts "
-    "whose kernels computed it alike); it may differ on another machine (its kernel table) and between "
-    "native bits and float32"
+    "whose kernels computed it alike); it may differ on another machine (its kernel table), after a "
+    "kernel table timed on a busy machine (it serves only its own run) and between native bits and float32"
 )

@@ -224,7 +224,7 @@ static inline double now_s(void) {
 // starts: each row's first attended position (the layer's window); k_pool/v_pool: float32
 // [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated into [matmuls,
 // attention, the rest] (engine bench's decode split). Returns 0, or the failing part's number.
-KVK_API int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, int pending, const float *cos,
+static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, int pending, const float *cos,
                               const float *sin, const int64_t *starts, float *k_pool, float *v_pool,
                               double *clock) {
     const int64_t R = S->rows, H = L->hidden, d = L->d;
