@@ -28,6 +28,7 @@ class EngineCalls(QObject):
     def __init__(self, host: EngineHost, parent: QObject | None = None):
         super().__init__(parent)
         self.host = host
+        self.detached = False  # its chat tab closed: answers still on their way are dropped
 
     def ask(
         self,
@@ -45,14 +46,23 @@ class EngineCalls(QObject):
         generation = self.host.generation
 
         def returned(value: Any) -> None:
+            if self.detached:
+                return  # the asker's widgets are gone
             if self.host.generation != generation:
                 # asked of an engine that is gone: its answer (token ids, limits) is about another model
                 failed("another model was loaded before the engine answered")
             else:
                 on_result(value)
 
-        connect(self.host.ask(query, name="chat question"), on_returned=returned, on_errored=failed)
+        def errored(message: str) -> None:
+            if not self.detached:
+                failed(message)
+
+        connect(self.host.ask(query, name="chat question"), on_returned=returned, on_errored=errored)
         return True
+
+    def detach(self) -> None:
+        self.detached = True
 
     @property
     def local(self) -> bool:

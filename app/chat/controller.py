@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Signal, SignalInstance
 
 from app.chat.branching import Branching
 from app.chat.chat_options import ChatOptions
@@ -75,7 +76,7 @@ class ChatController(QObject):
         self.pane, self.sidebar, self.store, self.host = pane, sidebar, store, host
         self.context_policy = context_policy
         self.session = session = ChatSession()
-        calls = EngineCalls(host, self)
+        self.calls = calls = EngineCalls(host, self)
         signals = ChatSignals(
             status=self.status_message.emit,
             started=self.reply_started.emit,
@@ -145,13 +146,19 @@ class ChatController(QObject):
         sidebar.chosen.connect(self.conversations.open_conversation)
         sidebar.search_changed.connect(self.conversations.search)
         sidebar.hit_chosen.connect(self.conversations.open_message)
-        host.tokens_generated.connect(self.streaming.on_tokens)
-        host.request_finished.connect(self.streaming.on_finished)
-        host.request_failed.connect(self.streaming.on_failed)
-        host.status_changed.connect(self.sync_state)
-        host.model_loaded.connect(self.schedule_measure)
-        host.frame.connect(self.streaming.on_frame)
-        host.tool_calls_parsed.connect(self.tool_rounds.on_tool_calls_parsed)
+        # The host outlives a closed tab: its signals are cut in detach(), not left to reach
+        # parts (plain Python objects) whose widgets are deleted.
+        self._host_links: list[tuple[SignalInstance, Callable[..., Any]]] = [
+            (host.tokens_generated, self.streaming.on_tokens),
+            (host.request_finished, self.streaming.on_finished),
+            (host.request_failed, self.streaming.on_failed),
+            (host.status_changed, self.sync_state),
+            (host.model_loaded, self.schedule_measure),
+            (host.frame, self.streaming.on_frame),
+            (host.tool_calls_parsed, self.tool_rounds.on_tool_calls_parsed),
+        ]
+        for signal, slot in self._host_links:
+            signal.connect(slot)
         pane.structured_requested.connect(options.edit_structured_output)
         pane.tools_toggled.connect(options.set_tools)
         pane.tool_choice_chosen.connect(options.set_tool_choice)
@@ -179,6 +186,14 @@ class ChatController(QObject):
     @property
     def busy(self) -> bool:
         return self.session.busy
+
+    def detach(self) -> None:
+        """Its tab is closing: the host's signals and the engine's pending answers no longer
+        reach this chat (its widgets are deleted next)."""
+        for signal, slot in self._host_links:
+            signal.disconnect(slot)
+        self._host_links.clear()
+        self.calls.detach()
 
     def sync_state(self) -> None:
         """The pane's controls, the sidebar and the bubbles follow the state."""

@@ -110,6 +110,7 @@ class ChatTabs(QTabWidget):
         assert pane is not None, "a tab holds its pane"
         self.removeTab(index)
         self.controllers.pop(index)
+        controller.detach()
         controller.sidebar.deleteLater()
         controller.deleteLater()
         pane.deleteLater()

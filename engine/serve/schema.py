@@ -100,8 +100,9 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token (nothing precedes it to predict it), as OpenAI's
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

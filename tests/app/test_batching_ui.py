@@ -181,3 +181,19 @@ def test_two_chat_tabs_generate_at_once_each_in_its_own_colour(make_window, qtbo
     assert len({c.conversation.id for c in tabs.controllers}) == 2
     tabs.close_tab(1)
     assert tabs.count() == 1
+
+
+def test_a_closed_tab_hears_nothing_more_from_the_engine(make_window, qtbot):
+    """The host and the engine outlive a closed tab: neither a frame, a reply of another tab nor
+    an answer the tab asked for before closing reaches its deleted widgets."""
+    window = make_window()
+    tabs = window.chat_tabs
+    second = tabs.add_tab()
+    second.pane.input.setPlainText("a draft the meter is counting")
+    second.context.measure_now()  # its answer is on the way when the tab closes
+    tabs.close_tab(1)
+    qtbot.wait(300)  # the deferred deletions, and the engine's answer
+    window.host.frame.emit({"kv", "model"})
+    with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
+        window.controller.send("Tell me about rivers.")
+    assert tabs.count() == 1 and window.controller.conversation.messages[-1].content
