@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from engine.core import gc_heap
 from engine.errors import describe_load_error
 from engine.events import (
     EngineError,
@@ -279,6 +280,7 @@ class Engine:
         from engine.model import runtime_memory
 
         runtime_memory.engine_released()
+        gc_heap.thaw()
         with self._closing:
             self._closed = True
         with self._runs_lock:
@@ -352,6 +354,7 @@ class Engine:
         self.info = self._loaded.info
         if loads:
             runtime_memory.give_back_freed_memory()  # the engine's set-up's copies (load_model gave back its own)
+        gc_heap.freeze()  # what lives now lives as long as the engine: out of full collections
         sample = core.sample_memory()
         if loads and self._loaded.device.type == "cpu":  # what the runtime adds to a load, measured
             runtime_memory.record_load(

@@ -176,3 +176,21 @@ def test_call_fails_when_the_model_did_not_load(tmp_path):
             engine._call(lambda core: 1).result(10)
     finally:
         engine.shutdown()
+
+
+def test_a_loaded_engine_keeps_its_heap_out_of_full_collections(tiny_loaded):
+    """What lives at the end of a load lives as long as the engine: frozen, a full collection
+    walks only what was made since (engine/core/gc_heap.py); closing thaws it, so the model's
+    objects can be collected after the engine is gone."""
+    import gc
+
+    engine = Engine(EngineConfig(block_size=4, num_blocks=64), Sink(), loaded=tiny_loaded)
+    engine.start()
+    assert engine.wait_until_loaded(30)
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000, "the imports' and the model's objects"
+    walked_before = len(gc.get_objects())
+    assert walked_before < frozen, "a full collection now walks less than it keeps out"
+    engine.shutdown()
+    assert not engine.is_alive()
+    assert gc.get_freeze_count() == 0
