@@ -97,8 +97,18 @@ class GGUFWeight(WeightStorage):
         not the table's address lookup (numpy's .ctypes is ~1 us) and argument checks (~4 us
         a call, 120+ calls a token)."""
         native.check_table(self.row_table)
-        self._call_kvk = self.lib.lib.kvk_matmul
-        self._args = (int(self.ggml_type), self.row_table.ctypes.data, self.out_features, self.in_features)
+        # a permuted table (Llama's q/k rows as transformers orders them, a fused q|k|v) is read
+        # in address order by a decode row: the outputs stay where the table puts them
+        self.visit = native.visit_order(self.row_table)
+        self._call_kvk = self.lib.lib.kvk_matmul_visit
+        visit = 0 if self.visit is None else self.visit.ctypes.data
+        self._args = (
+            int(self.ggml_type),
+            self.row_table.ctypes.data,
+            visit,
+            self.out_features,
+            self.in_features,
+        )
 
     @classmethod
     def cat(cls, parts: list[GGUFWeight]) -> GGUFWeight:
@@ -148,8 +158,8 @@ class GGUFWeight(WeightStorage):
             raise ValueError(f"activations must be [rows, {self.in_features}], got {tuple(flat.shape)}")
         rows = flat.shape[0]
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        ggml_type, table, n, k = self._args
-        status = self._call_kvk(ggml_type, table, n, k, flat.data_ptr(), k, rows, out.data_ptr(), n)
+        ggml_type, table, visit, n, k = self._args
+        status = self._call_kvk(ggml_type, table, visit, n, k, flat.data_ptr(), k, rows, out.data_ptr(), n)
         if status != 0:
             raise RuntimeError(
                 f"kvk_matmul refused GGML type {self.ggml_type.name} with {k} inputs (status {status})"

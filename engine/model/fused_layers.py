@@ -41,7 +41,7 @@ MAX_PARTS = 4  # layer_ops.c's kvk_proj: q|k|v across three formats fits
 
 
 class _Part(ctypes.Structure):  # layer_ops.c's kvk_part
-    _fields_ = [("t", _i32), ("unused", _i32), ("n", _i64), ("rows", _p), ("bias", _p)]
+    _fields_ = [("t", _i32), ("unused", _i32), ("n", _i64), ("rows", _p), ("bias", _p), ("visit", _p)]
 
 
 class _Proj(ctypes.Structure):  # layer_ops.c's kvk_proj
@@ -110,8 +110,14 @@ def _policy_of(module: nn.Module) -> KernelPolicy:
 def _proj(parts: list[tuple[GGUFWeight, torch.Tensor | None]]) -> _Proj:
     proj = _Proj(count=len(parts))
     for i, (storage, bias) in enumerate(parts):
+        visit = None if storage.visit is None else storage.visit.ctypes.data
         proj.part[i] = _Part(
-            int(storage.ggml_type), 0, storage.out_features, storage.row_table.ctypes.data, _address(bias)
+            int(storage.ggml_type),
+            0,
+            storage.out_features,
+            storage.row_table.ctypes.data,
+            _address(bias),
+            visit,
         )
     return proj
 

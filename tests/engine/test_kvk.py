@@ -172,6 +172,35 @@ def test_a_row_map_reads_the_rows_it_names(kvk, qtype):
     assert torch.equal(bf16, kvk.dequantize_bf16(qtype, row_addresses(blocks), cols)[order])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_a_permuted_table_is_read_in_address_order_with_the_same_bits(qtype):
+    """Llama's q/k rows as transformers orders them: a decode row reads them as the file holds
+    them (kvk_matmul_visit) and writes each output where the table puts it, the bits of the
+    permuted table read in its own order."""
+    cols, n = 512, 128
+    blocks = random_blocks(qtype, n, cols, seed=8)
+    head = np.concatenate([np.arange(0, 64, 2), np.arange(1, 64, 2)])  # transformers' q/k order
+    order = np.concatenate([head, head + 64])
+    storage = GGUFWeight(qtype, blocks, cols, row_map=order)
+    in_order = GGUFWeight(qtype, blocks, cols)
+    assert storage.visit is not None and np.array_equal(
+        storage.row_table[storage.visit], np.sort(storage.row_table)
+    )
+    assert in_order.visit is None
+    kvk = native.kernels()
+    for rows in (1, 5, 23):  # a decode row, a speculative round, a prompt's tiles (table order)
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        unvisited = kvk.matmul(qtype, storage.row_table, cols, x)
+        assert torch.equal(storage.matmul("kvk", x), unvisited)
+        assert torch.equal(unvisited, in_order.matmul("kvk", x)[:, order])
+    fused = GGUFWeight.cat([storage, in_order])
+    assert fused.visit is not None
+    x = torch.randn(1, cols)
+    assert torch.equal(
+        fused.matmul("kvk", x), torch.cat([storage.matmul("kvk", x), in_order.matmul("kvk", x)], 1)
+    )
+
+
 def test_the_builds_agree_with_each_other():
     """The instruction sets sum in different orders; their products agree to float32 rounding."""
     if len(VARIANTS) < 2:

@@ -283,6 +283,14 @@ def check_table(rows: np.ndarray) -> None:
         raise TypeError("kvk takes a table of row addresses (engine.kernels.native.row_addresses)")
 
 
+def visit_order(table: np.ndarray) -> np.ndarray | None:
+    """The outputs of a row table in its rows' address order (kvk_matmul_visit: a decode row
+    streams the weights as the file holds them), or None where the table already is in that order."""
+    if table.shape[0] < 2 or bool(np.all(table[1:] > table[:-1])):
+        return None
+    return np.argsort(table, kind="stable").astype(np.int64)
+
+
 def row_addresses(blocks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """The address of each row of `blocks` (uint8 [rows, bytes per row]), in `order` when given:
     the table the kernels read rows through. The table holds raw addresses: keep `blocks` alive."""
@@ -301,6 +309,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     matmul: list[Any] = [_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _c_i64, _ptr, _c_i64]
     for fn in (lib.kvk_matmul, lib.kvk_matmul_f32):
         fn.argtypes, fn.restype = matmul, _c_int
+    lib.kvk_matmul_visit.argtypes, lib.kvk_matmul_visit.restype = [*matmul[:2], _ptr, *matmul[2:]], _c_int
     lib.kvk_dequantize_rows.argtypes = [_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr]
     lib.kvk_dequantize_rows.restype = _c_int
     lib.kvk_dequantize_bf16.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr]

@@ -1135,14 +1135,19 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
 
 // The weight rows [i0, i1) of one thread.
 static inline __attribute__((always_inline)) void rows_typed(const int t, const int bytes, const int act, const int sub,
-                                                             const uint8_t *const *rowp,
+                                                             const uint8_t *const *rowp, const int64_t *visit,
                                                              int64_t i0, int64_t i1, int64_t k, const uint8_t *A,
                                                              const act_layout *l, int64_t nr, float *y, int64_t ys) {
     const int64_t ostride = ((k / 32 + 8) / 16 + 1) * 16 * 2;  // room for k/16 entries and a tail
     float *o = (float *)aligned_alloc(64, sizeof(float) * NW * (size_t)ostride);
     if (nr <= SEQUENTIAL_ROWS) {
-#define KVK_FEW(NR) \
-    case NR: for (int64_t i = i0; i < i1; i++) few_rows16(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys); break;
+#define KVK_FEW(NR)                                                                             \
+    case NR:                                                                                    \
+        for (int64_t v = i0; v < i1; v++) {                                                     \
+            const int64_t i = visit ? visit[v] : v;                                             \
+            few_rows16(t, bytes, act, sub, NR, rowp[i], k, A, l, o, y + i, ys);                 \
+        }                                                                                       \
+        break;
         switch (nr) { KVK_FEW(1) KVK_FEW(2) KVK_FEW(3) KVK_FEW(4) KVK_FEW(5) KVK_FEW(6) KVK_FEW(7) KVK_FEW(8) }
 #undef KVK_FEW
         free(o);
@@ -1163,10 +1168,10 @@ static inline __attribute__((always_inline)) void rows_typed(const int t, const 
     free(o);
 }
 
-static void rows_avx512(int t, const uint8_t *const *rowp, int64_t i0, int64_t i1, int64_t k,
+static void rows_avx512(int t, const uint8_t *const *rowp, const int64_t *visit, int64_t i0, int64_t i1, int64_t k,
                         const uint8_t *A, const act_layout *l, int64_t nr, float *y, int64_t ys) {
 #define KVK_CASE(T, BYTES, ACT, SUB) \
-    case T: rows_typed(T, BYTES, ACT, SUB, rowp, i0, i1, k, A, l, nr, y, ys); return;
+    case T: rows_typed(T, BYTES, ACT, SUB, rowp, visit, i0, i1, k, A, l, nr, y, ys); return;
     switch (t) {
         KVK_CASE(T_Q4_0, 18, 32, 32)
         KVK_CASE(T_Q4_1, 20, 32, 32)
@@ -1552,8 +1557,25 @@ KVK_API int64_t kvk_row_bytes(int t, int64_t k) {
 // one call, a permutation of a tensor's rows, or a tensor's rows in order). Quantized types
 // quantize x to one 16-bit plane; float types
 // multiply it as it is. Returns 0, or -1 for a type or shape it does not take.
+//
+// visit: NULL, or the order in which a few-row call (nr <= SEQUENTIAL_ROWS: a decode step, a
+// speculative round; the portable build: every call) computes the outputs, each still written to
+// its own place: the table's rows
+// by address (GGUFWeight's visit_order) where the table is a permutation. Llama's q and k rows,
+// read in the order transformers permutes them to (every other row of a head, then the others),
+// made a pass over a 1.7B Q4_0's layers at one row 52.9 ms against 47.5 in file order, 47.9 with
+// this (one process, interleaved); engine bench's ITL against llama.cpp went 1.37x -> 1.16x. A
+// row's output is computed as alone either way: the bits do not change.
+KVK_API int kvk_matmul_visit(int t, const uint8_t *const *rowp, const int64_t *visit, int64_t n, int64_t k,
+                             const float *x, int64_t xs, int64_t nr, float *y, int64_t ys);
+
 KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
                        const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
+    return kvk_matmul_visit(t, rowp, NULL, n, k, x, xs, nr, y, ys);
+}
+
+KVK_API int kvk_matmul_visit(int t, const uint8_t *const *rowp, const int64_t *visit, int64_t n, int64_t k,
+                             const float *x, int64_t xs, int64_t nr, float *y, int64_t ys) {
     kvk_type ti = {0, 0, 0, 0};
     if (!type_info(t, &ti) || k % ti.block || nr < 0 || n < 0) return -1;
     if (nr == 0 || n == 0) return 0;
@@ -1593,11 +1615,12 @@ KVK_API int kvk_matmul(int t, const uint8_t *const *rowp, int64_t n, int64_t k,
 #endif
         const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
         const int64_t i0 = t0 * NW, i1 = t1 * NW < n ? t1 * NW : n;
-        if (i0 < i1) rows_avx512(t, rowp, i0, i1, k, act, &l, nr, y, ys);
+        if (i0 < i1) rows_avx512(t, rowp, visit, i0, i1, k, act, &l, nr, y, ys);
     }
 #else
 #pragma omp parallel for schedule(static) if (par)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t v = 0; v < n; v++) {
+        const int64_t i = visit ? visit[v] : v;
         const uint8_t *row = rowp[i];
         for (int64_t r = 0; r < nr; r++) y[r * ys + i] = dot_row_portable(t, &ti, row, k, act + r * l.stride, &l);
     }
