@@ -19,10 +19,9 @@ from __future__ import annotations
 import gc
 
 
-def freeze() -> int:
-    """Keep every object alive now out of collections; the count kept out."""
+def freeze() -> None:
+    """Keep every object alive now out of collections."""
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def thaw() -> None:
