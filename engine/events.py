@@ -39,7 +39,7 @@ class ModelInfo:
     max_position_embeddings: int
     params: int
     weight_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of a pool whose config says "auto" (stored as kv_dtype)
     load_seconds: float
     # The weight scheme applied at load (engine.quant.schemes) and what the same weights took in
     # the load dtype before it: the "before" of the app's weights before/after. None: not known.
@@ -57,6 +57,13 @@ class ModelInfo:
     # a system prompt merged into the first user turn, or plain text for a model without a
     # template. "" when the template takes the conversation as it is.
     chat_note: str = ""
+    # What a KV pool whose config says "auto" stores (engine.shapes.auto_kv_dtype: float16 for a
+    # GGUF at its own bits); "" for the model's dtype (a remote engine's, or a hand-made info).
+    kv_dtype: str = ""
+
+    def kv_stored_as(self, kv_dtype: str) -> str:
+        """What a pool configured with `kv_dtype` ("auto" or "int8") stores: "int8", or a dtype."""
+        return "int8" if kv_dtype == "int8" else self.kv_dtype or self.dtype
 
 
 @dataclass(frozen=True, slots=True)

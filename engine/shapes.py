@@ -16,12 +16,24 @@ def kv_bytes_per_token(
 ) -> int:
     """THE KV formula: 2 (K and V) x layers x kv_heads x (head_dim x element bytes), where int8 KV
     stores 1-byte codes plus a float16 scale per head. GQA/MQA shrink kv_heads. The pool, the
-    inspect-model report and the KV calculator all use it."""
+    inspect-model report and the KV calculator all use it. `kv_dtype`: "auto" (elements in
+    `dtype`), "int8", or the element dtype itself (what `auto_kv_dtype` resolves "auto" to)."""
     if kv_dtype == "int8":
         per_head = head_dim + KV_INT8_SCALE_BYTES
     else:
-        per_head = head_dim * DTYPE_BYTES[dtype]
+        per_head = head_dim * DTYPE_BYTES[dtype if kv_dtype == "auto" else kv_dtype]
     return 2 * num_layers * num_kv_heads * per_head
+
+
+def auto_kv_dtype(dtype: str, native_bits: bool) -> str:
+    """What a KV pool stores when its config says "auto", for a model computing in `dtype`: that
+    dtype, except float16 for a model whose weights stay at a GGUF's own bits and compute in
+    float32. Such a model's K/V are computed in float32 from weights of 4-8 bits; llama.cpp keeps
+    them in float16 by default, and float32 doubled both the pool's memory and what each decode
+    step's attention reads (a 1.7B model at a few hundred tokens of context: ~4 ms of a ~45 ms
+    token). A float32 model of a folder keeps a float32 pool: its parity with transformers is
+    exact."""
+    return "float16" if native_bits and dtype == "float32" else dtype
 
 
 @dataclass(frozen=True, slots=True)

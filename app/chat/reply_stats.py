@@ -71,7 +71,8 @@ class KeptStats:
             weights=info.quantization if info else "none",
             dtype=info.dtype if info else "",
             device=info.device if info else "",
-            kv_dtype=config.kv_dtype if config else "auto",
+            # what the pool stores ("auto" where the engine is remote: its pool is not known here)
+            kv_dtype=info.kv_stored_as(config.kv_dtype) if info and config else "auto",
             speculative=spec,
         )
 

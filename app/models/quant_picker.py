@@ -20,7 +20,7 @@ from engine.events import ModelInfo, ModelLoaded
 from engine.units import format_bytes
 
 NONE = "none"  # engine.quant.schemes.NONE, without importing torch for a constant
-KV_LABELS = {"auto": "model dtype", "int8": "int8 (per-token scales)"}
+KV_LABELS = {"auto": "auto (model dtype; float16 for GGUF bits)", "int8": "int8 (per-token scales)"}
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 MUTED_ITEM = "#6b7280"  # an unavailable scheme's text in the drop-down
 
@@ -63,9 +63,9 @@ def describe_loaded(weights: WeightsFigures, loaded: ModelLoaded, kv_dtype: str)
         )
     per_block = loaded.kv_pool_bytes // loaded.kv_num_blocks if loaded.kv_num_blocks else 0
     full_block = loaded.info.kv_bytes_per_token * loaded.kv_block_size
-    kv = f"KV {KV_LABELS.get(kv_dtype, kv_dtype)}: {format_bytes(per_block)} per page"
+    kv = f"KV {loaded.info.kv_stored_as(kv_dtype)}: {format_bytes(per_block)} per page"
     if kv_dtype != "auto" and full_block:
-        kv += f" ({format_bytes(full_block)} in {loaded.info.dtype}), {loaded.kv_num_blocks:,} pages"
+        kv += f" ({format_bytes(full_block)} in {loaded.info.kv_stored_as('auto')}), {loaded.kv_num_blocks:,} pages"
     else:
         kv += f", {loaded.kv_num_blocks:,} pages"
     return "\n".join([line, kv, *loaded.info.notes])
@@ -112,8 +112,9 @@ class QuantizationChoice(QObject):
         for name in KV_DTYPES:
             self.kv_dtype.addItem(KV_LABELS.get(name, name), name)
         self.kv_dtype.setToolTip(
-            "How the paged KV cache stores keys and values: the model's dtype, or int8 with a scale "
-            "per token and head (a quarter of float32: more pages in the same budget)"
+            "How the paged KV cache stores keys and values: auto is the model's dtype (float16 for a "
+            "GGUF kept at its own bits, as llama.cpp keeps it), or int8 with a scale per token and "
+            "head (a quarter of float32: more pages in the same budget)"
         )
         self.note = QLabel()  # the chosen scheme: what it does, and how it runs or why not
         self.note.setObjectName("hint")

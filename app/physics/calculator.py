@@ -25,7 +25,7 @@ def loaded_config(info: ModelInfo, kv_dtype: str, batch: int, available_bytes: i
         num_layers=info.num_layers,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
-        dtype=kv_storage(info.dtype, kv_dtype),
+        dtype=kv_storage(info.kv_stored_as("auto"), kv_dtype),
         context=info.max_position_embeddings,
         batch=batch,
         num_heads=info.num_heads,

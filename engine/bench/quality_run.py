@@ -98,7 +98,7 @@ def measure_quality(
     if cancelled():
         return None
     progress(f"{spec.quantization}: distributions over {len(ids)} tokens")
-    q_logits = teacher_forced_logits(quantized.model, ids, kv_dtype)
+    q_logits = teacher_forced_logits(quantized.model, ids, quantized.kv_dtype_for(kv_dtype))
     q_speed = _speed(quantized, kv_dtype, ids, speed_tokens, progress, spec.quantization)
     texts = tuple(_text(quantized, i) for i in ids)
     del quantized

@@ -146,9 +146,12 @@ def build_report(args: argparse.Namespace, names: list[str], statuses: list[Sche
         assert eval_ids is not None and ref_logits is not None, "they come with the reference"
         say(f"quality of {name} on the evaluation text")
         quality = compare_logits(
-            ref_logits, teacher_forced_logits(loaded.model, eval_ids, args.kv_dtype), eval_ids
+            ref_logits,
+            teacher_forced_logits(loaded.model, eval_ids, loaded.kv_dtype_for(args.kv_dtype)),
+            eval_ids,
         )
         _fill_load_and_quality(row, loaded, reference, quality)
+        row["kv_stored_as"] = loaded.info.kv_stored_as(args.kv_dtype)  # the pool the quality ran with
         errors = layer_output_errors(reference.model, loaded.model)
         row["layer_error_median"] = statistics.median(errors.values())
         row["layer_error_max"] = max(errors.values())
@@ -210,7 +213,8 @@ def _reply_top1_agreement(
     context = prompt + reference_reply
     ref_logits = teacher_forced_logits(reference_engine.loaded.model, context)
     for row, speed in runs:
-        logits = teacher_forced_logits(speed.engine.loaded.model, context, kv_dtype)
+        loaded = speed.engine.loaded
+        logits = teacher_forced_logits(loaded.model, context, loaded.kv_dtype_for(kv_dtype))
         agree = compare_logits(ref_logits, logits, context).top1_agree[len(prompt) - 1 :]
         row["reply_top1_agreement"] = sum(agree) / len(agree)
 
@@ -305,5 +309,6 @@ def _table(report: dict[str, Any]) -> str:
             f"{r['decode_tok_s']:>10.1f}{r['layer_error_max']:>10.1e}{r['mean_kl']:>10.2e}"
             f"{r['top1_agreement']:>7.1%}{r['perplexity']:>10.2f}"
             f"{r.get('greedy_prefix_match', 1.0):>8.0%}{r.get('reply_top1_agreement', 1.0):>12.0%}"
+            f"  KV {r['kv_stored_as']}"
         )
     return "\n".join(lines)

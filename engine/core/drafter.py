@@ -94,7 +94,7 @@ class ModelDrafter:
             info.head_dim,
             draft.dtype,
             draft.device,
-            kv_dtype=config.kv_dtype,
+            kv_dtype=draft.kv_dtype_for(config.kv_dtype),
             layers=draft.attention or None,
         )
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size), enable_prefix_caching=False)

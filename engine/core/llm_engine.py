@@ -90,8 +90,9 @@ class LLMEngine:
         info = loaded.info
         self.tokenizer = loaded.tokenizer
         bs = config.block_size
+        kv_dtype = loaded.kv_dtype_for(config.kv_dtype)  # "auto": float16 for a GGUF at its own bits
         block_bytes = PagedKVStorage.block_bytes(
-            info.num_layers, bs, info.num_kv_heads, info.head_dim, loaded.dtype, config.kv_dtype
+            info.num_layers, bs, info.num_kv_heads, info.head_dim, loaded.dtype, kv_dtype
         )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
@@ -112,7 +113,7 @@ class LLMEngine:
             info.head_dim,
             loaded.dtype,
             loaded.device,
-            kv_dtype=config.kv_dtype,
+            kv_dtype=kv_dtype,
             layers=loaded.attention or None,
         )
         policy = loaded.policy if loaded.policy is not None else KernelPolicy()

@@ -7,12 +7,12 @@ SiLU gate. At a decode row each costs a few microseconds of dispatch, not arithm
 packaged SmolLM2-135M (30 layers) ~3 ms of a ~10 ms token went outside the matmuls and the
 attention. Where every layer is the plain shape (q|k|v and gate|up each one projection of GGUF parts on
 kvk: one format, or side by side as Q4_K_M's Q4_K and Q6_K; Llama's RMSNorms, RoPE, SiLU, a
-float32 pool) and the kernel table picks kvk for the step's rows, the layer runs as
+float32 or float16 pool) and the kernel table picks kvk for the step's rows, the layer runs as
 one call of the same C functions in the same order on the same values: the same bits as op by op
 (tests/engine/test_fused_layers.py), so a sequence's tokens do not depend on which path ran.
 
 Anything else runs op by op: a probe (logit lens, steering, attention maps, expert routes), a
-hooked module, a quantized or half-precision KV pool, another kernel for these rows.
+hooked module, an int8 or bfloat16 KV pool, another kernel for these rows.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_f
 
 
 MAX_PARTS = 4  # layer_ops.c's kvk_proj: q|k|v across three formats fits
+# The pools a fused layer writes (as PagedKVStorage.write does: float16 rounded to nearest even)
+# and attends, as attention.c's kinds.
+_FUSED_POOLS = {torch.float32: 0, torch.float16: 1}
 
 
 class _Part(ctypes.Structure):  # layer_ops.c's kvk_part
@@ -63,6 +66,7 @@ class _LayerStep(ctypes.Structure):  # layer_ops.c's kvk_layer_step
     _fields_ = [
         ("rows", _i64),
         ("block_size", _i64),
+        ("kv_type", _i64),
         *[
             (n, _p)
             for n in ("x", "kv_rows", "tables", "table_start", "stops", "h", "qkv", "attn", "gu", "m", "y")
@@ -209,9 +213,10 @@ class FusedLayers:
         return cls(lib, policy, fused, storages, int(fused[0].spec.hidden), inters.pop())
 
     def usable(self, storage: PagedKVStorage, batch: PagedBatch, rows: int) -> bool:
-        """Whether this step can run fused: a float32 pool, every row attending through kvk's
-        row plan with nothing recording, kvk chosen for these rows, no hook on any projection."""
-        if storage.quantized or storage.kv[0].dtype != torch.float32 or batch.recorder is not None:
+        """Whether this step can run fused: a float32 or float16 pool, every row attending
+        through kvk's row plan with nothing recording, kvk chosen for these rows, no hook on any
+        projection."""
+        if storage.kv[0].dtype not in _FUSED_POOLS or batch.recorder is not None:
             return False
         plan = batch.row_plan()
         if plan is None or plan.count != rows:
@@ -241,7 +246,7 @@ class FusedLayers:
         slot_rows = slots.to(torch.int64).contiguous()
         tables, table_start, _, stops = plan.addresses(None)
         step = _LayerStep(
-            rows, storage.block_size, x.data_ptr(), slot_rows.data_ptr(), tables, table_start, stops,
+            rows, storage.block_size, _FUSED_POOLS[storage.kv[0].dtype], x.data_ptr(), slot_rows.data_ptr(), tables, table_start, stops,
             h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), m.data_ptr(), y.data_ptr(),
         )  # fmt: skip
         tables_cs = [rope.rows() for rope in ropes]

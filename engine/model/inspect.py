@@ -23,7 +23,7 @@ from engine.model.loading import resolve_scheme
 from engine.model.runtime_memory import runtime_estimate
 from engine.model.sources import ModelSource, resolve_source
 from engine.model.support import support_for
-from engine.shapes import ModelShapes
+from engine.shapes import ModelShapes, auto_kv_dtype
 
 if TYPE_CHECKING:
     from engine.model.gguf_plan import GGUFPlan
@@ -108,8 +108,9 @@ def memory_estimate(
     budget_bytes, budget_source = budget
     context = shapes.max_position_embeddings if context is None else context
     weights = shapes.weight_bytes(dtype) if plan is None else plan.held_bytes
-    kv_per_token = shapes.kv_bytes_per_token(dtype)
     native = plan is not None and plan.native
+    kv_dtype = auto_kv_dtype(dtype, native)  # as the engine's "auto" pool will store it
+    kv_per_token = shapes.kv_bytes_per_token(dtype, kv_dtype)
     return {
         "dtype": dtype,
         # the weights' format: the chosen dtype, or a GGUF's own bits where the load keeps them
@@ -127,6 +128,7 @@ def memory_estimate(
         "max_position_embeddings": shapes.max_position_embeddings,
         "params": shapes.params,
         "weight_bytes": weights,
+        "kv_dtype": kv_dtype,
         "kv_bytes_per_token": kv_per_token,
         "context": context,
         "kv_bytes_for_context": kv_per_token * context,

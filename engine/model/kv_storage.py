@@ -44,6 +44,11 @@ _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
 
 Blocks = slice | torch.Tensor  # consecutive block ids as a slice, else an index tensor
 
+# A pool's formats: "auto" stores the model's dtype; "float16" what an "auto" pool of a GGUF at
+# its own bits stores (engine.shapes.auto_kv_dtype; LoadedModel.kv_dtype_for resolves it);
+# "int8" codes with a scale per (token, head).
+STORED_AS: dict[str, torch.dtype | None] = {"auto": None, "float16": torch.float16, "int8": torch.int8}
+
 
 @dataclass(slots=True)
 class SeqSlice:
@@ -90,11 +95,12 @@ class PagedKVStorage:
         kv_dtype: str = "auto",
         layers: tuple[AttentionSpec, ...] | None = None,
     ):
-        if kv_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {kv_dtype!r}")
+        if kv_dtype not in STORED_AS:
+            raise ValueError(f"kv_dtype must be one of {', '.join(STORED_AS)}, got {kv_dtype!r}")
         self.quantized = kv_dtype == "int8"
         shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
-        store = torch.int8 if self.quantized else dtype
+        store = STORED_AS[kv_dtype] or dtype
+        self.store_dtype = store
         # K and V of a layer in one tensor, so one index_select gathers both (k and v are its views).
         # Every slot reads as zero until written (the torch decode path reads whole blocks under a
         # mask, so each must hold a finite value); on the CPU its pages become resident only as
@@ -184,7 +190,7 @@ class PagedKVStorage:
             self._write_int8(layer, rows, kv[:, 0], kv[:, 1])
             return
         pair = self.kv[layer].view(2, -1, self.head_dim)
-        pair.index_copy_(1, rows, kv.transpose(0, 1).reshape(2, -1, self.head_dim).to(self.dtype))
+        pair.index_copy_(1, rows, kv.transpose(0, 1).reshape(2, -1, self.head_dim).to(self.store_dtype))
 
     def write(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value [T, kv_heads, head_dim] into `slot_rows`."""
@@ -193,7 +199,7 @@ class PagedKVStorage:
             return
         for pool, states in ((self.k[layer], key), (self.v[layer], value)):
             pool.view(-1, self.head_dim).index_copy_(
-                0, rows, states.reshape(-1, self.head_dim).to(self.dtype)
+                0, rows, states.reshape(-1, self.head_dim).to(self.store_dtype)
             )
 
     def _write_int8(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -13,8 +13,8 @@ from engine.kernels.policy import KernelPolicy
 from engine.model.layer_attention import AttentionSpec, probe_attention
 from engine.model.llama_forward import forward_note
 from engine.quant.base import model_param_count, model_weight_bytes
-from engine.quant.schemes import NONE, quantization_of
-from engine.shapes import ModelShapes
+from engine.quant.schemes import NONE, NativeGguf, quantization_of
+from engine.shapes import ModelShapes, auto_kv_dtype
 from engine.text.chat_template import chat_note
 
 if TYPE_CHECKING:
@@ -36,6 +36,12 @@ class LoadedModel:
     policy: KernelPolicy | None = None
     # Per layer: sliding window, soft cap, sinks, as transformers calls the attention (probed at load)
     attention: tuple[AttentionSpec, ...] = ()
+
+    def kv_dtype_for(self, requested: str) -> str:
+        """The pool format of a config's kv_dtype: "int8" as asked; "auto" as this model's pools
+        store it (info.kv_dtype: "float16" for a GGUF at its own bits, else "auto", its dtype)."""
+        stored = self.info.kv_dtype
+        return stored if requested == "auto" and stored and stored != self.info.dtype else requested
 
     @staticmethod
     def from_model(
@@ -62,6 +68,8 @@ class LoadedModel:
         # parameters, buffers (packed codes and scales) and bitsandbytes' quantization state
         weight_bytes = model_weight_bytes(model)
         record = quantization_of(model)
+        quantization = scheme or (record.scheme if record else NONE)
+        kv_dtype = auto_kv_dtype(dtype_name, native_bits=quantization == NativeGguf.name)
         attention = probe_attention(model, shapes)
         info = ModelInfo(
             name=name,
@@ -78,13 +86,14 @@ class LoadedModel:
             max_position_embeddings=shapes.max_position_embeddings,
             params=model_param_count(model),
             weight_bytes=weight_bytes,
-            kv_bytes_per_token=shapes.kv_bytes_per_token(dtype_name),
+            kv_bytes_per_token=shapes.kv_bytes_per_token(dtype_name, kv_dtype),
             load_seconds=load_seconds,
-            quantization=scheme or (record.scheme if record else NONE),
+            quantization=quantization,
             weight_bytes_before=record.bytes_before if record else weight_bytes,
             shapes=shapes,
             weight_bytes_per_param=weight_bytes / max(1, shapes.params),
             chat_note=chat_note(tokenizer),
+            kv_dtype=kv_dtype,
             notes=_notes(model, policy, attention),
         )
         return LoadedModel(model, tokenizer, info, param.device, param.dtype, policy, attention)

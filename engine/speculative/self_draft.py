@@ -80,6 +80,11 @@ class DraftModel:
     # its first layers that are the target's own (a self-draft: all of them), whose K/V the
     # drafter copies from the target's pool instead of computing them again
     target_layers: int = 0
+    # what its KV pool stores when the engine's config says "auto" (LoadedModel.kv_dtype_for)
+    kv_dtype_auto: str = "auto"
+
+    def kv_dtype_for(self, requested: str) -> str:
+        return self.kv_dtype_auto if requested == "auto" else requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,7 @@ def draft_model(loaded: LoadedModel, name: str) -> DraftModel:
         loaded.dtype,
         loaded.device,
         loaded.info.weight_bytes,
+        kv_dtype_auto=loaded.kv_dtype_for("auto"),
     )
 
 
@@ -149,6 +155,7 @@ def _self(
         weights,
         confidence,
         target_layers=layers,
+        kv_dtype_auto=loaded.kv_dtype_for("auto"),
     )
 
 

@@ -4,6 +4,8 @@ whatever it does not cover (a probe, a quantized pool)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -64,10 +66,13 @@ def run(loaded, fused, config=None, observe=False):
     [None, {"attn_v": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0}],
     ids=["one format", "formats side by side (as Q4_K_M's Q4_K and Q6_K)"],
 )
-def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(tmp_path, types):
+@pytest.mark.parametrize("pool", ["float16", "float32"])  # a GGUF's own (auto_kv_dtype), and float32
+def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(tmp_path, types, pool):
     model = tiny_gguf(tmp_path / "tiny.gguf", types)
+    model.info = dataclasses.replace(model.info, kv_dtype=pool)
     fused_logits, fused_records, engine = run(model, fused=True)
     assert engine.runner.own_forward.fused is not None, "a plain Llama on kvk runs fused"
+    assert str(engine.storage.kv[0].dtype) == f"torch.{pool}"
     op_logits, op_records, _ = run(model, fused=False)
     assert fused_logits.keys() == op_logits.keys() and len(op_logits) == 3 * 12
     for key in op_logits:

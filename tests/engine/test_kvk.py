@@ -300,3 +300,24 @@ def test_the_dense_kernel_a_slice_at_a_time_is_the_whole_layers_product(monkeypa
     monkeypatch.setattr(gguf_weight._SCRATCH, "buf", None, raising=False)
     assert torch.equal(storage.matmul("dense-bf16", x), whole)
     assert gguf_weight._SCRATCH.buf.numel() <= 512 * 7
+
+
+def test_the_float16_pool_write_rounds_as_torch_does(kvk):
+    """layer_ops.c's K/V write into a float16 pool (kvk_to_f16: vcvtps2ph, and the portable
+    loop the other builds and every row's tail take) gives torch's .to(torch.float16) bits:
+    ties to even, subnormals, overflow to infinity, NaN."""
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, 65504.0, 65520.0, -65520.0, 1e9, 2.0**-24, 2.0**-25, 2.0**-26, 3 * 2.0**-25,
+         1e-8, -1e-8, 1 + 2.0**-11, 1 + 3 * 2.0**-11, float("inf"), float("-inf")],
+        dtype=torch.float32,
+    )  # fmt: skip
+    values = torch.cat([special, torch.randn(4000) * torch.logspace(-9, 5, 4000)])
+    for n in (len(values), 13):  # whole vectors and a tail, and a short run of the loop alone
+        x = values[:n].contiguous()
+        out = torch.empty(n, dtype=torch.int16)
+        assert kvk.lib.kvk_to_f16(x.data_ptr(), n, out.data_ptr()) == 0
+        assert torch.equal(out, x.to(torch.float16).view(torch.int16))
+    nan = torch.tensor([float("nan")] * 16)
+    out = torch.empty(16, dtype=torch.int16)
+    kvk.lib.kvk_to_f16(nan.data_ptr(), 16, out.data_ptr())
+    assert out.view(torch.float16).isnan().all()

@@ -192,6 +192,7 @@ typedef struct {  // one layer's weights and shapes (built once; engine/model/fu
 
 typedef struct {  // one step's rows (built once a step)
     int64_t rows, block_size;
+    int64_t kv_type;  // the pools' elements: attention.c's KV_F32 (0) or KV_F16 (1)
     float *x;        // [rows, hidden]: the residual stream, updated in place
     const int64_t *kv_rows;  // [rows * kv_heads]: each new token's head's row in a pool seen as [.., d]
     const int32_t *tables;   // the attention's block tables, where each row's starts, its stop
@@ -215,6 +216,42 @@ static int project(const kvk_proj *P, int64_t k, const float *x, int64_t rows, f
     return 0;
 }
 
+// float32 -> float16 bits, rounding to nearest even, as torch's Tensor.to(torch.float16) does
+// (c10's fp16_ieee_from_fp32_value, the same arithmetic): PagedKVStorage.write's bits.
+static inline uint16_t f2h(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w, bits;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float b;
+    memcpy(&b, &bias_bits, 4);
+    base = b + base;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// n float32 values as float16 bits, each rounded to nearest even (torch's .to(torch.float16)).
+KVK_API int kvk_to_f16(const float *src, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)  // (vcvtps2ph rounds to nearest even: f2h's bits)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) dst[i] = f2h(src[i]);
+    return 0;
+}
+
+// d values of a new token's head into its pool row: copied (float32) or rounded to float16.
+static inline void store_kv(void *pool, int64_t kv_type, int64_t row, const float *src, int64_t d) {
+    if (kv_type == 0) memcpy((float *)pool + row * d, src, (size_t)d * sizeof(float));
+    else kvk_to_f16(src, d, (uint16_t *)pool + row * d);
+}
+
 static inline double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -222,11 +259,11 @@ static inline double now_s(void) {
 }
 
 // pending: add S->y (the previous layer's MLP output) into x first. cos/sin: [rows, rope_width];
-// starts: each row's first attended position (the layer's window); k_pool/v_pool: float32
-// [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated into [matmuls,
+// starts: each row's first attended position (the layer's window); k_pool/v_pool: float32 or
+// float16 (S->kv_type) [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated into [matmuls,
 // attention, the rest] (engine bench's decode split). Returns 0, or the failing part's number.
 static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, int pending, const float *cos,
-                              const float *sin, const int64_t *starts, float *k_pool, float *v_pool,
+                              const float *sin, const int64_t *starts, void *k_pool, void *v_pool,
                               double *clock) {
     const int64_t R = S->rows, H = L->hidden, d = L->d;
     const int64_t qw = (int64_t)L->heads * d, kw = (int64_t)L->kv_heads * d, qkv_n = qw + 2 * kw;
@@ -242,11 +279,11 @@ static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, i
     for (int64_t r = 0; r < R; r++)  // K and V into the pool, as PagedKVStorage.write_kv
         for (int h = 0; h < L->kv_heads; h++) {
             const int64_t row = S->kv_rows[r * L->kv_heads + h];
-            memcpy(k_pool + row * d, S->qkv + r * qkv_n + qw + h * d, (size_t)d * sizeof(float));
-            memcpy(v_pool + row * d, S->qkv + r * qkv_n + qw + kw + h * d, (size_t)d * sizeof(float));
+            store_kv(k_pool, S->kv_type, row, S->qkv + r * qkv_n + qw + h * d, d);
+            store_kv(v_pool, S->kv_type, row, S->qkv + r * qkv_n + qw + kw + h * d, d);
         }
     TICK(3);
-    if (kvk_paged_attention(S->qkv, qkv_n, R, L->heads, (int)d, k_pool, v_pool, 0, 0, 0, S->block_size, L->kv_heads,
+    if (kvk_paged_attention(S->qkv, qkv_n, R, L->heads, (int)d, k_pool, v_pool, (int)S->kv_type, 0, 0, S->block_size, L->kv_heads,
                             S->tables, S->table_start, starts, S->stops, L->scale, L->softcap, L->sinks, S->attn,
                             qw, 0, 0))
         return 4;
@@ -278,7 +315,7 @@ static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, i
 // after; the measure's own noise is of that size.) Returns 0, or 16 * layer + its failing part.
 KVK_API int kvk_decoder_layers(const kvk_layer_spec *const *specs, int64_t n, const kvk_layer_step *S,
                                const float *const *cos, const float *const *sin, const int64_t *const *starts,
-                               float *const *k_pools, float *const *v_pools, double *clock) {
+                               void *const *k_pools, void *const *v_pools, double *clock) {
     for (int64_t i = 0; i < n; i++) {
         const int status = kvk_decoder_layer(specs[i], S, i > 0, cos[i], sin[i], starts[i], k_pools[i], v_pools[i], clock);
         if (status) return (int)(16 * i + status);
