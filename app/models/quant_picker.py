@@ -20,7 +20,7 @@ from engine.events import ModelInfo, ModelLoaded
 from engine.units import format_bytes
 
 NONE = "none"  # engine.quant.schemes.NONE, without importing torch for a constant
-KV_LABELS = {"auto": "auto (model dtype; float16 for GGUF bits)", "int8": "int8 (per-token scales)"}
+KV_LABELS = {"auto": "auto", "int8": "int8 (per-token scales)"}  # auto: see the tooltip
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 MUTED_ITEM = "#6b7280"  # an unavailable scheme's text in the drop-down
 
