@@ -70,7 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="weight quantization scheme applied at load ('none', 'int8-weight-only', ...; "
         "`python -m engine quant-report --list` lists them with whether they run here)",
     )
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV-cache storage: the model's dtype or int8")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        help="KV-cache storage: auto (the model's dtype; float16 for a GGUF at its own bits), float16 or int8",
+    )
     parser.add_argument("--block-size", type=int, metavar="N", help="tokens per KV-cache page")
     parser.add_argument(
         "--kv-budget-mib", type=int, metavar="MIB", help="memory for the KV-cache pool (0 = auto)"

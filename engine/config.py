@@ -11,7 +11,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # source loads in full precision ("none"). engine.model.loading resolves it.
 AUTO = "auto"
 DEVICES = ("auto", "cpu", "cuda")
-KV_DTYPES = ("auto", "int8")
+# KV-cache storage: "auto" the model's dtype (float16 for a GGUF at its own bits:
+# engine.shapes.auto_kv_dtype), "float16" whatever the model, "int8" codes with a scale per token
+# and head.
+KV_DTYPES = ("auto", "float16", "int8")
 
 
 class ConfigError(ValueError):
@@ -327,7 +330,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill tokens per step
     enable_prefix_caching: bool = True
-    kv_dtype: str = "auto"  # "auto" = the model's dtype; "int8": codes with a scale per token and head
+    kv_dtype: str = "auto"  # one of KV_DTYPES
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

@@ -62,8 +62,9 @@ class ModelInfo:
     kv_dtype: str = ""
 
     def kv_stored_as(self, kv_dtype: str) -> str:
-        """What a pool configured with `kv_dtype` ("auto" or "int8") stores: "int8", or a dtype."""
-        return "int8" if kv_dtype == "int8" else self.kv_dtype or self.dtype
+        """What a pool configured with `kv_dtype` (engine.config.KV_DTYPES) stores: "int8", or a
+        dtype."""
+        return kv_dtype if kv_dtype != "auto" else self.kv_dtype or self.dtype
 
 
 @dataclass(frozen=True, slots=True)

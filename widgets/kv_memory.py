@@ -103,9 +103,9 @@ class KVConfig:
 
 
 def kv_storage(dtype: str, kv_dtype: str) -> str:
-    """The calculator's KV dtype for an engine that loads in `dtype` with `kv_dtype` ("auto" or
-    "int8"): what its pool stores."""
-    return INT8 if kv_dtype == "int8" else dtype
+    """The calculator's KV dtype for an engine whose "auto" pool stores `dtype`, configured with
+    `kv_dtype` (engine.config.KV_DTYPES): what its pool stores."""
+    return dtype if kv_dtype == "auto" else kv_dtype
 
 
 def chart_batches(batch: int) -> list[int]:

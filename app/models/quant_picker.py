@@ -20,7 +20,7 @@ from engine.events import ModelInfo, ModelLoaded
 from engine.units import format_bytes
 
 NONE = "none"  # engine.quant.schemes.NONE, without importing torch for a constant
-KV_LABELS = {"auto": "auto", "int8": "int8 (per-token scales)"}  # auto: see the tooltip
+KV_LABELS = {"auto": "auto", "float16": "float16", "int8": "int8 (per-token scales)"}  # auto: the tooltip
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 MUTED_ITEM = "#6b7280"  # an unavailable scheme's text in the drop-down
 
@@ -113,8 +113,8 @@ class QuantizationChoice(QObject):
             self.kv_dtype.addItem(KV_LABELS.get(name, name), name)
         self.kv_dtype.setToolTip(
             "How the paged KV cache stores keys and values: auto is the model's dtype (float16 for a "
-            "GGUF kept at its own bits, as llama.cpp keeps it), or int8 with a scale per token and "
-            "head (a quarter of float32: more pages in the same budget)"
+            "GGUF kept at its own bits, as llama.cpp keeps it); float16 whatever the model (half of "
+            "float32); or int8 with a scale per token and head (a quarter of float32)"
         )
         self.note = QLabel()  # the chosen scheme: what it does, and how it runs or why not
         self.note.setObjectName("hint")

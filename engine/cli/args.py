@@ -7,6 +7,7 @@ import json
 
 from engine.config import (
     DRY_DEFAULT_BREAKERS,
+    KV_DTYPES,
     ConfigError,
     EngineConfig,
     GrammarSpec,
@@ -75,8 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-dtype",
         default="auto",
-        choices=["auto", "int8"],
-        help="KV cache storage (auto = the model dtype)",
+        choices=KV_DTYPES,
+        help="KV cache storage (auto = the model dtype; float16 for a GGUF at its own bits)",
     )
 
 

@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from engine.cli.args import add_model_args
-from engine.config import ConfigError, EngineConfig, ModelSpec, SamplingParams
+from engine.config import KV_DTYPES, ConfigError, EngineConfig, ModelSpec, SamplingParams
 from engine.errors import ModelLoadError
 from engine.events import RequestFailed, RequestFinished
 from engine.request import Request
@@ -39,7 +39,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_model_args(q)
     q.add_argument("--schemes", default=None, metavar="LIST", help="comma-separated (default: all)")
     q.add_argument("--list", action="store_true", help="only list the schemes and whether they run here")
-    q.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="KV cache storage for all")
+    q.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV cache storage for all")
     q.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per decode measurement")
     q.add_argument("--rounds", type=int, default=2, help="speed rounds per scheme (median reported)")
     q.add_argument("--json", action="store_true")

@@ -3,6 +3,7 @@ every estimate of its size and the quality comparisons agree on it; a float32 mo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -85,3 +86,26 @@ def test_the_float16_pool_holds_the_float32_values_rounded(gguf):
     assert pools[0].dtype == torch.float16 and pools[1].dtype == torch.float32
     # layer 0's K/V come from the embeddings alone: the float32 values, rounded to nearest even
     assert torch.equal(pools[0], pools[1].to(torch.float16))
+
+
+def test_float16_can_be_asked_for_whatever_the_model(tiny_loaded):
+    """--kv-dtype float16 on a float32 model: half the pool, its K/V the float32 ones rounded."""
+    from engine.cli.args import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--kv-dtype", "float16"]).kv_dtype == "float16"
+    info = tiny_loaded.info
+    assert info.kv_stored_as("float16") == "float16" and info.kv_stored_as("auto") == "float32"
+    prompt = Request(
+        prompt_token_ids=tuple(range(5, 25)), sampling=SamplingParams(temperature=0.0, max_new_tokens=4)
+    )
+    pools = {}
+    for kv in ("auto", "float16"):
+        engine = LLMEngine(tiny_loaded, EngineConfig(block_size=4, num_blocks=40, kv_dtype=kv))
+        (end,) = engine.run([prompt])
+        assert len(end.token_ids) == 4
+        pools[kv] = engine.storage
+    assert pools["float16"].kv[0].dtype == torch.float16
+    assert pools["float16"].bytes_per_block * 2 == pools["auto"].bytes_per_block
+    assert torch.equal(pools["float16"].kv[0][:, :5], pools["auto"].kv[0][:, :5].to(torch.float16))
