@@ -34,6 +34,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.events import Event, TokenGenerated
 from engine.measure.memory import device_name, measure_memory_bandwidth
 from engine.model.loading import load_model, load_transformers_model
+from engine.model.runtime_memory import cached_share
 from engine.model.sources import resolve_source
 from engine.request import Request
 from engine.units import tokens_per_s
@@ -194,6 +195,8 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
         progress("loading transformers' own model for generate()", 0.0)
         baseline = load_transformers_model(args.model, "float32")
     load_s: dict[str, float] = {}
+    # the share of the file in the page cache as each load began: a cold file's load reads the disk
+    cached: dict[str, float | None] = {}
     peak_rss: dict[str, int] = {}
     # the native path first: the process's peak RSS right after it is the native load's own
     order = sorted(
@@ -205,6 +208,8 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
             continue
         spec = ModelSpec(args.model, dtype="float32", device=args.device, quantization=SCHEMES[path])
         progress(f"loading {path}", 0.0)
+        if gguf is not None:
+            cached[path] = cached_share(gguf)
         start = time.perf_counter()
         loaded_by[path] = load_model(spec, progress=progress)
         load_s[path] = time.perf_counter() - start
@@ -263,6 +268,7 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
             "with the prompt's tokens already in its cache (its -d), as kvscope decodes after the prompt"
         )
         assert llama_bench is not None and gguf is not None
+        cached["llama.cpp"] = cached_share(gguf)
         load_s["llama.cpp"] = llama_load_seconds(llama_bench, gguf, torch.get_num_threads())
         peak_rss["llama.cpp"] = max(run.peak_rss_bytes for run in llama_runs)
     if "native" in peak_rss and len(loaded_by) == 1:
@@ -302,6 +308,7 @@ def bench_paths(args: argparse.Namespace, progress: Callable[[str, float], None]
         "weights_bytes": {p: m.info.weight_bytes for p, m in loaded_by.items()},
         "file_bytes": file_bytes,
         "load_s": load_s,
+        "file_cached_before_load": cached,
         "peak_rss_bytes": peak_rss,
         "memory_ratios": {
             f"{p}_peak_rss_vs_file": rss / file_bytes for p, rss in peak_rss.items() if file_bytes
@@ -365,8 +372,10 @@ def _table(r: Report) -> str:
         if path in r["load_s"] or path in r["peak_rss_bytes"]:
             load = r["load_s"].get(path)
             rss = r["peak_rss_bytes"].get(path)
+            share = r.get("file_cached_before_load", {}).get(path)
+            warmth = "" if share is None else f" (the file {share:.0%} in the page cache before)"
             lines.append(
-                f"{path}: load {'-' if load is None else f'{load:.1f} s'}, peak RSS "
+                f"{path}: load {'-' if load is None else f'{load:.1f} s'}{warmth}, peak RSS "
                 f"{'-' if rss is None else f'{rss / 2**30:.2f} GiB'}"
                 + (
                     f" ({rss / r['file_bytes']:.2f}x the file's {r['file_bytes'] / 2**30:.2f} GiB)"

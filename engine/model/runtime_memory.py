@@ -119,6 +119,18 @@ def _stored() -> dict[str, dict[str, object]]:
     return raw if isinstance(raw, dict) else {}
 
 
+def _resident_bytes(libc: Any, address: int, length: int) -> int | None:
+    """Bytes of the pages over [address, address + length) resident now (mincore), None if the
+    kernel would not say."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address // page * page
+    pages = -(-(address + length - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), vec) != 0:
+        return None
+    return sum(v & 1 for v in vec) * page
+
+
 def resident_in(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of these CPU tensors' memory resident now (mincore on their pages): a lazily filled
     pool holds only the pages its written blocks touched. Where it cannot be asked (not Linux),
@@ -129,19 +141,53 @@ def resident_in(tensors: Iterable[torch.Tensor]) -> int:
         return whole
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        page = os.sysconf("SC_PAGE_SIZE")
         resident = 0
         for t in tensors:
-            start = t.data_ptr() // page * page
-            end = t.data_ptr() + t.numel() * t.element_size()
-            pages = -(-(end - start) // page)
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+            part = _resident_bytes(libc, t.data_ptr(), t.numel() * t.element_size())
+            if part is None:
                 return whole
-            resident += sum(v & 1 for v in vec) * page
+            resident += part
         return min(resident, whole)
     except (OSError, AttributeError, ValueError):
         return whole
+
+
+def cached_share(path: Path) -> float | None:
+    """The share of a file's pages in the page cache now (mincore over a read-only mapping of
+    it, which reads nothing): a load of a file the cache holds reads memory, of one it does not,
+    the disk (the same 8B-shaped file loaded in 5.5 s one run and 16.8 s another). None where
+    it cannot be asked (not Linux, an empty or unreadable file)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return None
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        finally:
+            os.close(fd)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            resident = _resident_bytes(libc, address, size)
+        finally:
+            libc.munmap(address, size)
+        return None if resident is None else min(1.0, resident / size)
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def pool_resident(pool: Pool) -> int:

@@ -196,3 +196,26 @@ def test_what_of_a_lazy_pool_is_resident_is_measured_not_assumed():
     assert abs(pool_resident(pool) - size // 8) <= size // 32
     written = torch.ones(1 << 20)
     assert resident_in([written]) == written.numel() * 4
+
+
+def test_a_file_s_share_in_the_page_cache_is_asked_of_the_kernel(tmp_path):
+    """engine bench says how much of a model file the page cache held as its load began: a file
+    just written and read is all there; dropped from the cache (where the kernel drops it: not on
+    a tmpfs, whose pages are the file), less of it; nothing to say of an empty or missing file."""
+    import os
+
+    from engine.model.runtime_memory import cached_share
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    path.read_bytes()
+    assert cached_share(path) == 1.0
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    share = cached_share(path)
+    assert share is not None and 0.0 <= share <= 1.0
+    if share < 1.0:  # a disk-backed tmp_path: the kernel dropped the clean pages
+        assert share < 0.5
+    (tmp_path / "empty").write_bytes(b"")
+    assert cached_share(tmp_path / "empty") is None and cached_share(tmp_path / "missing") is None
