@@ -80,9 +80,11 @@ def test_default_model():
     report = inspect_model("default", dtype="float32", context=2048, budget_gib=1)
     assert smollm2_figures(report) == SMOLLM2
     assert report["architecture"] == "LlamaForCausalLM" and report["max_position_embeddings"] == 8192
-    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4 == 46080
-    assert report["kv_bytes_for_context"] == 46080 * 2048
-    assert report["max_context_tokens_in_budget"] == (GiB - report["weight_bytes"]) // 46080
+    # the packaged GGUF at its own bits: its K/V in float16 (engine.shapes.auto_kv_dtype)
+    assert report["kv_dtype"] == "float16"
+    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2 == 23040
+    assert report["kv_bytes_for_context"] == 23040 * 2048
+    assert report["max_context_tokens_in_budget"] == (GiB - report["weight_bytes"]) // 23040
 
 
 def test_gguf_metadata_gives_the_same_shapes(tmp_path, monkeypatch):
@@ -141,4 +143,6 @@ def test_a_gguf_counts_its_own_bits_where_a_load_keeps_them():
     assert native["weight_bytes"] == plan["file_bytes"]  # Q4_1 in int4 groups is its 0.625 bytes too
     assert plan["file_bytes"] < default_gguf_path().stat().st_size  # the tensors, not the metadata
     assert dequantized["weight_bytes"] == dequantized["params"] * 4  # ~513 MiB, every tensor in float32
-    assert native["kv_bytes_per_token"] == dequantized["kv_bytes_per_token"]  # KV in the dtype either way
+    # K/V in float16 at the file's bits (as llama.cpp keeps them), in float32 for the twin
+    assert (native["kv_dtype"], dequantized["kv_dtype"]) == ("float16", "float32")
+    assert native["kv_bytes_per_token"] * 2 == dequantized["kv_bytes_per_token"]
