@@ -16,8 +16,11 @@ best positive net, else 0: the sequence decodes plainly.
 
 At 0 it keeps learning. A free proposer (n-gram lookup) still proposes at every plain step and
 its proposal is scored against the tokens the target then decodes (a shadow round: nothing is
-verified, nothing is spent); a costly one (a draft model) gets a one-draft probe round now and
-then, spaced out further each time it fails.
+verified, nothing is spent); a costly one (a draft model, the self-draft) gets a one-draft probe
+round now and then, spaced out further each time it fails. A new sequence starts at the spacing
+the engine's probes last reached (with the first probe at 8 plain steps into every reply, then 16
+and 32 later, the self-draft cost the packaged model ~2.5% of free chat's speed in probes that
+keep failing there: a conversation's replies relearned it each time).
 
 Each round's saving is measured the same way, after the fact: the tokens it gave beyond the
 first at a plain token's time, less the step's time beyond a plain step's of its other rows and
@@ -168,12 +171,15 @@ class DraftTuner:
         self.costs = StepCosts()
         self._seqs: dict[int, SequenceTuning] = {}
         self.seen = _Acceptance()  # every sequence's rounds: a new sequence's prior
+        self.probe_start = PROBE_FIRST  # a new sequence's probe spacing: where the last probe left it
 
     def tuning(self, seq_id: int) -> SequenceTuning:
         state = self._seqs.get(seq_id)
         if state is None:
             prior = self.seen.overall() if sum(self.seen.reached) else _Acceptance().prior
-            state = self._seqs[seq_id] = SequenceTuning(self.most, _Acceptance(prior=prior))
+            state = self._seqs[seq_id] = SequenceTuning(
+                self.most, _Acceptance(prior=prior), probe_every=self.probe_start
+            )
         return state
 
     def _record(self, state: SequenceTuning, examined: int, accepted: int) -> None:
@@ -275,7 +281,7 @@ class DraftTuner:
         examined = min(accepted + 1, max(drafted, asked))
         self._record(state, examined, accepted)
         if state.probing:
-            state.probe_every = PROBE_FIRST if accepted else min(PROBE_MOST, state.probe_every * 2)
+            self._probed(state, kept=accepted > 0)
         without = self.costs.step(max(1, step_rows - drafted))
         plain = self.costs.step(max(1, decoding))
         saved = 0.0
@@ -290,7 +296,13 @@ class DraftTuner:
         state = self.tuning(seq_id)
         self._record(state, 1, 0)
         if state.probing:
-            state.probe_every = min(PROBE_MOST, state.probe_every * 2)
+            self._probed(state, kept=False)
+
+    def _probed(self, state: SequenceTuning, kept: bool) -> None:
+        """A probe round's outcome: the spacing back to the first after a kept draft, else
+        doubled; the engine's next sequences start where it is now."""
+        state.probe_every = PROBE_FIRST if kept else min(PROBE_MOST, state.probe_every * 2)
+        self.probe_start = state.probe_every
 
     def acceptance(self, seq_id: int) -> float:
         return self.tuning(seq_id).acceptance.overall()

@@ -63,3 +63,31 @@ def test_a_probe_that_drafts_nothing_spaces_the_next_probe_out():
     first = plain_steps_to_probe()
     tuner.nothing_drafted(7)  # the probe's draft was below the proposer's confidence
     assert plain_steps_to_probe() == 2 * (first + 1) - 1
+
+
+def test_a_new_sequence_starts_at_the_probe_spacing_the_engine_reached():
+    """Probes that keep failing in one reply are spaced out; the next reply (a new sequence) does
+    not start again at the first spacing, and a kept probe draft brings the spacing back."""
+    tuner = tuner_with_costs()
+    for seq in range(3):  # the engine learned drafts do not pay
+        for _ in range(6):
+            tuner.round_done(
+                seq, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+
+    def plain_steps_to_probe(seq: int) -> int:
+        steps = 0
+        while tuner.choose(seq, decoding=1, cap=100) == 0:
+            steps += 1
+        return steps
+
+    first = plain_steps_to_probe(7)
+    for _ in range(2):  # two failed probes: the spacing doubles twice
+        tuner.nothing_drafted(7)
+        plain_steps_to_probe(7)
+    tuner.nothing_drafted(7)
+    tuner.release(7)
+    later = plain_steps_to_probe(8)  # the next reply's first probe
+    assert later == 8 * (first + 1) - 1
+    tuner.round_done(8, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.001)
+    assert plain_steps_to_probe(9) == first  # a kept probe draft: the first spacing again
