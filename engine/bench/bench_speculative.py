@@ -8,7 +8,8 @@ same engine, model and prompts, in one run.
    prompts, for the n-gram and the self-draft proposers (and a draft model with
    `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
    self, then the next round in another order), greedy, each reply ending where the model ends
-   its turn (or at --new-tokens): what a user waits for. (With EOS ignored the repeat task went
+   its turn (or at --new-tokens): what a user waits for. Each method answers on one engine kept
+   across its replies, as the app's is (its draft tuner learns from one reply to the next). (With EOS ignored the repeat task went
    on past the model's end of turn into chat-template text, ~a fifth of its tokens, which no
    reply shows and where a lookup in the prompt has nothing to find.) Greedy, every method makes
    plain decoding's tokens. Reported per method: decode tokens/s (from a reply's first token to
@@ -33,7 +34,8 @@ import torch
 
 from engine.bench.verify_step import verify_step_cost
 from engine.config import EngineConfig, ModelSpec, SamplingParams, SpeculativeConfig
-from engine.core.speedup import timed_run
+from engine.core.llm_engine import LLMEngine
+from engine.core.speedup import timed_request
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model
 from engine.request import Request
@@ -75,14 +77,27 @@ def _request(prompt: str, new_tokens: int) -> Request:
 def run_tasks(
     loaded: LoadedModel, args: argparse.Namespace, configs: dict[str, SpeculativeConfig]
 ) -> dict[str, Any]:
-    """Every method on every task's prompts, `args.rounds` interleaved rounds."""
-    base = EngineConfig(block_size=args.block_size)
-    timed_run(loaded, base, _request("Hello", 4))  # warm-up
-    for method in configs.values():  # built once outside the timing (the self-draft calibrates once)
-        timed_run(loaded, EngineConfig(block_size=args.block_size, speculative=method), _request("Hi", 2))
+    """Every method on every task's prompts, `args.rounds` interleaved rounds. Each method runs
+    a task on one engine, kept from reply to reply as the app and the server keep theirs: its
+    draft tuner carries what it measured (a step's cost by rows, the engine's acceptance) into
+    the next reply, as in a conversation. (A fresh engine per reply, as earlier versions ran,
+    relearned both at every reply's start: the first reply of a session, every time.)"""
     names = ["none", *configs]
     report: dict[str, Any] = {}
     for task, prompts in TASKS.items():
+        engines = {
+            name: LLMEngine(
+                loaded,
+                EngineConfig(
+                    block_size=args.block_size,
+                    speculative=None if name == "none" else configs[name],
+                    enable_prefix_caching=False,  # every round prefills its prompts again, alike
+                ),
+            )
+            for name in names
+        }
+        for engine in engines.values():  # one-off costs (first kernels, a self-draft's calibration)
+            timed_request(engine, _request("Hello", 4))
         requests = [_request(p, args.new_tokens) for p in prompts]
         # per round, seconds: "decode" from each reply's first token to its last (speculation's
         # part: the prompt's prefill is the same work with or without it), "request" from
@@ -94,11 +109,9 @@ def run_tasks(
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 print(f"{task} round {r + 1}: {name}", file=sys.stderr)
-                spec = None if name == "none" else configs[name]
-                config = EngineConfig(block_size=args.block_size, speculative=spec)
                 request_s, decode_s, ids = 0.0, 0.0, []
                 for request in requests:
-                    done, run = timed_run(loaded, config, request)
+                    done, run = timed_request(engines[name], request)
                     request_s += run.seconds
                     decode_s += max(0.0, run.seconds - done.stats.ttft_s)
                     ids.append(done.token_ids)

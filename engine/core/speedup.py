@@ -29,7 +29,13 @@ def timed_run(
 ) -> tuple[RequestFinished, SpeedRun]:
     """`request` alone on a fresh engine for `loaded`, stepped to its end: its end and its speed
     (tokens over the wall time from its submission to its last token)."""
-    engine = LLMEngine(loaded, config)
+    return timed_request(LLMEngine(loaded, config), request)
+
+
+def timed_request(engine: LLMEngine, request: Request) -> tuple[RequestFinished, SpeedRun]:
+    """`request` on `engine`, nothing else in flight, stepped to its end: as `timed_run`, on an
+    engine that keeps what earlier requests taught it (the draft tuner's measured costs and
+    acceptance), as the app's and the server's engines do."""
     start = time.perf_counter()
     (end,) = engine.run([request])
     seconds = time.perf_counter() - start
