@@ -9,9 +9,10 @@ same engine, model and prompts, in one run.
    `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
    self, then the next round in another order), greedy, each reply ending where the model ends
    its turn (or at --new-tokens): what a user waits for. Each method answers on one engine kept
-   across its replies, as the app's is (its draft tuner learns from one reply to the next). (With EOS ignored the repeat task went
-   on past the model's end of turn into chat-template text, ~a fifth of its tokens, which no
-   reply shows and where a lookup in the prompt has nothing to find.) Greedy, every method makes
+   across its replies, as the app's is (its draft tuner learns from one reply to the next).
+   (With EOS ignored the repeat task went on past the model's end of turn into chat-template
+   text, ~a fifth of its tokens, which no reply shows and where a lookup in the prompt has
+   nothing to find.) Greedy, every method makes
    plain decoding's tokens. Reported per method: decode tokens/s (from a reply's first token to
    its last) and the speedup (over plain's, medians of the rounds; also from submission to the
    last token, the prompt's prefill included, which speculation does not change), the
