@@ -372,7 +372,7 @@ def _table(r: Report) -> str:
         if path in r["load_s"] or path in r["peak_rss_bytes"]:
             load = r["load_s"].get(path)
             rss = r["peak_rss_bytes"].get(path)
-            share = r.get("file_cached_before_load", {}).get(path)
+            share = r["file_cached_before_load"].get(path)
             warmth = "" if share is None else f" (the file {share:.0%} in the page cache before)"
             lines.append(
                 f"{path}: load {'-' if load is None else f'{load:.1f} s'}{warmth}, peak RSS "

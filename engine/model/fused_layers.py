@@ -29,6 +29,7 @@ from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import KernelLinear, StackedLinear
 from engine.kernels.native import Kvk
 from engine.kernels.policy import KernelPolicy
+from engine.model.row_attention import POOL_KINDS
 
 if TYPE_CHECKING:
     from engine.model.kv_storage import PagedKVStorage
@@ -38,9 +39,9 @@ _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_f
 
 
 MAX_PARTS = 4  # layer_ops.c's kvk_proj: q|k|v across three formats fits
-# The pools a fused layer writes (as PagedKVStorage.write does: float16 rounded to nearest even)
-# and attends, as attention.c's kinds.
-_FUSED_POOLS = {torch.float32: 0, torch.float16: 1}
+# The pools a fused layer writes (layer_ops.c's store_kv: float16 rounded as PagedKVStorage.write
+# rounds) and attends.
+_FUSED_POOLS = (torch.float32, torch.float16)
 
 
 class _Part(ctypes.Structure):  # layer_ops.c's kvk_part
@@ -246,7 +247,7 @@ class FusedLayers:
         slot_rows = slots.to(torch.int64).contiguous()
         tables, table_start, _, stops = plan.addresses(None)
         step = _LayerStep(
-            rows, storage.block_size, _FUSED_POOLS[storage.kv[0].dtype], x.data_ptr(), slot_rows.data_ptr(), tables, table_start, stops,
+            rows, storage.block_size, POOL_KINDS[storage.kv[0].dtype], x.data_ptr(), slot_rows.data_ptr(), tables, table_start, stops,
             h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), m.data_ptr(), y.data_ptr(),
         )  # fmt: skip
         tables_cs = [rope.rows() for rope in ropes]

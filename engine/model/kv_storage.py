@@ -44,9 +44,9 @@ _SCALE_MIN, _SCALE_MAX = 2.0**-24, 65504.0
 
 Blocks = slice | torch.Tensor  # consecutive block ids as a slice, else an index tensor
 
-# A pool's formats: "auto" stores the model's dtype; "float16" what an "auto" pool of a GGUF at
-# its own bits stores (engine.shapes.auto_kv_dtype; LoadedModel.kv_dtype_for resolves it);
-# "int8" codes with a scale per (token, head).
+# A pool's formats: "auto" stores the model's dtype; "float16" float16 whatever the model's dtype
+# (`--kv-dtype float16`, and what LoadedModel.kv_dtype_for resolves "auto" to for a GGUF at its own
+# bits: engine.shapes.auto_kv_dtype); "int8" codes with a scale per (token, head).
 STORED_AS: dict[str, torch.dtype | None] = {"auto": None, "float16": torch.float16, "int8": torch.int8}
 
 

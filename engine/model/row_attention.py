@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 # round's rows, so each is the decode it stands for), a chunk this short. With kvk every row does.
 ROW_LIMIT = 1 + MAX_NUM_DRAFT
 
-_POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+# A pool's elements as attention.c's kv_type (its KV_F32, KV_F16, KV_BF16, KV_I8)
+POOL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class RowPlan:
     @classmethod
     def build(cls, storage: PagedKVStorage, seqs: list[SeqSlice]) -> RowPlan | None:
         lib = native.kernels()
-        if lib is None or storage.kv[0].dtype not in _POOL_KINDS:
+        if lib is None or storage.kv[0].dtype not in POOL_KINDS:
             return None
         chosen = list(range(len(seqs)))
         if not chosen:
@@ -153,7 +154,7 @@ def row_attention(
         d,
         k_pool.data_ptr(),
         v_pool.data_ptr(),
-        _POOL_KINDS[k_pool.dtype],
+        POOL_KINDS[k_pool.dtype],
         storage.k_scale[layer].data_ptr() if quantized else None,
         storage.v_scale[layer].data_ptr() if quantized else None,
         storage.block_size,

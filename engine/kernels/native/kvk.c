@@ -627,11 +627,6 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
     return v;
 }
 
-// Group g (chunks 4g.. of the row; blocks 8g.., nb of them: 8 but in a row's last group) of a
-// 32-weight-type row: codes, lane scales, and the b of each block into o (the 8 scales of the group
-// converted at once). Returns its chunks. The callers pass nb = 8 as a constant for every full
-// group, so the compiler unrolls its chunks and keeps them in registers (with a variable count
-// they went through the stack: one row of Q4_0 at 12 GB/s against 20).
 // A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles) is 144
 // bytes = 72 16-bit words, read as three vectors (words 0-31, 32-63, 40-71: nothing past the group)
 // and taken apart by word permutes: block j's d is word 9j, its nibbles words 9j+1..9j+8. The 8
@@ -660,18 +655,22 @@ static inline __attribute__((always_inline)) void group32_q40(const int t, const
         _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[0]), v1),
         _mm512_permutex2var_epi16(v1, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[1]), v2)};
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
     for (int h = 0; h < 2; h++) {
         const __m512i lo = _mm512_and_si512(q[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(q[h], 4), m4);
         for (int c = 0; c < 2; c++) {
             const __m512i codes =
                 _mm512_permutex2var_epi64(lo, _mm512_loadu_si512((const void *)Q40_CHUNK_QWORDS[c]), hi);
-            G->codes[2 * h + c] =
-                t == T_IQ4_NL ? _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES)), codes)
-                              : codes;
+            G->codes[2 * h + c] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, codes) : codes;  // its table
         }
     }
 }
 
+// Group g (chunks 4g.. of the row; blocks 8g.., nb of them: 8 but in a row's last group) of a
+// 32-weight-type row: codes, lane scales, and the b of each block into o (the 8 scales of the group
+// converted at once). Returns its chunks. The callers pass nb = 8 as a constant for every full
+// group, so the compiler unrolls its chunks and keeps them in registers (with a variable count
+// they went through the stack: one row of Q4_0 at 12 GB/s against 20).
 static inline __attribute__((always_inline)) int group32(const int t, const int bytes, const uint8_t *row,
                                                          int64_t g, const int nb, group_t *G, float *o) {
     const int64_t first = 8 * g;

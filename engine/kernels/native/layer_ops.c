@@ -260,8 +260,9 @@ static inline double now_s(void) {
 
 // pending: add S->y (the previous layer's MLP output) into x first. cos/sin: [rows, rope_width];
 // starts: each row's first attended position (the layer's window); k_pool/v_pool: float32 or
-// float16 (S->kv_type) [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated into [matmuls,
-// attention, the rest] (engine bench's decode split). Returns 0, or the failing part's number.
+// float16 (S->kv_type) [num_blocks, kv_heads, block_size, d]. clock: NULL, or seconds accumulated
+// into [matmuls, attention, the rest] (engine bench's decode split). Returns 0, or the failing
+// part's number.
 static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, int pending, const float *cos,
                               const float *sin, const int64_t *starts, void *k_pool, void *v_pool,
                               double *clock) {
@@ -283,9 +284,9 @@ static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, i
             store_kv(v_pool, S->kv_type, row, S->qkv + r * qkv_n + qw + kw + h * d, d);
         }
     TICK(3);
-    if (kvk_paged_attention(S->qkv, qkv_n, R, L->heads, (int)d, k_pool, v_pool, (int)S->kv_type, 0, 0, S->block_size, L->kv_heads,
-                            S->tables, S->table_start, starts, S->stops, L->scale, L->softcap, L->sinks, S->attn,
-                            qw, 0, 0))
+    if (kvk_paged_attention(S->qkv, qkv_n, R, L->heads, (int)d, k_pool, v_pool, (int)S->kv_type, 0, 0,
+                            S->block_size, L->kv_heads, S->tables, S->table_start, starts, S->stops, L->scale,
+                            L->softcap, L->sinks, S->attn, qw, 0, 0))
         return 4;
     TICK(4);
     float *a = S->y;  // the attention's output projection (y is free until the MLP's end)
