@@ -183,7 +183,8 @@ static int hsum_order[16];
 #endif
 static int hsum_order_ready = 0;
 
-// One (row, KV head): the G query heads that share it. scratch: G * n floats (scores) + 16 * d.
+// One (row, KV head): the G query heads that share it. scratch: n int64 (each position's vector in
+// the pool), G * n floats (scores), 16 * d floats.
 // (inlined once per kind of pool, kv_type a constant in each: attend_one dispatches)
 static inline __attribute__((always_inline)) void attend_typed(
     const float *q, int g, int d, const void *k_pool, const void *v_pool, const int kv_type,
@@ -191,7 +192,15 @@ static inline __attribute__((always_inline)) void attend_typed(
     const int32_t *table, int64_t start, int64_t stop, float scale, float softcap, const float *sinks, float *out,
     float *probs, int64_t probs_head_stride, float *scratch) {
     const int64_t n = stop - start;
-    float *scores = scratch, *vec = scratch + (int64_t)g * n;
+    int64_t *slots = (int64_t *)scratch;
+    float *scores = scratch + 2 * n, *vec = scores + (int64_t)g * n;
+    // Each position's vector in the pool (KV head kvh), found once for the scores and the values
+    // by walking the block table: a division by the block size per position and loop (and per
+    // head for the float32 pool) cost more than the products of a short row.
+    for (int64_t j = 0, block = start / block_size, slot = start % block_size; j < n; j++) {
+        slots[j] = ((int64_t)table[block] * kv_heads + kvh) * block_size + slot;
+        if (++slot == block_size) slot = 0, block++;
+    }
     // scores, position by position (16 at a time where the pool is float32 and d a multiple of 16)
     int64_t j = 0;
 #ifdef ATT_AVX512
@@ -201,9 +210,7 @@ static inline __attribute__((always_inline)) void attend_typed(
             for (int h = 0; h < g; h++) {
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) {
-                    const int64_t p = start + j + t;
-                    const float *key =
-                        kp + (((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size) * d;
+                    const float *key = kp + slots[j + t] * d;
                     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * d), _mm512_loadu_ps(key));
                     for (int i = 16; i < d; i += 16)
                         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i), _mm512_loadu_ps(key + i), acc);
@@ -217,11 +224,7 @@ static inline __attribute__((always_inline)) void attend_typed(
         }
     } else if (d % 16 == 0 && d <= 256) {
         for (; j + 16 <= n; j += 16) {
-            int64_t index[16];  // the 16 positions' vectors in the pool, found once for every head
-            for (int t = 0; t < 16; t++) {
-                const int64_t p = start + j + t;
-                index[t] = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
-            }
+            const int64_t *index = slots + j;  // the 16 positions' vectors in the pool
             for (int h = 0; h < g; h++) {
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) {
@@ -239,10 +242,26 @@ static inline __attribute__((always_inline)) void attend_typed(
             }
         }
     }
+    // The last n % 16 positions, one at a time, with the same bits as the portable loop below (the
+    // key decoded exactly, dot's FMA chain over 16-lane chunks and its reduce_add): load_vec's
+    // scalar float16 decode here took most of a prompt's attention (every row of a 128-token
+    // prompt has ~7.5 such positions a head: 5% of a 1.7B prefill) and ~1 ms of a 1.7B decode step.
+    if (d % 16 == 0 && d <= 256) {
+        const int per = d / 16;
+        for (; j < n; j++) {
+            const int64_t index = slots[j];
+            __m512 key[16];
+            for (int i = 0; i < per; i++) key[i] = load16(k_pool, kv_type, k_scales, index, index * d + 16 * i);
+            for (int h = 0; h < g; h++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int i = 0; i < per; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + 16 * i), key[i], acc);
+                scores[h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+    }
 #endif
     for (; j < n; j++) {
-        const int64_t p = start + j;
-        const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+        const int64_t index = slots[j];
         load_vec(k_pool, kv_type, k_scales, index, d, vec);
         for (int h = 0; h < g; h++) scores[h * n + j] = dot(q + h * d, vec, d) * scale;
     }
@@ -291,8 +310,7 @@ static inline __attribute__((always_inline)) void attend_typed(
         const int per = d / 16;
         for (int i = 0; i < g * per; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const int64_t p = start + t;
-            const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+            const int64_t index = slots[t];
             if (kv_type == KV_F32) {  // (loaded where used: the decoded copy below cost float32 25%)
                 const float *val = (const float *)v_pool + index * d;
                 for (int h = 0; h < g; h++) {
@@ -316,8 +334,7 @@ static inline __attribute__((always_inline)) void attend_typed(
 #endif
     for (int h = 0; h < g; h++) memset(out + h * d, 0, (size_t)d * 4);
     for (int64_t t = 0; t < n; t++) {
-        const int64_t p = start + t;
-        const int64_t index = ((int64_t)table[p / block_size] * kv_heads + kvh) * block_size + p % block_size;
+        const int64_t index = slots[t];
         load_vec(v_pool, kv_type, v_scales, index, d, vec);
         for (int h = 0; h < g; h++) axpy(scores[h * n + t], vec, out + h * d, d);
     }
@@ -383,7 +400,7 @@ KVK_API int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows,
     const int par = work * heads * d >= 65536;
 #pragma omp parallel if (par)
     {
-        float *scratch = (float *)malloc((size_t)((int64_t)g * longest + 16 * d) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)((int64_t)(g + 2) * longest + 16 * d) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             // KV head by KV head, each over every row: a thread's consecutive tasks read one head's
