@@ -49,6 +49,13 @@ def widths(qtype):
     return (256, 512) if qtype in SUPER_BLOCK else (32, 96, 576)
 
 
+def product_widths(qtype):
+    """Whole groups of 256 inputs, and for the 32-weight types rows whose last group ends a block
+    (96: 3), a chunk (320: 2; 576, the packaged model's rows) or a half group (384: 4) in, or past
+    a half with one chunk left (448: 6)."""
+    return (512,) if qtype in SUPER_BLOCK or qtype in (Q.F16, Q.BF16) else (512, 96, 320, 384, 448, 576)
+
+
 def test_this_machine_runs_its_best_build():
     lib = native.kernels()
     assert lib is not None, native.status()
@@ -100,16 +107,16 @@ def rounded_activations(x: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_the_integer_product_is_exact_for_its_rounded_activations(kvk, qtype):
-    cols = 512
-    blocks = random_blocks(qtype, 64, cols, seed=2)
-    weights = dequantize(blocks, qtype).reshape(64, cols).astype(np.float64)
-    x = torch.randn(3, cols)
-    want = rounded_activations(x) @ weights.T
-    got = kvk.matmul(qtype, row_addresses(blocks), cols, x).numpy()
-    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
-    # and the rounding itself costs what ~16 bits of each group's range cost
-    exact = x.double().numpy() @ weights.T
-    assert np.abs(got - exact).max() <= 2e-4 * np.abs(exact).max()
+    for cols in product_widths(qtype):
+        blocks = random_blocks(qtype, 64, cols, seed=2)
+        weights = dequantize(blocks, qtype).reshape(64, cols).astype(np.float64)
+        x = torch.randn(3, cols)
+        want = rounded_activations(x) @ weights.T
+        got = kvk.matmul(qtype, row_addresses(blocks), cols, x).numpy()
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), cols
+        # and the rounding itself costs what ~16 bits of each group's range cost
+        exact = x.double().numpy() @ weights.T
+        assert np.abs(got - exact).max() <= 2e-4 * np.abs(exact).max(), cols
 
 
 @pytest.mark.parametrize("qtype", [*QUANTIZED, Q.F16, Q.BF16], ids=lambda t: t.name)
@@ -145,17 +152,17 @@ def test_the_vector_quantizer_writes_the_portable_loops_bytes(kvk, qtype):
 def test_a_row_is_the_same_alone_and_among_others(kvk, qtype):
     """Batch invariance by construction: threads split the weight rows, never a dot product, and
     every tile shape runs the same operations per output."""
-    cols = 512
-    blocks = random_blocks(qtype, 131, cols, seed=4)  # not a multiple of the 4-row tiles
-    x = torch.randn(23, cols)
-    for exact in (False, True):
-        together = kvk.matmul(qtype, row_addresses(blocks), cols, x, exact=exact)
-        for r in (0, 7, 22):
-            alone = kvk.matmul(qtype, row_addresses(blocks), cols, x[r : r + 1].contiguous(), exact=exact)
-            assert torch.equal(alone[0], together[r])
-        assert torch.equal(
-            kvk.matmul(qtype, row_addresses(blocks), cols, x[:5].contiguous(), exact=exact), together[:5]
-        )
+    for cols in product_widths(qtype):
+        blocks = random_blocks(qtype, 131, cols, seed=4)  # not a multiple of the 4-row tiles
+        x = torch.randn(23, cols)
+        for exact in (False, True):
+            together = kvk.matmul(qtype, row_addresses(blocks), cols, x, exact=exact)
+            for r in (0, 7, 22):
+                alone = kvk.matmul(qtype, row_addresses(blocks), cols, x[r : r + 1].contiguous(), exact=exact)
+                assert torch.equal(alone[0], together[r])
+            assert torch.equal(
+                kvk.matmul(qtype, row_addresses(blocks), cols, x[:5].contiguous(), exact=exact), together[:5]
+            )
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
