@@ -331,13 +331,12 @@ static inline int symmetric_mid(int t) {
 // the K-quants, 8 blocks of the 32-weight types; a row's last group of those may be shorter);
 // and xs [k / sub] = dx * sum(xq) over each of the weight type's sub-blocks (the b * sum(x) terms).
 // xq is laid out in the kernel's order within each chunk of 64 inputs (slot_of: the order in which
-// a chunk's 64 byte codes leave vpunpcklbw/vpunpckhbw as two vectors of 16-bit lanes; the
-// 32-weight types per half group of 128, slot32), zero past k up to the next chunk (half group). Rows are laid out one after another in one buffer.
+// a chunk's 64 byte codes leave vpunpcklbw/vpunpckhbw as two vectors of 16-bit lanes), zero past
+// k up to the next chunk. Rows are laid out one after another in one buffer.
 typedef struct {
     int64_t k, sub, groups, stride;  // stride: bytes per row
     int64_t off_dx, off_xs;          // the group scales, the b-term sums
     int t;                           // the weight type (Q4_K lays its inputs out its own way)
-    int b32;                         // a 32-weight type: its inputs in slot32's order
 } act_layout;
 
 // 15 bits and a sign. The K-quants' 16-bit weights (a code times its sub-block's integer scale,
@@ -369,29 +368,17 @@ __attribute__((constructor)) static void init_q4k_slots(void) {
         }
 }
 
-// The 32-weight types' order: per half group of 128 inputs (four blocks), four vectors of 32
-// slots, vector v holding inputs 8v..8v+7 of each block (block j in slots 8j..8j+7): unpacked
-// weights of the four blocks side by side, so that each 32-bit lane of a product sums 8 products
-// of one block (4 lanes a block) and a half group needs one conversion and one scaling by its
-// blocks' a per (weight row, activation row) where a chunk of two blocks needed one each.
-static inline int64_t slot32(int64_t e) {
-    const int64_t p = e & 127, j = p >> 5, c = p & 31;
-    return (e & ~(int64_t)127) + 32 * (c >> 3) + 8 * j + (c & 7);
-}
-
 static inline int64_t slot_in(const act_layout *l, int64_t e) {
-    return l->t == T_Q4_K ? (e & ~(int64_t)255) + Q4K_SLOT[e & 255] : l->b32 ? slot32(e) : slot_of(e);
+    return l->t == T_Q4_K ? (e & ~(int64_t)255) + Q4K_SLOT[e & 255] : slot_of(e);
 }
 
 static act_layout layout_for(int64_t k, int t, const kvk_type *ti) {
     act_layout l;
     l.t = t;
-    l.b32 = ti->block == 32;
     l.k = k;
     l.sub = ti->sub;
     l.groups = (k + 255) / 256;
-    const int64_t pad = l.b32 ? 127 : 63;  // a tail's zero twins (blocks, a chunk) included
-    const int64_t xq = ((k + pad) & ~pad) * 2;
+    const int64_t xq = ((k + 63) & ~(int64_t)63) * 2;  // a tail block's zero twin included
     l.off_dx = xq;
     l.off_xs = xq + (((l.groups + 16) * 4 + 63) & ~(int64_t)63);
     // + a last group's zero b-terms (the 32-weight types' kernel reads 8 per group)
@@ -517,17 +504,13 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
 
 #ifdef KVK_AVX512
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------
-// A chunk is 64 weights: 64 8-bit codes in one register, in the row's order, widened to two vectors
-// of 16-bit lanes (the activations are laid out in the same order, slot_of); a 32-bit lane of their
-// products with the activations then sums one sub-block's products. The 32-weight types take a
-// half group of four blocks at once: the codes of the four side by side, widened to four vectors
-// (slot32), so that a 32-bit lane sums 8 products of one block (lanes 4j..4j+3 block j's). A
-// group is 256 weights: a super-block, or 8 blocks of the 32-weight types.
-//   32-weight types: per half group and (weight row, activation row), vpdpwssd -> float -> times
-//     the lanes' block scales a, summed; the group's sum times dx. (Per chunk of two blocks, 8
-//     lanes a block, as before, a conversion and an FMA per 64 products, and Q4_0's nibbles a
-//     permute per chunk: one row against 2048 x 8192 Q4_0 0.31 -> 0.25 ms, IQ4_NL 0.35 -> 0.29,
-//     the other types within 3%; a prompt's 128 rows within 5% either way, bound by their loads.)
+// A chunk is 64 weights: 64 8-bit codes in one register, in the row's order (for the 32-weight
+// types two blocks A and B), widened to two vectors of 16-bit lanes (the activations are laid out
+// in the same order, slot_of); a 32-bit lane of their products with the activations then sums one
+// sub-block's products (lanes 0-7 block A's, 8-15 B's). A group is 256 weights: a super-block, or 4
+// chunks of the 32-weight types.
+//   32-weight types: per chunk and (weight row, activation row), vpdpwssd -> float -> times the
+//     lanes' block scales a, summed; the group's sum times dx.
 //   K-quants and IQ4_XS: codes times sub-block scales in 16 bits, so a super-block accumulates in
 //     int32 and is scaled once by d * dx.
 // A call of up to 8 activation rows (decode, a speculative round) takes one weight row at a time,
@@ -647,11 +630,10 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
 // A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles) is 144
 // bytes = 72 16-bit words, read as three vectors (words 0-31, 32-63, 40-71: nothing past the group)
 // and taken apart by word permutes: block j's d is word 9j, its nibbles words 9j+1..9j+8. The 8
-// d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each: their low nibbles are each
-// half group's first codes in slot32's order, their high nibbles its last. The same codes and
-// scales as group32's block-by-block reads, in a fraction of the operations: a one-row Q4_0 matmul
-// issued ~80 operations a group against its 144 bytes and ran below the memory's speed (22 GB/s
-// on 2 cores against Q4_K's 27).
+// d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each, then each chunk's [A lo | A hi
+// | B lo | B hi] by one qword permute. The same codes and scales as group32's block-by-block reads,
+// in a third of the operations: a one-row Q4_0 matmul issued ~80 operations a group against its
+// 144 bytes and ran below the memory's speed (22 GB/s on 2 cores against Q4_K's 27).
 static const int16_t Q40_D_WORDS[32] = {0, 9, 18, 27, 36, 45, 54, 63};
 static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     // blocks 0-3 from words 0-63 (vectors 0, 1): 1-8, 10-17, 19-26, 28-35
@@ -661,6 +643,7 @@ static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     // 46-53, 55-62, 64-71
     {5, 6, 7, 32, 33, 34, 35, 36, 38, 39, 40, 41, 42, 43, 44, 45,
      47, 48, 49, 50, 51, 52, 53, 54, 56, 57, 58, 59, 60, 61, 62, 63}};
+static const int64_t Q40_CHUNK_QWORDS[2][8] = {{0, 1, 8, 9, 2, 3, 10, 11}, {4, 5, 12, 13, 6, 7, 14, 15}};
 
 static inline __attribute__((always_inline)) void group32_q40(const int t, const uint8_t *b, group_t *G) {
     const __m512i v0 = _mm512_loadu_si512((const void *)b);
@@ -675,16 +658,17 @@ static inline __attribute__((always_inline)) void group32_q40(const int t, const
     const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
     for (int h = 0; h < 2; h++) {
         const __m512i lo = _mm512_and_si512(q[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(q[h], 4), m4);
-        G->codes[2 * h] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, lo) : lo;  // (IQ4_NL: its table)
-        G->codes[2 * h + 1] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, hi) : hi;
+        for (int c = 0; c < 2; c++) {
+            const __m512i codes =
+                _mm512_permutex2var_epi64(lo, _mm512_loadu_si512((const void *)Q40_CHUNK_QWORDS[c]), hi);
+            G->codes[2 * h + c] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, codes) : codes;  // its table
+        }
     }
 }
 
 // Group g (chunks 4g.. of the row; blocks 8g.., nb of them: 8 but in a row's last group) of a
-// 32-weight-type row: per half group h (blocks 4h..4h+3), codes[2h] the blocks' codes 0-15 and
-// codes[2h + 1] their codes 16-31, a block per 128-bit lane (slot32's order once widened); the
-// blocks' scales, and the b of each block into o (the 8 scales of the group converted at once).
-// Returns its chunks of two blocks (a half group past them holds zero codes). The callers pass nb = 8 as a constant for every full
+// 32-weight-type row: codes, lane scales, and the b of each block into o (the 8 scales of the group
+// converted at once). Returns its chunks. The callers pass nb = 8 as a constant for every full
 // group, so the compiler unrolls its chunks and keeps them in registers (with a variable count
 // they went through the stack: one row of Q4_0 at 12 GB/s against 20).
 static inline __attribute__((always_inline)) int group32(const int t, const int bytes, const uint8_t *row,
@@ -703,16 +687,10 @@ static inline __attribute__((always_inline)) int group32(const int t, const int 
     _mm256_storeu_ps(o + first, o8);  // blocks past the row's end (a tail's twin) have d = 0: b = 0
     G->d8 = d8;
     const int nch = (nb + 1) / 2;
-    __m512i chunk[4];  // [A's 32 | B's 32] in weight order: 128-bit lanes A 0-15, A 16-31, B 0-15, B 16-31
     for (int ch = 0; ch < nch; ch++) {
         const uint8_t *A = row + (first + 2 * ch) * bytes;
         const uint8_t *B = 2 * ch + 1 < nb ? A + bytes : ZERO_BLOCK;  // a tail block's zero twin
-        chunk[ch] = codes32_natural(t, A, B);
-    }
-    if (nch % 2) chunk[nch] = _mm512_setzero_si512();  // blocks past the row's end: d = 0
-    for (int h = 0; 2 * h < nch; h++) {
-        G->codes[2 * h] = _mm512_shuffle_i64x2(chunk[2 * h], chunk[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0));
-        G->codes[2 * h + 1] = _mm512_shuffle_i64x2(chunk[2 * h], chunk[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1));
+        G->codes[ch] = codes32_natural(t, A, B);
     }
     return nch;
 }
@@ -865,9 +843,8 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
 // order (slot_of), for the K-quants times their sub-block scales (exact: at most 4096), for the
 // 32-weight types as they are, with the float scale of each 32-bit lane's block beside them.
 typedef struct {
-    __m512i w[8];  // K-quants' chunk ch: w[2 ch] against the activations' low vector, w[2 ch + 1]
-                   // the high; the 32-weight types' half group h: w[4 h + v] against its vector v
-    __m512 f[2];   // 32-weight types: half group h's 32-bit lanes' block scales (4 lanes a block)
+    __m512i w[8];  // chunk ch: w[2 ch] against the activations' low vector, w[2 ch + 1] the high
+    __m512 f[4];   // 32-weight types: chunk ch's 32-bit lanes' block scales (8 lanes a block)
     float d;       // K-quants: the super-block's scale
 } wgroup_t;
 
@@ -907,14 +884,13 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
     if (act == 32) {
         const int nch = group32(t, bytes, row, g, nb, &G, o);
         const __m512 d8 = _mm512_castps256_ps512(G.d8);
-        for (int h = 0; 2 * h < nch; h++) {
-            widen16(0, G.codes[2 * h], &W->w[4 * h], &W->w[4 * h + 1]);
-            widen16(0, G.codes[2 * h + 1], &W->w[4 * h + 2], &W->w[4 * h + 3]);
-            // lanes 4j..4j+3 take block 4h + j's scale
-            const int b = 4 * h;
-            const __m512i pick = _mm512_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1, b + 2, b + 2, b + 2, b + 2,
-                                                   b + 3, b + 3, b + 3, b + 3);
-            W->f[h] = _mm512_permutexvar_ps(pick, d8);
+        for (int ch = 0; ch < nch; ch++) {
+            widen16(0, G.codes[ch], &W->w[2 * ch], &W->w[2 * ch + 1]);
+            // lanes 0-7 take block 2ch's scale, 8-15 block 2ch + 1's
+            const __m512i pick = _mm512_setr_epi32(2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch, 2 * ch,
+                                                   2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1, 2 * ch + 1,
+                                                   2 * ch + 1, 2 * ch + 1, 2 * ch + 1);
+            W->f[ch] = _mm512_permutexvar_ps(pick, d8);
         }
         return nch;
     }
@@ -962,17 +938,13 @@ static inline __attribute__((always_inline)) void compute16(const int act, const
     if (act == 32) {
         __m512 part[MAXT];
         for (int i = 0; i < NWc * RTc; i++) part[i] = _mm512_setzero_ps();
-        // (a row's four vectors against each weight row's in turn: measured against every pair's
-        // sums kept beside the tile's vectors, and against two chains a pair, both of which spilled
-        // registers: 1.2x and 1.6x the time at 128 rows)
-        for (int h = 0; 2 * h < nch; h++)
-            for (int r = 0; r < RTc; r++) {
-                __m512i xv[4];
-                for (int v = 0; v < 4; v++) xv[v] = _mm512_loadu_si512((const void *)(x[r] + 128 * h + 32 * v));
+        for (int ch = 0; ch < nch; ch++)
+            for (int r = 0; r < RTc; r++) {  // (here a row's two vectors against each weight row measured best)
+                const __m512i xl = _mm512_loadu_si512((const void *)(x[r] + 64 * ch));
+                const __m512i xh = _mm512_loadu_si512((const void *)(x[r] + 64 * ch + 32));
                 for (int w = 0; w < NWc; w++) {
-                    __m512i dp = _mm512_madd_epi16(W[w].w[4 * h], xv[0]);
-                    for (int v = 1; v < 4; v++) dp = dpwssd(dp, W[w].w[4 * h + v], xv[v]);
-                    part[w * RTc + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), W[w].f[h], part[w * RTc + r]);
+                    const __m512i dp = dpwssd(_mm512_madd_epi16(W[w].w[2 * ch], xl), W[w].w[2 * ch + 1], xh);
+                    part[w * RTc + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), W[w].f[ch], part[w * RTc + r]);
                 }
             }
         for (int r = 0; r < RTc; r++) {
@@ -1142,16 +1114,9 @@ static inline __attribute__((always_inline)) void few_rows16(const int t, const 
         if (KVK_PREFETCH > 0)
             for (int q = 0; q < gbytes; q += 64)
                 _mm_prefetch((const char *)(row + g * gbytes + KVK_PREFETCH + q), _MM_HINT_T0);
-        // each count of blocks a constant, so that the compiler unrolls its chunks and halves into
-        // registers: a row's short last group (the packaged model's rows of 576 inputs end in 2
-        // blocks; 896 and 960 in 4 and 6) cost a 3072 x 576 Q4_1 row 9% more with its count a variable
-        switch (group_blocks(act, k, g)) {
-#define KVK_FEW_GROUP(NB)                                              \
-    case NB: few_group16(t, bytes, act, sub, NR, NB, row, g, A, l, o, acc); break;
-            KVK_FEW_GROUP(8) KVK_FEW_GROUP(1) KVK_FEW_GROUP(2) KVK_FEW_GROUP(3) KVK_FEW_GROUP(4) KVK_FEW_GROUP(5)
-            KVK_FEW_GROUP(6) KVK_FEW_GROUP(7)
-#undef KVK_FEW_GROUP
-        }
+        const int nb = group_blocks(act, k, g);
+        if (nb == 8) few_group16(t, bytes, act, sub, NR, 8, row, g, A, l, o, acc);
+        else few_group16(t, bytes, act, sub, NR, nb, row, g, A, l, o, acc);  // a short last group
     }
     const int64_t subs = act == 32 ? 8 * l->groups : k / sub;
     for (int r = 0; r < NR; r++) out[r * ys] = finish(t, act, acc[r], o, A + r * l->stride, l, subs);
@@ -1583,20 +1548,6 @@ static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *ds
                 const __m512i b = _mm512_load_si512((const void *)(natural + 128 * H + 64 + 32 * (n4 % 2)));
                 _mm512_storeu_si512((void *)(xq + e0 + 32 * v),
                                     _mm512_permutex2var_epi16(a, _mm512_loadu_si512((const void *)Q4K_PICK[n4 >= 2]), b));
-            }
-            continue;
-        }
-        if (l->b32) {  // slot32: a 4 x 4 transpose of 128-bit lanes (block j's inputs 8v.. to vector v)
-            for (int64_t c = 0; c < n; c += 128) {
-                const __m512i *b = (const __m512i *)(natural + c);
-                const __m512i t0 = _mm512_shuffle_i64x2(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0));
-                const __m512i t1 = _mm512_shuffle_i64x2(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0));
-                const __m512i t2 = _mm512_shuffle_i64x2(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2));
-                const __m512i t3 = _mm512_shuffle_i64x2(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2));
-                _mm512_storeu_si512((void *)(xq + e0 + c), _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)));
-                _mm512_storeu_si512((void *)(xq + e0 + c + 32), _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
-                _mm512_storeu_si512((void *)(xq + e0 + c + 64), _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)));
-                _mm512_storeu_si512((void *)(xq + e0 + c + 96), _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
             }
             continue;
         }
