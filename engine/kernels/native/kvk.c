@@ -337,6 +337,7 @@ typedef struct {
     int64_t k, sub, groups, stride;  // stride: bytes per row
     int64_t off_dx, off_xs;          // the group scales, the b-term sums
     int t;                           // the weight type (Q4_K lays its inputs out its own way)
+    int act;                         // 32: a 32-weight type (its whole groups: block lanes)
 } act_layout;
 
 // 15 bits and a sign. The K-quants' 16-bit weights (a code times its sub-block's integer scale,
@@ -368,13 +369,27 @@ __attribute__((constructor)) static void init_q4k_slots(void) {
         }
 }
 
+// The 32-weight types' whole groups: each 32-bit lane of the kernel's 8 vectors sums the products
+// of one block, 16 of them (lanes 4i + c, for c < 4 and i < 4, take block 2c + i / 2), so that a
+// group's integer sums need one conversion and one scaling per output instead of one per chunk.
+// Input e = 64c + 16i + 2W + b of a group (c: the chunk of two blocks, i: its 16-input quarter, W:
+// the pair within it, b: which of the pair) sits in vector W, 16-bit lane 8i + 2c + b: where
+// block_lanes puts its weight. A row's last group, when shorter, keeps the chunk order (slot_of).
+static inline int64_t slot_block_lanes(int64_t e) {
+    const int64_t c = (e >> 6) & 3, i = (e >> 4) & 3, W = (e >> 1) & 7, b = e & 1;
+    return (e & ~(int64_t)255) + 32 * W + 8 * i + 2 * c + b;
+}
+
 static inline int64_t slot_in(const act_layout *l, int64_t e) {
-    return l->t == T_Q4_K ? (e & ~(int64_t)255) + Q4K_SLOT[e & 255] : slot_of(e);
+    if (l->t == T_Q4_K) return (e & ~(int64_t)255) + Q4K_SLOT[e & 255];
+    if (l->act == 32 && (e | 255) < l->k) return slot_block_lanes(e);  // a whole group
+    return slot_of(e);
 }
 
 static act_layout layout_for(int64_t k, int t, const kvk_type *ti) {
     act_layout l;
     l.t = t;
+    l.act = ti->act;
     l.k = k;
     l.sub = ti->sub;
     l.groups = (k + 255) / 256;
@@ -509,10 +524,14 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
 // in the same order, slot_of); a 32-bit lane of their products with the activations then sums one
 // sub-block's products (lanes 0-7 block A's, 8-15 B's). A group is 256 weights: a super-block, or 4
 // chunks of the 32-weight types.
-//   32-weight types: per chunk and (weight row, activation row), vpdpwssd -> float -> times the
-//     lanes' block scales a, summed; the group's sum times dx.
 //   K-quants and IQ4_XS: codes times sub-block scales in 16 bits, so a super-block accumulates in
 //     int32 and is scaled once by d * dx.
+//   32-weight types, a whole group: its 4 chunks rearranged so that each 32-bit lane sums one
+//     block's products (block_lanes: 2 lanes a block, 16 products each), so the group too
+//     accumulates in int32 and is scaled once, by its lanes' block scales a times dx. (Per chunk,
+//     as a row's last, shorter group still goes, each (weight row, activation row) paid a
+//     conversion and a scaling per 64 products beside the 2 products' instructions, on the same
+//     pipes: a 128-row tile 0.73-0.82x the time in block lanes, 1 and 5 rows level or faster.)
 // A call of up to 8 activation rows (decode, a speculative round) takes one weight row at a time,
 // streaming it; a longer one (a prompt) tiles NW weight rows x RT activation rows, every group of
 // the NW rows unpacked once for all activation rows. Every output's operations depend only on k
@@ -875,8 +894,33 @@ static const int16_t Q4K_SCALE_PICK[4][32] = {
     {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
     {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
 
+// A whole group's 4 chunks of byte codes (blocks 2c, 2c + 1 in chunk c, in weight order) as the 8
+// vectors of 16-bit weights of the block-lane layout (slot_block_lanes): the chunks' 16-bit pairs
+// interleaved, then their 32-bit pairs, then widened, so that vector W, lane 4i + c holds pair W of
+// quarter i of chunk c. 16 operations; the chunk layout's widening took 8, and the products saved
+// are 3 conversions and 3 scalings per output and group.
+static inline __attribute__((always_inline)) void block_lanes(const __m512i *codes, __m512i *w) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i u01[2] = {_mm512_unpacklo_epi16(codes[0], codes[1]), _mm512_unpackhi_epi16(codes[0], codes[1])};
+    const __m512i u23[2] = {_mm512_unpacklo_epi16(codes[2], codes[3]), _mm512_unpackhi_epi16(codes[2], codes[3])};
+    for (int s1 = 0; s1 < 2; s1++)
+        for (int s2 = 0; s2 < 2; s2++) {
+            const __m512i d = s2 ? _mm512_unpackhi_epi32(u01[s1], u23[s1]) : _mm512_unpacklo_epi32(u01[s1], u23[s1]);
+            w[4 * s1 + 2 * s2] = _mm512_unpacklo_epi8(d, z);
+            w[4 * s1 + 2 * s2 + 1] = _mm512_unpackhi_epi8(d, z);
+        }
+}
+
+// Lane 4i + c of the block-lane layout belongs to block 2c + i / 2.
+static const int32_t BLOCK_LANE_SCALES[16] = {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7};
+
+// The vectors of a whole group of a 32-weight type in the block-lane layout: its 8 vectors of
+// 16-bit weights and one of lane scales.
+enum { LANES32 = 8 };
+
 // Group g of a row as 16-bit weights, and its b terms into o (the 32-weight types' 8 per group,
-// the K-quants' 256 / sub). nb: the group's blocks (32-weight types). Returns its chunks.
+// the K-quants' 256 / sub). nb: the group's blocks (32-weight types). Returns its chunks, or
+// LANES32 for a 32-weight type's whole group (block lanes).
 static inline __attribute__((always_inline)) int prepare16(const int t, const int bytes, const int act, const int sub,
                                                            const uint8_t *row, int64_t g, const int nb,
                                                            wgroup_t *W, float *o) {
@@ -884,6 +928,11 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
     if (act == 32) {
         const int nch = group32(t, bytes, row, g, nb, &G, o);
         const __m512 d8 = _mm512_castps256_ps512(G.d8);
+        if (nb == 8) {
+            block_lanes(G.codes, W->w);
+            W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)BLOCK_LANE_SCALES), d8);
+            return LANES32;
+        }
         for (int ch = 0; ch < nch; ch++) {
             widen16(0, G.codes[ch], &W->w[2 * ch], &W->w[2 * ch + 1]);
             // lanes 0-7 take block 2ch's scale, 8-15 block 2ch + 1's
@@ -924,9 +973,10 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
 
 // Group g's products for NWc weight rows (W[0..NWc)) and RTc activation rows from r0, added into
 // acc [w * RTc + r] (registers: the shapes are compile-time constants). Per output, whatever the
-// shapes: the K-quants' super-block summed in int32, then acc += float(sum) * (d * dx); the
-// 32-weight types' chunks each converted and scaled by their blocks' a, then the group's sum
-// times dx. Half a chunk at a time: the NWc weight vectors and RTc activation vectors of a half
+// shapes: the group summed in int32, then acc += float(sum) * (d * dx) for the K-quants, float(sum)
+// * (a * dx) for a 32-weight type's whole group (a: its lanes' block scales); a row's last,
+// shorter group of a 32-weight type chunk by chunk, each converted and scaled by its blocks' a,
+// then the group's sum times dx. Half a chunk at a time: the NWc weight vectors and RTc activation vectors of a half
 // are loaded once into registers, then every pair multiplied (a tile of 4 x 4 reads 8 vectors
 // for 16 products; loading a vector for each product bound it by loads).
 static inline __attribute__((always_inline)) void compute16(const int act, const int NWc, const int RTc,
@@ -935,7 +985,7 @@ static inline __attribute__((always_inline)) void compute16(const int act, const
                                                             __m512 *acc) {
     const int16_t *x[SEQUENTIAL_ROWS];
     for (int r = 0; r < RTc; r++) x[r] = (const int16_t *)(A + (r0 + r) * l->stride) + 256 * g;
-    if (act == 32) {
+    if (act == 32 && nch < LANES32) {  // a row's last, shorter group: chunk by chunk
         __m512 part[MAXT];
         for (int i = 0; i < NWc * RTc; i++) part[i] = _mm512_setzero_ps();
         for (int ch = 0; ch < nch; ch++)
@@ -975,9 +1025,11 @@ static inline __attribute__((always_inline)) void compute16(const int act, const
                                        _mm512_add_epi32(isum[i * 4 + 2], isum[i * 4 + 3]));
     for (int r = 0; r < RTc; r++) {
         const float dr = ((const float *)(A + (r0 + r) * l->stride + l->off_dx))[g];
-        for (int w = 0; w < NWc; w++)
-            acc[w * RTc + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[(w * RTc + r) * SPLIT]),
-                                               _mm512_set1_ps(W[w].d * dr), acc[w * RTc + r]);
+        for (int w = 0; w < NWc; w++) {
+            const __m512 scale = act == 32 ? _mm512_mul_ps(W[w].f[0], _mm512_set1_ps(dr)) : _mm512_set1_ps(W[w].d * dr);
+            acc[w * RTc + r] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[(w * RTc + r) * SPLIT]), scale, acc[w * RTc + r]);
+        }
     }
 }
 
@@ -1139,12 +1191,13 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
     }
     const int64_t subs = act == 32 ? 8 * groups : k / sub;
     const int RTt = act == 32 ? RT32 : RT;
+    const int whole = act == 32 ? LANES32 : 4;  // a whole group's chunks
     int64_t r0 = 0;
     for (; r0 + RTt <= nr; r0 += RTt) {
         __m512 acc[MAXT];
         for (int i = 0; i < NWc * RTt; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            if (nchs[g] == 4) compute16(act, NWc, RTt, &packed[g * NW], 4, A, l, g, r0, acc);
+            if (nchs[g] == whole) compute16(act, NWc, RTt, &packed[g * NW], whole, A, l, g, r0, acc);
             else compute16(act, NWc, RTt, &packed[g * NW], nchs[g], A, l, g, r0, acc);
         }
         if (NWc * RTt == 16) {  // a whole tile: its 16 outputs summed at once, as finish sums each
@@ -1169,7 +1222,7 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
         __m512 acc[NW];
         for (int i = 0; i < NWc; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            if (nchs[g] == 4) compute16(act, NWc, 1, &packed[g * NW], 4, A, l, g, r0, acc);
+            if (nchs[g] == whole) compute16(act, NWc, 1, &packed[g * NW], whole, A, l, g, r0, acc);
             else compute16(act, NWc, 1, &packed[g * NW], nchs[g], A, l, g, r0, acc);
         }
         for (int w = 0; w < NWc; w++)
@@ -1549,6 +1602,14 @@ static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *ds
                 _mm512_storeu_si512((void *)(xq + e0 + 32 * v),
                                     _mm512_permutex2var_epi16(a, _mm512_loadu_si512((const void *)Q4K_PICK[n4 >= 2]), b));
             }
+            continue;
+        }
+        if (l->act == 32 && n == 256) {  // a 32-weight type's whole group: block lanes
+            const uint32_t *pairs = (const uint32_t *)natural;  // inputs 2j, 2j + 1
+            uint32_t *out = (uint32_t *)(xq + e0);
+            for (int W = 0; W < 8; W++)
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < 4; c++) out[16 * W + 4 * i + c] = pairs[32 * c + 8 * i + W];
             continue;
         }
         for (int64_t c = 0; c < n; c += 64) {
