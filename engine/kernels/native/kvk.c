@@ -380,10 +380,35 @@ static inline int64_t slot_block_lanes(int64_t e) {
     return (e & ~(int64_t)255) + 32 * W + 8 * i + 2 * c + b;
 }
 
+// Q4_0 and IQ4_NL (a block's 16 bytes: code i in the low nibble of byte i, code 16 + i in the high
+// one) take their whole groups' lanes straight from the nibbles (nibble_lanes), in another order
+// with the same property (each 32-bit lane one block's, 2 lanes a block): input e = 32B + 16n + 8s
+// + 2w + b of a group (block B = 4h + j, nibble n, ...) sits in vector 4n + 2s + w / 2, lane 8j +
+// 2(2(w % 2) + h) + b; lane 4j + x belongs to block j + 4(x % 2).
+static inline int64_t slot_nibble_lanes(int64_t e) {
+    const int64_t B = (e >> 5) & 7, h = B >> 2, j = B & 3, n = (e >> 4) & 1, s = (e >> 3) & 1;
+    const int64_t w = (e >> 1) & 3, b = e & 1;
+    return (e & ~(int64_t)255) + 32 * (4 * n + 2 * s + (w >> 1)) + 8 * j + 2 * (2 * (w & 1) + h) + b;
+}
+
+static inline int nibble_lane_type(int t) { return t == T_Q4_0 || t == T_IQ4_NL; }
+
 static inline int64_t slot_in(const act_layout *l, int64_t e) {
     if (l->t == T_Q4_K) return (e & ~(int64_t)255) + Q4K_SLOT[e & 255];
-    if (l->act == 32 && (e | 255) < l->k) return slot_block_lanes(e);  // a whole group
+    if (l->act == 32 && (e | 255) < l->k)  // a whole group
+        return nibble_lane_type(l->t) ? slot_nibble_lanes(e) : slot_block_lanes(e);
     return slot_of(e);
+}
+
+// A whole group's input pairs in either lane order: LANE_PAIRS[o][d], the pair (inputs 2p, 2p + 1)
+// that goes to pair d of the group's slots (o: 0 block lanes, 1 nibble lanes).
+static uint8_t LANE_PAIRS[2][128];
+
+__attribute__((constructor)) static void init_lane_pairs(void) {
+    for (int64_t e = 0; e < 256; e += 2) {
+        LANE_PAIRS[0][slot_block_lanes(e) / 2] = (uint8_t)(e / 2);
+        LANE_PAIRS[1][slot_nibble_lanes(e) / 2] = (uint8_t)(e / 2);
+    }
 }
 
 static act_layout layout_for(int64_t k, int t, const kvk_type *ti) {
@@ -649,10 +674,11 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
 // A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles) is 144
 // bytes = 72 16-bit words, read as three vectors (words 0-31, 32-63, 40-71: nothing past the group)
 // and taken apart by word permutes: block j's d is word 9j, its nibbles words 9j+1..9j+8. The 8
-// d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each, then each chunk's [A lo | A hi
-// | B lo | B hi] by one qword permute. The same codes and scales as group32's block-by-block reads,
-// in a third of the operations: a one-row Q4_0 matmul issued ~80 operations a group against its
-// 144 bytes and ran below the memory's speed (22 GB/s on 2 cores against Q4_K's 27).
+// d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each (a block a 128-bit lane), then
+// the nibbles of blocks j and j + 4 interleaved by 16-bit pairs and widened: the 8 vectors of the
+// nibble-lane layout (slot_nibble_lanes) in 16 operations after the loads. (Through the chunk
+// codes and block_lanes it took 24; word by word from the block reads, ~80 a group, which held a
+// one-row Q4_0 matmul below the memory's speed: 22 GB/s on 2 cores against Q4_K's 27.)
 static const int16_t Q40_D_WORDS[32] = {0, 9, 18, 27, 36, 45, 54, 63};
 static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     // blocks 0-3 from words 0-63 (vectors 0, 1): 1-8, 10-17, 19-26, 28-35
@@ -662,25 +688,29 @@ static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     // 46-53, 55-62, 64-71
     {5, 6, 7, 32, 33, 34, 35, 36, 38, 39, 40, 41, 42, 43, 44, 45,
      47, 48, 49, 50, 51, 52, 53, 54, 56, 57, 58, 59, 60, 61, 62, 63}};
-static const int64_t Q40_CHUNK_QWORDS[2][8] = {{0, 1, 8, 9, 2, 3, 10, 11}, {4, 5, 12, 13, 6, 7, 14, 15}};
 
-static inline __attribute__((always_inline)) void group32_q40(const int t, const uint8_t *b, group_t *G) {
+static inline __attribute__((always_inline)) void nibble_lanes(const int t, const uint8_t *b, __m512i *w,
+                                                               __m256 *d8) {
     const __m512i v0 = _mm512_loadu_si512((const void *)b);
     const __m512i v1 = _mm512_loadu_si512((const void *)(b + 64));
     const __m512i v2 = _mm512_loadu_si512((const void *)(b + 80));
     const __m512i d = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_D_WORDS), v1);
-    G->d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(d));
+    *d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(d));
     const __m512i q[2] = {
         _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[0]), v1),
         _mm512_permutex2var_epi16(v1, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[1]), v2)};
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
     const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
-    for (int h = 0; h < 2; h++) {
-        const __m512i lo = _mm512_and_si512(q[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(q[h], 4), m4);
-        for (int c = 0; c < 2; c++) {
-            const __m512i codes =
-                _mm512_permutex2var_epi64(lo, _mm512_loadu_si512((const void *)Q40_CHUNK_QWORDS[c]), hi);
-            G->codes[2 * h + c] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, codes) : codes;  // its table
+    for (int n = 0; n < 2; n++) {
+        __m512i c[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i nib = n ? _mm512_and_si512(_mm512_srli_epi16(q[h], 4), m4) : _mm512_and_si512(q[h], m4);
+            c[h] = t == T_IQ4_NL ? _mm512_shuffle_epi8(iq4, nib) : nib;  // its table
+        }
+        for (int s = 0; s < 2; s++) {
+            const __m512i u = s ? _mm512_unpackhi_epi16(c[0], c[1]) : _mm512_unpacklo_epi16(c[0], c[1]);
+            w[4 * n + 2 * s] = _mm512_unpacklo_epi8(u, z);
+            w[4 * n + 2 * s + 1] = _mm512_unpackhi_epi8(u, z);
         }
     }
 }
@@ -693,11 +723,6 @@ static inline __attribute__((always_inline)) void group32_q40(const int t, const
 static inline __attribute__((always_inline)) int group32(const int t, const int bytes, const uint8_t *row,
                                                          int64_t g, const int nb, group_t *G, float *o) {
     const int64_t first = 8 * g;
-    if (bytes == 18 && nb == 8) {  // Q4_0, IQ4_NL: a whole group (a row's last may be shorter)
-        group32_q40(t, row + first * bytes, G);
-        _mm256_storeu_ps(o + first, _mm256_mul_ps(G->d8, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f)));
-        return 4;
-    }
     // the 8 halves in one register (halves8: inserts straight from memory)
     const __m256 d8 = _mm256_cvtph_ps(halves8(row + first * bytes, bytes, nb));
     __m256 o8;
@@ -911,8 +936,10 @@ static inline __attribute__((always_inline)) void block_lanes(const __m512i *cod
         }
 }
 
-// Lane 4i + c of the block-lane layout belongs to block 2c + i / 2.
+// Lane 4i + c of the block-lane layout belongs to block 2c + i / 2; lane 4j + x of the nibble-lane
+// layout to block j + 4 (x % 2).
 static const int32_t BLOCK_LANE_SCALES[16] = {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7};
+static const int32_t NIBBLE_LANE_SCALES[16] = {0, 4, 0, 4, 1, 5, 1, 5, 2, 6, 2, 6, 3, 7, 3, 7};
 
 // The vectors of a whole group of a 32-weight type in the block-lane layout: its 8 vectors of
 // 16-bit weights and one of lane scales.
@@ -925,6 +952,13 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
                                                            const uint8_t *row, int64_t g, const int nb,
                                                            wgroup_t *W, float *o) {
     group_t G;
+    if (act == 32 && bytes == 18 && nb == 8) {  // Q4_0, IQ4_NL, a whole group: nibble lanes
+        __m256 d8;
+        nibble_lanes(t, row + 8 * g * bytes, W->w, &d8);
+        _mm256_storeu_ps(o + 8 * g, _mm256_mul_ps(d8, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f)));
+        W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)NIBBLE_LANE_SCALES), _mm512_castps256_ps512(d8));
+        return LANES32;
+    }
     if (act == 32) {
         const int nch = group32(t, bytes, row, g, nb, &G, o);
         const __m512 d8 = _mm512_castps256_ps512(G.d8);
@@ -1604,12 +1638,11 @@ static void quantize_row_avx512(const float *x, const act_layout *l, uint8_t *ds
             }
             continue;
         }
-        if (l->act == 32 && n == 256) {  // a 32-weight type's whole group: block lanes
-            const uint32_t *pairs = (const uint32_t *)natural;  // inputs 2j, 2j + 1
+        if (l->act == 32 && n == 256) {  // a 32-weight type's whole group: its lanes' order
+            const uint32_t *pairs = (const uint32_t *)natural;  // inputs 2p, 2p + 1
+            const uint8_t *from = LANE_PAIRS[nibble_lane_type(l->t)];
             uint32_t *out = (uint32_t *)(xq + e0);
-            for (int W = 0; W < 8; W++)
-                for (int i = 0; i < 4; i++)
-                    for (int c = 0; c < 4; c++) out[16 * W + 4 * i + c] = pairs[32 * c + 8 * i + W];
+            for (int d = 0; d < 128; d++) out[d] = pairs[from[d]];
             continue;
         }
         for (int64_t c = 0; c < n; c += 64) {
