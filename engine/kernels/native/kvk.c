@@ -380,7 +380,7 @@ static inline int64_t slot_block_lanes(int64_t e) {
     return (e & ~(int64_t)255) + 32 * W + 8 * i + 2 * c + b;
 }
 
-// Q4_0 and IQ4_NL (a block's 16 bytes: code i in the low nibble of byte i, code 16 + i in the high
+// Q4_0, Q4_1 and IQ4_NL (a block's 16 bytes: code i in the low nibble of byte i, code 16 + i in the high
 // one) take their whole groups' lanes straight from the nibbles (nibble_lanes), in another order
 // with the same property (each 32-bit lane one block's, 2 lanes a block): input e = 32B + 16n + 8s
 // + 2w + b of a group (block B = 4h + j, nibble n, ...) sits in vector 4n + 2s + w / 2, lane 8j +
@@ -391,7 +391,7 @@ static inline int64_t slot_nibble_lanes(int64_t e) {
     return (e & ~(int64_t)255) + 32 * (4 * n + 2 * s + (w >> 1)) + 8 * j + 2 * (2 * (w & 1) + h) + b;
 }
 
-static inline int nibble_lane_type(int t) { return t == T_Q4_0 || t == T_IQ4_NL; }
+static inline int nibble_lane_type(int t) { return t == T_Q4_0 || t == T_IQ4_NL || t == T_Q4_1; }
 
 static inline int64_t slot_in(const act_layout *l, int64_t e) {
     if (l->t == T_Q4_K) return (e & ~(int64_t)255) + Q4K_SLOT[e & 255];
@@ -671,7 +671,8 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
     return v;
 }
 
-// A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles) is 144
+// A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles; Q4_1's
+// 20-byte blocks below likewise) is 144
 // bytes = 72 16-bit words, read as three vectors (words 0-31, 32-63, 40-71: nothing past the group)
 // and taken apart by word permutes: block j's d is word 9j, its nibbles words 9j+1..9j+8. The 8
 // d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each (a block a 128-bit lane), then
@@ -689,16 +690,42 @@ static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     {5, 6, 7, 32, 33, 34, 35, 36, 38, 39, 40, 41, 42, 43, 44, 45,
      47, 48, 49, 50, 51, 52, 53, 54, 56, 57, 58, 59, 60, 61, 62, 63}};
 
-static inline __attribute__((always_inline)) void nibble_lanes(const int t, const uint8_t *b, __m512i *w,
-                                                               __m256 *d8) {
+// Q4_1's 20-byte blocks (d, m, 16 bytes of nibbles): a group is 160 bytes = 80 words, read as words
+// 0-31, 32-63 and 48-79; block j's (d, m) is 32-bit word 5j, its nibbles words 10j+2..10j+9.
+static const int32_t Q41_DM_DWORDS[16] = {0, 5, 10, 15, 20, 25, 30, 35 - 24};  // the last: v2's dword 11
+static const int16_t Q41_NIBBLE_WORDS[2][32] = {
+    // blocks 0-3 from words 0-63 (vectors 0, 1): 2-9, 12-19, 22-29, 32-39
+    {2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19,
+     22, 23, 24, 25, 26, 27, 28, 29, 32, 33, 34, 35, 36, 37, 38, 39},
+    // blocks 4-7 from words 32-63 (vector 1: 0-31) and 48-79 (vector 2: 32 + word - 48): 42-49,
+    // 52-59, 62-69, 72-79
+    {10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 24, 25, 26, 27,
+     30, 31, 48, 49, 50, 51, 52, 53, 56, 57, 58, 59, 60, 61, 62, 63}};
+
+// A whole group of Q4_0, Q4_1 or IQ4_NL blocks (bytes: 18 or 20) as the nibble-lane layout's 8
+// vectors, its block scales d8 and b terms o8.
+static inline __attribute__((always_inline)) void nibble_lanes(const int t, const int bytes, const uint8_t *b,
+                                                               __m512i *w, __m256 *d8, __m256 *o8) {
     const __m512i v0 = _mm512_loadu_si512((const void *)b);
     const __m512i v1 = _mm512_loadu_si512((const void *)(b + 64));
-    const __m512i v2 = _mm512_loadu_si512((const void *)(b + 80));
-    const __m512i d = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_D_WORDS), v1);
-    *d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(d));
-    const __m512i q[2] = {
-        _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[0]), v1),
-        _mm512_permutex2var_epi16(v1, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[1]), v2)};
+    const __m512i v2 = _mm512_loadu_si512((const void *)(b + 8 * bytes - 64));
+    __m512i q[2];
+    if (bytes == 20) {
+        // (d, m) of blocks 0-6 from dwords 0-31, block 7's from v2 (dwords 24-39)
+        const __m512i pick = _mm512_loadu_si512((const void *)Q41_DM_DWORDS);
+        __m512i dm = _mm512_permutex2var_epi32(v0, pick, v1);
+        dm = _mm512_mask_permutexvar_epi32(dm, (__mmask16)0x80, pick, v2);
+        *d8 = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(dm)));
+        *o8 = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+        q[0] = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q41_NIBBLE_WORDS[0]), v1);
+        q[1] = _mm512_permutex2var_epi16(v1, _mm512_loadu_si512((const void *)Q41_NIBBLE_WORDS[1]), v2);
+    } else {
+        const __m512i d = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_D_WORDS), v1);
+        *d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(d));
+        *o8 = _mm256_mul_ps(*d8, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f));
+        q[0] = _mm512_permutex2var_epi16(v0, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[0]), v1);
+        q[1] = _mm512_permutex2var_epi16(v1, _mm512_loadu_si512((const void *)Q40_NIBBLE_WORDS[1]), v2);
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
     const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
     for (int n = 0; n < 2; n++) {
@@ -952,10 +979,10 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
                                                            const uint8_t *row, int64_t g, const int nb,
                                                            wgroup_t *W, float *o) {
     group_t G;
-    if (act == 32 && bytes == 18 && nb == 8) {  // Q4_0, IQ4_NL, a whole group: nibble lanes
-        __m256 d8;
-        nibble_lanes(t, row + 8 * g * bytes, W->w, &d8);
-        _mm256_storeu_ps(o + 8 * g, _mm256_mul_ps(d8, _mm256_set1_ps(t == T_Q4_0 ? -8.0f : -128.0f)));
+    if (act == 32 && nibble_lane_type(t) && nb == 8) {  // Q4_0, Q4_1, IQ4_NL, a whole group
+        __m256 d8, o8;
+        nibble_lanes(t, bytes, row + 8 * g * bytes, W->w, &d8, &o8);
+        _mm256_storeu_ps(o + 8 * g, o8);
         W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)NIBBLE_LANE_SCALES), _mm512_castps256_ps512(d8));
         return LANES32;
     }
