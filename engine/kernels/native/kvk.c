@@ -337,7 +337,7 @@ typedef struct {
     int64_t k, sub, groups, stride;  // stride: bytes per row
     int64_t off_dx, off_xs;          // the group scales, the b-term sums
     int t;                           // the weight type (Q4_K lays its inputs out its own way)
-    int act;                         // 32: a 32-weight type (its whole groups: block lanes)
+    int act;                         // 32: a 32-weight type (its whole groups: block or nibble lanes)
 } act_layout;
 
 // 15 bits and a sign. The K-quants' 16-bit weights (a code times its sub-block's integer scale,
@@ -380,9 +380,9 @@ static inline int64_t slot_block_lanes(int64_t e) {
     return (e & ~(int64_t)255) + 32 * W + 8 * i + 2 * c + b;
 }
 
-// Q4_0, Q4_1 and IQ4_NL (a block's 16 bytes: code i in the low nibble of byte i, code 16 + i in the high
-// one) take their whole groups' lanes straight from the nibbles (nibble_lanes), in another order
-// with the same property (each 32-bit lane one block's, 2 lanes a block): input e = 32B + 16n + 8s
+// Q4_0, Q4_1 and IQ4_NL (a block's 16 bytes: code i in the low nibble of byte i, code 16 + i in
+// the high one) take their whole groups' lanes straight from the nibbles (nibble_lanes), in another
+// order with the same property (each 32-bit lane one block's, 2 lanes a block): input e = 32B + 16n + 8s
 // + 2w + b of a group (block B = 4h + j, nibble n, ...) sits in vector 4n + 2s + w / 2, lane 8j +
 // 2(2(w % 2) + h) + b; lane 4j + x belongs to block j + 4(x % 2).
 static inline int64_t slot_nibble_lanes(int64_t e) {
@@ -551,12 +551,13 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
 // chunks of the 32-weight types.
 //   K-quants and IQ4_XS: codes times sub-block scales in 16 bits, so a super-block accumulates in
 //     int32 and is scaled once by d * dx.
-//   32-weight types, a whole group: its 4 chunks rearranged so that each 32-bit lane sums one
-//     block's products (block_lanes: 2 lanes a block, 16 products each), so the group too
-//     accumulates in int32 and is scaled once, by its lanes' block scales a times dx. (Per chunk,
-//     as a row's last, shorter group still goes, each (weight row, activation row) paid a
-//     conversion and a scaling per 64 products beside the 2 products' instructions, on the same
-//     pipes: a 128-row tile 0.73-0.82x the time in block lanes, 1 and 5 rows level or faster.)
+//   32-weight types, a whole group: its codes arranged so that each 32-bit lane sums one block's
+//     products (2 lanes a block, 16 products each: nibble_lanes for Q4_0, Q4_1 and IQ4_NL,
+//     block_lanes from the chunks for the others), so the group too accumulates in int32 and is
+//     scaled once, by its lanes' block scales a times dx. (Per chunk, as a row's last, shorter
+//     group still goes, each (weight row, activation row) paid a conversion and a scaling per 64
+//     products beside the 2 products' instructions, on the same pipes: 128-row tiles took
+//     1.15-1.35x the time, 5 rows up to 1.2x.)
 // A call of up to 8 activation rows (decode, a speculative round) takes one weight row at a time,
 // streaming it; a longer one (a prompt) tiles NW weight rows x RT activation rows, every group of
 // the NW rows unpacked once for all activation rows. Every output's operations depend only on k
@@ -671,15 +672,16 @@ static inline __m128i halves8(const uint8_t *p, int stride, int n) {
     return v;
 }
 
-// A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles; Q4_1's
-// 20-byte blocks below likewise) is 144
+// A whole group of 18-byte blocks (Q4_0, IQ4_NL: a float16 d, then 16 bytes of nibbles) is 144
 // bytes = 72 16-bit words, read as three vectors (words 0-31, 32-63, 40-71: nothing past the group)
 // and taken apart by word permutes: block j's d is word 9j, its nibbles words 9j+1..9j+8. The 8
 // d's by one permute, the nibbles of blocks 0-3 and 4-7 by one each (a block a 128-bit lane), then
 // the nibbles of blocks j and j + 4 interleaved by 16-bit pairs and widened: the 8 vectors of the
 // nibble-lane layout (slot_nibble_lanes) in 16 operations after the loads. (Through the chunk
 // codes and block_lanes it took 24; word by word from the block reads, ~80 a group, which held a
-// one-row Q4_0 matmul below the memory's speed: 22 GB/s on 2 cores against Q4_K's 27.)
+// one-row Q4_0 matmul below the memory's speed: 22 GB/s on 2 cores against Q4_K's 27.) Q4_1's
+// 20-byte blocks go the same way (below). Against the chunk order (ffd749f), one row of Q4_0,
+// Q4_1 and IQ4_NL took 0.77-0.90x the time (kvk_matmul of both libraries in one process).
 static const int16_t Q40_D_WORDS[32] = {0, 9, 18, 27, 36, 45, 54, 63};
 static const int16_t Q40_NIBBLE_WORDS[2][32] = {
     // blocks 0-3 from words 0-63 (vectors 0, 1): 1-8, 10-17, 19-26, 28-35
@@ -968,13 +970,13 @@ static inline __attribute__((always_inline)) void block_lanes(const __m512i *cod
 static const int32_t BLOCK_LANE_SCALES[16] = {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7};
 static const int32_t NIBBLE_LANE_SCALES[16] = {0, 4, 0, 4, 1, 5, 1, 5, 2, 6, 2, 6, 3, 7, 3, 7};
 
-// The vectors of a whole group of a 32-weight type in the block-lane layout: its 8 vectors of
-// 16-bit weights and one of lane scales.
+// The vectors of a whole group of a 32-weight type in either lane layout: its 8 vectors of 16-bit
+// weights and one of lane scales.
 enum { LANES32 = 8 };
 
 // Group g of a row as 16-bit weights, and its b terms into o (the 32-weight types' 8 per group,
 // the K-quants' 256 / sub). nb: the group's blocks (32-weight types). Returns its chunks, or
-// LANES32 for a 32-weight type's whole group (block lanes).
+// LANES32 for a 32-weight type's whole group (nibble or block lanes).
 static inline __attribute__((always_inline)) int prepare16(const int t, const int bytes, const int act, const int sub,
                                                            const uint8_t *row, int64_t g, const int nb,
                                                            wgroup_t *W, float *o) {
@@ -1037,8 +1039,8 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
 // shapes: the group summed in int32, then acc += float(sum) * (d * dx) for the K-quants, float(sum)
 // * (a * dx) for a 32-weight type's whole group (a: its lanes' block scales); a row's last,
 // shorter group of a 32-weight type chunk by chunk, each converted and scaled by its blocks' a,
-// then the group's sum times dx. Half a chunk at a time: the NWc weight vectors and RTc activation vectors of a half
-// are loaded once into registers, then every pair multiplied (a tile of 4 x 4 reads 8 vectors
+// then the group's sum times dx. Half a chunk at a time: the NWc weight vectors and RTc
+// activation vectors of a half are loaded once into registers, then every pair multiplied (a tile of 4 x 4 reads 8 vectors
 // for 16 products; loading a vector for each product bound it by loads).
 static inline __attribute__((always_inline)) void compute16(const int act, const int NWc, const int RTc,
                                                             const wgroup_t *W, int nch, const uint8_t *A,
