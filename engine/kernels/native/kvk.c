@@ -401,14 +401,18 @@ static inline int64_t slot_in(const act_layout *l, int64_t e) {
 }
 
 // A whole group's input pairs in either lane order: LANE_PAIRS[o][d], the pair (inputs 2p, 2p + 1)
-// that goes to pair d of the group's slots (o: 0 block lanes, 1 nibble lanes).
+// that goes to pair d of the group's slots (o: 0 block lanes, 1 nibble lanes); and LANE_BLOCKS[o]
+// [L], the block of 32-bit lane L (the same in each of the 8 vectors): its pair's inputs' block.
 static uint8_t LANE_PAIRS[2][128];
+static int32_t LANE_BLOCKS[2][16];
 
 __attribute__((constructor)) static void init_lane_pairs(void) {
     for (int64_t e = 0; e < 256; e += 2) {
         LANE_PAIRS[0][slot_block_lanes(e) / 2] = (uint8_t)(e / 2);
         LANE_PAIRS[1][slot_nibble_lanes(e) / 2] = (uint8_t)(e / 2);
     }
+    for (int o = 0; o < 2; o++)
+        for (int L = 0; L < 16; L++) LANE_BLOCKS[o][L] = LANE_PAIRS[o][L] / 16;
 }
 
 static act_layout layout_for(int64_t k, int t, const kvk_type *ti) {
@@ -914,10 +918,12 @@ static inline __attribute__((always_inline)) void group256(const int t, const ui
 // A group's weights as 16-bit lanes for vpdpwssd (32 products an instruction) against the
 // activations' chunks: chunk ch's 64 codes widened to a low and a high vector in the activations'
 // order (slot_of), for the K-quants times their sub-block scales (exact: at most 4096), for the
-// 32-weight types as they are, with the float scale of each 32-bit lane's block beside them.
+// 32-weight types as they are, with the float scale of each 32-bit lane's block beside them; a
+// 32-weight type's whole group as the 8 vectors of its lane layout (slot_in) and one of scales.
 typedef struct {
     __m512i w[8];  // chunk ch: w[2 ch] against the activations' low vector, w[2 ch + 1] the high
-    __m512 f[4];   // 32-weight types: chunk ch's 32-bit lanes' block scales (8 lanes a block)
+    __m512 f[4];   // 32-weight types: chunk ch's 32-bit lanes' block scales (8 lanes a block); a
+                   // whole group: f[0], its lanes' (LANE_BLOCKS)
     float d;       // K-quants: the super-block's scale
 } wgroup_t;
 
@@ -965,11 +971,6 @@ static inline __attribute__((always_inline)) void block_lanes(const __m512i *cod
         }
 }
 
-// Lane 4i + c of the block-lane layout belongs to block 2c + i / 2; lane 4j + x of the nibble-lane
-// layout to block j + 4 (x % 2).
-static const int32_t BLOCK_LANE_SCALES[16] = {0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7};
-static const int32_t NIBBLE_LANE_SCALES[16] = {0, 4, 0, 4, 1, 5, 1, 5, 2, 6, 2, 6, 3, 7, 3, 7};
-
 // The vectors of a whole group of a 32-weight type in either lane layout: its 8 vectors of 16-bit
 // weights and one of lane scales.
 enum { LANES32 = 8 };
@@ -985,7 +986,7 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
         __m256 d8, o8;
         nibble_lanes(t, bytes, row + 8 * g * bytes, W->w, &d8, &o8);
         _mm256_storeu_ps(o + 8 * g, o8);
-        W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)NIBBLE_LANE_SCALES), _mm512_castps256_ps512(d8));
+        W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)LANE_BLOCKS[1]), _mm512_castps256_ps512(d8));
         return LANES32;
     }
     if (act == 32) {
@@ -993,7 +994,7 @@ static inline __attribute__((always_inline)) int prepare16(const int t, const in
         const __m512 d8 = _mm512_castps256_ps512(G.d8);
         if (nb == 8) {
             block_lanes(G.codes, W->w);
-            W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)BLOCK_LANE_SCALES), d8);
+            W->f[0] = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)LANE_BLOCKS[0]), d8);
             return LANES32;
         }
         for (int ch = 0; ch < nch; ch++) {
