@@ -9,7 +9,10 @@ Two figures, each against its target:
   thread count the app chooses (one core left to the GUI; OMP_NUM_THREADS overrides), so the
   ratio is what the GUI costs and nothing else. Target: >= 95%. --headless-threads N runs the
   headless side at N instead (e.g. at the CLI's own count, to see what leaving a core costs).
-Runs alternate headless / app so drift (thermal, other load) hits both alike; medians reported.
+Runs alternate in pairs whose order alternates too (headless then app, app then headless, ...):
+the speed drifts within a measurement (measured on the 2-core machine: headless 165 -> 149
+tokens/s over four pairs), and with the app always second it paid half a pair's drift (~2%) that
+the GUI did not cost. Medians reported, and each pair's ratio.
 Run it on an otherwise idle machine: other processes on the same cores distort both figures.
 """
 
@@ -224,9 +227,10 @@ def run_measurement(
     window.show()
     headless, in_app, delays, gui_cpu, intervals = [], [], [], [], []
     try:
-        for _ in range(repeats):
-            torch.set_num_threads(headless_threads)
-            headless.append(headless_run(loaded, config, request))
+        for i in range(repeats):
+            if i % 2 == 0:
+                torch.set_num_threads(headless_threads)
+                headless.append(headless_run(loaded, config, request))
             torch.set_num_threads(app_threads)
             window.start_engine(config, loaded=loaded)
             _wait_ready(window)
@@ -236,6 +240,9 @@ def run_measurement(
             intervals.extend(run.render_intervals_ms)
             delays.extend(run.probe_delays_ms)
             window.host.stop()  # idle engines off while the other run measures
+            if i % 2 == 1:
+                torch.set_num_threads(headless_threads)
+                headless.append(headless_run(loaded, config, request))
     finally:
         window.close()
         conversations.close()
@@ -255,6 +262,7 @@ def run_measurement(
         "throughput_ratio": ratio,
         "headless_runs": headless,
         "app_runs": in_app,
+        "pair_ratios": [a / h if h > 0 else 0.0 for h, a in zip(headless, in_app)],
         "gui_cpu_ms_per_token": statistics.median(gui_cpu) * 1000,
         "render_interval_ms_median": _percentile(intervals, 50),
         "probe_interval_ms": PROBE_INTERVAL_MS,
