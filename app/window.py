@@ -31,6 +31,7 @@ from app.chat.view import ChatPane
 from app.chat.window_actions import ChatWindowActions, mark_interrupted
 from app.controls_dock import ControlsPanel
 from app.engine_host import EngineHost
+from app.gui_gc import GuiThreadCollector
 from app.inside.docks import InsideViews
 from app.panels import Panels, PlotPass, build_panels
 from app.physics.views import PhysicsViews
@@ -117,6 +118,7 @@ class MainWindow(QMainWindow):
     ):
         super().__init__(parent)
         install_wheel_guard()  # once per application: every dock's and dialog's fields
+        self._collector = GuiThreadCollector(self)  # Python's collector runs on this thread only
         self.setWindowTitle("kvscope")
         self.setObjectName("mainWindow")
         self.settings = settings
@@ -654,4 +656,5 @@ class MainWindow(QMainWindow):
             self.tools.close()  # every MCP server's session left (stdio servers stop)
             for timer in self.findChildren(QTimer):  # nothing may tick into a closed window
                 timer.stop()
+            self._collector.release()  # the engine threads are gone: automatic collection may return
         super().closeEvent(event)

@@ -87,6 +87,7 @@ def make_window(qtbot, tiny_loaded, test_config):
         assert not window.host.threads_alive(), "the engine thread outlived its window"
     left = [repr(t) for t in active_timers() if id(t) not in running_before]
     assert not left, f"timers still running after the windows closed: {left}"
+    assert gc.isenabled(), "automatic garbage collection still off after the windows closed (app/gui_gc.py)"
 
 
 def active_timers() -> list[QTimer]:

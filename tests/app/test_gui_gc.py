@@ -1,0 +1,73 @@
+"""Python's cyclic collector runs on the GUI thread only while a window is open (app/gui_gc.py):
+a collection on another thread finalizes Qt objects there and can deadlock against the GUI."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from PySide6.QtCore import QObject
+
+from app.gui_gc import GuiThreadCollector, collect_due
+
+
+class _Cycle:
+    """Half of an unreachable cycle that records the thread its finalizer ran on."""
+
+    def __init__(self, finalized_on: list[str]):
+        self.finalized_on = finalized_on
+        self.other: _Cycle | None = None
+
+    def __del__(self) -> None:
+        self.finalized_on.append(threading.current_thread().name)
+
+
+def _garbage_cycle_then_allocate(finalized_on: list[str], kept: list) -> None:
+    a, b = _Cycle(finalized_on), _Cycle(finalized_on)
+    a.other, b.other = b, a
+    del a, b
+    # far past every generation's threshold: automatic collection would have run here many times
+    kept.extend([i] for i in range(200_000))
+
+
+def test_a_cycle_made_on_another_thread_is_collected_on_the_gui_thread(qtbot):
+    owner = QObject()
+    collector = GuiThreadCollector(owner)
+    try:
+        assert not gc.isenabled()
+        finalized_on: list[str] = []
+        kept: list = []
+        worker = threading.Thread(
+            target=_garbage_cycle_then_allocate, args=(finalized_on, kept), name="worker"
+        )
+        worker.start()
+        worker.join()
+        assert finalized_on == []  # the worker's allocations collected nothing
+        qtbot.waitUntil(lambda: len(finalized_on) == 2, timeout=5000)  # the GUI thread's timer did
+        assert finalized_on == [threading.main_thread().name] * 2
+    finally:
+        collector.release()
+    assert gc.isenabled()
+
+
+def test_the_last_window_turns_automatic_collection_back_on(qtbot):
+    owners = QObject(), QObject()
+    first, second = GuiThreadCollector(owners[0]), GuiThreadCollector(owners[1])
+    first.release()
+    assert not gc.isenabled()  # the second window still holds it off
+    second.release()
+    second.release()  # a second close is harmless
+    assert gc.isenabled()
+
+
+def test_collect_due_collects_only_past_a_threshold():
+    gc.disable()
+    try:
+        gc.collect()
+        assert collect_due() is None  # nothing allocated since
+        keep = [[i] for i in range(gc.get_threshold()[0] + 100)]
+        assert collect_due() in (0, 1, 2)
+        assert gc.get_count()[0] < gc.get_threshold()[0]
+        del keep
+    finally:
+        gc.enable()
