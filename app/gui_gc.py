@@ -15,19 +15,28 @@ collection is back. Off the GUI thread nothing collects, so the engine's steps p
 either; a full one runs at most every FULL_COLLECTION_EVERY_S (CPython waits for a quarter of the
 long-lived objects to be new, which Python does not expose; the engine freezes its load's heap,
 engine/core/gc_heap.py, so a full collection walks only what was made since).
+
+A worker that needs memory back at once (the quality measurement frees one model copy before
+loading the next: engine.core.gc_heap.collect) asks the GUI thread for a full collection and waits
+for it; if the GUI thread does not get to it in COLLECT_WAIT_S (it may be waiting for that worker),
+the worker goes on without it, and the timer collects later.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
+
+from engine.core import gc_heap
 
 COLLECT_EVERY_MS = 100
 FULL_COLLECTION_EVERY_S = 10.0
+COLLECT_WAIT_S = 10.0
 
-_holders: set[int] = set()  # the windows holding automatic collection off (their ids)
+_holders: dict[int, GuiThreadCollector] = {}  # the windows holding automatic collection off, by id
 _last_full = [0.0]  # monotonic time of the last full collection made here
 
 
@@ -53,16 +62,36 @@ def collect_due() -> int | None:
 class GuiThreadCollector(QObject):
     """A window's hold on the collector: made on the GUI thread, with the window as parent."""
 
+    _full_collection_asked = Signal(object)  # a threading.Event, set once collected
+
     def __init__(self, window: QObject):
         super().__init__(window)
         self._key = id(window)
+        self._gui_thread = threading.get_ident()
         self._timer = QTimer(self)
         self._timer.setInterval(COLLECT_EVERY_MS)
         self._timer.timeout.connect(collect_due)
+        # queued: the slot runs on this object's (the GUI) thread whichever thread emits
+        self._full_collection_asked.connect(self._collect_for)
         if not _holders:
             gc.disable()
-        _holders.add(self._key)
+        _holders[self._key] = self
+        gc_heap.set_collector(self.collect_full)
         self._timer.start()
+
+    def collect_full(self) -> None:
+        """A full collection on the GUI thread, from any thread (engine.core.gc_heap.collect)."""
+        if threading.get_ident() == self._gui_thread:
+            gc.collect()
+            return
+        done = threading.Event()
+        self._full_collection_asked.emit(done)
+        done.wait(COLLECT_WAIT_S)
+
+    @Slot(object)
+    def _collect_for(self, done: threading.Event) -> None:
+        gc.collect()
+        done.set()
 
     def release(self) -> None:
         """The window is closing: stop collecting for it; the last one turns automatic collection
@@ -70,7 +99,10 @@ class GuiThreadCollector(QObject):
         self._timer.stop()
         if self._key not in _holders:
             return
-        _holders.discard(self._key)
-        if not _holders:
+        del _holders[self._key]
+        if _holders:
+            gc_heap.set_collector(next(iter(_holders.values())).collect_full)
+        else:
+            gc_heap.set_collector(None)
             gc.enable()
             gc.collect()

@@ -16,7 +16,6 @@ deterministic, so the copy computes what the engine computes.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 
 from engine.bench.quality import compare_logits, eval_token_ids
 from engine.config import EngineConfig, ModelSpec, SamplingParams
+from engine.core import gc_heap
 from engine.core.llm_engine import LLMEngine
 from engine.errors import MeasurementError, ModelLoadError
 from engine.events import RequestFailed, RequestFinished
@@ -102,7 +102,7 @@ def measure_quality(
     q_speed = _speed(quantized, kv_dtype, ids, speed_tokens, progress, spec.quantization)
     texts = tuple(_text(quantized, i) for i in ids)
     del quantized
-    gc.collect()  # the quantized copy must be gone before the reference arrives
+    gc_heap.collect()  # the quantized copy must be gone before the reference arrives (the app: on its GUI thread)
     if cancelled():
         return None
 

@@ -12,11 +12,33 @@ No collection before freezing: the engine thread must not collect, a collection 
 app's Qt objects, which only its GUI thread may (app/window.py release_engine). A load leaves
 next to no garbage (0-10 unreachable objects, measured); what it leaves waits for the thaw, when
 the engine closes, and the app collects right after.
+
+Engine code that must see a model's memory back at once (a measurement that loads a second copy)
+calls `collect()`, never `gc.collect()`: in the app the collection then runs on the GUI thread
+(app/gui_gc.py installs the collector), elsewhere here.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+
+
+def _collect_here() -> None:
+    gc.collect()
+
+
+_collector: list[Callable[[], None]] = [_collect_here]
+
+
+def collect() -> None:
+    """A full collection, wherever the process allows one (see the module's docstring)."""
+    _collector[0]()
+
+
+def set_collector(collector: Callable[[], None] | None) -> None:
+    """Where `collect()` collects from now on; None: on the calling thread again."""
+    _collector[0] = collector or _collect_here
 
 
 def freeze() -> None:

@@ -9,6 +9,7 @@ import threading
 from PySide6.QtCore import QObject
 
 from app.gui_gc import GuiThreadCollector, collect_due
+from engine.core import gc_heap
 
 
 class _Cycle:
@@ -71,3 +72,41 @@ def test_collect_due_collects_only_past_a_threshold():
         del keep
     finally:
         gc.enable()
+
+
+def _garbage_cycle_then_ask_for_a_collection(finalized_on: list[str], returned: list[int]) -> None:
+    a, b = _Cycle(finalized_on), _Cycle(finalized_on)
+    a.other, b.other = b, a
+    del a, b
+    gc_heap.collect()  # what engine code calls when it needs a model's memory back at once
+    returned.append(len(finalized_on))
+
+
+def test_a_workers_full_collection_runs_on_the_gui_thread_and_is_waited_for(qtbot):
+    owner = QObject()
+    collector = GuiThreadCollector(owner)
+    try:
+        finalized_on: list[str] = []
+        returned: list[int] = []
+        worker = threading.Thread(
+            target=_garbage_cycle_then_ask_for_a_collection, args=(finalized_on, returned), name="worker"
+        )
+        worker.start()
+        qtbot.waitUntil(lambda: returned != [], timeout=5000)  # the GUI thread's event loop runs meanwhile
+        worker.join()
+        assert returned == [2]  # collected before collect() returned to the worker
+        assert finalized_on == [threading.main_thread().name] * 2
+    finally:
+        collector.release()
+
+
+def test_without_a_window_a_full_collection_runs_on_the_calling_thread():
+    finalized_on: list[str] = []
+    returned: list[int] = []
+    worker = threading.Thread(
+        target=_garbage_cycle_then_ask_for_a_collection, args=(finalized_on, returned), name="worker"
+    )
+    worker.start()
+    worker.join()
+    assert returned == [2]
+    assert finalized_on == ["worker"] * 2
