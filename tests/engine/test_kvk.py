@@ -165,6 +165,25 @@ def test_a_row_is_the_same_alone_and_among_others(kvk, qtype):
             )
 
 
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_a_prompt_in_blocks_of_rows_has_the_bits_of_one_block(kvk, qtype):
+    """A prompt's activation rows go through the weights in blocks that fit the L2 cache
+    (row_block): every block size gives each output the same bits, and a row its bits alone."""
+    cols = product_widths(qtype)[-1]
+    blocks = random_blocks(qtype, 9, cols, seed=5)
+    x = torch.randn(37, cols)
+    try:
+        kvk.lib.kvk_set_row_block_bytes(1 << 40)  # one block
+        whole = kvk.matmul(qtype, row_addresses(blocks), cols, x)
+        for block_bytes in (1, 20 * cols, 60 * cols):  # blocks of one tile's rows, of 2 tiles, of 5
+            kvk.lib.kvk_set_row_block_bytes(block_bytes)
+            assert torch.equal(kvk.matmul(qtype, row_addresses(blocks), cols, x), whole)
+    finally:
+        kvk.lib.kvk_set_row_block_bytes(0)
+    alone = kvk.matmul(qtype, row_addresses(blocks), cols, x[36:].contiguous())
+    assert torch.equal(alone[0], whole[36])
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_a_row_map_reads_the_rows_it_names(kvk, qtype):
     cols = 256
