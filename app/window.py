@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 
-from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Slot
+from PySide6.QtCore import QEvent, QObject, QSize, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -119,6 +119,7 @@ class MainWindow(QMainWindow):
         super().__init__(parent)
         install_wheel_guard()  # once per application: every dock's and dialog's fields
         self._collector = GuiThreadCollector(self)  # Python's collector runs on this thread only
+        self.installEventFilter(self)  # its layout requests (eventFilter)
         self.setWindowTitle("kvscope")
         self.setObjectName("mainWindow")
         self.settings = settings
@@ -463,11 +464,15 @@ class MainWindow(QMainWindow):
         self.chat.view_changed.connect(self._on_view_changed)
 
     # ---- layout ----------------------------------------------------------------------------
-    def event(self, event: QEvent) -> bool:
-        handled = super().event(event)
-        if event.type() == QEvent.Type.LayoutRequest:
-            self._fit_screen()
-        return handled
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt's name
+        """The window's own layout requests: back within the screen once Qt has laid it out.
+        A filter, not an `event` override: an override is Python around every event of the
+        window, its paints among them, and Python's lock is held while Qt paints every widget
+        under it (the engine's thread waits for it between its kernels); a filter returns before
+        the event is delivered."""
+        if watched is self and event.type() == QEvent.Type.LayoutRequest:
+            QTimer.singleShot(0, self, self._fit_screen)
+        return False
 
     def _fit_screen(self) -> None:
         """Back within the screen once the panels allow it. Qt grows a window whose minimum grows
