@@ -68,6 +68,7 @@ class GuiThreadCollector(QObject):
         super().__init__(window)
         self._key = id(window)
         self._gui_thread = threading.get_ident()
+        self._waiting: set[threading.Event] = set()  # workers' collections asked, not yet run
         self._timer = QTimer(self)
         self._timer.setInterval(COLLECT_EVERY_MS)
         self._timer.timeout.connect(collect_due)
@@ -85,18 +86,24 @@ class GuiThreadCollector(QObject):
             gc.collect()
             return
         done = threading.Event()
+        self._waiting.add(done)
         self._full_collection_asked.emit(done)
         done.wait(COLLECT_WAIT_S)
+        self._waiting.discard(done)
 
     @Slot(object)
     def _collect_for(self, done: threading.Event) -> None:
-        gc.collect()
+        if done in self._waiting:
+            gc.collect()
         done.set()
 
     def release(self) -> None:
         """The window is closing: stop collecting for it; the last one turns automatic collection
         back on, after collecting here, on the GUI thread, what waited."""
         self._timer.stop()
+        for done in list(self._waiting):  # a worker waiting on this window goes on at once
+            self._waiting.discard(done)
+            done.set()
         if self._key not in _holders:
             return
         del _holders[self._key]

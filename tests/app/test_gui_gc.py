@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 from PySide6.QtCore import QObject
 
@@ -110,3 +111,22 @@ def test_without_a_window_a_full_collection_runs_on_the_calling_thread():
     worker.join()
     assert returned == [2]
     assert finalized_on == ["worker"] * 2
+
+
+def test_a_worker_waiting_for_a_collection_goes_on_when_the_window_closes(qtbot):
+    """The window closes before its event loop ran the worker's collection: the worker does not
+    wait out COLLECT_WAIT_S."""
+    owner = QObject()
+    collector = GuiThreadCollector(owner)
+    returned: list[int] = []
+    worker = threading.Thread(target=lambda: (gc_heap.collect(), returned.append(1)), name="worker")
+    worker.start()
+    deadline = time.monotonic() + 5
+    while not collector._waiting and time.monotonic() < deadline:  # no event loop here: not run
+        time.sleep(0.01)
+    assert collector._waiting, "the worker never asked"
+    collector.release()  # the window's close, before its event loop got to the request
+    worker.join(5)  # well under COLLECT_WAIT_S
+    assert returned == [1]
+    assert gc.isenabled()
+    qtbot.wait(10)  # the request arrives after all: nothing left to do
