@@ -30,7 +30,7 @@ import time
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
-from engine.core import gc_heap
+from engine.api import set_garbage_collector
 
 COLLECT_EVERY_MS = 100
 FULL_COLLECTION_EVERY_S = 10.0
@@ -77,7 +77,7 @@ class GuiThreadCollector(QObject):
         if not _holders:
             gc.disable()
         _holders[self._key] = self
-        gc_heap.set_collector(self.collect_full)
+        set_garbage_collector(self.collect_full)
         self._timer.start()
 
     def collect_full(self) -> None:
@@ -108,8 +108,8 @@ class GuiThreadCollector(QObject):
             return
         del _holders[self._key]
         if _holders:
-            gc_heap.set_collector(next(iter(_holders.values())).collect_full)
+            set_garbage_collector(next(iter(_holders.values())).collect_full)
         else:
-            gc_heap.set_collector(None)
+            set_garbage_collector(None)
             gc.enable()
             gc.collect()

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from engine.config import EngineConfig, GrammarSpec, ModelSpec, SamplingParams, SpeculativeConfig
+from engine.core.gc_heap import set_collector as set_garbage_collector
 from engine.errors import InspectionError, MeasurementError, ModelLoadError
 from engine.events import Event, RequestEnd, TokenSnapshot
 from engine.hub.cache import CachedModel, delete_cached, find_local_models, list_cached
@@ -127,6 +128,7 @@ __all__ = [
     "resource",
     "scheme_statuses",
     "search_models",
+    "set_garbage_collector",
     "what_if_notes",
     "with_gguf_file",
 ]
