@@ -40,7 +40,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>  // sysconf: the L2 cache's size (row_block_bytes)
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1315,7 +1317,10 @@ static int64_t row_block_bytes(void) {
 #else
     static int64_t bytes = 0;  // a benign race: every thread computes the same value
     if (bytes == 0) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE  // glibc's; elsewhere the default
+        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
         bytes = l2 > 0 ? (int64_t)l2 * 5 / 8 : 640 * 1024;
     }
     return bytes;
