@@ -36,7 +36,7 @@ COLLECT_EVERY_MS = 100
 FULL_COLLECTION_EVERY_S = 10.0
 COLLECT_WAIT_S = 10.0
 
-_holders: dict[int, GuiThreadCollector] = {}  # the windows holding automatic collection off, by id
+_holders: list[GuiThreadCollector] = []  # the windows' holds keeping automatic collection off
 _last_full = [0.0]  # monotonic time of the last full collection made here
 
 
@@ -66,7 +66,6 @@ class GuiThreadCollector(QObject):
 
     def __init__(self, window: QObject):
         super().__init__(window)
-        self._key = id(window)
         self._gui_thread = threading.get_ident()
         self._waiting: set[threading.Event] = set()  # workers' collections asked, not yet run
         self._timer = QTimer(self)
@@ -76,7 +75,7 @@ class GuiThreadCollector(QObject):
         self._full_collection_asked.connect(self._collect_for)
         if not _holders:
             gc.disable()
-        _holders[self._key] = self
+        _holders.append(self)
         set_garbage_collector(self.collect_full)
         self._timer.start()
 
@@ -104,11 +103,11 @@ class GuiThreadCollector(QObject):
         for done in list(self._waiting):  # a worker waiting on this window goes on at once
             self._waiting.discard(done)
             done.set()
-        if self._key not in _holders:
+        if self not in _holders:
             return
-        del _holders[self._key]
+        _holders.remove(self)
         if _holders:
-            set_garbage_collector(next(iter(_holders.values())).collect_full)
+            set_garbage_collector(_holders[0].collect_full)
         else:
             set_garbage_collector(None)
             gc.enable()

@@ -226,11 +226,15 @@ def run_measurement(
     window = MainWindow(AppSettings(), conversations, interactive=False)
     window.show()
     headless, in_app, delays, gui_cpu, intervals = [], [], [], [], []
+
+    def measure_headless() -> None:
+        torch.set_num_threads(headless_threads)
+        headless.append(headless_run(loaded, config, request))
+
     try:
         for i in range(repeats):
             if i % 2 == 0:
-                torch.set_num_threads(headless_threads)
-                headless.append(headless_run(loaded, config, request))
+                measure_headless()
             torch.set_num_threads(app_threads)
             window.start_engine(config, loaded=loaded)
             _wait_ready(window)
@@ -241,8 +245,7 @@ def run_measurement(
             delays.extend(run.probe_delays_ms)
             window.host.stop()  # idle engines off while the other run measures
             if i % 2 == 1:
-                torch.set_num_threads(headless_threads)
-                headless.append(headless_run(loaded, config, request))
+                measure_headless()
     finally:
         window.close()
         conversations.close()

@@ -549,7 +549,8 @@ __attribute__((unused)) static float dot_row_f32_portable(int t, const kvk_type 
 }
 
 // The activation rows' block size of a prompt's matmul (row_block), in bytes; 0: from the L2
-// cache's size. Tests set it small to run many blocks on small matrices (the same bits).
+// cache's size. Tests set it small to run many blocks on small matrices (the same bits); a
+// measurement can try other sizes with it.
 static int64_t row_block_override = 0;
 KVK_API void kvk_set_row_block_bytes(int64_t bytes) { row_block_override = bytes; }
 
@@ -1312,9 +1313,6 @@ static inline __attribute__((always_inline)) void tile16(const int t, const int 
 // the tiles allow, a multiple of their rows; an output's operations do not depend on its block.
 static int64_t row_block_bytes(void) {
     if (row_block_override > 0) return row_block_override;
-#ifdef KVK_ROW_BLOCK_BYTES
-    return KVK_ROW_BLOCK_BYTES;
-#else
     static int64_t bytes = 0;  // a benign race: every thread computes the same value
     if (bytes == 0) {
         long l2 = 0;
@@ -1324,7 +1322,6 @@ static int64_t row_block_bytes(void) {
         bytes = l2 > 0 ? (int64_t)l2 * 5 / 8 : 640 * 1024;
     }
     return bytes;
-#endif
 }
 
 static inline int64_t row_block(int64_t stride, int64_t nr) {
