@@ -11,15 +11,22 @@ Two kernels, chosen per row count by the kernel table (engine/kernels/policy.py)
 `exact_matmul` (the LM head) multiplies every weight, decoded to float32 as gguf decodes it, by
 float32 activations: every logit comes from the file's weights with no activation rounding.
 
-Nothing here copies the tensor: `blocks` is a view of the file's mapping, so the process holds the
-file's pages (shared with the page cache), not a second copy of the weights. A row permutation
-(llama.cpp stores Llama's q/k rows interleaved for its RoPE) is applied by the kernel, not to the
-data.
+`blocks` is a view of the file's mapping, so the process holds the file's pages (shared with the
+page cache), not a second copy of the weights. One exception, where it pays: a linear layer's
+Q4_0 rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16 rows side by side
+(`use_panels`, engine/kernels/native/panels.c: the same bytes in another order, 1.2-2.3x faster
+kvk matmuls at 1.7B shapes), and the file's pages they came from are handed back, so the process
+still holds the tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for
+its RoPE) is applied by the kernel (or by the repacking), not to the file's data.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -81,7 +88,26 @@ class GGUFWeight(WeightStorage):
         self.out_features = self.row_table.shape[0]
         self.kind = ggml_type.name.lower()
         self.native_kernel = "kvk"
+        self.panels: np.ndarray | None = None  # the rows repacked (use_panels), what "kvk" multiplies
         self._bind()
+
+    def use_panels(self, release_file_pages: bool = False) -> bool:
+        """Repack the rows into panels where this build multiplies panels of this type (Q4_0,
+        AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels. `release_file_pages`:
+        the blocks are a view of a file mapping, whose pages the process then hands back (they
+        are read again from the file if a row path ever needs them: an exact product, a kernel
+        probe's copy). Returns whether it repacked."""
+        panels = self.lib.repack_panels(self.ggml_type, self.row_table, self.in_features)
+        if panels is None:
+            return False
+        self.panels = panels
+        self.__dict__.pop("nbytes", None)  # what it holds is now the panels
+        if release_file_pages:
+            for part in self.parts:
+                if file_mapped(part):
+                    release_pages(part)
+        self._bind()
+        return True
 
     # The dense kernel takes over only where it is twice as fast as kvk (the kernel table): it
     # rounds to bfloat16 the activations kvk keeps in 16-bit codes, and the weights (the packaged
@@ -100,15 +126,21 @@ class GGUFWeight(WeightStorage):
         # a permuted table (Llama's q/k rows as transformers orders them, a fused q|k|v) is read
         # in address order by a decode row: the outputs stay where the table puts them
         self.visit = native.visit_order(self.row_table)
-        self._call_kvk = self.lib.lib.kvk_matmul_visit
-        visit = 0 if self.visit is None else self.visit.ctypes.data
-        self._args = (
-            int(self.ggml_type),
-            self.row_table.ctypes.data,
-            visit,
-            self.out_features,
-            self.in_features,
-        )
+        self._call_kvk: Callable[..., int]
+        self._args: tuple[int, ...]
+        if self.panels is not None:  # the panels hold the rows in output order: nothing to visit
+            self._call_kvk = self.lib.lib.kvk_matmul_panels
+            self._args = (int(self.ggml_type), self.panels.ctypes.data, self.out_features, self.in_features)
+        else:
+            self._call_kvk = self.lib.lib.kvk_matmul_visit
+            visit = 0 if self.visit is None else self.visit.ctypes.data
+            self._args = (
+                int(self.ggml_type),
+                self.row_table.ctypes.data,
+                visit,
+                self.out_features,
+                self.in_features,
+            )
 
     @classmethod
     def cat(cls, parts: list[GGUFWeight]) -> GGUFWeight:
@@ -121,13 +153,18 @@ class GGUFWeight(WeightStorage):
         fused.row_table = np.concatenate([p.row_table for p in parts])
         fused.in_features, fused.out_features = first.in_features, int(fused.row_table.shape[0])
         fused.native_kernel = "kvk"
+        fused.panels = None
         fused._bind()
+        if first.panels is not None:
+            fused.use_panels()
         return fused
 
     def __deepcopy__(self, memo: dict[int, object]) -> GGUFWeight:
         """A copy with its own blocks in memory (the kernel table's probes); the library is shared."""
-        blocks = self.dequantizable_copy()
-        return GGUFWeight(self.ggml_type, blocks, self.in_features, lib=self.lib)
+        copy = GGUFWeight(self.ggml_type, self.dequantizable_copy(), self.in_features, lib=self.lib)
+        if self.panels is not None:
+            copy.use_panels()
+        return copy
 
     def dequantizable_copy(self) -> np.ndarray:
         """The rows' blocks copied in output order into one array [rows, bytes per row]."""
@@ -158,8 +195,8 @@ class GGUFWeight(WeightStorage):
             raise ValueError(f"activations must be [rows, {self.in_features}], got {tuple(flat.shape)}")
         rows = flat.shape[0]
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        ggml_type, table, visit, n, k = self._args
-        status = self._call_kvk(ggml_type, table, visit, n, k, flat.data_ptr(), k, rows, out.data_ptr(), n)
+        k, n = self.in_features, self.out_features
+        status = self._call_kvk(*self._args, flat.data_ptr(), k, rows, out.data_ptr(), n)
         if status != 0:
             raise RuntimeError(
                 f"kvk_matmul refused GGML type {self.ggml_type.name} with {k} inputs (status {status})"
@@ -216,12 +253,44 @@ class GGUFWeight(WeightStorage):
         return self.rows(torch.arange(self.out_features), dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self.panels is not None:  # the file's pages were handed back, or are not multiplied
+            return (torch.from_numpy(self.panels),)
         return tuple(torch.from_numpy(part) for part in self.parts)
 
     def bytes_read(self, kernel: str) -> int:
         if kernel in ("kvk", "exact"):
             return self.nbytes
         return self.nbytes + 2 * 2 * self.out_features * self.in_features  # the bf16 copy written, read
+
+
+def file_mapped(view: np.ndarray) -> bool:
+    """Whether `view` is (a view of) a memory-mapped file: the only memory release_pages may
+    hand back."""
+    base: object = view
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, mmap.mmap)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Hand back the whole pages under `view`, a view of a read-only or copy-on-write file mapping
+    (never anonymous memory: MADV_DONTNEED would zero it): the process stops holding them and a
+    later read faults them in from the file again."""
+    if not hasattr(mmap, "MADV_DONTNEED") or view.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-view.ctypes.data // page) * page  # whole pages inside the view only
+    stop = (view.ctypes.data + view.nbytes) // page * page
+    if stop > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 # One bfloat16 buffer for the dense kernel's slices, reused across calls and layers (a fresh

@@ -266,6 +266,40 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
     return fused
 
 
+def repack_for_kernels(model: nn.Module) -> None:
+    """Every GGUF linear layer but the LM head (its exact pass reads the file's rows) repacked
+    where this build has a faster layout for its type (GGUFWeight.use_panels: Q4_0 on AVX-512
+    VNNI), after fusion, so that a fused projection is repacked once; the pages of the file it
+    came from are handed back."""
+    for storage in _linear_gguf_storages(model):
+        storage.use_panels(release_file_pages=True)
+
+
+def repacked_notes(model: nn.Module) -> list[str]:
+    """The load notes of repack_for_kernels: which types' layers run repacked, or nothing."""
+    counts: dict[str, int] = {}
+    for storage in _linear_gguf_storages(model):
+        if storage.panels is not None:
+            counts[storage.ggml_type.name] = counts.get(storage.ggml_type.name, 0) + 1
+    return [
+        f"{name} linears (x{n}) repacked at load into panels of 16 rows side by side (the same bytes, "
+        "the file's pages handed back): kvk's faster layout for them on this CPU"
+        for name, n in counts.items()
+    ]
+
+
+def _linear_gguf_storages(model: nn.Module) -> list[GGUFWeight]:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    found: dict[int, GGUFWeight] = {}
+    for module in model.modules():
+        if isinstance(module, KernelLinear) and module is not head:
+            for storage in module.storages():
+                if isinstance(storage, GGUFWeight):
+                    found[id(storage)] = storage
+    return list(found.values())
+
+
 def _runs_of_one_format(linears: list[KernelLinear]) -> list[list[KernelLinear]]:
     """Consecutive projections grouped by format (q, k in Q4_K and v in Q6_K: two runs)."""
     runs: list[list[KernelLinear]] = []

@@ -252,6 +252,8 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     probe: WeightStorage
     if isinstance(storage, GGUFWeight):
         probe = GGUFWeight(storage.ggml_type, random_blocks(storage.ggml_type, n, k), k, lib=storage.lib)
+        if storage.panels is not None:  # timed as the layers run
+            probe.use_panels()
     elif isinstance(storage, Int4GroupWeight):
         probe = Int4GroupWeight(*quantize_int4_groups(w, 32))
     elif isinstance(storage, Int8RowWeight):

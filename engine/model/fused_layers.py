@@ -45,7 +45,9 @@ _FUSED_POOLS = (torch.float32, torch.float16)
 
 
 class _Part(ctypes.Structure):  # layer_ops.c's kvk_part
-    _fields_ = [("t", _i32), ("unused", _i32), ("n", _i64), ("rows", _p), ("bias", _p), ("visit", _p)]
+    _fields_ = [
+        ("t", _i32), ("unused", _i32), ("n", _i64), ("rows", _p), ("bias", _p), ("visit", _p), ("panels", _p)
+    ]  # fmt: skip
 
 
 class _Proj(ctypes.Structure):  # layer_ops.c's kvk_proj
@@ -123,6 +125,7 @@ def _proj(parts: list[tuple[GGUFWeight, torch.Tensor | None]]) -> _Proj:
             storage.row_table.ctypes.data,
             _address(bias),
             visit,
+            None if storage.panels is None else storage.panels.ctypes.data,
         )
     return proj
 

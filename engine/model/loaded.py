@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.events import ModelInfo
-from engine.kernels.linear import KernelLinear, fuse_projections
+from engine.kernels.linear import KernelLinear, fuse_projections, repack_for_kernels, repacked_notes
 from engine.kernels.policy import KernelPolicy
 from engine.model.layer_attention import AttentionSpec, probe_attention
 from engine.model.llama_forward import forward_note
@@ -60,6 +60,7 @@ class LoadedModel:
         if policy is None:
             policy = KernelPolicy()
             fuse_projections(model, policy)
+            repack_for_kernels(model)
             policy.prepare([s for m in model.modules() if isinstance(m, KernelLinear) for s in m.storages()])
             setattr(model, POLICY_ATTRIBUTE, policy)
         param = next(model.parameters())
@@ -106,7 +107,8 @@ def _notes(
 
     forward = forward_note(model, attention)
     threads = f"{torch.get_num_threads()} engine threads (torch intra-op)"
-    return (forward, threads, *[f"kernels {line}" for line in policy.describe()], BATCH_TRUTH_NOTE)
+    kernels = [f"kernels {line}" for line in policy.describe()]
+    return (forward, threads, *kernels, *repacked_notes(model), BATCH_TRUTH_NOTE)
 
 
 # What a greedy reply depends on (README, "Batch truth"; tests/engine/test_batch_truth.py,

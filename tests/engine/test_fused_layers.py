@@ -63,8 +63,12 @@ def run(loaded, fused, config=None, observe=False):
 
 @pytest.mark.parametrize(
     "types",
-    [None, {"attn_v": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0}],
-    ids=["one format", "formats side by side (as Q4_K_M's Q4_K and Q6_K)"],
+    [
+        None,
+        {"attn_v": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0},
+        {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_0, "ffn_down": Q.Q4_0},
+    ],
+    ids=["one format", "formats side by side (as Q4_K_M's Q4_K and Q6_K)", "Q4_0 panels beside rows"],
 )
 @pytest.mark.parametrize("pool", ["float16", "float32"])  # a GGUF's own (auto_kv_dtype), and float32
 def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(tmp_path, types, pool):

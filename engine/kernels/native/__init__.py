@@ -257,6 +257,26 @@ class Kvk:
             raise RuntimeError(f"kvk_unpack_block refused GGML type {ggml_type}")
         return codes, a, b
 
+    def repack_panels(self, ggml_type: int, rows: np.ndarray, k: int) -> np.ndarray | None:
+        """The rows whose addresses `rows` holds, repacked into panels of 16 rows side by side
+        (panels.c: the same bytes, outputs in vector lanes), or None where this build multiplies
+        no panels of this type."""
+        check_table(rows)
+        size = int(self.lib.kvk_panel_bytes(ggml_type, rows.shape[0], k))
+        if size < 0:
+            return None
+        panels = np.empty(size, dtype=np.uint8)
+        if self.lib.kvk_repack_panels(ggml_type, rows.ctypes.data, rows.shape[0], k, panels.ctypes.data):
+            raise RuntimeError(f"kvk_repack_panels refused GGML type {ggml_type} with {k} inputs")
+        return panels
+
+    def panel_weights(self, ggml_type: int, panels: np.ndarray, n: int, k: int) -> torch.Tensor:
+        """The weights panels hold, float32 [n, k] as gguf dequantizes them (tests)."""
+        out = torch.empty(n, k, dtype=torch.float32)
+        if self.lib.kvk_panel_dequantize(ggml_type, panels.ctypes.data, n, k, out.data_ptr()):
+            raise RuntimeError(f"kvk_panel_dequantize refused GGML type {ggml_type}")
+        return out
+
     def quantize_rows(self, ggml_type: int, x: torch.Tensor, scalar: bool = False) -> np.ndarray:
         """Activations float32 [R, k] quantized as kvk_matmul quantizes them for `ggml_type`: the
         bytes of this build's layout [R, row stride], by its own routine or, with `scalar`, by
@@ -355,6 +375,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_decoder_layers.restype = _c_int
     lib.kvk_to_f16.argtypes, lib.kvk_to_f16.restype = [_ptr, _c_i64, _ptr], _c_int
     lib.kvk_set_row_block_bytes.argtypes, lib.kvk_set_row_block_bytes.restype = [_c_i64], None
+    lib.kvk_panel_bytes.argtypes, lib.kvk_panel_bytes.restype = [_c_int, _c_i64, _c_i64], _c_i64
+    lib.kvk_repack_panels.argtypes, lib.kvk_repack_panels.restype = (
+        [_c_int, _ptr, _c_i64, _c_i64, _ptr],
+        _c_int,
+    )
+    lib.kvk_panel_dequantize.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr]
+    lib.kvk_panel_dequantize.restype = _c_int
+    lib.kvk_matmul_panels.argtypes, lib.kvk_matmul_panels.restype = [_c_int, _ptr, *matmul[2:]], _c_int
 
 
 def cpu_variants() -> list[str]:

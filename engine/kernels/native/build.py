@@ -1,6 +1,6 @@
 """Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention; layer_ops.c:
-the residual add + RMSNorm and RoPE of models on kvk) into one
-shared library per instruction set.
+the residual add + RMSNorm and RoPE of models on kvk; panels.c: Q4_0 repacked 16 rows side by side)
+into one shared library per instruction set.
 
     python -m engine.kernels.native.build [--out DIR] [--variants avx512,avx2,portable]
 
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "kvk.c", HERE / "attention.c", HERE / "layer_ops.c")
+SOURCES = (HERE / "kvk.c", HERE / "attention.c", HERE / "layer_ops.c", HERE / "panels.c")
 PACKAGE_LIB = HERE / "lib"
 
 # Compiler flags per variant. -ffp-contract=off: the dequantization must round where gguf-py does

@@ -1324,6 +1324,9 @@ static int64_t row_block_bytes(void) {
     return bytes;
 }
 
+// panels.c's rows go in blocks of the same budget
+int64_t kvk_row_block_budget(void) { return row_block_bytes(); }
+
 static inline int64_t row_block(int64_t stride, int64_t nr) {
     const int64_t tile = RT == RT32 ? RT : RT * RT32;
     const int64_t budget = row_block_bytes();

@@ -160,6 +160,8 @@ KVK_API int kvk_argmax_logsumexp(const float *x, int64_t n, int64_t *index, floa
 // torch calls a layer (each a few microseconds at a decode row) become one.
 int kvk_matmul_visit(int t, const uint8_t *const *rowp, const int64_t *visit, int64_t n, int64_t k, const float *x,
                      int64_t xs, int64_t nr, float *y, int64_t ys);
+int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k, const float *x, int64_t xs, int64_t nr,
+                      float *y, int64_t ys);
 int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows, int heads, int d, const void *k_pool,
                         const void *v_pool, int kv_type, const uint16_t *k_scales, const uint16_t *v_scales,
                         int64_t block_size, int kv_heads, const int32_t *tables, const int64_t *table_start,
@@ -174,6 +176,7 @@ typedef struct {
     const uint8_t *const *rows;  // its row-address table
     const float *bias;  // [n] or NULL
     const int64_t *visit;  // NULL, or its outputs in its rows' address order (kvk_matmul_visit)
+    const uint8_t *panels;  // NULL, or its rows repacked into panels (panels.c): what it multiplies
 } kvk_part;
 
 typedef struct {
@@ -207,7 +210,9 @@ static int project(const kvk_proj *P, int64_t k, const float *x, int64_t rows, f
     int64_t col = 0;
     for (int p = 0; p < P->count; p++) {
         const kvk_part *q = &P->part[p];
-        if (kvk_matmul_visit(q->t, q->rows, q->visit, q->n, k, x, k, rows, y + col, ys)) return 1;
+        if (q->panels ? kvk_matmul_panels(q->t, q->panels, q->n, k, x, k, rows, y + col, ys)
+                      : kvk_matmul_visit(q->t, q->rows, q->visit, q->n, k, x, k, rows, y + col, ys))
+            return 1;
         if (q->bias)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t i = 0; i < q->n; i++) y[r * ys + col + i] += q->bias[i];

@@ -1,0 +1,162 @@
+"""Q4_0 repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
+codes and scales (gguf's dequantization, bit for bit), their product is the exact product of the
+same rounded activations, a row's outputs are the same bits alone, among others and in any block
+of rows, and a loaded model's linear layers run on them (not its LM head), the file's pages handed
+back."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from engine.kernels import native
+from engine.kernels.gguf_weight import GGUFWeight, file_mapped, random_blocks, release_pages
+from engine.kernels.native import row_addresses
+
+KVK = native.kernels()
+pytestmark = pytest.mark.skipif(
+    KVK is None or KVK.lib.kvk_panel_bytes(int(Q.Q4_0), 16, 32) < 0,
+    reason="this build multiplies no panels (they need AVX-512 VNNI)",
+)
+
+
+def rounded_activations(x: torch.Tensor) -> np.ndarray:
+    """x as the kernels round it: 16-bit codes, one scale per 256 inputs (float64 values)."""
+    f32 = np.float32
+    x = x.numpy().astype(f32)
+    out = np.empty(x.shape, dtype=np.float64)
+    for g in range(0, x.shape[1], 256):
+        part = x[:, g : g + 256]
+        amax = np.abs(part).max(-1, keepdims=True)
+        d = (amax / f32(32767)).astype(f32)
+        inv = np.where(amax > 0, f32(32767) / np.where(amax > 0, amax, 1), 0).astype(f32)
+        out[:, g : g + 256] = d.astype(np.float64) * np.rint((part * inv).astype(f32))
+    return out
+
+
+def panel_matmul(panels: np.ndarray, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+    assert KVK is not None
+    y = torch.empty(x.shape[0], n)
+    status = KVK.lib.kvk_matmul_panels(
+        int(Q.Q4_0), panels.ctypes.data, n, k, x.data_ptr(), k, x.shape[0], y.data_ptr(), n
+    )
+    assert status == 0
+    return y
+
+
+@pytest.mark.parametrize("n, k", [(16, 256), (37, 96), (50, 576), (5, 32)])
+def test_panels_hold_the_files_weights_bit_for_bit(n, k):
+    assert KVK is not None
+    blocks = random_blocks(Q.Q4_0, n, k, seed=1)
+    order = np.random.default_rng(2).permutation(n)  # a permuted table (Llama's q/k rows)
+    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks, order), k)
+    assert panels is not None and panels.nbytes == -(-n // 16) * 16 * blocks.shape[1]  # the file's bytes
+    want = dequantize(blocks, Q.Q4_0).reshape(n, k)[order]
+    assert np.array_equal(KVK.panel_weights(int(Q.Q4_0), panels, n, k).numpy(), want)
+
+
+@pytest.mark.parametrize("k", [512, 96, 320, 576])  # whole groups of 256, and a shorter last group
+def test_the_panel_product_is_exact_for_its_rounded_activations(k):
+    assert KVK is not None
+    n = 40  # a last panel of 8 rows
+    blocks = random_blocks(Q.Q4_0, n, k, seed=3)
+    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks), k)
+    assert panels is not None
+    weights = dequantize(blocks, Q.Q4_0).reshape(n, k).astype(np.float64)
+    for rows in (1, 5, 8, 13):
+        x = torch.randn(rows, k)
+        want = rounded_activations(x) @ weights.T
+        got = panel_matmul(panels, n, k, x).numpy()
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (k, rows)
+        # the row kernel rounds the activations the same way: the same product to float32 rounding
+        rows_kernel = KVK.matmul(Q.Q4_0, row_addresses(blocks), k, x).numpy()
+        assert np.abs(got - rows_kernel).max() <= 2e-6 * np.abs(want).max()
+
+
+def test_a_row_is_the_same_alone_among_others_and_in_any_block_of_rows():
+    """Threads take whole panels, a tile of rows runs each row's operations unchanged: a decode
+    row, a speculative round's few rows and a prompt's rows get the same bits."""
+    assert KVK is not None
+    n, k = 70, 576
+    blocks = random_blocks(Q.Q4_0, n, k, seed=4)
+    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks), k)
+    assert panels is not None
+    x = torch.randn(37, k)  # tiles of 8 and a remainder of 5
+    try:
+        KVK.lib.kvk_set_row_block_bytes(1 << 40)
+        together = panel_matmul(panels, n, k, x)
+        for block_bytes in (1, 10 * k, 40 * k):  # blocks of one tile's rows and more
+            KVK.lib.kvk_set_row_block_bytes(block_bytes)
+            assert torch.equal(panel_matmul(panels, n, k, x), together)
+    finally:
+        KVK.lib.kvk_set_row_block_bytes(0)
+    for r in (0, 8, 36):
+        assert torch.equal(panel_matmul(panels, n, k, x[r : r + 1].contiguous())[0], together[r])
+    for rows in range(2, 10):
+        assert torch.equal(panel_matmul(panels, n, k, x[:rows].contiguous()), together[:rows])
+
+
+def test_a_storage_on_panels_multiplies_them_and_holds_them_alone():
+    assert KVK is not None
+    n, k = 48, 256
+    blocks = random_blocks(Q.Q4_0, n, k, seed=5)
+    storage = GGUFWeight(Q.Q4_0, blocks, k, lib=KVK)
+    x = torch.randn(3, k)
+    rows_kernel = storage.matmul("kvk", x)
+    assert not file_mapped(blocks)
+    assert storage.use_panels(release_file_pages=True)  # not a file: nothing handed back
+    assert np.array_equal(blocks, random_blocks(Q.Q4_0, n, k, seed=5))
+    on_panels = storage.matmul("kvk", x)
+    assert torch.allclose(on_panels, rows_kernel, rtol=0, atol=2e-6 * float(rows_kernel.abs().max()))
+    assert [t.numel() for t in storage.tensors()] == [storage.panels.nbytes] == [blocks.nbytes]
+    # the kernel table's probe copy runs on panels too, and the exact path still reads the rows
+    import copy
+
+    assert copy.deepcopy(storage).panels is not None
+    exact = storage.exact_matmul(x)
+    assert torch.allclose(exact, rows_kernel, rtol=0, atol=1e-3 * float(rows_kernel.abs().max()))
+    other = GGUFWeight(Q.Q4_K, random_blocks(Q.Q4_K, 16, 256), 256, lib=KVK)
+    assert not other.use_panels() and other.panels is None  # no panels for this type
+
+
+def test_handing_back_a_files_pages_keeps_what_it_reads(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(6).integers(0, 256, size=5 * mmap.PAGESIZE + 100, dtype=np.uint8)
+    data.tofile(path)
+    view = np.memmap(path, mode="c").view(np.ndarray)[50:]
+    assert file_mapped(view) and int(view.sum()) == int(data[50:].sum())  # every page read in
+    release_pages(view)
+    assert np.array_equal(view, data[50:])  # read again from the file
+
+
+def test_a_loaded_models_linears_run_on_panels_and_its_head_on_the_files_rows(tmp_path):
+    from gguf_files import write_tiny_llama
+    from tiny_models import IdTokenizer
+
+    from engine.kernels.linear import KernelHead
+    from engine.kernels.policy import KernelPolicy
+    from engine.model.gguf_native import load_native
+    from engine.model.loaded import LoadedModel
+
+    types = dict.fromkeys(
+        ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), Q.Q4_0
+    )
+    path = write_tiny_llama(tmp_path / "tiny.gguf", types, output_type=Q.Q4_0)
+    model, _ = load_native(path, torch.float32, KernelPolicy(), lambda s, f: None)
+    loaded = LoadedModel.from_model(model, IdTokenizer(256), name="tiny", source=str(path), scheme="native")
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, KernelHead) and head.storage.panels is None
+    storages = {
+        id(s): s
+        for m in loaded.model.modules()
+        if hasattr(m, "storages") and m is not head
+        for s in m.storages()
+        if isinstance(s, GGUFWeight)
+    }
+    assert storages and all(s.panels is not None for s in storages.values())
+    assert any("Q4_0 linears" in note and "panels" in note for note in loaded.info.notes)
