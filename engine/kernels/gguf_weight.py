@@ -13,10 +13,10 @@ float32 activations: every logit comes from the file's weights with no activatio
 
 `blocks` is a view of the file's mapping, so the process holds the file's pages (shared with the
 page cache), not a second copy of the weights. One exception, where it pays: a linear layer's
-Q4_0 rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16 rows side by side
-(`use_panels`, engine/kernels/native/panels.c: the same bytes in another order, 1.2-2.3x faster
-kvk matmuls at 1.7B shapes), and the file's pages they came from are handed back, so the process
-still holds the tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for
+Q4_0 and Q4_1 rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16 rows
+side by side (`use_panels`, engine/kernels/native/panels.c: the same bytes in another order,
+1.2-2.3x faster kvk matmuls at 1.7B shapes), and the file's pages they came from are handed
+back, so the process still holds the tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for
 its RoPE) is applied by the kernel (or by the repacking), not to the file's data.
 """
 
@@ -92,8 +92,8 @@ class GGUFWeight(WeightStorage):
         self._bind()
 
     def use_panels(self, release_file_pages: bool = False) -> bool:
-        """Repack the rows into panels where this build multiplies panels of this type (Q4_0,
-        AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels. `release_file_pages`:
+        """Repack the rows into panels where this build multiplies panels of this type (Q4_0 and
+        Q4_1, AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels. `release_file_pages`:
         the blocks are a view of a file mapping, whose pages the process then hands back (they
         are read again from the file if a row path ever needs them: an exact product, a kernel
         probe's copy). Returns whether it repacked."""

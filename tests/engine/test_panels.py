@@ -1,4 +1,4 @@
-"""Q4_0 repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
+"""Q4_0 and Q4_1 repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
 codes and scales (gguf's dequantization, bit for bit), their product is the exact product of the
 same rounded activations, a row's outputs are the same bits alone, among others and in any block
 of rows, and a loaded model's linear layers run on them (not its LM head), the file's pages handed
@@ -39,66 +39,72 @@ def rounded_activations(x: torch.Tensor) -> np.ndarray:
     return out
 
 
-def panel_matmul(panels: np.ndarray, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
+PANEL_TYPES = [Q.Q4_0, Q.Q4_1]
+
+
+def panel_matmul(qtype: Q, panels: np.ndarray, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
     assert KVK is not None
     y = torch.empty(x.shape[0], n)
     status = KVK.lib.kvk_matmul_panels(
-        int(Q.Q4_0), panels.ctypes.data, n, k, x.data_ptr(), k, x.shape[0], y.data_ptr(), n
+        int(qtype), panels.ctypes.data, n, k, x.data_ptr(), k, x.shape[0], y.data_ptr(), n
     )
     assert status == 0
     return y
 
 
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n, k", [(16, 256), (37, 96), (50, 576), (5, 32)])
-def test_panels_hold_the_files_weights_bit_for_bit(n, k):
+def test_panels_hold_the_files_weights_bit_for_bit(qtype, n, k):
     assert KVK is not None
-    blocks = random_blocks(Q.Q4_0, n, k, seed=1)
+    blocks = random_blocks(qtype, n, k, seed=1)
     order = np.random.default_rng(2).permutation(n)  # a permuted table (Llama's q/k rows)
-    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks, order), k)
+    panels = KVK.repack_panels(int(qtype), row_addresses(blocks, order), k)
     assert panels is not None and panels.nbytes == -(-n // 16) * 16 * blocks.shape[1]  # the file's bytes
-    want = dequantize(blocks, Q.Q4_0).reshape(n, k)[order]
-    assert np.array_equal(KVK.panel_weights(int(Q.Q4_0), panels, n, k).numpy(), want)
+    want = dequantize(blocks, qtype).reshape(n, k)[order]
+    assert np.array_equal(KVK.panel_weights(int(qtype), panels, n, k).numpy(), want)
 
 
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [512, 96, 320, 576])  # whole groups of 256, and a shorter last group
-def test_the_panel_product_is_exact_for_its_rounded_activations(k):
+def test_the_panel_product_is_exact_for_its_rounded_activations(qtype, k):
     assert KVK is not None
     n = 40  # a last panel of 8 rows
-    blocks = random_blocks(Q.Q4_0, n, k, seed=3)
-    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks), k)
+    blocks = random_blocks(qtype, n, k, seed=3)
+    panels = KVK.repack_panels(int(qtype), row_addresses(blocks), k)
     assert panels is not None
-    weights = dequantize(blocks, Q.Q4_0).reshape(n, k).astype(np.float64)
+    weights = dequantize(blocks, qtype).reshape(n, k).astype(np.float64)
     for rows in (1, 5, 8, 13):
         x = torch.randn(rows, k)
         want = rounded_activations(x) @ weights.T
-        got = panel_matmul(panels, n, k, x).numpy()
+        got = panel_matmul(qtype, panels, n, k, x).numpy()
         assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (k, rows)
         # the row kernel rounds the activations the same way: the same product to float32 rounding
-        rows_kernel = KVK.matmul(Q.Q4_0, row_addresses(blocks), k, x).numpy()
+        rows_kernel = KVK.matmul(qtype, row_addresses(blocks), k, x).numpy()
         assert np.abs(got - rows_kernel).max() <= 2e-6 * np.abs(want).max()
 
 
-def test_a_row_is_the_same_alone_among_others_and_in_any_block_of_rows():
+@pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
+def test_a_row_is_the_same_alone_among_others_and_in_any_block_of_rows(qtype):
     """Threads take whole panels, a tile of rows runs each row's operations unchanged: a decode
     row, a speculative round's few rows and a prompt's rows get the same bits."""
     assert KVK is not None
     n, k = 70, 576
-    blocks = random_blocks(Q.Q4_0, n, k, seed=4)
-    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks), k)
+    blocks = random_blocks(qtype, n, k, seed=4)
+    panels = KVK.repack_panels(int(qtype), row_addresses(blocks), k)
     assert panels is not None
     x = torch.randn(37, k)  # tiles of 8 and a remainder of 5
     try:
         KVK.lib.kvk_set_row_block_bytes(1 << 40)
-        together = panel_matmul(panels, n, k, x)
+        together = panel_matmul(qtype, panels, n, k, x)
         for block_bytes in (1, 10 * k, 40 * k):  # blocks of one tile's rows and more
             KVK.lib.kvk_set_row_block_bytes(block_bytes)
-            assert torch.equal(panel_matmul(panels, n, k, x), together)
+            assert torch.equal(panel_matmul(qtype, panels, n, k, x), together)
     finally:
         KVK.lib.kvk_set_row_block_bytes(0)
     for r in (0, 8, 36):
-        assert torch.equal(panel_matmul(panels, n, k, x[r : r + 1].contiguous())[0], together[r])
+        assert torch.equal(panel_matmul(qtype, panels, n, k, x[r : r + 1].contiguous())[0], together[r])
     for rows in range(2, 10):
-        assert torch.equal(panel_matmul(panels, n, k, x[:rows].contiguous()), together[:rows])
+        assert torch.equal(panel_matmul(qtype, panels, n, k, x[:rows].contiguous()), together[:rows])
 
 
 def test_a_storage_on_panels_multiplies_them_and_holds_them_alone():

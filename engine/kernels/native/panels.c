@@ -1,4 +1,4 @@
-// Q4_0 weights repacked at load into panels of 16 rows, each output in its own vector lane.
+// Q4_0 and Q4_1 weights repacked at load into panels of 16 rows, each output in its own vector lane.
 //
 // kvk.c reads a row as the file stores it: a 512-bit vector holds 32 inputs of one row, so every
 // output ends as 16 lanes summed, and a group's scales go on per lane (3 operations to 8 products).
@@ -10,18 +10,19 @@
 // matmul alone, one process, interleaved): 128 rows 1.23-1.62x faster (337-354 GMAC/s), 5 rows 1.6-
 // 2.3x, 1 row 1.2-1.4x (weights in cache). llama.cpp repacks Q4_0 the same way ("Q4_0x8").
 //
-// A panel is the same bytes as its 16 rows in the file (16 x 18 per 32 inputs): per block of 32
-// inputs, the 16 rows' float16 scales (32 bytes), then 4 vectors of 32 16-bit words in which word
+// A panel is the same bytes as its 16 rows in the file (16 x 18 per 32 inputs for Q4_0, 16 x 20 for
+// Q4_1): per block of 32 inputs, the 16 rows' float16 scales d (32 bytes), Q4_1's 16 float16
+// minimums m (32 bytes), then 4 vectors of 32 16-bit words in which word
 // 2j + s of vector v holds row j's codes q[2(v + 4m) + s] in nibble m (m < 4): a mask and a shift
 // take out the 16-bit lanes vpdpwssd reads (weights of inputs 2p, 2p + 1 for pair p = v + 4m).
-// Rows past n (the last panel's) are zero-scaled.
+// Rows past n (the last panel's) are zeros.
 //
 // Activations: one 16-bit plane in input order, a scale dx per 256 inputs (kvk.c's rounding:
-// the same codes), and per block of 32 the integer -8 * sum(xq) that starts its lane sums, so
-// that a block's int32 sum is sum((q - 8) * xq), exact. Per output and group of 256 inputs the
-// float operations are, whatever the number of rows in the call: p = sum(b0) * d(b0), then
-// p = fma(sum(b), d(b), p) for each further block, then acc = fma(p, dx, acc): a row's outputs are
-// the same bits alone and among others.
+// the same codes), and per block of 32 the integer s = sum(xq). A block's products sum exactly in
+// int32: Q4_0's lanes start at -8 * s, so that they sum (q - 8) * xq. Per output and group of 256
+// inputs the float operations are, whatever the number of rows in the call: p = sum(b0) * d(b0),
+// then p = fma(sum(b), d(b), p) for each further block (Q4_1: each followed by p = fma(m(b), s(b),
+// p)), then acc = fma(p, dx, acc): a row's outputs are the same bits alone and among others.
 
 #include <math.h>
 #include <stdint.h>
@@ -37,48 +38,51 @@
 
 #define KVK_API __attribute__((visibility("default")))
 #define T_Q4_0 2
+#define T_Q4_1 3
 #define PANEL_ROWS 16
-#define PANEL_BLOCK 288  // bytes per block of 32 inputs: 16 scales and 16 x 16 bytes of codes
 #define TILE_ROWS 8      // activation rows a panel's pass takes at once (registers: 3 vectors a row)
 
 int64_t kvk_row_block_budget(void);  // kvk.c: the bytes of activation rows that stay in L2
 
-// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0).
+// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0 and Q4_1).
 static int panel_type(int t) {
 #ifdef PANELS_AVX512
-    return t == T_Q4_0;
+    return t == T_Q4_0 || t == T_Q4_1;
 #else
     (void)t;
     return 0;
 #endif
 }
 
+// A file block's bytes, and where a panel block's codes start (after d, and Q4_1's m).
+static inline int file_block(int t) { return t == T_Q4_1 ? 20 : 18; }
+static inline int codes_at(int t) { return t == T_Q4_1 ? 64 : 32; }
+static inline int panel_block(int t) { return PANEL_ROWS * file_block(t); }
+
 KVK_API int64_t kvk_panel_bytes(int t, int64_t n, int64_t k) {
     if (!panel_type(t) || k <= 0 || k % 32 || n < 0) return -1;
-    return (n + PANEL_ROWS - 1) / PANEL_ROWS * (k / 32) * PANEL_BLOCK;
+    return (n + PANEL_ROWS - 1) / PANEL_ROWS * (k / 32) * panel_block(t);
 }
 
-// rows rowp[0..n) (Q4_0 blocks as the file stores them, k inputs) into panels at out.
+// rows rowp[0..n) (blocks as the file stores them, k inputs) into panels at out.
 KVK_API int kvk_repack_panels(int t, const uint8_t *const *rowp, int64_t n, int64_t k, uint8_t *out) {
     if (kvk_panel_bytes(t, n, k) < 0) return -1;
     const int64_t nb = k / 32, np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
 #pragma omp parallel for schedule(static) if (n * k >= 65536)
     for (int64_t p = 0; p < np; p++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + (p * nb + b) * PANEL_BLOCK;
+            uint8_t *o = out + (p * nb + b) * panel_block(t);
             uint16_t words[128];
             for (int j = 0; j < PANEL_ROWS; j++) {
                 const int64_t row = p * PANEL_ROWS + j;
-                uint8_t q[32];
-                uint16_t d = 0;
+                uint8_t q[32] = {0}, dm[4] = {0};  // d, and Q4_1's m: zeros past the last row
                 if (row < n) {
-                    const uint8_t *blk = rowp[row] + b * 18;
-                    memcpy(&d, blk, 2);
-                    for (int i = 0; i < 16; i++) q[i] = blk[2 + i] & 15, q[i + 16] = blk[2 + i] >> 4;
-                } else {
-                    memset(q, 8, sizeof q);  // weight 0 whatever the scale
+                    const uint8_t *blk = rowp[row] + b * file_block(t), *qs = blk + codes_at(t) / 16;
+                    memcpy(dm, blk, (size_t)codes_at(t) / 16);
+                    for (int i = 0; i < 16; i++) q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4;
                 }
-                memcpy(o + 2 * j, &d, 2);
+                memcpy(o + 2 * j, dm, 2);
+                if (t == T_Q4_1) memcpy(o + 32 + 2 * j, dm + 2, 2);
                 for (int v = 0; v < 4; v++)
                     for (int s = 0; s < 2; s++) {
                         uint16_t w = 0;
@@ -86,37 +90,42 @@ KVK_API int kvk_repack_panels(int t, const uint8_t *const *rowp, int64_t n, int6
                         words[32 * v + 2 * j + s] = w;
                     }
             }
-            memcpy(o + 32, words, sizeof words);
+            memcpy(o + codes_at(t), words, sizeof words);
         }
     return 0;
 }
 
-// The panels' weights as float32 [n, k], each d * (q - 8) as gguf computes it (tests: the panels
-// hold the file's codes and scales).
+// float16 bits -> float32, exactly (subnormals included).
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float f;
+    if (e == 0) {
+        f = ldexpf((float)m, -24);
+    } else {
+        const uint32_t bits = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13);
+        memcpy(&f, &bits, 4);
+    }
+    return sign ? -f : f;
+}
+
+// The panels' weights as float32 [n, k], each d * (q - 8) (Q4_0) or d * q + m (Q4_1) as gguf
+// computes it (tests: the panels hold the file's codes and scales).
 KVK_API int kvk_panel_dequantize(int t, const uint8_t *panels, int64_t n, int64_t k, float *out) {
     if (kvk_panel_bytes(t, n, k) < 0) return -1;
     const int64_t nb = k / 32;
     for (int64_t row = 0; row < n; row++) {
         const int64_t p = row / PANEL_ROWS, j = row % PANEL_ROWS;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = panels + (p * nb + b) * PANEL_BLOCK;
-            uint16_t h, words[128];
-            memcpy(&h, o + 2 * j, 2);
-            memcpy(words, o + 32, sizeof words);
-            // float16 -> float32, exactly (subnormals included)
-            const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-            float d;
-            if (e == 0) {
-                d = ldexpf((float)m, -24);
-            } else {
-                const uint32_t bits = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13);
-                memcpy(&d, &bits, 4);
-            }
-            if (sign) d = -d;
-            for (int e2 = 0; e2 < 32; e2++) {
-                const int pair = e2 / 2, s = e2 % 2, v = pair % 4, mm = pair / 4;
-                const int q = (words[32 * v + 2 * j + s] >> (4 * mm)) & 15;
-                out[row * k + 32 * b + e2] = d * (float)(q - 8);
+            const uint8_t *o = panels + (p * nb + b) * panel_block(t);
+            uint16_t hd, hm = 0, words[128];
+            memcpy(&hd, o + 2 * j, 2);
+            if (t == T_Q4_1) memcpy(&hm, o + 32 + 2 * j, 2);
+            memcpy(words, o + codes_at(t), sizeof words);
+            const float d = half_to_float(hd), m = half_to_float(hm);
+            for (int e = 0; e < 32; e++) {
+                const int pair = e / 2, s = e % 2, v = pair % 4, nib = pair / 4;
+                const int q = (words[32 * v + 2 * j + s] >> (4 * nib)) & 15;
+                out[row * k + 32 * b + e] = t == T_Q4_1 ? d * (float)q + m : d * (float)(q - 8);
             }
         }
     }
@@ -155,7 +164,7 @@ static void quantize(const float *x, const panel_act *l, uint8_t *dst) {
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), inv));
             _mm256_storeu_si256((__m256i *)(xq + e0 + 32 * b), _mm512_cvtsepi32_epi16(q0));
             _mm256_storeu_si256((__m256i *)(xq + e0 + 32 * b + 16), _mm512_cvtsepi32_epi16(q1));
-            bs[e0 / 32 + b] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            bs[e0 / 32 + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
     }
 }
@@ -167,19 +176,24 @@ static inline __attribute__((always_inline)) __m512i dp_pair(__m512i acc, __m512
 }
 
 // One panel (nb blocks at P) against R activation rows from A: outputs y[r * ys + 0..nout).
-static inline __attribute__((always_inline)) void panel_rows(const int R, const uint8_t *P, int64_t nb,
+static inline __attribute__((always_inline)) void panel_rows(const int t, const int R, const uint8_t *P, int64_t nb,
                                                              const uint8_t *A, const panel_act *l, float *y,
                                                              int64_t ys, int nout) {
     __m512 acc[TILE_ROWS], part[TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = part[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi16(15);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *pb = P + b * PANEL_BLOCK;
-        for (int q = 0; q < PANEL_BLOCK; q += 64) _mm_prefetch((const char *)(pb + 4 * PANEL_BLOCK + q), _MM_HINT_T0);
+        const int bytes = panel_block(t);
+        const uint8_t *pb = P + b * bytes;
+        for (int q = 0; q < bytes; q += 64) _mm_prefetch((const char *)(pb + 4 * bytes + q), _MM_HINT_T0);
         __m512i sum[TILE_ROWS];
-        for (int r = 0; r < R; r++) sum[r] = _mm512_set1_epi32(((const int32_t *)(A + r * l->stride + l->off_bs))[b]);
+        int32_t s[TILE_ROWS];
+        for (int r = 0; r < R; r++) {
+            s[r] = ((const int32_t *)(A + r * l->stride + l->off_bs))[b];
+            sum[r] = t == T_Q4_0 ? _mm512_set1_epi32(-8 * s[r]) : _mm512_setzero_si512();
+        }
         for (int v = 0; v < 4; v++) {
-            const __m512i words = _mm512_loadu_si512((const void *)(pb + 32 + 64 * v));
+            const __m512i words = _mm512_loadu_si512((const void *)(pb + codes_at(t) + 64 * v));
             const __m512i w0 = _mm512_and_si512(words, m4);
             const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(words, 4), m4);
             const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(words, 8), m4);
@@ -196,6 +210,10 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
         for (int r = 0; r < R; r++)
             part[r] = (b & 7) ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), d, part[r])
                               : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), d);
+        if (t == T_Q4_1) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
+            for (int r = 0; r < R; r++) part[r] = _mm512_fmadd_ps(m, _mm512_set1_ps((float)s[r]), part[r]);
+        }
         if ((b & 7) == 7 || b == nb - 1)
             for (int r = 0; r < R; r++) {
                 const __m512 dx = _mm512_set1_ps(((const float *)(A + r * l->stride + l->off_dx))[b / 8]);
@@ -207,10 +225,12 @@ static inline __attribute__((always_inline)) void panel_rows(const int R, const 
 }
 
 // R (< TILE_ROWS or the tile) rows of one panel: a constant R per instance.
-static void panel_some_rows(int R, const uint8_t *P, int64_t nb, const uint8_t *A, const panel_act *l, float *y,
-                            int64_t ys, int nout) {
-    switch (R) {
-#define PANEL_CASE(N) case N: panel_rows(N, P, nb, A, l, y, ys, nout); break;
+static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nb, const uint8_t *A, const panel_act *l,
+                            float *y, int64_t ys, int nout) {
+    switch (R + 8 * (t == T_Q4_1)) {  // t and R constants in each instance
+#define PANEL_CASE(N) \
+    case N: panel_rows(T_Q4_0, N, P, nb, A, l, y, ys, nout); break; \
+    case N + 8: panel_rows(T_Q4_1, N, P, nb, A, l, y, ys, nout); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
         PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
@@ -253,11 +273,11 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
         for (int64_t r0 = 0; r0 < nr; r0 += block) {
             const int64_t r1 = r0 + block < nr ? r0 + block : nr;
             for (int64_t p = p0; p < p1; p++) {
-                const uint8_t *P = panels + p * nb * PANEL_BLOCK;
+                const uint8_t *P = panels + p * nb * panel_block(t);
                 const int nout = n - PANEL_ROWS * p >= PANEL_ROWS ? PANEL_ROWS : (int)(n - PANEL_ROWS * p);
                 for (int64_t r = r0; r < r1; r += TILE_ROWS) {
                     const int R = r1 - r < TILE_ROWS ? (int)(r1 - r) : TILE_ROWS;
-                    panel_some_rows(R, P, nb, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
+                    panel_some_rows(t, R, P, nb, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
                 }
             }
         }
