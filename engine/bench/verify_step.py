@@ -44,6 +44,9 @@ class RejectedDrafts:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
         return [([self.token] * k, [None] * k) for k in ks]
 
+    def evidence(self, seq: Sequence) -> int:
+        return 1  # always something to propose
+
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         pass
 

@@ -500,7 +500,9 @@ class LLMEngine:
         """Give each decoding sequence its round of draft tokens (as many as its draft length,
         engine.speculative.adaptive), kept apart from its tokens (spec_token_ids) until verified;
         the scheduler and the runner compute them after it. A free proposer also proposes for
-        sequences at length 0: shadow drafts, scored against what they then decode."""
+        sequences at length 0: shadow drafts, scored against what they then decode; its length
+        is chosen knowing what the proposal rests on (Proposer.evidence), and a sequence it has
+        nothing for decodes plainly."""
         spec, proposer, tuner = self.config.speculative, self.proposer, self.tuner
         assert spec is not None and proposer is not None and tuner is not None
         decoding = [
@@ -517,8 +519,12 @@ class LLMEngine:
                 seq.params.max_new_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
+            evidence = proposer.evidence(seq) if proposer.free else 0
+            if proposer.free and evidence == 0:
+                seq.draft_length = 0  # nothing to propose: nothing to decide or learn
+                continue
             before = tuner.tuning(seq.seq_id).draft_length
-            k = tuner.choose(seq.seq_id, len(decoding), cap)
+            k = tuner.choose(seq.seq_id, len(decoding), cap, evidence)
             after = tuner.tuning(seq.seq_id).draft_length
             if after != before:
                 self.emit(DraftLength(seq.seq_id, after, tuner.acceptance(seq.seq_id), time.perf_counter()))
@@ -540,7 +546,7 @@ class LLMEngine:
             seq.draft_q = list(qs)
             seq.draft_s = seconds / (len(asked) + len(shadows))
         for seq, (drafts, _) in zip(shadows, proposals[len(asked) :]):
-            tuner.start_shadow(seq.seq_id, seq.num_tokens, drafts)
+            tuner.start_shadow(seq.seq_id, seq.num_tokens, drafts, tuner.tuning(seq.seq_id).evidence)
         if asked:
             self._drafting = (seconds, max(1, proposer.forwards))
 

@@ -4,11 +4,16 @@ what this engine measured (never a fixed guess), down to none.
 Two measurements, both the engine's own:
   costs       a decode step's time by its rows (each speculative round adds its drafts' rows),
               and the drafting time per draft forward, as exponential averages;
-  acceptance  per sequence and draft position j, the recent share of rounds whose j-th draft
-              was kept given the ones before it were (decayed counts, so it follows the text),
-              from a prior that is the engine's recent acceptance over all its sequences (with
-              a fixed 0.5, every new sequence spent its first rounds relearning what the engine
-              had measured on the ones before it; 0.5 before any round).
+  acceptance  per sequence, class of evidence and draft position j, the recent share of rounds
+              whose j-th draft was kept given the ones before it were (decayed counts, so it
+              follows the text), from a prior that is the engine's recent acceptance in that
+              class over all its sequences (with a fixed 0.5, every new sequence spent its first
+              rounds relearning what the engine had measured on the ones before it; 0.5 before
+              any round). The class is what the proposer's guess rests on: for n-gram lookup the
+              length of the match (measured on the packaged model's greedy replies to 9 chat
+              prompts, the first draft was kept after 15% of 1-token matches, 52% of 2-token ones
+              and 83% of 3-token ones: one acceptance for all of them drafted where it lost and
+              held back where it paid); a model drafter's guesses are one class.
 A round of k drafts is expected to give E(k) = 1 + sum_i prod_{j<=i} a_j tokens. Its net, in
 seconds of engine time: (E(k) - 1) plain tokens' worth (a plain step's time over its sequences)
 less what the k rows add to the step and the drafting costs. The chosen length is the k with the
@@ -148,13 +153,20 @@ class SequenceTuning:
     """One sequence's draft length and what it was chosen from."""
 
     draft_length: int
-    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    by_evidence: dict[int, _Acceptance] = field(default_factory=dict)  # class of evidence -> acceptance
+    evidence: int = 0  # the class of this step's proposal
     plain_steps: int = 0  # plain steps since the last probe (costly proposers at length 0)
     probe_every: int = PROBE_FIRST
     probing: bool = False
     shadow_at: int = -1  # free proposers at length 0: where the shadow proposal starts
     shadow: list[int] = field(default_factory=list)
+    shadow_evidence: int = 0
     saved_s: float = 0.0  # what its rounds saved (or lost: negative), measured
+
+    def overall(self) -> float:
+        """The share of its examined drafts kept, every class together."""
+        reached = sum(sum(a.reached) for a in self.by_evidence.values())
+        return sum(sum(a.kept) for a in self.by_evidence.values()) / reached if reached else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,31 +182,43 @@ class DraftTuner:
         self.most, self.adaptive, self.free = most, adaptive, free_proposer
         self.costs = StepCosts()
         self._seqs: dict[int, SequenceTuning] = {}
-        self.seen = _Acceptance()  # every sequence's rounds: a new sequence's prior
+        self.seen: dict[int, _Acceptance] = {}  # per class, every sequence's rounds: a new one's prior
         self.probe_start = PROBE_FIRST  # a new sequence's probe spacing: where the last probe left it
 
     def tuning(self, seq_id: int) -> SequenceTuning:
         state = self._seqs.get(seq_id)
         if state is None:
-            prior = self.seen.overall() if sum(self.seen.reached) else _Acceptance().prior
-            state = self._seqs[seq_id] = SequenceTuning(
-                self.most, _Acceptance(prior=prior), probe_every=self.probe_start
-            )
+            state = self._seqs[seq_id] = SequenceTuning(self.most, probe_every=self.probe_start)
         return state
 
-    def _record(self, state: SequenceTuning, examined: int, accepted: int) -> None:
-        state.acceptance.record(examined, accepted)
-        self.seen.record(examined, accepted)
+    def _acceptance(self, state: SequenceTuning, evidence: int) -> _Acceptance:
+        """A sequence's acceptance in one class, started from the engine's in that class."""
+        acceptance = state.by_evidence.get(evidence)
+        if acceptance is None:
+            seen = self.seen.get(evidence)
+            prior = seen.overall() if seen is not None and sum(seen.reached) > 0 else _Acceptance().prior
+            acceptance = state.by_evidence[evidence] = _Acceptance(prior=prior)
+        return acceptance
+
+    def _record(
+        self, state: SequenceTuning, examined: int, accepted: int, evidence: int | None = None
+    ) -> None:
+        """A round in the class of this step's proposal (or `evidence`: a shadow round's)."""
+        cls = state.evidence if evidence is None else evidence
+        self._acceptance(state, cls).record(examined, accepted)
+        self.seen.setdefault(cls, _Acceptance()).record(examined, accepted)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
     # ---- before the step ---------------------------------------------------------------------
-    def choose(self, seq_id: int, decoding: int, cap: int) -> int:
+    def choose(self, seq_id: int, decoding: int, cap: int, evidence: int = 0) -> int:
         """The draft length for this step of a sequence among `decoding` decoding sequences, at
-        most `cap` (its tokens left). 0: plain decoding this step."""
+        most `cap` (its tokens left), for a proposal of class `evidence` (Proposer.evidence).
+        0: plain decoding this step."""
         state = self.tuning(seq_id)
         state.probing = False
+        state.evidence = evidence
         if cap <= 0:
             return 0
         if not self.adaptive:
@@ -216,12 +240,13 @@ class DraftTuner:
         if plain is None:
             return self.most
         token_s = plain / decoding  # what one plain token costs the engine at this batch
+        acceptance = self._acceptance(state, state.evidence)
         best_k, best_net = 0, 0.0
         for k in range(1, self.most + 1):
             rows = self.costs.row_cost(decoding, k)
             if rows is None:
                 return self.most
-            net = (state.acceptance.expected_tokens(k) - 1.0) * token_s - rows - self._drafting(k, decoding)
+            net = (acceptance.expected_tokens(k) - 1.0) * token_s - rows - self._drafting(k, decoding)
             if net > best_net:
                 best_k, best_net = k, net
         return best_k
@@ -237,10 +262,10 @@ class DraftTuner:
         state = self.tuning(seq_id)
         return self.adaptive and self.free and state.shadow_at < 0
 
-    def start_shadow(self, seq_id: int, at: int, drafts: list[int]) -> None:
+    def start_shadow(self, seq_id: int, at: int, drafts: list[int], evidence: int = 0) -> None:
         state = self.tuning(seq_id)
         if drafts:
-            state.shadow_at, state.shadow = at, list(drafts)
+            state.shadow_at, state.shadow, state.shadow_evidence = at, list(drafts), evidence
 
     def score_shadow(self, seq_id: int, tokens: list[int]) -> None:
         """Score a pending shadow proposal against the committed tokens once it is decided."""
@@ -252,7 +277,7 @@ class DraftTuner:
         while agreed < len(decoded) and decoded[agreed] == state.shadow[agreed]:
             agreed += 1
         if agreed < len(decoded) or len(decoded) == len(state.shadow):
-            self._record(state, min(agreed + 1, len(state.shadow)), agreed)
+            self._record(state, min(agreed + 1, len(state.shadow)), agreed, state.shadow_evidence)
             state.shadow_at, state.shadow = -1, []
 
     # ---- after the step ----------------------------------------------------------------------
@@ -305,4 +330,4 @@ class DraftTuner:
         self.probe_start = state.probe_every
 
     def acceptance(self, seq_id: int) -> float:
-        return self.tuning(seq_id).acceptance.overall()
+        return self.tuning(seq_id).overall()

@@ -61,6 +61,12 @@ class Proposer(Protocol):
         """Up to ks[i] draft tokens for seqs[i] (all at once: a model drafter batches them)."""
         ...
 
+    def evidence(self, seq: Sequence) -> int:
+        """The class of what a proposal for the sequence now would rest on (the draft tuner keeps
+        an acceptance per class; engine.speculative.adaptive): asked of free proposers only, 0
+        when they have nothing to propose."""
+        ...
+
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         """Only the sequence's first `valid_tokens` tokens are still true."""
         ...
@@ -100,13 +106,25 @@ class NgramProposer:
 
     def lookup(self, seq: Sequence, k: int) -> Drafts:
         tokens = seq.token_ids
+        n, start = self._match(seq)
+        if n == 0:
+            return [], []
+        follow = tokens[start + n : start + n + k]
+        return list(follow), [None] * len(follow)
+
+    def evidence(self, seq: Sequence) -> int:
+        """The length of the match a proposal would follow (0: none)."""
+        return self._match(seq)[0]
+
+    def _match(self, seq: Sequence) -> tuple[int, int]:
+        """(n, start) of the longest of the last n tokens' latest earlier occurrence, (0, 0) if none."""
+        tokens = seq.token_ids
         grams = self._index(seq.seq_id, tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = grams.latest[n].get(tuple(tokens[-n:]))
             if start is not None:
-                follow = tokens[start + n : start + n + k]
-                return list(follow), [None] * len(follow)
-        return [], []
+                return n, start
+        return 0, 0
 
     def _index(self, seq_id: int, tokens: list[int]) -> _Grams:
         grams = self._grams.get(seq_id)

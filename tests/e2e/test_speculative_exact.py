@@ -83,6 +83,9 @@ class OracleDrafts:
     def __init__(self, replies: dict[tuple[int, ...], tuple[int, ...]], vocab: int):
         self.replies, self.vocab, self.rounds = replies, vocab, 0
 
+    def evidence(self, seq):
+        return 1  # always something to propose
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
         out: list[Drafts] = []
         for seq, k in zip(seqs, ks):

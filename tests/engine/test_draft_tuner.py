@@ -91,3 +91,44 @@ def test_a_new_sequence_starts_at_the_probe_spacing_the_engine_reached():
     assert later == 8 * (first + 1) - 1
     tuner.round_done(8, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.001)
     assert plain_steps_to_probe(9) == first  # a kept probe draft: the first spacing again
+
+
+def test_acceptance_is_kept_per_class_of_evidence():
+    """An n-gram proposal that follows a 3-token match is kept far more often than one that
+    follows a 1-token match (83% against 15% of first drafts on the packaged model's chat): the
+    tuner drafts after the one and not after the other, in the same sequence."""
+    tuner = DraftTuner(most=4, adaptive=True, free_proposer=True)
+    tuner.costs.observe_step(1, 0.010)
+    tuner.costs.observe_step(5, 0.016)
+    for _ in range(8):
+        tuner.choose(1, decoding=1, cap=100, evidence=1)
+        tuner.round_done(1, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.0)
+        tuner.choose(1, decoding=1, cap=100, evidence=3)
+        tuner.round_done(1, drafted=4, accepted=4, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.0)
+    assert tuner.choose(1, decoding=1, cap=100, evidence=3) == 4
+    assert tuner.choose(1, decoding=1, cap=100, evidence=1) == 0
+    assert 0.7 < tuner.acceptance(1) < 0.9  # the panel's figure, every class: 4 of 5 examined kept
+    # a new sequence starts each class from what the engine measured in it
+    assert tuner.choose(2, decoding=1, cap=100, evidence=1) == 0
+    assert tuner.choose(2, decoding=1, cap=100, evidence=3) == 4
+    # a shadow round is scored in the class it was proposed in
+    tuner.start_shadow(2, at=10, drafts=[7, 8, 9, 10], evidence=1)
+    tuner.score_shadow(2, [0] * 10 + [7, 8, 9, 10])
+    assert tuner.tuning(2).by_evidence[1].overall() > 0
+
+
+def test_the_ngram_evidence_is_the_length_of_its_match():
+    from types import SimpleNamespace
+
+    from engine.speculative.proposers import NgramProposer
+
+    ngram = NgramProposer()
+
+    def evidence(tokens: list[int], seq_id: int) -> int:
+        return ngram.evidence(SimpleNamespace(seq_id=seq_id, token_ids=tokens))  # type: ignore[arg-type]
+
+    assert evidence([1, 2, 3, 9, 1, 2, 3], 1) == 3
+    assert evidence([4, 2, 9, 5, 2], 2) == 1
+    assert evidence([4, 2, 9, 5, 6], 3) == 0
+    seq = SimpleNamespace(seq_id=1, token_ids=[1, 2, 3, 9, 1, 2, 3])
+    assert ngram.lookup(seq, 2) == ([9, 1], [None, None])  # type: ignore[arg-type]

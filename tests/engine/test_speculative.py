@@ -97,6 +97,9 @@ class WrongProposer(NgramProposer):
         super().__init__()
         self.model = model
 
+    def evidence(self, seq):
+        return 1  # always something to propose
+
     def lookup(self, seq, k):
         with torch.inference_mode():
             logits = self.model(torch.tensor([seq.token_ids])).logits[0, -1]

@@ -22,6 +22,9 @@ class FourDrafts:
     free = True
     forwards = 1
 
+    def evidence(self, seq):
+        return 1  # always something to propose
+
     def propose(self, seqs, ks):
         return [
             ([(seq.token_ids[-1] + 1 + i) % 500 for i in range(k)], [None] * k) for seq, k in zip(seqs, ks)

@@ -22,6 +22,9 @@ class WrongProposer(NgramProposer):
         super().__init__()
         self.model, self.vocab_size = model, vocab_size
 
+    def evidence(self, seq):
+        return 1  # always something to propose
+
     def lookup(self, seq, k):
         with torch.inference_mode():
             best = int(self.model(torch.tensor([seq.token_ids])).logits[0, -1].argmax())
