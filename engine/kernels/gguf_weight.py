@@ -13,9 +13,9 @@ float32 activations: every logit comes from the file's weights with no activatio
 
 `blocks` is a view of the file's mapping, so the process holds the file's pages (shared with the
 page cache), not a second copy of the weights. One exception, where it pays: a linear layer's
-Q4_0 and Q4_1 rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16 rows
-side by side (`use_panels`, engine/kernels/native/panels.c: the same bytes in another order,
-1.2-2.3x faster kvk matmuls at 1.7B shapes), and the file's pages they came from are handed
+Q4_0, Q4_1 and Q4_K rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16
+rows side by side (`use_panels`, engine/kernels/native/panels.c: the same bytes in another order,
+Q4_K's 6-bit scales as bytes; 1.2-2.3x faster kvk matmuls at 1.7B shapes), and the file's pages they came from are handed
 back, so the process still holds the tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for
 its RoPE) is applied by the kernel (or by the repacking), not to the file's data.
 """
@@ -91,15 +91,22 @@ class GGUFWeight(WeightStorage):
         self.panels: np.ndarray | None = None  # the rows repacked (use_panels), what "kvk" multiplies
         self._bind()
 
+    def can_use_panels(self) -> bool:
+        """Whether this build multiplies panels of this type and shape (use_panels would repack)."""
+        return (
+            int(self.lib.lib.kvk_panel_bytes(int(self.ggml_type), self.out_features, self.in_features)) >= 0
+        )
+
     def use_panels(self, release_file_pages: bool = False) -> bool:
-        """Repack the rows into panels where this build multiplies panels of this type (Q4_0 and
-        Q4_1, AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels. `release_file_pages`:
+        """Repack the rows into panels where this build multiplies panels of this type (Q4_0,
+        Q4_1, Q4_K; AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels. `release_file_pages`:
         the blocks are a view of a file mapping, whose pages the process then hands back (they
         are read again from the file if a row path ever needs them: an exact product, a kernel
         probe's copy). Returns whether it repacked."""
-        panels = self.lib.repack_panels(self.ggml_type, self.row_table, self.in_features)
-        if panels is None:
+        if not self.can_use_panels():
             return False
+        panels = self.lib.repack_panels(self.ggml_type, self.row_table, self.in_features)
+        assert panels is not None
         self.panels = panels
         self.__dict__.pop("nbytes", None)  # what it holds is now the panels
         if release_file_pages:

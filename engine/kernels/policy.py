@@ -252,8 +252,8 @@ def _probe_copies(storage: WeightStorage) -> list[WeightStorage]:
     probe: WeightStorage
     if isinstance(storage, GGUFWeight):
         probe = GGUFWeight(storage.ggml_type, random_blocks(storage.ggml_type, n, k), k, lib=storage.lib)
-        if storage.panels is not None:  # timed as the layers run
-            probe.use_panels()
+        if storage.can_use_panels():  # timed as the layers run (repacked after the table: its
+            probe.use_panels()  # probes are freed before the model's panels take their memory)
     elif isinstance(storage, Int4GroupWeight):
         probe = Int4GroupWeight(*quantize_int4_groups(w, 32))
     elif isinstance(storage, Int8RowWeight):

@@ -187,13 +187,21 @@ class Holding:
     held_bytes: int
 
 
-def holding(ggml_type: int, role: str, shape: tuple[int, ...], dtype: str, kvk: Kvk | None) -> Holding:
+def holding(
+    ggml_type: int, role: str, shape: tuple[int, ...], dtype: str, kvk: Kvk | None, head: bool = False
+) -> Holding:
     """What a native load holds for a tensor of `ggml_type` in `role`, of `shape` in the model's
-    order ([rows, cols]: GGUF lists them the other way round), loaded in `dtype`."""
+    order ([rows, cols]: GGUF lists them the other way round), loaded in `dtype`; `head`: the LM
+    head's tensor (never repacked: its exact pass reads the file's rows)."""
     qtype = GGMLQuantizationType(ggml_type)
     keeping = keeping_for(qtype, role, kvk) if len(shape) == 2 else None
     if keeping is not None:
-        return Holding(KEPT, keeping.storage, keeping.held_bytes(qtype, *shape))
+        held = keeping.held_bytes(qtype, *shape)
+        if kvk is not None and role == LINEAR and not head and keeping.with_kvk:
+            # a linear layer's rows in panels where this build has them (GGUFWeight.use_panels)
+            panels = int(kvk.lib.kvk_panel_bytes(int(qtype), shape[0], shape[1]))
+            held = panels if panels >= 0 else held
+        return Holding(KEPT, keeping.storage, held)
     to = DEQUANTIZED_LINEAR if role == LINEAR and qtype not in FLOAT_TYPES else dtype
     return Holding(DEQUANTIZED, to, math.prod(shape) * DTYPE_BYTES[to])
 
@@ -293,7 +301,8 @@ def plan_entries(entries: Iterable[TensorEntry], dtype: str, native: bool = True
     by_name: dict[str, Holding] = {}
     for entry in entries:
         if native:
-            h = holding(entry.ggml_type, role_of(entry.name, len(entry.shape)), entry.shape, dtype, kvk)
+            role = role_of(entry.name, len(entry.shape))
+            h = holding(entry.ggml_type, role, entry.shape, dtype, kvk, head=entry.name == HEAD_TENSOR)
         else:  # transformers dequantizes every tensor to the load dtype
             h = Holding(DEQUANTIZED, dtype, math.prod(entry.shape) * DTYPE_BYTES[dtype])
         by_name[entry.name] = h

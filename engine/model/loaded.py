@@ -60,8 +60,9 @@ class LoadedModel:
         if policy is None:
             policy = KernelPolicy()
             fuse_projections(model, policy)
-            repack_for_kernels(model)
+            # the table first: its probe layers are freed before the panels take their memory
             policy.prepare([s for m in model.modules() if isinstance(m, KernelLinear) for s in m.storages()])
+            repack_for_kernels(model)
             setattr(model, POLICY_ATTRIBUTE, policy)
         param = next(model.parameters())
         dtype_name = str(param.dtype).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""Q4_0 and Q4_1 repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
+"""Q4_0, Q4_1 and Q4_K repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
 codes and scales (gguf's dequantization, bit for bit), their product is the exact product of the
 same rounded activations, a row's outputs are the same bits alone, among others and in any block
 of rows, and a loaded model's linear layers run on them (not its LM head), the file's pages handed
@@ -39,7 +39,12 @@ def rounded_activations(x: torch.Tensor) -> np.ndarray:
     return out
 
 
-PANEL_TYPES = [Q.Q4_0, Q.Q4_1]
+PANEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
+
+
+def widths(qtype: Q) -> tuple[int, ...]:
+    """Whole groups of 256 inputs and (32-weight types) a shorter last group."""
+    return (256, 768) if qtype == Q.Q4_K else (512, 96, 320, 576)
 
 
 def panel_matmul(qtype: Q, panels: np.ndarray, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -53,20 +58,27 @@ def panel_matmul(qtype: Q, panels: np.ndarray, n: int, k: int, x: torch.Tensor) 
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k", [(16, 256), (37, 96), (50, 576), (5, 32)])
-def test_panels_hold_the_files_weights_bit_for_bit(qtype, n, k):
+@pytest.mark.parametrize("n, width", [(16, 0), (37, 1), (50, -1), (5, 0)])
+def test_panels_hold_the_files_weights_bit_for_bit(qtype, n, width):
     assert KVK is not None
+    k = widths(qtype)[width]
     blocks = random_blocks(qtype, n, k, seed=1)
     order = np.random.default_rng(2).permutation(n)  # a permuted table (Llama's q/k rows)
     panels = KVK.repack_panels(int(qtype), row_addresses(blocks, order), k)
-    assert panels is not None and panels.nbytes == -(-n // 16) * 16 * blocks.shape[1]  # the file's bytes
+    # the file's bytes; Q4_K's 6-bit scales and minimums as bytes: 4 more a row and super-block
+    extra = 4 * k // 256 if qtype == Q.Q4_K else 0
+    assert panels is not None and panels.nbytes == -(-n // 16) * 16 * (blocks.shape[1] + extra)
     want = dequantize(blocks, qtype).reshape(n, k)[order]
     assert np.array_equal(KVK.panel_weights(int(qtype), panels, n, k).numpy(), want)
 
 
 @pytest.mark.parametrize("qtype", PANEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [512, 96, 320, 576])  # whole groups of 256, and a shorter last group
-def test_the_panel_product_is_exact_for_its_rounded_activations(qtype, k):
+def test_the_panel_product_is_exact_for_its_rounded_activations(qtype):
+    for k in widths(qtype):
+        check_the_product(qtype, k)
+
+
+def check_the_product(qtype: Q, k: int) -> None:
     assert KVK is not None
     n = 40  # a last panel of 8 rows
     blocks = random_blocks(qtype, n, k, seed=3)
@@ -88,7 +100,7 @@ def test_a_row_is_the_same_alone_among_others_and_in_any_block_of_rows(qtype):
     """Threads take whole panels, a tile of rows runs each row's operations unchanged: a decode
     row, a speculative round's few rows and a prompt's rows get the same bits."""
     assert KVK is not None
-    n, k = 70, 576
+    n, k = 70, widths(qtype)[-1]
     blocks = random_blocks(qtype, n, k, seed=4)
     panels = KVK.repack_panels(int(qtype), row_addresses(blocks), k)
     assert panels is not None
@@ -126,7 +138,7 @@ def test_a_storage_on_panels_multiplies_them_and_holds_them_alone():
     assert copy.deepcopy(storage).panels is not None
     exact = storage.exact_matmul(x)
     assert torch.allclose(exact, rows_kernel, rtol=0, atol=1e-3 * float(rows_kernel.abs().max()))
-    other = GGUFWeight(Q.Q4_K, random_blocks(Q.Q4_K, 16, 256), 256, lib=KVK)
+    other = GGUFWeight(Q.Q6_K, random_blocks(Q.Q6_K, 16, 256), 256, lib=KVK)
     assert not other.use_panels() and other.panels is None  # no panels for this type
 
 

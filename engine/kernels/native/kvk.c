@@ -148,6 +148,8 @@ static void get_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
+void kvk_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) { get_scale_min_k4(s, sc, mn); }  // panels.c
+
 static void q3k_scales(const uint8_t *s, int8_t *out) {
     for (int j = 0; j < 16; j++) {
         int lo = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0f;

@@ -1,4 +1,5 @@
-// Q4_0 and Q4_1 weights repacked at load into panels of 16 rows, each output in its own vector lane.
+// Q4_0, Q4_1 and Q4_K weights repacked at load into panels of 16 rows, each output in its own
+// vector lane.
 //
 // kvk.c reads a row as the file stores it: a 512-bit vector holds 32 inputs of one row, so every
 // output ends as 16 lanes summed, and a group's scales go on per lane (3 operations to 8 products).
@@ -10,19 +11,28 @@
 // matmul alone, one process, interleaved): 128 rows 1.23-1.62x faster (337-354 GMAC/s), 5 rows 1.6-
 // 2.3x, 1 row 1.2-1.4x (weights in cache). llama.cpp repacks Q4_0 the same way ("Q4_0x8").
 //
-// A panel is the same bytes as its 16 rows in the file (16 x 18 per 32 inputs for Q4_0, 16 x 20 for
-// Q4_1): per block of 32 inputs, the 16 rows' float16 scales d (32 bytes), Q4_1's 16 float16
-// minimums m (32 bytes), then 4 vectors of 32 16-bit words in which word
+// A panel holds, per unit of inputs (a block of 32; Q4_K's super-block of 256), the 16 rows'
+// scales as vectors, then each 32 inputs' codes as 4 vectors of 32 16-bit words in which word
 // 2j + s of vector v holds row j's codes q[2(v + 4m) + s] in nibble m (m < 4): a mask and a shift
 // take out the 16-bit lanes vpdpwssd reads (weights of inputs 2p, 2p + 1 for pair p = v + 4m).
+//   Q4_0  16 float16 d, then the codes: 16 x 18 bytes, the file's
+//   Q4_1  16 float16 d, 16 float16 m, then the codes: 16 x 20 bytes, the file's
+//   Q4_K  16 float16 d, 16 float16 dmin, the 8 sub-blocks' 6-bit scales and minimums as bytes
+//         [8][16] each, then 8 sub-blocks' codes: 16 x 148 bytes, 4 more a row than the file's
+//         12 bytes of packed scales (2.8%). Kept packed ([12][16], unpacked for 16 rows at once
+//         with byte-vector operations), a decode row streamed a 1.7B-shaped layer at 25-38 GB/s
+//         against 47-49 unpacked (2 threads, weights 10x the L3 cache).
 // Rows past n (the last panel's) are zeros.
 //
 // Activations: one 16-bit plane in input order, a scale dx per 256 inputs (kvk.c's rounding:
 // the same codes), and per block of 32 the integer s = sum(xq). A block's products sum exactly in
-// int32: Q4_0's lanes start at -8 * s, so that they sum (q - 8) * xq. Per output and group of 256
-// inputs the float operations are, whatever the number of rows in the call: p = sum(b0) * d(b0),
-// then p = fma(sum(b), d(b), p) for each further block (Q4_1: each followed by p = fma(m(b), s(b),
-// p)), then acc = fma(p, dx, acc): a row's outputs are the same bits alone and among others.
+// int32 (at most 32 x 15 x 32767): Q4_0's lanes start at -8 * s, so that they sum (q - 8) * xq.
+// Per output and group of 256 inputs the float operations are, whatever the number of rows in the
+// call (so a row's outputs are the same bits alone and among others):
+//   Q4_0, Q4_1  p = sum(b0) * d(b0), then p = fma(sum(b), d(b), p) for each further block (Q4_1:
+//               each followed by p = fma(m(b), s(b), p)), then acc = fma(p, dx, acc)
+//   Q4_K        p = fma(sum(j), sc(j), p) and q = fma(m(j), s(j), q) over its sub-blocks j (the
+//               first a product), then acc = fma(p, d * dx, acc), acc = acc - q * (dmin * dx)
 
 #include <math.h>
 #include <stdint.h>
@@ -39,59 +49,89 @@
 #define KVK_API __attribute__((visibility("default")))
 #define T_Q4_0 2
 #define T_Q4_1 3
+#define T_Q4_K 12
 #define PANEL_ROWS 16
-#define TILE_ROWS 8      // activation rows a panel's pass takes at once (registers: 3 vectors a row)
+#define TILE_ROWS 8  // activation rows a panel's pass takes at once (registers: 3-4 vectors a row)
 
 int64_t kvk_row_block_budget(void);  // kvk.c: the bytes of activation rows that stay in L2
+void kvk_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn);  // kvk.c: Q4_K's 6-bit fields
 
-// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0 and Q4_1).
+// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0, Q4_1, Q4_K).
 static int panel_type(int t) {
 #ifdef PANELS_AVX512
-    return t == T_Q4_0 || t == T_Q4_1;
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K;
 #else
     (void)t;
     return 0;
 #endif
 }
 
-// A file block's bytes, and where a panel block's codes start (after d, and Q4_1's m).
-static inline int file_block(int t) { return t == T_Q4_1 ? 20 : 18; }
-static inline int codes_at(int t) { return t == T_Q4_1 ? 64 : 32; }
-static inline int panel_block(int t) { return PANEL_ROWS * file_block(t); }
+// Inputs per unit (a file block of 32, Q4_K's super-block), a file block's bytes, a panel unit's
+// bytes and where its codes start.
+static inline int unit_inputs(int t) { return t == T_Q4_K ? 256 : 32; }
+static inline int file_block(int t) { return t == T_Q4_K ? 144 : t == T_Q4_1 ? 20 : 18; }
+static inline int codes_at(int t) { return t == T_Q4_K ? 320 : t == T_Q4_1 ? 64 : 32; }
+static inline int panel_unit(int t) { return codes_at(t) + unit_inputs(t) / 32 * 256; }
 
 KVK_API int64_t kvk_panel_bytes(int t, int64_t n, int64_t k) {
-    if (!panel_type(t) || k <= 0 || k % 32 || n < 0) return -1;
-    return (n + PANEL_ROWS - 1) / PANEL_ROWS * (k / 32) * panel_block(t);
+    if (!panel_type(t) || k <= 0 || k % unit_inputs(t) || n < 0) return -1;
+    return (n + PANEL_ROWS - 1) / PANEL_ROWS * (k / unit_inputs(t)) * panel_unit(t);
+}
+
+// 16 rows' 32 codes each as the panel's 4 vectors of words (see above).
+static void pack_codes(const uint8_t q[PANEL_ROWS][32], uint8_t *dst) {
+    uint16_t words[128];
+    for (int j = 0; j < PANEL_ROWS; j++)
+        for (int v = 0; v < 4; v++)
+            for (int s = 0; s < 2; s++) {
+                uint16_t w = 0;
+                for (int m = 0; m < 4; m++) w |= (uint16_t)(q[j][2 * (v + 4 * m) + s] << (4 * m));
+                words[32 * v + 2 * j + s] = w;
+            }
+    memcpy(dst, words, sizeof words);
+}
+
+// Code e of row j of a panel's 32-input codes (pack_codes read back).
+static inline int code_at(const uint8_t *codes, int j, int e) {
+    uint16_t w;
+    const int pair = e / 2, v = pair % 4;
+    memcpy(&w, codes + 2 * (32 * v + 2 * j + e % 2), 2);
+    return (w >> (4 * (pair / 4))) & 15;
+}
+
+// One unit of 16 rows (rows past n: zeros) from the file's blocks into the panel's layout.
+static void repack_unit(int t, const uint8_t *const *rowp, int64_t n, int64_t p, int64_t b, uint8_t *o) {
+    memset(o, 0, (size_t)codes_at(t));
+    uint8_t q[8][PANEL_ROWS][32];  // [sub-block][row][code]
+    memset(q, 0, sizeof q);
+    for (int j = 0; j < PANEL_ROWS; j++) {
+        const int64_t row = p * PANEL_ROWS + j;
+        if (row >= n) continue;
+        const uint8_t *blk = rowp[row] + b * file_block(t);
+        memcpy(o + 2 * j, blk, 2);  // d
+        if (t == T_Q4_0 || t == T_Q4_1) {
+            if (t == T_Q4_1) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m
+            const uint8_t *qs = blk + (t == T_Q4_1 ? 4 : 2);
+            for (int i = 0; i < 16; i++) q[0][j][i] = qs[i] & 15, q[0][j][i + 16] = qs[i] >> 4;
+        } else {  // Q4_K: dmin, the scales and minimums unpacked, sub-block 2c + h in nibble h of qs[32c..]
+            memcpy(o + 32 + 2 * j, blk + 2, 2);
+            uint8_t sc[8], mn[8];
+            kvk_scale_min_k4(blk + 4, sc, mn);
+            for (int sb = 0; sb < 8; sb++) o[64 + 16 * sb + j] = sc[sb], o[192 + 16 * sb + j] = mn[sb];
+            for (int sb = 0; sb < 8; sb++)
+                for (int i = 0; i < 32; i++) q[sb][j][i] = (blk[16 + 32 * (sb / 2) + i] >> (4 * (sb % 2))) & 15;
+        }
+    }
+    for (int sb = 0; sb < unit_inputs(t) / 32; sb++) pack_codes(q[sb], o + codes_at(t) + 256 * sb);
 }
 
 // rows rowp[0..n) (blocks as the file stores them, k inputs) into panels at out.
 KVK_API int kvk_repack_panels(int t, const uint8_t *const *rowp, int64_t n, int64_t k, uint8_t *out) {
     if (kvk_panel_bytes(t, n, k) < 0) return -1;
-    const int64_t nb = k / 32, np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t nu = k / unit_inputs(t), np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
 #pragma omp parallel for schedule(static) if (n * k >= 65536)
     for (int64_t p = 0; p < np; p++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + (p * nb + b) * panel_block(t);
-            uint16_t words[128];
-            for (int j = 0; j < PANEL_ROWS; j++) {
-                const int64_t row = p * PANEL_ROWS + j;
-                uint8_t q[32] = {0}, dm[4] = {0};  // d, and Q4_1's m: zeros past the last row
-                if (row < n) {
-                    const uint8_t *blk = rowp[row] + b * file_block(t), *qs = blk + codes_at(t) / 16;
-                    memcpy(dm, blk, (size_t)codes_at(t) / 16);
-                    for (int i = 0; i < 16; i++) q[i] = qs[i] & 15, q[i + 16] = qs[i] >> 4;
-                }
-                memcpy(o + 2 * j, dm, 2);
-                if (t == T_Q4_1) memcpy(o + 32 + 2 * j, dm + 2, 2);
-                for (int v = 0; v < 4; v++)
-                    for (int s = 0; s < 2; s++) {
-                        uint16_t w = 0;
-                        for (int m = 0; m < 4; m++) w |= (uint16_t)(q[2 * (v + 4 * m) + s] << (4 * m));
-                        words[32 * v + 2 * j + s] = w;
-                    }
-            }
-            memcpy(o + codes_at(t), words, sizeof words);
-        }
+        for (int64_t b = 0; b < nu; b++) repack_unit(t, rowp, n, p, b, out + (p * nu + b) * panel_unit(t));
     return 0;
 }
 
@@ -108,24 +148,26 @@ static float half_to_float(uint16_t h) {
     return sign ? -f : f;
 }
 
-// The panels' weights as float32 [n, k], each d * (q - 8) (Q4_0) or d * q + m (Q4_1) as gguf
-// computes it (tests: the panels hold the file's codes and scales).
+// The panels' weights as float32 [n, k] as gguf computes them: d * (q - 8) (Q4_0), d * q + m
+// (Q4_1), (d * sc) * q + -(dmin * m) (Q4_K) (tests: the panels hold the file's codes and scales).
 KVK_API int kvk_panel_dequantize(int t, const uint8_t *panels, int64_t n, int64_t k, float *out) {
     if (kvk_panel_bytes(t, n, k) < 0) return -1;
-    const int64_t nb = k / 32;
+    const int64_t nu = k / unit_inputs(t);
     for (int64_t row = 0; row < n; row++) {
-        const int64_t p = row / PANEL_ROWS, j = row % PANEL_ROWS;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *o = panels + (p * nb + b) * panel_block(t);
-            uint16_t hd, hm = 0, words[128];
+        const int64_t p = row / PANEL_ROWS;
+        const int j = (int)(row % PANEL_ROWS);
+        for (int64_t b = 0; b < nu; b++) {
+            const uint8_t *o = panels + (p * nu + b) * panel_unit(t);
+            uint16_t hd, h2;
             memcpy(&hd, o + 2 * j, 2);
-            if (t == T_Q4_1) memcpy(&hm, o + 32 + 2 * j, 2);
-            memcpy(words, o + codes_at(t), sizeof words);
-            const float d = half_to_float(hd), m = half_to_float(hm);
-            for (int e = 0; e < 32; e++) {
-                const int pair = e / 2, s = e % 2, v = pair % 4, nib = pair / 4;
-                const int q = (words[32 * v + 2 * j + s] >> (4 * nib)) & 15;
-                out[row * k + 32 * b + e] = t == T_Q4_1 ? d * (float)q + m : d * (float)(q - 8);
+            memcpy(&h2, o + 32 + 2 * j, 2);
+            const float d = half_to_float(hd), d2 = half_to_float(h2);
+            float *w = out + row * k + b * unit_inputs(t);
+            for (int e = 0; e < unit_inputs(t); e++) {
+                const int sb = e / 32, q = code_at(o + codes_at(t) + 256 * sb, j, e % 32);
+                if (t == T_Q4_0) w[e] = d * (float)(q - 8);
+                else if (t == T_Q4_1) w[e] = d * (float)q + d2;
+                else w[e] = (d * (float)o[64 + 16 * sb + j]) * (float)q + -(d2 * (float)o[192 + 16 * sb + j]);
             }
         }
     }
@@ -175,62 +217,126 @@ static inline __attribute__((always_inline)) __m512i dp_pair(__m512i acc, __m512
     return acc;
 }
 
-// One panel (nb blocks at P) against R activation rows from A: outputs y[r * ys + 0..nout).
-static inline __attribute__((always_inline)) void panel_rows(const int t, const int R, const uint8_t *P, int64_t nb,
-                                                             const uint8_t *A, const panel_act *l, float *y,
-                                                             int64_t ys, int nout) {
-    __m512 acc[TILE_ROWS], part[TILE_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = part[r] = _mm512_setzero_ps();
+static inline int32_t block_sum(const uint8_t *A, const panel_act *l, int r, int64_t block) {
+    return ((const int32_t *)(A + r * l->stride + l->off_bs))[block];
+}
+
+static inline float group_dx(const uint8_t *A, const panel_act *l, int r, int64_t group) {
+    return ((const float *)(A + r * l->stride + l->off_dx))[group];
+}
+
+// The products of inputs e0..e0+32 of R activation rows with a panel's 32 codes at `codes`,
+// added to sum[r] (int32: exact).
+static inline __attribute__((always_inline)) void block_products(const int R, const uint8_t *codes, const uint8_t *A,
+                                                                 const panel_act *l, int64_t e0, __m512i *sum) {
     const __m512i m4 = _mm512_set1_epi16(15);
-    for (int64_t b = 0; b < nb; b++) {
-        const int bytes = panel_block(t);
-        const uint8_t *pb = P + b * bytes;
-        for (int q = 0; q < bytes; q += 64) _mm_prefetch((const char *)(pb + 4 * bytes + q), _MM_HINT_T0);
-        __m512i sum[TILE_ROWS];
-        int32_t s[TILE_ROWS];
+    for (int v = 0; v < 4; v++) {
+        const __m512i words = _mm512_loadu_si512((const void *)(codes + 64 * v));
+        const __m512i w0 = _mm512_and_si512(words, m4);
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(words, 4), m4);
+        const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(words, 8), m4);
+        const __m512i w3 = _mm512_srli_epi16(words, 12);
         for (int r = 0; r < R; r++) {
-            s[r] = ((const int32_t *)(A + r * l->stride + l->off_bs))[b];
-            sum[r] = t == T_Q4_0 ? _mm512_set1_epi32(-8 * s[r]) : _mm512_setzero_si512();
+            const int16_t *x = (const int16_t *)(A + r * l->stride) + e0 + 2 * v;
+            sum[r] = dp_pair(sum[r], w0, x);
+            sum[r] = dp_pair(sum[r], w1, x + 8);
+            sum[r] = dp_pair(sum[r], w2, x + 16);
+            sum[r] = dp_pair(sum[r], w3, x + 24);
         }
-        for (int v = 0; v < 4; v++) {
-            const __m512i words = _mm512_loadu_si512((const void *)(pb + codes_at(t) + 64 * v));
-            const __m512i w0 = _mm512_and_si512(words, m4);
-            const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(words, 4), m4);
-            const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(words, 8), m4);
-            const __m512i w3 = _mm512_srli_epi16(words, 12);
-            for (int r = 0; r < R; r++) {
-                const int16_t *x = (const int16_t *)(A + r * l->stride) + 32 * b + 2 * v;
-                sum[r] = dp_pair(sum[r], w0, x);
-                sum[r] = dp_pair(sum[r], w1, x + 8);
-                sum[r] = dp_pair(sum[r], w2, x + 16);
-                sum[r] = dp_pair(sum[r], w3, x + 24);
-            }
-        }
+    }
+}
+
+static inline void prefetch_ahead(const uint8_t *p, int bytes) {
+    for (int q = 0; q < bytes; q += 64) _mm_prefetch((const char *)(p + q), _MM_HINT_T0);
+}
+
+// Q4_0 and Q4_1: one panel (nu blocks at P) against R activation rows from A.
+static inline __attribute__((always_inline)) void block_panel(const int t, const int R, const uint8_t *P, int64_t nu,
+                                                              const uint8_t *A, const panel_act *l, __m512 *acc) {
+    __m512 part[TILE_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = part[r] = _mm512_setzero_ps();
+    const int bytes = panel_unit(t);
+    for (int64_t b = 0; b < nu; b++) {
+        const uint8_t *pb = P + b * bytes;
+        prefetch_ahead(pb + 4 * bytes, bytes);
+        __m512i sum[TILE_ROWS];
+        for (int r = 0; r < R; r++)
+            sum[r] = t == T_Q4_0 ? _mm512_set1_epi32(-8 * block_sum(A, l, r, b)) : _mm512_setzero_si512();
+        block_products(R, pb + codes_at(t), A, l, 32 * b, sum);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
         for (int r = 0; r < R; r++)
             part[r] = (b & 7) ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), d, part[r])
                               : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), d);
         if (t == T_Q4_1) {
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
-            for (int r = 0; r < R; r++) part[r] = _mm512_fmadd_ps(m, _mm512_set1_ps((float)s[r]), part[r]);
+            for (int r = 0; r < R; r++)
+                part[r] = _mm512_fmadd_ps(m, _mm512_set1_ps((float)block_sum(A, l, r, b)), part[r]);
         }
-        if ((b & 7) == 7 || b == nb - 1)
-            for (int r = 0; r < R; r++) {
-                const __m512 dx = _mm512_set1_ps(((const float *)(A + r * l->stride + l->off_dx))[b / 8]);
-                acc[r] = _mm512_fmadd_ps(part[r], dx, acc[r]);
-            }
+        if ((b & 7) == 7 || b == nu - 1)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(group_dx(A, l, r, b / 8)), acc[r]);
     }
+}
+
+// 16 bytes (a sub-block's scales or minimums of 16 rows) as floats.
+static inline __m512 bytes_as_floats(const uint8_t *b) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b)));
+}
+
+// Q4_K: one panel (nu super-blocks at P) against R activation rows from A.
+static inline __attribute__((always_inline)) void q4k_panel(const int R, const uint8_t *P, int64_t nu, const uint8_t *A,
+                                                            const panel_act *l, __m512 *acc) {
+    const int bytes = panel_unit(T_Q4_K);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *pu = P + u * bytes;
+        __m512 part[TILE_ROWS];
+        for (int sb = 0; sb < 8; sb++) {
+            prefetch_ahead(pu + bytes + (sb == 0 ? 0 : codes_at(T_Q4_K) + 256 * sb), sb == 0 ? 576 : 256);
+            __m512i sum[TILE_ROWS];
+            for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+            block_products(R, pu + codes_at(T_Q4_K) + 256 * sb, A, l, 256 * u + 32 * sb, sum);
+            const __m512 sc = bytes_as_floats(pu + 64 + 16 * sb);
+            for (int r = 0; r < R; r++)
+                part[r] = sb ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), sc, part[r])
+                             : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), sc);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pu));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pu + 32)));
+        __m512 mn[8];
+        for (int sb = 0; sb < 8; sb++) mn[sb] = bytes_as_floats(pu + 192 + 16 * sb);
+        for (int r = 0; r < R; r++) {
+            __m512 mins = _mm512_setzero_ps();  // sum over sub-blocks of m * s
+            for (int sb = 0; sb < 8; sb++) {
+                const __m512 s = _mm512_set1_ps((float)block_sum(A, l, r, 8 * u + sb));
+                mins = sb ? _mm512_fmadd_ps(mn[sb], s, mins) : _mm512_mul_ps(mn[sb], s);
+            }
+            const __m512 dx = _mm512_set1_ps(group_dx(A, l, r, u));
+            acc[r] = _mm512_fmadd_ps(part[r], _mm512_mul_ps(d, dx), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(mins, _mm512_mul_ps(dmin, dx), acc[r]);
+        }
+    }
+}
+
+// One panel against R (<= TILE_ROWS) activation rows: outputs y[r * ys + 0..nout).
+static inline __attribute__((always_inline)) void panel_rows(const int t, const int R, const uint8_t *P, int64_t nu,
+                                                             const uint8_t *A, const panel_act *l, float *y,
+                                                             int64_t ys, int nout) {
+    __m512 acc[TILE_ROWS];
+    if (t == T_Q4_K) q4k_panel(R, P, nu, A, l, acc);
+    else block_panel(t, R, P, nu, A, l, acc);
     const __mmask16 keep = nout >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << nout) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys, keep, acc[r]);
 }
 
-// R (< TILE_ROWS or the tile) rows of one panel: a constant R per instance.
-static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nb, const uint8_t *A, const panel_act *l,
+// R rows of one panel: a constant type and R per instance.
+static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nu, const uint8_t *A, const panel_act *l,
                             float *y, int64_t ys, int nout) {
-    switch (R + 8 * (t == T_Q4_1)) {  // t and R constants in each instance
+    switch (R + 8 * (t == T_Q4_1) + 16 * (t == T_Q4_K)) {
 #define PANEL_CASE(N) \
-    case N: panel_rows(T_Q4_0, N, P, nb, A, l, y, ys, nout); break; \
-    case N + 8: panel_rows(T_Q4_1, N, P, nb, A, l, y, ys, nout); break;
+    case N: panel_rows(T_Q4_0, N, P, nu, A, l, y, ys, nout); break; \
+    case N + 8: panel_rows(T_Q4_1, N, P, nu, A, l, y, ys, nout); break; \
+    case N + 16: panel_rows(T_Q4_K, N, P, nu, A, l, y, ys, nout); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
         PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
@@ -259,7 +365,7 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
     uint8_t *A = scratch;
 #pragma omp parallel for schedule(static) if (nr * k >= 65536)
     for (int64_t r = 0; r < nr; r++) quantize(x + r * xs, &l, A + r * l.stride);
-    const int64_t nb = k / 32, np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t nu = k / unit_inputs(t), np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
     int64_t block = kvk_row_block_budget() / l.stride / TILE_ROWS * TILE_ROWS;
     if (block < TILE_ROWS) block = TILE_ROWS;
 #pragma omp parallel if (nr * n * (k / 32) * 18 >= 64 * 1024)  // kvk.c's PARALLEL_MIN_BYTES
@@ -273,11 +379,11 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
         for (int64_t r0 = 0; r0 < nr; r0 += block) {
             const int64_t r1 = r0 + block < nr ? r0 + block : nr;
             for (int64_t p = p0; p < p1; p++) {
-                const uint8_t *P = panels + p * nb * panel_block(t);
+                const uint8_t *P = panels + p * nu * panel_unit(t);
                 const int nout = n - PANEL_ROWS * p >= PANEL_ROWS ? PANEL_ROWS : (int)(n - PANEL_ROWS * p);
                 for (int64_t r = r0; r < r1; r += TILE_ROWS) {
                     const int R = r1 - r < TILE_ROWS ? (int)(r1 - r) : TILE_ROWS;
-                    panel_some_rows(t, R, P, nb, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
+                    panel_some_rows(t, R, P, nu, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
                 }
             }
         }
