@@ -178,3 +178,30 @@ def test_a_loaded_models_linears_run_on_panels_and_its_head_on_the_files_rows(tm
     }
     assert storages and all(s.panels is not None for s in storages.values())
     assert any("Q4_0 linears" in note and "panels" in note for note in loaded.info.notes)
+
+
+def test_two_threads_multiplying_at_once_each_get_their_own_product():
+    """The activation codes live in each calling thread's own scratch (the engine's thread and a
+    measuring worker may multiply at once)."""
+    import threading
+
+    assert KVK is not None
+    n, k = 256, 4096  # calls long enough (~1 ms) to overlap
+    blocks = random_blocks(Q.Q4_0, n, k, seed=7)
+    panels = KVK.repack_panels(int(Q.Q4_0), row_addresses(blocks), k)
+    assert panels is not None
+    inputs = [torch.randn(rows, k) for rows in (5, 48)]
+    wanted = [panel_matmul(Q.Q4_0, panels, n, k, x) for x in inputs]
+    wrong: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(100):
+            if not torch.equal(panel_matmul(Q.Q4_0, panels, n, k, inputs[i]), wanted[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

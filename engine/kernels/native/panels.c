@@ -103,7 +103,7 @@ static inline int code_at(const uint8_t *codes, int j, int e) {
 static void repack_unit(int t, const uint8_t *const *rowp, int64_t n, int64_t p, int64_t b, uint8_t *o) {
     memset(o, 0, (size_t)codes_at(t));
     uint8_t q[8][PANEL_ROWS][32];  // [sub-block][row][code]
-    memset(q, 0, sizeof q);
+    memset(q, 0, sizeof q[0] * (size_t)(unit_inputs(t) / 32));
     for (int j = 0; j < PANEL_ROWS; j++) {
         const int64_t row = p * PANEL_ROWS + j;
         if (row >= n) continue;
@@ -343,8 +343,10 @@ static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nu, const ui
     }
 }
 
-static uint8_t *scratch;
-static int64_t scratch_cap;
+// Each calling thread's activation codes (kvk.c's act_scratch does the same): the engine's thread
+// and a measuring worker may multiply at once.
+static _Thread_local uint8_t *scratch;
+static _Thread_local int64_t scratch_cap;
 #endif
 
 // y[r * ys + i] = sum_k W[i, k] x[r * xs + k] for the n rows held in panels (kvk_repack_panels).
@@ -358,7 +360,7 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
     const panel_act l = act_layout(k);
     if (l.stride * nr > scratch_cap) {
         free(scratch);
-        scratch = (uint8_t *)aligned_alloc(64, (size_t)(l.stride * nr));
+        scratch = (uint8_t *)aligned_alloc(64, (size_t)(l.stride * nr));  // (stride: a multiple of 64)
         scratch_cap = scratch ? l.stride * nr : 0;
         if (!scratch) return -2;
     }
