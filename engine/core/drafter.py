@@ -112,11 +112,11 @@ class ModelDrafter:
         holds now)."""
         return self.draft.weight_bytes, self.kv.pool.num_used * self.storage.bytes_per_block
 
-    @torch.inference_mode()
     def evidence(self, seq: Sequence) -> int:
         """One class: a model's drafts (its confidence threshold filters them)."""
         return 0
 
+    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Drafts]:
         by_id = {seq.seq_id: seq for seq in seqs}
         drafts: dict[int, Drafts] = {seq.seq_id: ([], []) for seq in seqs}

@@ -13,8 +13,8 @@ float32 activations: every logit comes from the file's weights with no activatio
 
 `blocks` is a view of the file's mapping, so the process holds the file's pages (shared with the
 page cache), not a second copy of the weights. One exception, where it pays: a linear layer's
-Q4_0, Q4_1 and Q4_K rows on a CPU with AVX-512 VNNI are repacked once at load into panels of 16
-rows side by side (`use_panels`, engine/kernels/native/panels.c: the file's bytes in another
+Q4_0, Q4_1, Q4_K and Q6_K rows on a CPU with AVX-512 VNNI are repacked once at load into panels of
+16 rows side by side (`use_panels`, engine/kernels/native/panels.c: the file's bytes in another
 order, Q4_K's 6-bit scales unpacked to bytes, +2.8%; kvk's matmuls 1.3-2.3x faster at 1.7B
 shapes), and the file's pages they came from are handed back, so the process still holds the
 tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for its RoPE) is
@@ -100,7 +100,7 @@ class GGUFWeight(WeightStorage):
 
     def use_panels(self, release_file_pages: bool = False) -> bool:
         """Repack the rows into panels where this build multiplies panels of this type (Q4_0,
-        Q4_1, Q4_K; AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels.
+        Q4_1, Q4_K, Q6_K; AVX-512 VNNI); from then on the "kvk" kernel multiplies the panels.
         `release_file_pages`: hand back the pages of the file mapping the rows are a view of
         (read again from the file if a row path ever needs them: an exact product, the dense
         kernel, a probe's copy); anonymous memory is left alone. Returns whether it repacked."""

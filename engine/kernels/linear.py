@@ -268,8 +268,8 @@ def fuse_projections(model: nn.Module, policy: KernelPolicy) -> int:
 
 def repack_for_kernels(model: nn.Module) -> None:
     """Every GGUF linear layer but the LM head (its exact pass reads the file's rows) repacked
-    where this build has a faster layout for its type (GGUFWeight.use_panels: Q4_0, Q4_1 and
-    Q4_K on AVX-512 VNNI), after fusion, so that a fused projection is repacked once; the pages
+    where this build has a faster layout for its type (GGUFWeight.use_panels: Q4_0, Q4_1,
+    Q4_K and Q6_K on AVX-512 VNNI), after fusion, so that a fused projection is repacked once; the pages
     of the file it came from are handed back."""
     for storage in _linear_gguf_storages(model):
         storage.use_panels(release_file_pages=True)

@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1 and Q4_K repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
+"""Q4_0, Q4_1, Q4_K and Q6_K repacked into panels of 16 rows (engine/kernels/native/panels.c): the panels hold the file's
 codes and scales (gguf's dequantization, bit for bit), their product is the exact product of the
 same rounded activations, a row's outputs are the same bits alone, among others and in any block
 of rows, and a loaded model's linear layers run on them (not its LM head), the file's pages handed
@@ -39,12 +39,12 @@ def rounded_activations(x: torch.Tensor) -> np.ndarray:
     return out
 
 
-PANEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K]
+PANEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 
 
 def widths(qtype: Q) -> tuple[int, ...]:
     """Whole groups of 256 inputs and (32-weight types) a shorter last group."""
-    return (256, 768) if qtype == Q.Q4_K else (512, 96, 320, 576)
+    return (256, 768) if qtype in (Q.Q4_K, Q.Q6_K) else (512, 96, 320, 576)
 
 
 def panel_matmul(qtype: Q, panels: np.ndarray, n: int, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ def test_a_storage_on_panels_multiplies_them_and_holds_them_alone():
     assert copy.deepcopy(storage).panels is not None
     exact = storage.exact_matmul(x)
     assert torch.allclose(exact, rows_kernel, rtol=0, atol=1e-3 * float(rows_kernel.abs().max()))
-    other = GGUFWeight(Q.Q6_K, random_blocks(Q.Q6_K, 16, 256), 256, lib=KVK)
+    other = GGUFWeight(Q.Q8_0, random_blocks(Q.Q8_0, 16, 256), 256, lib=KVK)
     assert not other.use_panels() and other.panels is None  # no panels for this type
 
 

@@ -1,6 +1,6 @@
 """Build kvscope's C kernels (kvk.c: GGUF block matmuls; attention.c: paged attention; layer_ops.c:
-the residual add + RMSNorm and RoPE of models on kvk; panels.c: Q4_0, Q4_1 and Q4_K repacked
-16 rows side by side) into one shared library per instruction set.
+the residual add + RMSNorm and RoPE of models on kvk; panels.c: Q4_0, Q4_1, Q4_K, Q6_K
+repacked 16 rows side by side) into one shared library per instruction set.
 
     python -m engine.kernels.native.build [--out DIR] [--variants avx512,avx2,portable]
 

@@ -1,5 +1,5 @@
-// Q4_0, Q4_1 and Q4_K weights repacked at load into panels of 16 rows, each output in its own
-// vector lane.
+// Q4_0, Q4_1, Q4_K and Q6_K weights repacked at load into panels of 16 rows, each output in its
+// own vector lane.
 //
 // kvk.c reads a row as the file stores it: a 512-bit vector holds 32 inputs of one row, so every
 // output ends as 16 lanes summed, and a group's scales go on per lane (3 operations to 8 products).
@@ -22,6 +22,10 @@
 //         12 bytes of packed scales (2.8%). Kept packed ([12][16], unpacked for 16 rows at once
 //         with byte-vector operations), a decode row streamed a 1.7B-shaped layer at 25-38 GB/s
 //         against 47-49 unpacked (2 threads, weights 10x the L3 cache).
+//   Q6_K  16 float16 d, the 16 sub-blocks' int8 scales [16][16], then per 32 inputs the codes'
+//         low 4 bits as above and their high 2 bits as 2 vectors of 32 words (word 2j + s of
+//         vector h holds the 2-bit fields of pairs v + 4m, v = 2h, 2h + 1, in field 4(v - 2h) +
+//         m): 16 x 210 bytes, the file's
 // Rows past n (the last panel's) are zeros.
 //
 // Activations: one 16-bit plane in input order, a scale dx per 256 inputs (kvk.c's rounding:
@@ -32,7 +36,9 @@
 //   Q4_0, Q4_1  p = sum(b0) * d(b0), then p = fma(sum(b), d(b), p) for each further block (Q4_1:
 //               each followed by p = fma(m(b), s(b), p)), then acc = fma(p, dx, acc)
 //   Q4_K        p = fma(sum(j), sc(j), p) and q = fma(m(j), s(j), q) over its sub-blocks j (the
-//               first a product), then acc = fma(p, d * dx, acc), acc = acc - q * (dmin * dx)
+//               first a product), then acc = fma(p, d * dx, acc), acc = fnmadd(q, dmin * dx, acc)
+//   Q6_K        p = fma(sum(j), sc(j), p) over its 16 sub-blocks of 16 (the codes centred, q - 32,
+//               in the lanes: no b term), then acc = fma(p, d * dx, acc)
 
 #include <math.h>
 #include <stdint.h>
@@ -50,16 +56,21 @@
 #define T_Q4_0 2
 #define T_Q4_1 3
 #define T_Q4_K 12
+#define T_Q6_K 14
 #define PANEL_ROWS 16
 #define TILE_ROWS 8  // activation rows a panel's pass takes at once (registers: 3-4 vectors a row)
+#ifndef Q6K_TILE_ROWS
+#define Q6K_TILE_ROWS 5  // Q6_K's: 4 vectors a row and its codes' unpacking
+#endif
 
 int64_t kvk_row_block_budget(void);  // kvk.c: the bytes of activation rows that stay in L2
 void kvk_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn);  // kvk.c: Q4_K's 6-bit fields
+int kvk_block_code(int t, const uint8_t *b, int e);                 // kvk.c: code e of a block
 
-// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0, Q4_1, Q4_K).
+// Whether this build multiplies panels of type t (the AVX-512 VNNI build, Q4_0, Q4_1, Q4_K, Q6_K).
 static int panel_type(int t) {
 #ifdef PANELS_AVX512
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K;
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K || t == T_Q6_K;
 #else
     (void)t;
     return 0;
@@ -68,10 +79,11 @@ static int panel_type(int t) {
 
 // Inputs per unit (a file block of 32, Q4_K's super-block), a file block's bytes, a panel unit's
 // bytes and where its codes start.
-static inline int unit_inputs(int t) { return t == T_Q4_K ? 256 : 32; }
-static inline int file_block(int t) { return t == T_Q4_K ? 144 : t == T_Q4_1 ? 20 : 18; }
-static inline int codes_at(int t) { return t == T_Q4_K ? 320 : t == T_Q4_1 ? 64 : 32; }
-static inline int panel_unit(int t) { return codes_at(t) + unit_inputs(t) / 32 * 256; }
+static inline int unit_inputs(int t) { return t == T_Q4_K || t == T_Q6_K ? 256 : 32; }
+static inline int file_block(int t) { return t == T_Q6_K ? 210 : t == T_Q4_K ? 144 : t == T_Q4_1 ? 20 : 18; }
+static inline int codes_at(int t) { return t == T_Q6_K ? 288 : t == T_Q4_K ? 320 : t == T_Q4_1 ? 64 : 32; }
+static inline int block_codes(int t) { return t == T_Q6_K ? 384 : 256; }  // a 32-input block's code bytes
+static inline int panel_unit(int t) { return codes_at(t) + unit_inputs(t) / 32 * block_codes(t); }
 
 KVK_API int64_t kvk_panel_bytes(int t, int64_t n, int64_t k) {
     if (!panel_type(t) || k <= 0 || k % unit_inputs(t) || n < 0) return -1;
@@ -91,12 +103,31 @@ static void pack_codes(const uint8_t q[PANEL_ROWS][32], uint8_t *dst) {
     memcpy(dst, words, sizeof words);
 }
 
-// Code e of row j of a panel's 32-input codes (pack_codes read back).
-static inline int code_at(const uint8_t *codes, int j, int e) {
-    uint16_t w;
-    const int pair = e / 2, v = pair % 4;
+// Q6_K's high 2 bits of 16 rows' 32 codes as 2 vectors of words (see above).
+static void pack_high(const uint8_t q[PANEL_ROWS][32], uint8_t *dst) {
+    uint16_t words[64];
+    for (int j = 0; j < PANEL_ROWS; j++)
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 2; s++) {
+                uint16_t w = 0;
+                for (int f = 0; f < 8; f++) {
+                    const int v = 2 * h + f / 4, m = f % 4;
+                    w |= (uint16_t)((q[j][2 * (v + 4 * m) + s] >> 4) << (2 * f));
+                }
+                words[32 * h + 2 * j + s] = w;
+            }
+    memcpy(dst, words, sizeof words);
+}
+
+// Code e of row j of a panel's 32-input codes (pack_codes, and Q6_K's pack_high, read back).
+static inline int code_at(int t, const uint8_t *codes, int j, int e) {
+    uint16_t w, hw;
+    const int pair = e / 2, v = pair % 4, m = pair / 4;
     memcpy(&w, codes + 2 * (32 * v + 2 * j + e % 2), 2);
-    return (w >> (4 * (pair / 4))) & 15;
+    const int low = (w >> (4 * m)) & 15;
+    if (t != T_Q6_K) return low;
+    memcpy(&hw, codes + 256 + 2 * (32 * (v / 2) + 2 * j + e % 2), 2);
+    return low | (((hw >> (2 * (4 * (v % 2) + m))) & 3) << 4);
 }
 
 // One unit of 16 rows (rows past n: zeros) from the file's blocks into the panel's layout.
@@ -113,6 +144,10 @@ static void repack_unit(int t, const uint8_t *const *rowp, int64_t n, int64_t p,
             if (t == T_Q4_1) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m
             const uint8_t *qs = blk + (t == T_Q4_1 ? 4 : 2);
             for (int i = 0; i < 16; i++) q[0][j][i] = qs[i] & 15, q[0][j][i + 16] = qs[i] >> 4;
+        } else if (t == T_Q6_K) {  // d at the block's end, the int8 scales, the 6-bit codes
+            memcpy(o + 2 * j, blk + 208, 2);
+            for (int sb = 0; sb < 16; sb++) o[32 + 16 * sb + j] = blk[192 + sb];
+            for (int e = 0; e < 256; e++) q[e / 32][j][e % 32] = (uint8_t)kvk_block_code(T_Q6_K, blk, e);
         } else {  // Q4_K: dmin, the scales and minimums unpacked, sub-block 2c + h in nibble h of qs[32c..]
             memcpy(o + 32 + 2 * j, blk + 2, 2);
             uint8_t sc[8], mn[8];
@@ -122,7 +157,13 @@ static void repack_unit(int t, const uint8_t *const *rowp, int64_t n, int64_t p,
                 for (int i = 0; i < 32; i++) q[sb][j][i] = (blk[16 + 32 * (sb / 2) + i] >> (4 * (sb % 2))) & 15;
         }
     }
-    for (int sb = 0; sb < unit_inputs(t) / 32; sb++) pack_codes(q[sb], o + codes_at(t) + 256 * sb);
+    for (int sb = 0; sb < unit_inputs(t) / 32; sb++) {
+        uint8_t low[PANEL_ROWS][32];
+        for (int j = 0; j < PANEL_ROWS; j++)
+            for (int i = 0; i < 32; i++) low[j][i] = q[sb][j][i] & 15;
+        pack_codes((const uint8_t(*)[32])low, o + codes_at(t) + block_codes(t) * sb);
+        if (t == T_Q6_K) pack_high((const uint8_t(*)[32])q[sb], o + codes_at(t) + block_codes(t) * sb + 256);
+    }
 }
 
 // rows rowp[0..n) (blocks as the file stores them, k inputs) into panels at out.
@@ -164,9 +205,10 @@ KVK_API int kvk_panel_dequantize(int t, const uint8_t *panels, int64_t n, int64_
             const float d = half_to_float(hd), d2 = half_to_float(h2);
             float *w = out + row * k + b * unit_inputs(t);
             for (int e = 0; e < unit_inputs(t); e++) {
-                const int sb = e / 32, q = code_at(o + codes_at(t) + 256 * sb, j, e % 32);
+                const int sb = e / 32, q = code_at(t, o + codes_at(t) + block_codes(t) * sb, j, e % 32);
                 if (t == T_Q4_0) w[e] = d * (float)(q - 8);
                 else if (t == T_Q4_1) w[e] = d * (float)q + d2;
+                else if (t == T_Q6_K) w[e] = (d * (float)(int8_t)o[32 + 16 * (e / 16) + j]) * (float)(q - 32);
                 else w[e] = (d * (float)o[64 + 16 * sb + j]) * (float)q + -(d2 * (float)o[192 + 16 * sb + j]);
             }
         }
@@ -318,12 +360,63 @@ static inline __attribute__((always_inline)) void q4k_panel(const int R, const u
     }
 }
 
+// Q6_K: one panel (nu super-blocks at P) against R activation rows from A. A 32-input block's
+// pairs v + 4m (m = 0, 1: its first 16 inputs, m = 2, 3: the next 16) sum into two int32 chains
+// a row, one per sub-block of 16 (at most 16 x 32 x 32767: exact as floats).
+static inline __attribute__((always_inline)) void q6k_panel(const int R, const uint8_t *P, int64_t nu, const uint8_t *A,
+                                                            const panel_act *l, __m512 *acc) {
+    const int bytes = panel_unit(T_Q6_K);
+    const __m512i m4 = _mm512_set1_epi16(15), m30 = _mm512_set1_epi16(0x30), mid = _mm512_set1_epi16(32);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < nu; u++) {
+        const uint8_t *pu = P + u * bytes;
+        __m512 part[TILE_ROWS];
+        for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();  // (each first block overwrites it)
+        for (int b = 0; b < 8; b++) {
+            const uint8_t *codes = pu + codes_at(T_Q6_K) + block_codes(T_Q6_K) * b;
+            prefetch_ahead(codes + bytes, block_codes(T_Q6_K));
+            __m512i first[TILE_ROWS], second[TILE_ROWS];
+            for (int r = 0; r < R; r++) first[r] = second[r] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                const __m512i words = _mm512_loadu_si512((const void *)(codes + 64 * v));
+                const __m512i high = _mm512_loadu_si512((const void *)(codes + 256 + 64 * (v / 2)));
+                __m512i w[4];
+                for (int m = 0; m < 4; m++) {
+                    const int f = 2 * (4 * (v % 2) + m);  // the 2-bit field, to bits 4-5
+                    const __m512i hi = f >= 4 ? _mm512_srli_epi16(high, f - 4) : _mm512_slli_epi16(high, 4 - f);
+                    const __m512i lo = m == 3 ? _mm512_srli_epi16(words, 12)
+                                              : _mm512_and_si512(_mm512_srli_epi16(words, 4 * m), m4);
+                    w[m] = _mm512_sub_epi16(_mm512_or_si512(lo, _mm512_and_si512(hi, m30)), mid);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int16_t *x = (const int16_t *)(A + r * l->stride) + 256 * u + 32 * b + 2 * v;
+                    first[r] = dp_pair(first[r], w[0], x);
+                    first[r] = dp_pair(first[r], w[1], x + 8);
+                    second[r] = dp_pair(second[r], w[2], x + 16);
+                    second[r] = dp_pair(second[r], w[3], x + 24);
+                }
+            }
+            const __m512 sc0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pu + 32 + 32 * b))));
+            const __m512 sc1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pu + 48 + 32 * b))));
+            for (int r = 0; r < R; r++) {
+                part[r] = b ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[r]), sc0, part[r])
+                            : _mm512_mul_ps(_mm512_cvtepi32_ps(first[r]), sc0);
+                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[r]), sc1, part[r]);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pu));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(part[r], _mm512_mul_ps(d, _mm512_set1_ps(group_dx(A, l, r, u))), acc[r]);
+    }
+}
+
 // One panel against R (<= TILE_ROWS) activation rows: outputs y[r * ys + 0..nout).
 static inline __attribute__((always_inline)) void panel_rows(const int t, const int R, const uint8_t *P, int64_t nu,
                                                              const uint8_t *A, const panel_act *l, float *y,
                                                              int64_t ys, int nout) {
     __m512 acc[TILE_ROWS];
     if (t == T_Q4_K) q4k_panel(R, P, nu, A, l, acc);
+    else if (t == T_Q6_K) q6k_panel(R, P, nu, A, l, acc);
     else block_panel(t, R, P, nu, A, l, acc);
     const __mmask16 keep = nout >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << nout) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys, keep, acc[r]);
@@ -332,11 +425,12 @@ static inline __attribute__((always_inline)) void panel_rows(const int t, const 
 // R rows of one panel: a constant type and R per instance.
 static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nu, const uint8_t *A, const panel_act *l,
                             float *y, int64_t ys, int nout) {
-    switch (R + 8 * (t == T_Q4_1) + 16 * (t == T_Q4_K)) {
+    switch (R + 8 * (t == T_Q4_1) + 16 * (t == T_Q4_K) + 24 * (t == T_Q6_K)) {
 #define PANEL_CASE(N) \
     case N: panel_rows(T_Q4_0, N, P, nu, A, l, y, ys, nout); break; \
     case N + 8: panel_rows(T_Q4_1, N, P, nu, A, l, y, ys, nout); break; \
-    case N + 16: panel_rows(T_Q4_K, N, P, nu, A, l, y, ys, nout); break;
+    case N + 16: panel_rows(T_Q4_K, N, P, nu, A, l, y, ys, nout); break; \
+    case N + 24: panel_rows(T_Q6_K, N, P, nu, A, l, y, ys, nout); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
         PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
@@ -368,6 +462,7 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
 #pragma omp parallel for schedule(static) if (nr * k >= 65536)
     for (int64_t r = 0; r < nr; r++) quantize(x + r * xs, &l, A + r * l.stride);
     const int64_t nu = k / unit_inputs(t), np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int tile = t == T_Q6_K ? Q6K_TILE_ROWS : TILE_ROWS;
     int64_t block = kvk_row_block_budget() / l.stride / TILE_ROWS * TILE_ROWS;
     if (block < TILE_ROWS) block = TILE_ROWS;
 #pragma omp parallel if (nr * n * (k / 32) * 18 >= 64 * 1024)  // kvk.c's PARALLEL_MIN_BYTES
@@ -383,8 +478,8 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
             for (int64_t p = p0; p < p1; p++) {
                 const uint8_t *P = panels + p * nu * panel_unit(t);
                 const int nout = n - PANEL_ROWS * p >= PANEL_ROWS ? PANEL_ROWS : (int)(n - PANEL_ROWS * p);
-                for (int64_t r = r0; r < r1; r += TILE_ROWS) {
-                    const int R = r1 - r < TILE_ROWS ? (int)(r1 - r) : TILE_ROWS;
+                for (int64_t r = r0; r < r1; r += tile) {
+                    const int R = r1 - r < tile ? (int)(r1 - r) : tile;
                     panel_some_rows(t, R, P, nu, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
                 }
             }
