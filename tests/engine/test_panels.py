@@ -11,6 +11,7 @@ import mmap
 import numpy as np
 import pytest
 import torch
+from activation_codes import rounded_activations
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -23,20 +24,6 @@ pytestmark = pytest.mark.skipif(
     KVK is None or KVK.lib.kvk_panel_bytes(int(Q.Q4_0), 16, 32) < 0,
     reason="this build multiplies no panels (they need AVX-512 VNNI)",
 )
-
-
-def rounded_activations(x: torch.Tensor) -> np.ndarray:
-    """x as the kernels round it: 16-bit codes, one scale per 256 inputs (float64 values)."""
-    f32 = np.float32
-    x = x.numpy().astype(f32)
-    out = np.empty(x.shape, dtype=np.float64)
-    for g in range(0, x.shape[1], 256):
-        part = x[:, g : g + 256]
-        amax = np.abs(part).max(-1, keepdims=True)
-        d = (amax / f32(32767)).astype(f32)
-        inv = np.where(amax > 0, f32(32767) / np.where(amax > 0, amax, 1), 0).astype(f32)
-        out[:, g : g + 256] = d.astype(np.float64) * np.rint((part * inv).astype(f32))
-    return out
 
 
 PANEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]

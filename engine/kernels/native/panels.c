@@ -9,9 +9,10 @@
 // of the 16 rows, a block's 16 products sum in the lane without any reduction, and a block's 16
 // float16 scales are one vector. Measured against kvk.c's row kernels, Q4_0 at 1.7B shapes (kvk
 // matmul alone, one process, interleaved): 128 rows 1.23-1.62x faster (337-354 GMAC/s), 5 rows 1.6-
-// 2.3x, 1 row 1.2-1.4x (weights in cache). llama.cpp repacks Q4_0 the same way ("Q4_0x8").
+// 2.3x, 1 row 1.2-1.4x (weights in cache); Q4_K 1.0-1.2x, 1.5-2.0x, 1.3-1.5x; Q6_K 1.0-1.4x,
+// 1.5-2.2x, 1.15-1.2x. llama.cpp repacks Q4_0 the same way ("Q4_0x8").
 //
-// A panel holds, per unit of inputs (a block of 32; Q4_K's super-block of 256), the 16 rows'
+// A panel holds, per unit of inputs (a block of 32; a K-quant's super-block of 256), the 16 rows'
 // scales as vectors, then each 32 inputs' codes as 4 vectors of 32 16-bit words in which word
 // 2j + s of vector v holds row j's codes q[2(v + 4m) + s] in nibble m (m < 4): a mask and a shift
 // take out the 16-bit lanes vpdpwssd reads (weights of inputs 2p, 2p + 1 for pair p = v + 4m).
