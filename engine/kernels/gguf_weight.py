@@ -15,7 +15,7 @@ float32 activations: every logit comes from the file's weights with no activatio
 page cache), not a second copy of the weights. One exception, where it pays: a linear layer's
 Q4_0, Q4_1, Q4_K and Q6_K rows on a CPU with AVX-512 VNNI are repacked once at load into panels of
 16 rows side by side (`use_panels`, engine/kernels/native/panels.c: the file's bytes in another
-order, Q4_K's 6-bit scales unpacked to bytes, +2.8%; kvk's matmuls 1.3-2.3x faster at 1.7B
+order, Q4_K's 6-bit scales unpacked to bytes, +2.8%; kvk's matmuls 1.0-2.3x faster at 1.7B
 shapes), and the file's pages they came from are handed back, so the process still holds the
 tensor once. A row permutation (llama.cpp stores Llama's q/k rows interleaved for its RoPE) is
 applied by the kernel (or by the repacking), not to the file's data.
