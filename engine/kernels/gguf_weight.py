@@ -161,10 +161,8 @@ class GGUFWeight(WeightStorage):
         fused.row_table = np.concatenate([p.row_table for p in parts])
         fused.in_features, fused.out_features = first.in_features, int(fused.row_table.shape[0])
         fused.native_kernel = "kvk"
-        fused.panels = None
+        fused.panels = None  # fusion comes before repacking (engine.kernels.linear.repack_for_kernels)
         fused._bind()
-        if first.panels is not None:
-            fused.use_panels()
         return fused
 
     def __deepcopy__(self, memo: dict[int, object]) -> GGUFWeight:

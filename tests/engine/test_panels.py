@@ -129,14 +129,23 @@ def test_a_storage_on_panels_multiplies_them_and_holds_them_alone():
     assert not other.use_panels() and other.panels is None  # no panels for this type
 
 
-def test_handing_back_a_files_pages_keeps_what_it_reads(tmp_path):
+def resident_file_kib() -> int:
+    """The process's resident pages of mapped files (Linux's /proc), in KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED"), reason="no madvise here")
+def test_handing_back_a_files_pages_drops_them_and_keeps_what_it_reads(tmp_path):
     path = tmp_path / "weights.bin"
-    data = np.random.default_rng(6).integers(0, 256, size=5 * mmap.PAGESIZE + 100, dtype=np.uint8)
+    data = np.random.default_rng(6).integers(0, 256, size=32 * 2**20 + 100, dtype=np.uint8)
     data.tofile(path)
     view = np.memmap(path, mode="c").view(np.ndarray)[50:]
     assert file_mapped(view) and int(view.sum()) == int(data[50:].sum())  # every page read in
+    held = resident_file_kib()
     release_pages(view)
-    assert np.array_equal(view, data[50:])  # read again from the file
+    assert held - resident_file_kib() >= 30 * 1024  # the 32 MiB handed back
+    assert np.array_equal(view, data[50:])  # and read again from the file
 
 
 def test_a_loaded_models_linears_run_on_panels_and_its_head_on_the_files_rows(tmp_path):
