@@ -296,7 +296,9 @@ class SpeculativeConfig:
     method: str = "ngram"  # "ngram" prompt lookup, "draft" another model, "self" the target's first layers
     num_draft: int = 4  # draft tokens per round (the most, when adaptive)
     draft_model: str | None = None  # for "draft": a model source sharing the target's tokenizer
-    self_draft_layers: int | None = None  # for "self": layers kept (default: a quarter of them)
+    # for "self": None the calibration's choice, 0 a draft from the target's hidden state
+    # (engine/speculative/hidden_draft.py), n the target's first n layers
+    self_draft_layers: int | None = None
     adaptive: bool = True  # each sequence's draft length from its recent acceptance and the measured costs
 
     def __post_init__(self) -> None:
@@ -306,6 +308,10 @@ class SpeculativeConfig:
             f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {self.num_draft}",
         )
         _check(self.method != "draft" or bool(self.draft_model), "speculative 'draft' needs a draft model")
+        _check(
+            self.self_draft_layers is None or self.self_draft_layers >= 0,
+            f"self_draft_layers must be 0 (the hidden state) or more, got {self.self_draft_layers}",
+        )
 
 
 # Without an explicit size the KV pool gets this much memory: room for several thousand tokens

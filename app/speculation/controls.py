@@ -57,8 +57,12 @@ class SpeculationControls(QWidget):
         )
         self.self_layers = QSpinBox()
         self.self_layers.setRange(0, 256)
-        self.self_layers.setSpecialValueText("auto (a quarter)")
-        self.self_layers.setToolTip("Decoder layers the self-draft keeps")
+        self.self_layers.setSpecialValueText("auto (calibrated)")
+        self.self_layers.setToolTip(
+            "Decoder layers the self-draft keeps. Auto: once per model, the calibration measures "
+            "drafts from the target's own hidden state and from its first layers on the model's "
+            "replies, and keeps the one that saves the most"
+        )
         self.draft_model = QLineEdit()
         self.draft_model.setPlaceholderText("folder or .gguf of the draft model")
         self.browse = QPushButton("Browse…")

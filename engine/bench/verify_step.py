@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.bench.decode_split import FusedClock, _Clock
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -25,6 +25,9 @@ from engine.kernels.linear import KernelHead, KernelLinear
 from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.speculative.proposers import Drafts, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 import engine.model.llama_forward as forward_module  # isort: skip (patched by the split)
 import engine.model.paged_attention as attention_module  # isort: skip
@@ -37,6 +40,7 @@ class RejectedDrafts:
     name = "rejected"
     free = True
     forwards = 1
+    reads_hidden = False
 
     def __init__(self, token: int):
         self.token = token
@@ -48,6 +52,9 @@ class RejectedDrafts:
         return 1  # always something to propose
 
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
+        pass
+
+    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:

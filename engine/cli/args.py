@@ -58,7 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-model", default=None, help="draft model source for --speculative draft")
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per speculative round")
-    p.add_argument("--self-draft-layers", type=int, default=None, help="layers kept by --speculative self")
+    p.add_argument(
+        "--self-draft-layers",
+        type=int,
+        default=None,
+        help="--speculative self: the target's first N layers draft, or 0: its hidden state "
+        "(default: the calibration's choice)",
+    )
     p.add_argument(
         "--adaptive-draft",
         action=argparse.BooleanOptionalAction,

@@ -37,8 +37,16 @@ from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model
 from engine.sampling.sampler import Sampler
 from engine.speculative import self_draft
-from engine.speculative.proposers import Drafts, NgramProposer, Proposer, Sequence, check_same_tokenizer
-from engine.speculative.self_draft import Calibration, DraftModel
+from engine.speculative.hidden_draft import HiddenStateDrafter
+from engine.speculative.proposers import (
+    Drafts,
+    NgramProposer,
+    Proposer,
+    Sequence,
+    check_same_tokenizer,
+    draw_draft,
+)
+from engine.speculative.self_draft import Calibration, DraftModel, FittedDraft
 
 
 @dataclass(eq=False)
@@ -73,6 +81,7 @@ class ModelDrafter:
     """A draft model as a proposer (engine.speculative.proposers.Proposer): batched drafts."""
 
     free = False  # proposing runs a model
+    reads_hidden = False
 
     def __init__(
         self,
@@ -149,7 +158,9 @@ class ModelDrafter:
                 if self.draft.confidence > 0 and float(torch.softmax(row, -1).max()) < self.draft.confidence:
                     stopped.add(own.seq_id)
                     continue
-                token, q = self._draw(own, row, by_id[own.seq_id], drafts[own.seq_id][0])
+                token, q = draw_draft(
+                    own.sampler, row, by_id[own.seq_id], drafts[own.seq_id][0], self.vocab_size
+                )
                 drafts[own.seq_id][0].append(token)
                 drafts[own.seq_id][1].append(q)
         return [drafts[seq.seq_id] for seq in seqs]
@@ -167,6 +178,9 @@ class ModelDrafter:
             emptied = own.block_table[needed:]
             del own.block_table[needed:]
             self.kv.pool.free(list(reversed(emptied)), own.seq_id)
+
+    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+        pass
 
     def release(self, seq: Sequence) -> None:
         own = self._seqs.pop(seq.seq_id, None)
@@ -210,22 +224,6 @@ class ModelDrafter:
         self.kv.append(own, n)
         return True
 
-    def _draw(
-        self, own: _DraftSeq, logits: torch.Tensor, seq: Sequence, drafted: list[int]
-    ) -> tuple[int, torch.Tensor | None]:
-        sampler = own.sampler
-        if sampler.plain_greedy:
-            return int(logits.argmax()), None  # one-hot q: the verifier keeps it while it is the argmax
-        if logits.shape[-1] < self.vocab_size:  # a trimmed head: the ids it lacks get probability 0
-            full = logits.new_full((self.vocab_size,), float("-inf"))
-            full[: logits.shape[-1]] = logits
-            logits = full
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        q = sampler.distribution(logits, prompt, [*seq.output_ids, *drafted])
-        if seq.params.greedy:
-            return int(q.argmax()), None  # the penalized argmax; one-hot q
-        return sampler.draw(q), q
-
 
 def _copies_from(storage: PagedKVStorage, source: PagedKVStorage | None, layers: int) -> bool:
     """Whether the draft's pool can take its first `layers` layers' K/V from `source` as they
@@ -258,12 +256,14 @@ _CALIBRATION_FORMS = (
     "Give me advice about {}.",
     "Why do people like {}?",
 )
+# every form of every subject, in an order that varies both from the start (a small model's
+# calibration takes only the first ones)
 CALIBRATION_PROMPTS = tuple(
-    _CALIBRATION_FORMS[(i + 3 * j) % len(_CALIBRATION_FORMS)].format(subject)
-    for j in range(2)
+    _CALIBRATION_FORMS[(i + j) % len(_CALIBRATION_FORMS)].format(subject)
+    for j in range(len(_CALIBRATION_FORMS))
     for i, subject in enumerate(_CALIBRATION_SUBJECTS)
 )
-CALIBRATION_TOKENS = 64
+CALIBRATION_TOKENS = 128
 
 # greedy replies to prompts: (full token sequences, where each reply starts)
 ReplyMaker = Callable[[tuple[str, ...], int], Calibration]
@@ -286,9 +286,20 @@ def make_proposer(
     if spec.method == "ngram":
         return NgramProposer()
     if spec.method == "self":
-        return ModelDrafter(
-            self_draft_for(loaded, spec.self_draft_layers, replies), config, num_blocks, vocab, target_kv
-        )
+        fitted = self_draft_for(loaded, spec.self_draft_layers, replies)
+        if fitted is None:  # no replies to fit on: the first layers as they are
+            if spec.self_draft_layers == self_draft.HIDDEN:
+                raise ConfigError(
+                    "The hidden-state self-draft is fitted on the model's own chat replies, and this "
+                    "model has no chat template; choose a number of layers to draft with instead."
+                )
+            layers = spec.self_draft_layers or max(1, loaded.info.num_layers // 4)
+            layer_draft = self_draft.first_layers_draft(loaded, layers)
+        elif fitted.map is not None:
+            return HiddenStateDrafter(fitted, loaded.model.get_input_embeddings(), vocab)
+        else:
+            layer_draft = self_draft.fitted_self_draft(loaded, fitted)
+        return ModelDrafter(layer_draft, config, num_blocks, vocab, target_kv)
     assert spec.draft_model, "SpeculativeConfig requires a draft model for 'draft'"
     draft = load_model(ModelSpec(spec.draft_model, dtype=loaded.info.dtype, device=str(loaded.device.type)))
     check_same_tokenizer(loaded.tokenizer, draft.tokenizer)
@@ -301,17 +312,18 @@ def make_proposer(
     )
 
 
-def self_draft_for(loaded: LoadedModel, layers: int | None, replies: ReplyMaker) -> DraftModel:
-    """The fitted self-draft: its plan from the cache, or calibrated now on the target's replies
-    (and cached). Without replies to fit on (no chat template), the first layers as they are."""
+def self_draft_for(loaded: LoadedModel, layers: int | None, replies: ReplyMaker) -> FittedDraft | None:
+    """The fitted self-draft (`layers` None: the calibration's choice; HIDDEN: the hidden-state
+    draft; n: the first n layers): its plan from the cache, or calibrated now on the target's
+    replies (and cached). None without replies to fit on (no chat template)."""
     cached = self_draft.load_plan(loaded)
-    if cached is not None and (layers is None or cached[0].layers == layers):
-        return self_draft.fitted_self_draft(loaded, *cached)
+    if cached is not None and (layers is None or cached.plan.layers == layers):
+        return cached
     count = self_draft.calibration_replies(loaded.info.hidden_size, len(CALIBRATION_PROMPTS))
     calibration = replies(CALIBRATION_PROMPTS[:count], CALIBRATION_TOKENS)
     if len(calibration.sequences) < 2:
-        return self_draft.first_layers_draft(loaded, layers or max(1, loaded.info.num_layers // 4))
-    plan, head = self_draft.calibrate(loaded, calibration, layers)
+        return None
+    fitted = self_draft.calibrate(loaded, calibration, layers)
     if layers is None:
-        self_draft.save_plan(loaded, plan, head)
-    return self_draft.fitted_self_draft(loaded, plan, head)
+        self_draft.save_plan(loaded, fitted)
+    return fitted

@@ -555,7 +555,7 @@ class LLMEngine:
         self-draft's calibration): each full token sequence and where its reply starts."""
         # room for a few dozen replies at once (batched, they take ~20 s on the packaged model at
         # 2 cores; a CPU pool is resident only where written)
-        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=256 * 2**20)
+        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=2**30)
         self.emit(
             ModelLoading(
                 f"self-draft: fitting its head on the model's own replies to {len(prompts)} prompts "

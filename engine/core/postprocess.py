@@ -115,14 +115,22 @@ class Postprocessor:
             verdict = verdicts.get(seq.seq_id)
             self._guarded(seq, self.kv.commit, seq, n, None if verdict is None else 1 + verdict.accepted)
         beam_rows: dict[int, dict[int, int]] = {}
+        # what the head read, for a proposer that drafts from it (before the tokens are emitted:
+        # a sequence that finishes on one is released)
+        hidden = result.hidden if self.proposer is not None and self.proposer.reads_hidden else None
         for seq in batch.seqs:
             if seq.seq_id not in rows:
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             start, count = rows[seq.seq_id]
             verdict = verdicts.get(seq.seq_id)
             if verdict is not None:
+                if hidden is not None:  # the row the round's last token is drawn from
+                    length = seq.num_tokens + verdict.accepted + 1
+                    self._guarded(seq, self._observe, seq, hidden[start + verdict.accepted], length)
                 self._guarded(seq, self._emit_round, seq, verdict, logits[start : start + count])
             elif seq.group is None:
+                if hidden is not None:
+                    self._guarded(seq, self._observe, seq, hidden[start], seq.num_tokens + 1)
                 self._guarded(seq, self.sample, seq, logits[start])
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
@@ -134,6 +142,10 @@ class Postprocessor:
             group = self.groups.active.get(request_id)
             if group is not None:
                 self._guarded(group.members[0], self.groups.beam_step, group, seq_rows, logits, step)
+
+    def _observe(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+        assert self.proposer is not None
+        self.proposer.observe_hidden(seq, hidden, length)
 
     def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.group is not None

@@ -63,6 +63,9 @@ class ForwardResult:
     logits: torch.Tensor  # float32 [rows, vocab]
     rows: dict[int, tuple[int, int]]  # seq_id -> (first row, count) in `logits`
     record: StepRecord  # kernels run and weight bytes read
+    # the final norm's output of the same rows (what the head read), float32 [rows, hidden];
+    # kvscope's own forward only (None on transformers')
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -149,8 +152,10 @@ class ModelRunner:
             torch.inference_mode(),
             self.policy.step([m for m, _ in segments], [k for _, k in segments]) as record,
         ):
+            hidden = None
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
+                hidden = self.own_forward.last_normed
             else:
                 with contextlib.ExitStack() as hooks:
                     if observer is not None or edit is not None:
@@ -158,7 +163,7 @@ class ModelRunner:
                     if probe is not None and probe.routes is not None:
                         hooks.enter_context(record_routes(self.model, probe.routes))
                     logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
-        return ForwardResult(logits.float(), rows, record)
+        return ForwardResult(logits.float(), rows, record, None if hidden is None else hidden.float())
 
     def _transformers_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch, keep_rows: torch.Tensor

@@ -426,6 +426,9 @@ class LlamaForward:
         self.residual_multiplier = plan.residual_multiplier
         self.logits_divisor = plan.logits_divisor
         self.final_softcap = plan.final_softcap
+        # the final norm's output of the last forward's logit rows (what the head read): the
+        # hidden-state drafter (engine/speculative/hidden_draft.py) drafts from it
+        self.last_normed: Tensor | None = None
         self.rope_functions: list[Callable[[Tensor, Tensor], _Rope]] = (
             [_RopeRows(self.rotary)]
             if plan.rope_kinds == [None] and static_rope(self.rotary)
@@ -557,13 +560,20 @@ class LlamaForward:
     def _logits(self, x: Tensor, logit_rows: Tensor) -> Tensor:
         if logit_rows.numel() == 0:  # a prefill chunk that does not finish its prompt samples nothing
             width = cast(int, self.head.out_features)  # a linear head's vocabulary size
+            self.last_normed = x.new_zeros((0, x.shape[1]))
             return x.new_zeros((0, width))
-        return self.final_logits(x.index_select(0, logit_rows))
+        normed = self.final_norm(x.index_select(0, logit_rows))
+        self.last_normed = normed  # what the head read, kept for a drafter that reads it
+        return self.head_logits(normed)
 
     def final_logits(self, hidden: Tensor) -> Tensor:
         """[R, hidden] residual stream -> [R, vocab] logits: the final norm, the head, the family's
         logit scaling (Granite) and soft cap (Gemma 2/3), as transformers computes them."""
-        logits: Tensor = _call(self.head, self.final_norm(hidden))
+        return self.head_logits(self.final_norm(hidden))
+
+    def head_logits(self, normed: Tensor) -> Tensor:
+        """The head and what follows it, from the final norm's output."""
+        logits: Tensor = _call(self.head, normed)
         if self.logits_divisor is not None:
             logits = logits / self.logits_divisor
         if self.final_softcap is not None:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.kv.block_pool import Block
+    from engine.sampling.sampler import Sampler
 
 # A proposal for one sequence: its draft tokens and, per draft, the distribution it was drawn
 # from (None: a one-hot, deterministic proposal such as n-gram lookup).
@@ -51,6 +52,9 @@ class Proposer(Protocol):
     """What the engine asks of a proposer (n-gram lookup or a model drafter)."""
 
     name: str
+    # True when it drafts from the target's hidden state: the engine then hands it the final
+    # norm's output of the row each sequence's last token was drawn from (observe_hidden)
+    reads_hidden: bool
     # True when proposing costs next to nothing (a lookup): the engine then proposes at plain
     # steps too and scores the proposal against what the target decodes (shadow drafts), so a
     # sequence whose draft length went to 0 learns when drafts would pay again for free.
@@ -69,6 +73,11 @@ class Proposer(Protocol):
 
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         """Only the sequence's first `valid_tokens` tokens are still true."""
+        ...
+
+    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+        """`hidden` [hidden]: what the target's head read where the sequence's token `length` - 1
+        was drawn (asked only of proposers that read it)."""
         ...
 
     def release(self, seq: Sequence) -> None: ...
@@ -96,6 +105,7 @@ class NgramProposer:
     name = "ngram"
     free = True
     forwards = 1
+    reads_hidden = False
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
@@ -141,12 +151,34 @@ class NgramProposer:
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         pass
 
+    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+        pass
+
     def release(self, seq: Sequence) -> None:
         self._grams.pop(seq.seq_id, None)
 
     def memory_bytes(self) -> tuple[int, int]:
         """(own weights, own caches): a lookup in the sequence's tokens holds neither."""
         return 0, 0
+
+
+def draw_draft(
+    sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafted: list[int], vocab_size: int
+) -> tuple[int, torch.Tensor | None]:
+    """A model drafter's next draft for `seq` from its `logits`, under the request's own sampling
+    settings: (token, q), q None where the draft is deterministic (one-hot). A head over only the
+    vocabulary's first ids gives the others probability 0, which the exact verifier allows."""
+    if sampler.plain_greedy:
+        return int(logits.argmax()), None  # one-hot q: the verifier keeps it while it is the argmax
+    if logits.shape[-1] < vocab_size:  # a trimmed head: the ids it lacks get probability 0
+        full = logits.new_full((vocab_size,), float("-inf"))
+        full[: logits.shape[-1]] = logits
+        logits = full
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
+    q = sampler.distribution(logits, prompt, [*seq.output_ids, *drafted])
+    if seq.params.greedy:
+        return int(q.argmax()), None  # the penalized argmax; one-hot q
+    return sampler.draw(q), q
 
 
 PROBE_TEXT = "Speculative decoding checks drafts: 42 tokens, naïve café, 你好, 🙂."

@@ -1,28 +1,38 @@
 """What drafts: a separate draft model, or the target drafting for itself (the self-draft).
 
-The self-draft is the target's first n layers, then a head fitted to read the final layer's
-answer off layer n's: a least-squares map A, b from layer n's normed residual to the final normed
-hidden state (what the LM head reads), folded into the head's rows (W_head A, W_head b) and
-kept as int8 rows; the head covers only the vocabulary's first V ids (a BPE vocabulary is in
-merge order: frequent tokens first). It drafts only while its top probability is at least a
-confidence threshold. The layer count n, the vocabulary cut V and the threshold are chosen by
-measuring, on the target's own greedy replies to several dozen prompts, how often its drafts equal
-the target's tokens (`calibrate`), once per model; the result is cached.
+A self-draft is one of two kinds, both fitted by least squares on the target's own greedy
+replies and read by a head over the vocabulary's first V ids (a BPE vocabulary is in merge
+order: frequent tokens first), kept as int8 rows:
+  the first n layers   the target's first n layers, then a map A, b from layer n's normed
+                       residual to the final normed hidden state (what the LM head reads), folded
+                       into the head's rows (W_head A, W_head b); run as a model over a KV pool
+                       whose K/V are copied from the target's (engine/core/drafter.py);
+  the hidden state     no layer: a map from the final normed hidden state at the last position and
+                       the embedding of the token drawn there to the next position's hidden state,
+                       chained draft after draft (HIDDEN; engine/speculative/hidden_draft.py).
+It drafts only while its top probability is at least a confidence threshold. The kind, n, V and
+the threshold are chosen by measuring, on the target's greedy replies to a hundred-odd prompts,
+how often its drafts equal the target's tokens (`calibrate`), once per model; the result is
+cached.
 
-What the fit needs is data: the map has hidden^2 unknowns. Measured on the packaged SmolLM2-135M
-(hidden 576, 30 layers), a draft from layer 12 agreed with the target's next token on 13% of
-held-out reply positions fitted on 4 replies (~400 positions), 31% on 30 replies (3,000) and 34%
-on 60 (6,000); drafting only at >= 50% confidence, 59% of its drafts agreed (on 37% of positions).
-So the calibration sizes its replies by the hidden size (`calibration_replies`).
+What the fit needs is data: a layer map has hidden^2 unknowns, the hidden-state map twice that.
+Measured on the packaged SmolLM2-135M (hidden 576, 30 layers), a draft from layer 12 agreed with
+the target's next token on 13% of held-out reply positions fitted on 4 replies (~400 positions),
+31% on 30 replies (3,000) and 34% on 60 (6,000); the hidden-state draft, judged on the
+speculation bench's chat prompts, 21% of the drafts it made at >= 40% confidence fitted on 5,900
+rows, 30% on 12,000, 31% on 37,000. So the calibration sizes its replies by the hidden size
+(`calibration_replies`) and fits its normal equations row block by row block (`_Normal`).
 
-Why this and not layer skipping: measured on the packaged model, a draft's top-1 agreement was
-5-12% keeping the first 4-16 layers as they are (early exit), 18% keeping 24; skipping middle
-layers did no better (first 8 + last 16: 24%; every other middle layer: 6%).
+Why not layer skipping: measured on the packaged model, a draft's top-1 agreement was 5-12%
+keeping the first 4-16 layers as they are (early exit), 18% keeping 24; skipping middle layers
+did no better (first 8 + last 16: 24%; every other middle layer: 6%).
 
-On a model this small a self-draft does not pay on free chat: a draft forward costs about its
-share of the weights (12 of 30 layers and its head: ~0.3 of a step) and a verified row ~0.2 more,
-more than the ~60% agreement it reaches where it is confident saves. The draft tuner
-(engine/speculative/adaptive.py) measures that and drafts only where it pays.
+On a model this small a self-draft does not pay on free chat. The calibration picks the
+hidden-state draft there (a first-6-layers draft agreed as often and read 16% of a step's
+weights; the hidden-state draft reads 3%), and its drafts the target keeps ~26% of the time on
+the bench's chat (~35% on held-out calibration replies): below what a verified row and a round's
+bookkeeping cost. The draft tuner (engine/speculative/adaptive.py) measures that and drafts only
+where it pays.
 """
 
 from __future__ import annotations
@@ -54,11 +64,16 @@ from engine.speculative.adaptive import PRIOR_ROW_COST
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
+# A plan's layer count for the hidden-state draft: no layer of its own, the target's last hidden
+# state and the token drawn from it through a fitted map (engine/speculative/hidden_draft.py).
+HIDDEN = 0
 # Candidate thresholds on the draft's top probability (0: draft whatever it believes).
 CONFIDENCES = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MIN_VOCAB = 4096  # the smallest vocabulary cut tried; then every power of two up to the whole
-RIDGE = 1e-2  # the least-squares map's ridge, per sample (the fit has hidden^2 unknowns)
+RIDGE = 1e-3
+# Replies a calibration generates at most (~40 s on the packaged model at 2 cores, once per model)
+MAX_REPLIES = 128
 # What a verified draft row adds to a step, as a share of a one-row step, in the choice of a plan
 # (the draft tuner measures it at run time: engine.speculative.adaptive.PRIOR_ROW_COST).
 ROW_COST = PRIOR_ROW_COST
@@ -102,8 +117,13 @@ class SelfDraftPlan:
     measured: tuple[tuple[int, int, float, float, float, float], ...] = field(default=())
 
     def describe(self) -> str:
+        source = (
+            "the target's hidden state and its token through a fitted map + a head"
+            if self.layers == HIDDEN
+            else f"first {self.layers} layers + a fitted head"
+        )
         return (
-            f"first {self.layers} layers + a fitted head over {self.vocab} ids, drafting at >= "
+            f"{source} over {self.vocab} ids, drafting at >= "
             f"{self.confidence:.0%} confidence: {self.acceptance:.0%} of its drafts agreed with the "
             f"target at calibration ({self.coverage:.0%} of {self.positions} positions drafted; a draft "
             f"reads {self.cost:.0%} of a step's weights)"
@@ -134,10 +154,13 @@ def first_layers_draft(loaded: LoadedModel, layers: int) -> DraftModel:
     return _self(loaded, model, layers, f"self (first {layers} layers)", 0, 0.0)
 
 
-def fitted_self_draft(loaded: LoadedModel, plan: SelfDraftPlan, head: nn.Module) -> DraftModel:
+def fitted_self_draft(loaded: LoadedModel, fitted: FittedDraft) -> DraftModel:
+    """A layer draft (plan.layers >= 1) as a model the drafter runs."""
+    plan, head = fitted.plan, fitted.head
     model = _view(loaded.model, range(plan.layers), head)
-    weights = sum(t.numel() * t.element_size() for s in _storages(head) for t in s.tensors())
-    return _self(loaded, model, plan.layers, f"self ({plan.describe()})", weights, plan.confidence)
+    return _self(
+        loaded, model, plan.layers, f"self ({plan.describe()})", fitted.weight_bytes(), plan.confidence
+    )
 
 
 def _self(
@@ -161,8 +184,14 @@ def _self(
 
 def _check_layers(loaded: LoadedModel, layers: int) -> None:
     total = loaded.info.num_layers
-    if not 1 <= layers < total:
-        raise ValueError(f"a self-draft needs 1..{total - 1} layers, got {layers}")
+    if layers == HIDDEN and not own_forward_runs(loaded):
+        raise ValueError(
+            "the hidden-state self-draft needs kvscope's own forward (it keeps the hidden state)"
+        )
+    if not HIDDEN <= layers < total:
+        raise ValueError(
+            f"a self-draft needs 1..{total - 1} layers (or {HIDDEN}: the hidden state), got {layers}"
+        )
 
 
 def _storages(module: nn.Module) -> tuple[Any, ...]:
@@ -248,13 +277,37 @@ def _states(
     return {i: states[i][0].float() for i in layers}, states[-1][0].float()
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least squares y ~ x A^T + b with a ridge: (A [H, H], b [H])."""
-    ones = torch.ones(x.shape[0], 1, dtype=x.dtype)
-    x1 = torch.cat([x, ones], 1)
-    gram = x1.T @ x1 + RIDGE * x.shape[0] * torch.eye(x1.shape[1], dtype=x.dtype)
-    solution = torch.linalg.solve(gram.double(), (x1.T @ y).double()).float()  # [H + 1, H]
-    return solution[:-1].T.contiguous(), solution[-1].contiguous()
+@dataclass(slots=True)
+class _Normal:
+    """Least squares y ~ x A^T + b kept as its normal equations, row block by row block (the
+    rows themselves are not kept: a 1.7B model's calibration has tens of thousands of them)."""
+
+    gram: torch.Tensor | None = None  # [D + 1, D + 1] float64: [x, 1]^T [x, 1]
+    xty: torch.Tensor | None = None  # [D + 1, H] float64: [x, 1]^T y
+    rows: int = 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x1 = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1).double()
+        gram, xty = x1.T @ x1, x1.T @ y.double()
+        self.gram = gram if self.gram is None else self.gram + gram
+        self.xty = xty if self.xty is None else self.xty + xty
+        self.rows += x.shape[0]
+
+    def __add__(self, other: _Normal) -> _Normal:
+        assert (
+            self.gram is not None
+            and self.xty is not None
+            and other.gram is not None
+            and other.xty is not None
+        )
+        return _Normal(self.gram + other.gram, self.xty + other.xty, self.rows + other.rows)
+
+    def solve(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [H, D], b [H]), with a ridge of RIDGE per row."""
+        assert self.gram is not None and self.xty is not None, "rows to fit"
+        ridge = RIDGE * self.rows * torch.eye(self.gram.shape[0], dtype=self.gram.dtype)
+        solution = torch.linalg.solve(self.gram + ridge, self.xty).float()  # [D + 1, H]
+        return solution[:-1].T.contiguous(), solution[-1].contiguous()
 
 
 def candidate_layers(total: int) -> list[int]:
@@ -272,9 +325,10 @@ def candidate_vocabs(vocab_size: int) -> list[int]:
 
 
 def calibration_replies(hidden: int, available: int) -> int:
-    """Replies to calibrate on: enough for ~10 positions per unknown of a row of the map (a
-    reply and its prompt are ~100 positions), within the prompts there are."""
-    return max(8, min(available, -(-10 * hidden // 100)))
+    """Replies to calibrate on: enough for ~10 positions per unknown of a row of the widest map
+    (the hidden-state draft's: 2 x hidden; a reply and its prompt are ~100 positions), within
+    the prompts there are."""
+    return max(8, min(available, MAX_REPLIES, -(-20 * hidden // 100)))
 
 
 def net_saving(acceptance: float, coverage: float, cost: float) -> float:
@@ -284,71 +338,130 @@ def net_saving(acceptance: float, coverage: float, cost: float) -> float:
     return coverage * (acceptance - ROW_COST) - cost
 
 
-def calibrate(
-    loaded: LoadedModel, calibration: Calibration, layers: int | None = None
-) -> tuple[SelfDraftPlan, KernelLinear]:
-    """Fit a self-draft's map at each candidate layer count (or at `layers`) on three quarters of
-    the replies, measure its agreement with the target's tokens on the other quarter at each
-    vocabulary cut and confidence, and keep the candidate that saves the most target steps per
-    draft forward (`net_saving`: on a small model every candidate may lose; the tuner then
-    drafts rarely, and this is the one that loses least)."""
+@dataclass(slots=True)
+class FittedDraft:
+    """A calibrated self-draft: its plan, its head, and for the hidden-state draft its map."""
+
+    plan: SelfDraftPlan
+    head: KernelLinear  # [vocab cut, hidden]: the draft's logits
+    # the hidden-state draft's map [hidden, 2 hidden] (engine/speculative/hidden_draft.py); None
+    # for a layer draft, whose map is folded into its head
+    map: KernelLinear | None = None
+
+    def weight_bytes(self) -> int:
+        """What it holds of its own: its head's rows and its map's."""
+        modules = (self.head,) if self.map is None else (self.head, self.map)
+        return sum(t.numel() * t.element_size() for m in modules for s in _storages(m) for t in s.tensors())
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """One candidate's data: its fit (x -> y) on the fitted replies and on the held-out ones
+    (the plan's map is fitted on both once the plan is chosen), what it is judged on (x of
+    the held-out replies' positions -> their tokens)."""
+
+    fit: _Normal = field(default_factory=_Normal)
+    held: _Normal = field(default_factory=_Normal)
+    held_x: list[torch.Tensor] = field(default_factory=list)
+    held_tokens: list[torch.Tensor] = field(default_factory=list)
+
+
+def calibrate(loaded: LoadedModel, calibration: Calibration, layers: int | None = None) -> FittedDraft:
+    """Fit each candidate's map on three quarters of the replies, measure its agreement with the
+    target's tokens on the other quarter at each vocabulary cut and confidence, and keep the
+    candidate that saves the most target steps per draft forward (`net_saving`: on a small model
+    every candidate may lose; the tuner then drafts rarely, and this is the one that loses least),
+    its map fitted again on every reply (agreement grows with the rows: the packaged model's
+    hidden-state draft agreed on 21% of the bench's chat positions fitted on 5,900 rows, 30% on
+    12,000).
+    The candidates (or only `layers`): the hidden-state draft (HIDDEN, where kvscope's own
+    forward runs the target: it keeps the hidden state) and the first n layers at each count of
+    `candidate_layers`."""
     model = loaded.model
     inner: Any = model.model
     total = loaded.info.num_layers
-    candidates = [layers] if layers is not None else candidate_layers(total)
+    if layers is not None:
+        candidates = [layers]
+    else:
+        candidates = [*([HIDDEN] if own_forward_runs(loaded) else []), *candidate_layers(total)]
     for n in candidates:
         _check_layers(loaded, n)
+    deep = [n for n in candidates if n != HIDDEN]
     norm = _final_norm(model)
-    fit_x: dict[int, list[torch.Tensor]] = {n: [] for n in candidates}
-    fit_y: list[torch.Tensor] = []
-    held: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []
+    embed = model.get_input_embeddings()
+    data = {n: _Candidate() for n in candidates}
+    few = len(calibration.sequences) < 4  # then every reply is fitted on, the odd ones judged too
     for index, (ids, start) in enumerate(zip(calibration.sequences, calibration.reply_starts)):
-        states, final = _states(model, ids, candidates)
-        if index % 4 != 3 or len(calibration.sequences) < 4:  # fit on every position: prompts, replies
-            for n in candidates:
-                fit_x[n].append(norm(states[n]))
-            fit_y.append(final)
-        if index % 4 == 3 or (len(calibration.sequences) < 4 and index % 2):  # judge on replies:
-            rows = slice(start - 1, len(ids) - 1)  # position p - 1 predicts token p
-            held.append(({n: norm(states[n][rows]) for n in candidates}, torch.tensor(ids[start:])))
+        states, final = _states(model, ids, deep)
+        fit = index % 4 != 3 or few  # fit on every position: prompts, replies
+        held = index % 4 == 3 or (few and index % 2 == 1)  # judge on replies
+        tokens = torch.tensor(ids)
+        for n, d in data.items():
+            if n == HIDDEN:  # x_p = [f_p, e(token p + 1)] -> f_(p + 1), judged on token p + 2
+                x = torch.cat([final[:-2], _embedded(embed, tokens[1:-1])], 1)
+                y, rows, first = final[1:-1], slice(start - 1, len(ids) - 2), start + 1
+            else:  # x_p = layer n's normed residual -> f_p, judged on token p + 1
+                x, y, rows, first = norm(states[n]), final, slice(start - 1, len(ids) - 1), start
+            if fit:
+                d.fit.add(x, y)
+            if held:
+                d.held.add(x, y)
+                d.held_x.append(x[rows])
+                d.held_tokens.append(tokens[first:])
     vocab_size = loaded.info.vocab_size
     w_head = head_rows(model, vocab_size)
     hidden = w_head.shape[1]
     head_bias = getattr(model.get_output_embeddings(), "bias", None)
-    # a decode step reads every layer's weights and the head's once; a draft its layers' and its
-    # own head's (int8 codes and a float32 scale per row)
+    bias_rows = head_bias.detach().float() if isinstance(head_bias, torch.Tensor) else None
+    # a decode step reads every layer's weights and the head's once; a draft its layers' (or the
+    # hidden draft's int8 map) and its own head's (int8 codes and a float32 scale per row)
     layer_bytes = [model_weight_bytes(layer) for layer in inner.layers]
     step_bytes = sum(layer_bytes) + model_weight_bytes(model.get_output_embeddings())
-    y = torch.cat(fit_y)
-    targets = torch.cat([t for _, t in held])
     measured: list[tuple[int, int, float, float, float, float]] = []
-    best: tuple[float, int, int, float, float, float, float] | None = None
-    maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for n in candidates:
-        a, b = maps[n] = _fit(torch.cat(fit_x[n]), y)
-        logits = (torch.cat([states[n] for states, _ in held]) @ a.T + b) @ w_head.T
+    best: tuple[float, int, int, float, float, float, float, int] | None = None
+    for n, d in data.items():
+        a, b = d.fit.solve()
+        logits = (torch.cat(d.held_x) @ a.T + b) @ w_head.T
+        if bias_rows is not None:
+            logits = logits + bias_rows
+        targets = torch.cat(d.held_tokens)
+        own = hidden * (2 * hidden + 4) if n == HIDDEN else sum(layer_bytes[:n])
         for vocab in candidate_vocabs(vocab_size):
             probs = torch.softmax(logits[:, :vocab], -1)
             top, pick = probs.max(-1)
             agree = pick == targets
-            cost = (sum(layer_bytes[:n]) + vocab * (hidden + 4)) / step_bytes
+            cost = (own + vocab * (hidden + 4)) / step_bytes
             for tau in CONFIDENCES:
                 drafted = top >= tau
                 coverage = float(drafted.float().mean())
                 acceptance = float(agree[drafted].float().mean()) if bool(drafted.any()) else 0.0
                 measured.append((n, vocab, tau, acceptance, coverage, cost))
                 key = (net_saving(acceptance, coverage, cost), n, vocab, tau, acceptance, coverage, cost)
-                if best is None or key > best:
-                    best = key
+                if best is None or key > best[:7]:
+                    best = (*key, int(targets.numel()))
     assert best is not None
-    _, n, vocab, tau, acceptance, coverage, cost = best
-    a, b = maps[n]
-    weight = w_head[:vocab] @ a
-    bias = w_head[:vocab] @ b
-    if isinstance(head_bias, torch.Tensor):
-        bias = bias + head_bias.detach().float()[:vocab]
-    plan = SelfDraftPlan(n, vocab, tau, acceptance, coverage, cost, int(targets.numel()), tuple(measured))
-    return plan, fitted_head(weight, bias, loaded.policy)
+    _, n, vocab, tau, acceptance, coverage, cost, positions = best
+    plan = SelfDraftPlan(n, vocab, tau, acceptance, coverage, cost, positions, tuple(measured))
+    chosen = data[n]
+    a, b = chosen.fit.solve() if few else (chosen.fit + chosen.held).solve()
+    bias = None if bias_rows is None else bias_rows[:vocab]
+    if n == HIDDEN:
+        return FittedDraft(
+            plan, fitted_head(w_head[:vocab], bias, loaded.policy), fitted_head(a, b, loaded.policy)
+        )
+    folded = w_head[:vocab] @ b
+    return FittedDraft(
+        plan,
+        fitted_head(w_head[:vocab] @ a, folded if bias is None else folded + bias, loaded.policy),
+    )
+
+
+def _embedded(embed: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's input embedding of `tokens`, float32 [n, hidden] (the hidden-state draft's
+    second input; its module as the forward calls it)."""
+    with torch.inference_mode():
+        out: torch.Tensor = embed(tokens)
+    return out.float()
 
 
 def _final_norm(model: PreTrainedModel) -> Any:
@@ -375,8 +488,8 @@ def _plan_file(loaded: LoadedModel) -> Path:
     return cache_root() / "self-draft" / f"{model_key(loaded)}.json"
 
 
-def load_plan(loaded: LoadedModel) -> tuple[SelfDraftPlan, KernelLinear] | None:
-    """The cached plan and its head for `loaded`, or None."""
+def load_plan(loaded: LoadedModel) -> FittedDraft | None:
+    """The cached plan and its head (and map) for `loaded`, or None."""
     path = _plan_file(loaded)
     try:
         raw = json.loads(path.read_text())
@@ -387,21 +500,31 @@ def load_plan(loaded: LoadedModel) -> tuple[SelfDraftPlan, KernelLinear] | None:
         return None
     fields = raw["plan"]
     fields["measured"] = tuple(tuple(m) for m in fields["measured"])
-    plan = SelfDraftPlan(**fields)
-    return plan, KernelLinear(
-        Int8RowWeight(tensors["codes"], tensors["scales"]), tensors["bias"], loaded.policy or KernelPolicy()
+    policy = loaded.policy or KernelPolicy()
+
+    def linear(prefix: str) -> KernelLinear:
+        weight = Int8RowWeight(tensors[f"{prefix}codes"], tensors[f"{prefix}scales"])
+        return KernelLinear(weight, tensors[f"{prefix}bias"], policy)
+
+    return FittedDraft(
+        SelfDraftPlan(**fields), linear(""), linear("map_") if "map_codes" in tensors else None
     )
 
 
-def save_plan(loaded: LoadedModel, plan: SelfDraftPlan, head: KernelLinear) -> None:
-    storage = head.storage
-    assert isinstance(storage, Int8RowWeight)
+def save_plan(loaded: LoadedModel, fitted: FittedDraft) -> None:
     path = _plan_file(loaded)
+    tensors: dict[str, torch.Tensor | None] = {}
+    for prefix, module in (("", fitted.head), ("map_", fitted.map)):
+        if module is None:
+            continue
+        storage = module.storage
+        assert isinstance(storage, Int8RowWeight)
+        codes, scales = storage.tensors()[:2]
+        tensors.update({f"{prefix}codes": codes, f"{prefix}scales": scales, f"{prefix}bias": module.bias})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        codes, scales = storage.tensors()[:2]
-        torch.save({"codes": codes, "scales": scales, "bias": head.bias}, path.with_suffix(".pt"))
-        path.write_text(json.dumps({"version": PLAN_VERSION, "plan": asdict(plan)}))
+        torch.save(tensors, path.with_suffix(".pt"))
+        path.write_text(json.dumps({"version": PLAN_VERSION, "plan": asdict(fitted.plan)}))
     except OSError:
         pass  # an unwritable cache only costs a new calibration next time
 

@@ -79,6 +79,7 @@ class OracleDrafts:
     name = "oracle"
     free = True
     forwards = 1
+    reads_hidden = False
 
     def __init__(self, replies: dict[tuple[int, ...], tuple[int, ...]], vocab: int):
         self.replies, self.vocab, self.rounds = replies, vocab, 0

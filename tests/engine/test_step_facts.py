@@ -21,6 +21,7 @@ class FourDrafts:
     name = "four"
     free = True
     forwards = 1
+    reads_hidden = False
 
     def evidence(self, seq):
         return 1  # always something to propose
