@@ -3,7 +3,9 @@ same engine, model and prompts, in one run.
 
 1. The verify step (engine/bench/verify_step.py): a step verifying k drafts against a plain
    decode step at the same context, interleaved, on the model and on each of `--verify-models`
-   (a 1.7B-shaped GGUF, say): what a verification costs beyond one row, and where.
+   (a 1.7B-shaped GGUF, say): what a verification costs beyond one row, and where; beside it
+   llama.cpp's own step of as many rows at that context against its decode step (llama-bench,
+   where it is built): a peer for what batched rows cost on this machine.
 2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
    prompts, for the n-gram and the self-draft proposers (and a draft model with
    `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
@@ -29,16 +31,19 @@ import gc
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.bench.llama_bench import BUILD_HINT, find_llama_bench, llama_batch_step
 from engine.bench.verify_step import verify_step_cost
 from engine.config import EngineConfig, ModelSpec, SamplingParams, SpeculativeConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.speedup import timed_request
 from engine.model.loaded import LoadedModel
 from engine.model.loading import load_model
+from engine.model.sources import resolve_source
 from engine.request import Request
 from engine.units import tokens_per_s
 
@@ -170,6 +175,7 @@ def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     }
     parts = set((getattr(args, "speculation_parts", None) or "verify,tasks").split(","))
     if "verify" in parts:
+        llama_bench = find_llama_bench(getattr(args, "llama_bench", None))
         print("verify step: this model", file=sys.stderr)
         steps = [verify_step_cost(loaded, k=args.num_draft)]
         for source in getattr(args, "verify_models", None) or ():
@@ -178,6 +184,8 @@ def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
             steps.append(verify_step_cost(other, k=args.num_draft))
             del other
             gc.collect()
+        for step, source in zip(steps, [args.model, *(getattr(args, "verify_models", None) or ())]):
+            step["llama_cpp"] = _llama_verify(llama_bench, source, step)
         report["verify_step"] = steps
     if "tasks" in parts:
         configs = proposers(args)
@@ -192,6 +200,21 @@ def run_speculative_bench(args: argparse.Namespace, loaded: LoadedModel) -> int:
     return 0
 
 
+def _llama_verify(binary: Path | None, source: str, step: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's own step of as many rows at the same context against its decode step, on the
+    same file and threads (a peer for the verify row: what its batched rows cost it)."""
+    if binary is None:
+        return {"skipped": BUILD_HINT}
+    gguf = resolve_source(source).gguf
+    if gguf is None:
+        return {"skipped": "the model is not a GGUF file"}
+    try:
+        rows = step["drafts"] + 1
+        return llama_batch_step(binary, gguf, rows, step["context_tokens"], torch.get_num_threads())
+    except (RuntimeError, KeyError, ValueError) as exc:
+        return {"skipped": f"llama-bench: {exc}"}
+
+
 def _table(report: dict[str, Any]) -> str:
     lines = [f"{report['model']} ({report['quantization']}), {report['threads']} threads"]
     for step in report.get("verify_step", []):
@@ -200,6 +223,14 @@ def _table(report: dict[str, Any]) -> str:
             f"verify step, {step['drafts']} drafts, {step['model']}: {step['verify']['step_ms']:.1f} ms vs "
             f"plain {step['plain']['step_ms']:.1f} ms = {ratio['step']:.2f}x (forward {ratio['forward']:.2f}x)"
         )
+        peer = step.get("llama_cpp", {})
+        if "rows_ms" in peer:
+            lines.append(
+                f"    llama.cpp, same rows and context: {peer['rows_ms']:.1f} ms vs {peer['one_row_ms']:.1f} ms "
+                f"= {peer['rows_vs_one_row']:.2f}x"
+            )
+        elif "skipped" in peer:
+            lines.append(f"    llama.cpp: {peer['skipped']}")
         for name, split in step["split_ms"].items():
             lines.append(
                 "    "

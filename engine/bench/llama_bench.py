@@ -111,6 +111,19 @@ def run_llama_bench(binary: Path, gguf: Path, prompt: int, new_tokens: int, thre
     return LlamaBenchRun(float(prefill["avg_ts"]), float(decode["avg_ts"]), peak, wall)
 
 
+def llama_batch_step(
+    binary: Path, gguf: Path, rows: int, depth: int, threads: int, repetitions: int = 5
+) -> dict[str, float]:
+    """llama.cpp's time for one token and for a batch of `rows` tokens after `depth` tokens in
+    its cache (llama-bench -p 1,rows -d depth): what verifying rows - 1 drafts costs it against a
+    decode step, in milliseconds, and their ratio."""
+    args = ["-m", str(gguf), "-p", f"1,{rows}", "-n", "0", "-d", str(depth), "-t", str(threads)]
+    out, _, _ = _run(binary, [*args, "-r", str(repetitions), "-o", "json"])
+    by_rows = {r["n_prompt"]: float(r["avg_ns"]) / 1e6 for r in json.loads(out) if r.get("n_depth") == depth}
+    one, batch = by_rows[1], by_rows[rows]
+    return {"one_row_ms": one, "rows_ms": batch, "rows_vs_one_row": batch / one}
+
+
 def llama_load_seconds(binary: Path, gguf: Path, threads: int) -> float:
     """llama.cpp's load time, as near as llama-bench shows it: the wall time of a run that only
     loads the model and generates one token without warm-up, less that token."""
