@@ -186,3 +186,21 @@ def test_the_self_method_runs_the_hidden_draft_when_asked(tiny, replies, monkeyp
     engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=100, speculative=spec))
     assert isinstance(engine.proposer, HiddenStateDrafter)
     assert engine.proposer.name.startswith("self (the target's hidden state")
+
+
+def test_sampled_drafts_carry_the_distribution_they_were_drawn_from(tiny, fitted):
+    """Under sampling a draft's q is its own distribution over the whole vocabulary (the ids its
+    head lacks at 0), which the verifier needs to keep the target's distribution."""
+    events: list = []
+    spec = SpeculativeConfig("ngram", num_draft=3, adaptive=False)
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=300, speculative=spec), events.append)
+    engine.proposer = drafter(tiny, fitted)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=NEW, ignore_eos=True, seed=3)
+    engine.add_request(Request(prompt_token_ids=tuple(PROMPTS[0]), sampling=params))
+    while engine.has_work():
+        engine.step()
+    rounds = [e for e in events if isinstance(e, SpecRound)]
+    (done,) = [e for e in events if isinstance(e, RequestFinished)]
+    assert rounds and len(done.token_ids) == NEW
+    q = [p for r in rounds for p in r.q_probs]
+    assert all(0.0 < p < 1.0 for p in q), "drawn from a distribution, not one-hot"
