@@ -553,8 +553,8 @@ class LLMEngine:
     def _greedy_replies(self, prompts: tuple[str, ...], new_tokens: int) -> Calibration:
         """The target's greedy replies to `prompts` on a plain engine of its own (the
         self-draft's calibration): each full token sequence and where its reply starts."""
-        # room for a few dozen replies at once (batched, they take ~20 s on the packaged model at
-        # 2 cores; a CPU pool is resident only where written)
+        # room for a hundred-odd replies at once (batched, they take ~30 s on the packaged model
+        # at 2 cores; a CPU pool is resident only where written)
         plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=2**30)
         self.emit(
             ModelLoading(

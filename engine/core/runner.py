@@ -155,10 +155,8 @@ class ModelRunner:
             hidden = None
             if self.own_forward is not None:
                 logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
-                hidden, self.own_forward.last_normed = (
-                    self.own_forward.last_normed,
-                    None,
-                )  # the result keeps it
+                hidden = self.own_forward.last_normed
+                self.own_forward.last_normed = None  # the result keeps it, and no longer
             else:
                 with contextlib.ExitStack() as hooks:
                     if observer is not None or edit is not None:

@@ -371,9 +371,9 @@ def calibrate(loaded: LoadedModel, calibration: Calibration, layers: int | None 
     target's tokens on the other quarter at each vocabulary cut and confidence, and keep the
     candidate that saves the most target steps per draft forward (`net_saving`: on a small model
     every candidate may lose; the tuner then drafts rarely, and this is the one that loses least),
-    its map fitted again on every reply (agreement grows with the rows: the packaged model's
-    hidden-state draft agreed on 21% of the bench's chat positions fitted on 5,900 rows, 30% on
-    12,000).
+    its map fitted again on every reply (agreement grows with the rows: on the bench's chat the
+    packaged model's hidden-state draft had 21% of its drafts at >= 40% confidence kept fitted on
+    5,900 rows, 30% on 12,000).
     The candidates (or only `layers`): the hidden-state draft (HIDDEN, where kvscope's own
     forward runs the target: it keeps the hidden state) and the first n layers at each count of
     `candidate_layers`."""
