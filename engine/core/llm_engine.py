@@ -553,9 +553,9 @@ class LLMEngine:
     def _greedy_replies(self, prompts: tuple[str, ...], new_tokens: int) -> Calibration:
         """The target's greedy replies to `prompts` on a plain engine of its own (the
         self-draft's calibration): each full token sequence and where its reply starts."""
-        # room for a hundred-odd replies at once (batched, they take ~30 s on the packaged model
-        # at 2 cores; a CPU pool is resident only where written)
-        plain = replace(self.config, speculative=None, num_blocks=None, kv_budget_bytes=2**30)
+        # a pool of this engine's own size (the memory its user allowed: the replies run in as
+        # many waves as it takes; the packaged model's 116 take ~30 s at 2 cores, in two)
+        plain = replace(self.config, speculative=None, num_blocks=self.kv.pool.num_blocks)
         self.emit(
             ModelLoading(
                 f"self-draft: fitting its head on the model's own replies to {len(prompts)} prompts "
