@@ -36,7 +36,7 @@ from engine.events import Event, SpecRound, TokenGenerated
 from engine.grammar.state import GrammarDeadEnd
 from engine.kv.manager import KVCacheManager
 from engine.sampling.mask import TokenMask
-from engine.sampling.sampler import SampleResult
+from engine.sampling.sampler import SampleResult, greedy_row
 from engine.speculative.adaptive import DraftTuner
 from engine.speculative.proposers import Proposer
 from engine.speculative.verify import Verdict, verify, verify_greedy
@@ -231,7 +231,8 @@ class Postprocessor:
         d = seq.num_draft_tokens
         drafts = list(seq.spec_token_ids)
         if seq.sampler.plain_greedy and seq.grammar is None:
-            return verify_greedy(logits, drafts)  # one argmax over the round's rows
+            rows = logits.detach().to(torch.float32)  # each row's argmax as a lone decode takes it
+            return verify_greedy([greedy_row(rows[i])[0] for i in range(d + 1)], drafts)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
         # Under a grammar: each position's mask, the matcher walked through the drafts and back.

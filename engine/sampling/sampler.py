@@ -39,6 +39,19 @@ def _history_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> tor
     return t[t < vocab].reshape(1, -1)
 
 
+def greedy_row(row: torch.Tensor) -> tuple[int, float]:
+    """(first index of the largest, log-sum-exp) of one float32 score row: plain greedy decoding's
+    token and its normalizer. One C call where kvk runs (torch's argmax and logsumexp took
+    0.1-0.3 ms a row); every greedy row, a lone decode's or a speculative round's, takes it here,
+    so a round keeps and scores its tokens as decoding one at a time would."""
+    lib = native.kernels()
+    if lib is not None and row.device.type == "cpu" and row.is_contiguous():
+        found = lib.argmax_logsumexp(row)
+        if found is not None:
+            return found
+    return int(row.argmax()), float(row.logsumexp(0))
+
+
 class Sampler:
     """Samples one sequence's next token from its logits under fixed `SamplingParams`."""
 
@@ -82,14 +95,8 @@ class Sampler:
             if mask is not None:
                 scores = apply_mask(scores, mask)
             row = scores[0]
-            lib = native.kernels()
-            if lib is not None and row.device.type == "cpu" and row.is_contiguous():
-                found = lib.argmax_logsumexp(row)  # one C call: torch's two took 0.1-0.3 ms
-                if found is not None:
-                    token, lse = found
-                    return SampleResult(token, self._checked(float(row[token]) - lse), None)
-            token = int(row.argmax())
-            return SampleResult(token, self._checked(float(row[token] - row.logsumexp(0))), None)
+            token, lse = greedy_row(row)
+            return SampleResult(token, self._checked(float(row[token]) - lse), None)
 
         scores, trace, penalized = self._process(scores, prompt_ids, output_ids, want_snapshot, mask)
         if self.params.greedy:
@@ -153,12 +160,14 @@ class Sampler:
         return self._result(scores, trace, penalized, token, mask)
 
     def greedy_results(self, logits: torch.Tensor, tokens: Sequence[int]) -> list[SampleResult]:
-        """Plain greedy (`plain_greedy`): each row's token and its log-prob from one log-sum-exp
-        over the rows of a speculative round (logits [len(tokens), V]), as `sample` gives them."""
-        rows = logits.detach().to(torch.float32)[: len(tokens)]
-        picked = rows[torch.arange(len(tokens)), torch.as_tensor(list(tokens))]
-        logprobs: list[float] = (picked - rows.logsumexp(-1)).tolist()
-        return [SampleResult(t, self._checked(lp), None) for t, lp in zip(tokens, logprobs)]
+        """Plain greedy (`plain_greedy`): each row's token and its log-prob, the rows of a
+        speculative round (logits [len(tokens), V]) computed as `sample` computes a lone row."""
+        rows = logits.detach().to(torch.float32)
+        results = []
+        for i, token in enumerate(tokens):
+            lse = greedy_row(rows[i])[1]
+            results.append(SampleResult(token, self._checked(float(rows[i, token]) - lse), None))
+        return results
 
     def _process(
         self,

@@ -6,7 +6,7 @@ distribution after the request's own sampling stages; on the first rejection the
 from the normalised residual max(p - q, 0); when every draft is accepted a bonus token is drawn
 from the target's next distribution. The emitted tokens are distributed exactly as p, whatever
 the draft. Greedy is the special case of one-hot p: drafts are kept while they equal the argmax
-(`verify_greedy`: the whole round from one argmax over its rows, no distribution built).
+(`verify_greedy`: the whole round from its rows' argmaxes, no distribution built).
 """
 
 from __future__ import annotations
@@ -60,12 +60,11 @@ def verify(
     return Verdict(len(draft), draw(p[len(draft)]), True, tuple(accept_probs), tuple(ps), tuple(qs))
 
 
-def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
-    """A greedy round with no sampling stage: logits [len(draft) + 1, V]. Drafts are kept while
-    each equals its row's argmax; the token after them is the first differing row's argmax (the
-    rejection) or the last row's (the bonus): what `verify` gives with one-hot p and q, from one
-    argmax over the round's rows instead of a distribution per row."""
-    best: list[int] = logits.argmax(dim=-1).tolist()
+def verify_greedy(best: list[int], draft: list[int]) -> Verdict:
+    """A greedy round with no sampling stage, from each of its len(draft) + 1 rows' argmax
+    (`best`). Drafts are kept while each equals its row's argmax; the token after them is the
+    first differing row's argmax (the rejection) or the last row's (the bonus): what `verify`
+    gives with one-hot p and q, without a distribution per row."""
     accepted = 0
     while accepted < len(draft) and draft[accepted] == best[accepted]:
         accepted += 1

@@ -300,3 +300,16 @@ def test_self_draft_copies_its_layers_kv_from_the_target_instead_of_computing_th
     computing = ModelDrafter(first_layers_draft(tiny, 2), config, 200, VOCAB)
     ((computed, _),) = computing.propose([seq], [3])
     assert computing.copied_tokens == 0 and computed == copied
+
+
+def test_greedy_speculation_scores_its_tokens_as_plain_decoding_does(tiny):
+    """A round's tokens carry the log-probs a lone decode gives them, bit for bit (each row's
+    argmax and log-sum-exp the one way plain greedy decoding computes them)."""
+
+    def logprobs(spec):
+        _, events, _ = generate(tiny, spec)
+        return [(e.request_id, e.index, e.token_id, e.logprob) for e in events if isinstance(e, TokenGenerated)]
+
+    plain = logprobs(None)
+    spec = logprobs(SpeculativeConfig("ngram", num_draft=3, adaptive=False))
+    assert sorted(spec) == sorted(plain)
