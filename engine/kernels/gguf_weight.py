@@ -92,6 +92,11 @@ class GGUFWeight(WeightStorage):
         self.panels: np.ndarray | None = None  # the rows repacked (use_panels), what "kvk" multiplies
         self._bind()
 
+    def file_bytes(self) -> int:
+        """The bytes of the file's rows this storage multiplies (its row table's rows)."""
+        block_weights, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        return self.out_features * (self.in_features // block_weights) * block_bytes
+
     def can_use_panels(self) -> bool:
         """Whether this build multiplies panels of this type and shape (use_panels would repack)."""
         return (

@@ -173,7 +173,26 @@ def test_a_loaded_models_linears_run_on_panels_and_its_head_on_the_files_rows(tm
         if isinstance(s, GGUFWeight)
     }
     assert storages and all(s.panels is not None for s in storages.values())
-    assert any("Q4_0 linears" in note and "panels" in note for note in loaded.info.notes)
+    # what the panels hold, said against the file's rows (Q4_0's panels are its bytes reordered;
+    # rows past a multiple of 16 are padding)
+    file = sum(s.file_bytes() for s in storages.values())
+    panels = sum(s.panels.nbytes for s in storages.values())
+    (note,) = [n for n in loaded.info.notes if "Q4_0 linears" in n]
+    assert ("the same bytes" in note) == (panels == file) and "panels of 16 rows" in note
+
+
+def test_the_q4_k_panels_note_says_what_they_add_to_the_files_bytes():
+    """Q4_K's 6-bit scales unpacked to bytes: 148 bytes a super-block's row in place of 144."""
+    from engine.kernels.linear import KernelLinear, repack_for_kernels, repacked_notes
+    from engine.kernels.policy import KernelPolicy
+
+    n, k = 32, 512
+    storage = GGUFWeight(Q.Q4_K, random_blocks(Q.Q4_K, n, k), k)
+    model = torch.nn.Sequential(KernelLinear(storage, None, KernelPolicy()))
+    repack_for_kernels(model)
+    assert storage.panels is not None and storage.panels.nbytes == storage.file_bytes() * 148 // 144
+    (note,) = repacked_notes(model)
+    assert note.startswith("Q4_K linears (x1) repacked") and "+2.8% on the file's bytes" in note
 
 
 def test_two_threads_multiplying_at_once_each_get_their_own_product():

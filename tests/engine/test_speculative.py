@@ -308,7 +308,9 @@ def test_greedy_speculation_scores_its_tokens_as_plain_decoding_does(tiny):
 
     def logprobs(spec):
         _, events, _ = generate(tiny, spec)
-        return [(e.request_id, e.index, e.token_id, e.logprob) for e in events if isinstance(e, TokenGenerated)]
+        return [
+            (e.request_id, e.index, e.token_id, e.logprob) for e in events if isinstance(e, TokenGenerated)
+        ]
 
     plain = logprobs(None)
     spec = logprobs(SpeculativeConfig("ngram", num_draft=3, adaptive=False))

@@ -148,7 +148,6 @@ static void get_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
-
 static void q3k_scales(const uint8_t *s, int8_t *out) {
     for (int j = 0; j < 16; j++) {
         int lo = (j < 8 ? s[j] : s[j - 8] >> 4) & 0x0f;
@@ -218,11 +217,11 @@ static inline int block_code(int t, const uint8_t *b, int e) {
     return 0;
 }
 
-// The (a, b) of every sub-block of a block: w = a * c + b.
 // panels.c reads the file's blocks through these
 void kvk_scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) { get_scale_min_k4(s, sc, mn); }
 int kvk_block_code(int t, const uint8_t *b, int e) { return block_code(t, b, e); }
 
+// The (a, b) of every sub-block of a block: w = a * c + b.
 static void block_scales(int t, const uint8_t *b, float *a, float *o) {
     switch (t) {
         case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: {
