@@ -27,7 +27,7 @@ from engine.config import ConfigError, SpeculativeConfig
 PROPOSERS = (
     ("Off", None),
     ("N-gram prompt lookup", "ngram"),
-    ("Self-draft (first layers)", "self"),
+    ("Self-draft", "self"),
     ("Draft model", "draft"),
 )
 
