@@ -279,18 +279,23 @@ def repacked_notes(model: nn.Module) -> list[str]:
     """The load notes of repack_for_kernels: which types' layers run repacked, and what the panels
     hold against the file's rows, or nothing."""
     held: dict[str, list[int]] = {}  # type -> [layers, the file's bytes, the panels' bytes]
-    for storage in _linear_gguf_storages(model):
-        if storage.panels is not None:
-            counts = held.setdefault(storage.ggml_type.name, [0, 0, 0])
-            counts[0] += 1
-            counts[1] += storage.file_bytes()
-            counts[2] += storage.panels.nbytes
+    for storage in panel_storages(model):
+        assert storage.panels is not None
+        counts = held.setdefault(storage.ggml_type.name, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += storage.file_bytes()
+        counts[2] += storage.panels.nbytes
     return [
         f"{name} linears (x{n}) repacked at load into panels of 16 rows side by side ("
         + ("the same bytes" if panels == file else f"{panels / file - 1:+.1%} on the file's bytes")
         + ", the file's pages handed back): kvk's faster layout for them on this CPU"
         for name, (n, file, panels) in held.items()
     ]
+
+
+def panel_storages(model: nn.Module) -> list[GGUFWeight]:
+    """The linear layers' weights held as panels (repack_for_kernels), each once."""
+    return [storage for storage in _linear_gguf_storages(model) if storage.panels is not None]
 
 
 def _linear_gguf_storages(model: nn.Module) -> list[GGUFWeight]:

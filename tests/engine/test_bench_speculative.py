@@ -23,6 +23,9 @@ def test_the_verify_step_verifies_k_drafts_every_step(tiny_loaded):
             "rest_ms",
         }
     assert step["verify_vs_plain"]["step"] > 0
+    assert "skipped" in step["roof"]  # a float32 model: no panel linears to put a roof on
+    text = _table({"model": "tiny", "quantization": "none", "threads": 1, "verify_step": [step]})
+    assert "roof: no linears multiplied as panels" in text
 
 
 def test_every_method_is_run_against_plain_and_its_text_compared(tiny_loaded):

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import write_tiny_llama
+from gguf_files import HEADS, HIDDEN, KV_HEADS, LAYERS, write_tiny_llama
 from logit_rows import record_logit_rows
 from tiny_models import IdTokenizer
 
@@ -114,6 +114,20 @@ def test_the_verify_step_split_counts_the_fused_layers_parts(loaded):
     for side in ("plain", "verify"):
         split = step["split_ms"][side]
         assert split["linears_ms"] > 0 and split["attention_ms"] > 0 and split["rest_ms"] < split["step_ms"]
+    roof = step["roof"]
+    if native.kernels().pair_product_rate(iterations=1) is None:  # no VNNI here: no panels
+        assert "skipped" in roof
+        return
+    # Every projection of the tiny Llama (all Q4_1) is a panel weight, the tied head is not.
+    hidden, kv = HIDDEN, HIDDEN // HEADS * KV_HEADS
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * (2 * hidden)
+    assert roof["rows"] == 4 and roof["panel_macs_per_row"] == LAYERS * per_layer
+    floor_ms = 4 * roof["panel_macs_per_row"] / roof["pair_products_per_s"] * 1e3
+    assert roof["linears_floor_ms"] == pytest.approx(floor_ms)
+    plain = step["split_ms"]["plain"]
+    assert roof["floor_vs_plain"] == pytest.approx(
+        (plain["step_ms"] - plain["linears_ms"] + floor_ms) / plain["step_ms"]
+    )
 
 
 def test_a_layer_the_c_call_refuses_is_named_with_its_part(tmp_path):

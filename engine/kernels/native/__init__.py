@@ -17,6 +17,7 @@ import ctypes
 import os
 import platform
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,20 @@ class Kvk:
             raise RuntimeError(f"kvk_panel_dequantize refused GGML type {ggml_type}")
         return out
 
+    def pair_product_rate(self, iterations: int = 1 << 20, repeats: int = 3) -> float | None:
+        """Products of 16-bit pairs per second these cores reach on registers alone, at the
+        threads torch runs (panels.c's probe: the roof under the panels' arithmetic), best of
+        `repeats`; None where this build has no VNNI. Takes ~0.1 s a repeat."""
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            threads = self.lib.kvk_pair_product_probe(iterations)
+            seconds = time.perf_counter() - start
+            if threads < 0:
+                return None
+            best = max(best, threads * iterations * 12 * 32 / seconds)
+        return best
+
     def quantize_rows(self, ggml_type: int, x: torch.Tensor, scalar: bool = False) -> np.ndarray:
         """Activations float32 [R, k] quantized as kvk_matmul quantizes them for `ggml_type`: the
         bytes of this build's layout [R, row stride], by its own routine or, with `scalar`, by
@@ -383,6 +398,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_panel_dequantize.argtypes = [_c_int, _ptr, _c_i64, _c_i64, _ptr]
     lib.kvk_panel_dequantize.restype = _c_int
     lib.kvk_matmul_panels.argtypes, lib.kvk_matmul_panels.restype = [_c_int, _ptr, *matmul[2:]], _c_int
+    lib.kvk_pair_product_probe.argtypes, lib.kvk_pair_product_probe.restype = [_c_i64], _c_int
 
 
 def cpu_variants() -> list[str]:

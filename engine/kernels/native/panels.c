@@ -492,3 +492,33 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
     return -1;
 #endif
 }
+
+// The roof under the panels' arithmetic: each thread runs `iterations` rounds of 12 independent
+// vpdpwssd on registers (32 products each, no memory operand, no dependency a round cannot
+// hide), so threads * iterations * 384 products over the call's time is the most products per
+// second any kernel multiplying 16-bit pairs reaches on these cores. Returns the threads that ran,
+// or -1 where this build has no VNNI.
+KVK_API int kvk_pair_product_probe(int64_t iterations) {
+#ifdef PANELS_AVX512
+    int threads = 1;
+#pragma omp parallel
+    {
+        __m512i acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
+        const __m512i a = _mm512_set1_epi16(3), b = _mm512_set1_epi16(5);
+        for (int64_t n = 0; n < iterations; n++)
+            for (int i = 0; i < 12; i++) __asm__ volatile("vpdpwssd %2, %1, %0" : "+v"(acc[i]) : "v"(a), "v"(b));
+        int32_t keep = 0;
+        for (int i = 0; i < 12; i++) keep += _mm512_reduce_add_epi32(acc[i]);
+        __asm__ volatile("" : : "r"(keep));
+#ifdef _OPENMP
+#pragma omp single
+        threads = omp_get_num_threads();
+#endif
+    }
+    return threads;
+#else
+    (void)iterations;
+    return -1;
+#endif
+}
