@@ -88,6 +88,7 @@ class EngineHost(QObject):
         self._loading = False
         self._ready = False
         self._in_flight: set[int] = set()
+        self._no_token_yet: set[int] = set()  # in flight, no token shown: frames stay fast for it
         self._retired: list[EngineClient] = []
         self._calls: list[EngineCall] = []  # engine calls whose outcome has not reached the GUI yet
         self._requests: OrderedDict[int, Request] = OrderedDict()  # this engine's, by request id
@@ -132,6 +133,7 @@ class EngineHost(QObject):
         self._drain_calls()  # calls the stopped engine failed or finished
         self.engine, self.store = None, None
         self._in_flight.clear()
+        self._no_token_yet.clear()
         self._requests.clear()  # the next engine numbers its requests from 1 again
         self._loading = self._ready = False
         stopped = not engine.is_alive()
@@ -160,6 +162,7 @@ class EngineHost(QObject):
             raise RuntimeError("no model is loaded")
         request_id = self.engine.submit(request)
         self._in_flight.add(request_id)
+        self._no_token_yet.add(request_id)
         self._requests[request_id] = request
         while len(self._requests) > REMEMBERED_REQUESTS:
             self._requests.popitem(last=False)
@@ -192,6 +195,10 @@ class EngineHost(QObject):
         job.attach(query(engine, job.channel) if progress else query(engine))
         return job
 
+    def first_token_due(self) -> bool:
+        """A reply in flight has shown no token yet (the render timer stays at its fastest)."""
+        return bool(self._no_token_yet)
+
     def status(self) -> HostStatus:
         return HostStatus(loading=self._loading, ready=self._ready, generating=bool(self._in_flight))
 
@@ -200,7 +207,9 @@ class EngineHost(QObject):
     def _on_timer(self) -> None:
         self.render_tick()
         self._drain_calls()
-        self._timer.setInterval(self.pacer.next_interval_ms(busy=bool(self._in_flight)))
+        self._timer.setInterval(
+            self.pacer.next_interval_ms(busy=bool(self._in_flight), first_token_due=self.first_token_due())
+        )
 
     def render_tick(self) -> None:
         if self.store is None:
@@ -245,10 +254,12 @@ class EngineHost(QObject):
                 self.request_started.emit(event)
             elif kind is RequestFinished:
                 self._in_flight.discard(event.request_id)
+                self._no_token_yet.discard(event.request_id)
                 self.request_finished.emit(event)
                 status_changed = True
             elif kind is RequestFailed:
                 self._in_flight.discard(event.request_id)
+                self._no_token_yet.discard(event.request_id)
                 self.request_failed.emit(event)
                 status_changed = True
             elif kind is ToolCallsParsed:
@@ -261,5 +272,6 @@ class EngineHost(QObject):
 
     def _flush_tokens(self, tokens: dict[int, list[TokenGenerated]]) -> None:
         for request_id, batch in tokens.items():
+            self._no_token_yet.discard(request_id)
             self.tokens_generated.emit(request_id, batch)
         tokens.clear()

@@ -47,3 +47,29 @@ def test_the_rate_recovers_when_the_gui_gets_cheap_again_and_when_idle():
     assert run(pacer, clocks, share=CPU_BUDGET / 4, busy=True) == MIN_INTERVAL_MS
     run(pacer, clocks, share=4 * CPU_BUDGET, busy=True)
     assert pacer.next_interval_ms(busy=False) == MIN_INTERVAL_MS  # idle: nothing competes
+
+
+def test_the_next_reply_starts_at_the_rate_the_last_one_settled_at():
+    pacer, clocks = make()
+    settled = run(pacer, clocks, share=4 * CPU_BUDGET, busy=True)
+    assert settled == MAX_INTERVAL_MS
+    run(pacer, clocks, share=0.0, busy=False)  # idle between replies: fast frames, no CPU
+    clocks.frame(MIN_INTERVAL_MS / 1000, 0.0)
+    assert pacer.next_interval_ms(busy=True) == MAX_INTERVAL_MS  # not the fastest rate again
+
+
+def test_idle_frames_do_not_make_generating_look_cheap():
+    pacer, clocks = make()
+    run(pacer, clocks, share=4 * CPU_BUDGET, busy=True)
+    share = pacer.cpu_share
+    run(pacer, clocks, share=0.0, busy=False)
+    assert pacer.cpu_share == share
+
+
+def test_frames_stay_fast_until_a_replys_first_token_is_shown():
+    pacer, clocks = make()
+    run(pacer, clocks, share=4 * CPU_BUDGET, busy=True)
+    clocks.frame(MIN_INTERVAL_MS / 1000, 0.0)
+    assert pacer.next_interval_ms(busy=True, first_token_due=True) == MIN_INTERVAL_MS
+    clocks.frame(MIN_INTERVAL_MS / 1000, 0.0)
+    assert pacer.next_interval_ms(busy=True) == MAX_INTERVAL_MS
