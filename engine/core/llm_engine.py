@@ -390,8 +390,10 @@ class LLMEngine:
         t_end = time.perf_counter()
         self.step_count += 1
         if self.tuner is not None and not batch.prefill_tokens:
-            # a decode step's cost by its rows (schedule and forward: what rows change)
-            self.tuner.observe_step(batch.decode_tokens, t_post - t_drafted, drafting_s, forwards)
+            # a decode step's cost by its rows: scheduling, forward and postprocessing all grow with them
+            self.tuner.observe_step(
+                batch.decode_tokens, t_end - t_drafted, t_end - t_post, drafting_s, forwards
+            )
         self._drafting = (0.0, 0)
         phases = (t_drafted - t0, forward_s, t_end - t_post)
         self._emit_step(batch, result, shapes, t0, phases, t_end)

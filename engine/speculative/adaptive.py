@@ -58,35 +58,23 @@ MAX_ROWS_TRACKED = 64
 
 
 @dataclass(slots=True)
-class StepCosts:
-    """The engine's measured step times by rows (decode and verification steps only) and its
-    drafting time per draft forward: medians of their last timings."""
+class RowTimings:
+    """A time by a step's rows: the median of its last timings at each row count measured, and
+    between or beyond them on the line through the nearest two."""
 
     by_rows: dict[int, float] = field(default_factory=dict)
-    draft_forward_s: float | None = None
-    _steps: dict[int, deque[float]] = field(default_factory=dict)
-    _drafts: deque[float] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+    _timings: dict[int, deque[float]] = field(default_factory=dict)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or rows > MAX_ROWS_TRACKED or seconds <= 0:
             return
-        timings = self._steps.setdefault(rows, deque(maxlen=TIMINGS_KEPT))
+        timings = self._timings.setdefault(rows, deque(maxlen=TIMINGS_KEPT))
         timings.append(seconds)
         self.by_rows[rows] = statistics.median(timings)
 
-    def observe_drafting(self, forwards: int, seconds: float) -> None:
-        if forwards < 1:
-            return
-        self._drafts.append(seconds / forwards)
-        self.draft_forward_s = statistics.median(self._drafts)
-
-    @property
-    def known(self) -> bool:
-        return bool(self.by_rows)
-
-    def step(self, rows: int) -> float | None:
-        """A decode step's time at `rows` rows: measured, else on the line through the nearest
-        measured row counts, else from the one measured with the prior row cost."""
+    def at(self, rows: int) -> float | None:
+        """Measured, else on the line through the nearest measured row counts, else from the one
+        measured with the prior row cost; None before any."""
         if rows in self.by_rows:
             return self.by_rows[rows]
         if not self.by_rows:
@@ -108,6 +96,42 @@ class StepCosts:
         ta, tb = self.by_rows[a], self.by_rows[b]
         slope = max(0.0, (tb - ta) / (b - a))
         return max(1e-9, ta + slope * (rows - a))
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """The engine's measured decode and verification steps by rows, whole (scheduling, forward,
+    postprocessing: a round's rows add to each, 0.12 ms of postprocessing at one row and 0.38 at
+    five on the packaged model, a tenth of what its drafts add to a step) and their
+    postprocessing alone, and its drafting time per draft forward: medians of their last timings."""
+
+    steps: RowTimings = field(default_factory=RowTimings)
+    postprocessing: RowTimings = field(default_factory=RowTimings)
+    draft_forward_s: float | None = None
+    _drafts: deque[float] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+
+    def observe_step(self, rows: int, seconds: float, postprocess_s: float = 0.0) -> None:
+        """A step of `rows` rows took `seconds`, `postprocess_s` of them postprocessing."""
+        self.steps.observe(rows, seconds)
+        self.postprocessing.observe(rows, postprocess_s)
+
+    def observe_drafting(self, forwards: int, seconds: float) -> None:
+        if forwards < 1:
+            return
+        self._drafts.append(seconds / forwards)
+        self.draft_forward_s = statistics.median(self._drafts)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.steps.by_rows)
+
+    def step(self, rows: int) -> float | None:
+        """A decode step's whole time at `rows` rows (None before any was timed)."""
+        return self.steps.at(rows)
+
+    def postprocess(self, rows: int) -> float:
+        """Its postprocessing (0 until timed)."""
+        return self.postprocessing.at(rows) or 0.0
 
     def row_cost(self, rows: int, extra: int) -> float | None:
         """What `extra` more rows add to a step of `rows` rows."""
@@ -288,9 +312,12 @@ class DraftTuner:
             state.shadow_at, state.shadow = -1, []
 
     # ---- after the step ----------------------------------------------------------------------
-    def observe_step(self, rows: int, seconds: float, drafting_s: float, draft_forwards: int) -> None:
-        """A decode-only step's rows and time (drafting apart), and its drafting."""
-        self.costs.observe_step(rows, seconds)
+    def observe_step(
+        self, rows: int, seconds: float, postprocess_s: float, drafting_s: float, draft_forwards: int
+    ) -> None:
+        """A decode-only step's rows and time (drafting apart; `postprocess_s` of it
+        postprocessing), and its drafting."""
+        self.costs.observe_step(rows, seconds, postprocess_s)
         self.costs.observe_drafting(draft_forwards, drafting_s)
 
     def round_done(
@@ -305,7 +332,8 @@ class DraftTuner:
         asked: int = 0,
     ) -> RoundOutcome:
         """A verified round: its acceptance recorded, and what it saved measured against a plain
-        step of the other rows. `asked`: the drafts asked for; a proposer that stopped short of
+        step of the other rows. `step_s`: its step up to the postprocessing it is part of, which
+        is not over yet; the postprocessing of steps of as many rows is added. `asked`: the drafts asked for; a proposer that stopped short of
         them (a draft below its confidence threshold) made a forward that gives nothing, which
         counts as a rejected draft: acceptance is then the share of draft positions that save a
         step, what a round's net needs."""
@@ -318,7 +346,8 @@ class DraftTuner:
         plain = self.costs.step(max(1, decoding))
         saved = 0.0
         if without is not None and plain is not None:
-            saved = accepted * plain / max(1, decoding) - max(0.0, step_s - without) - draft_share_s
+            whole = step_s + self.costs.postprocess(step_rows)
+            saved = accepted * plain / max(1, decoding) - max(0.0, whole - without) - draft_share_s
         state.saved_s += saved
         return RoundOutcome(saved, draft_share_s)
 

@@ -154,3 +154,34 @@ def test_the_length_chosen_makes_the_most_tokens_a_second_not_the_most_saved_a_r
         cheap.choose(1, decoding=1, cap=100)
         cheap.round_done(1, drafted=8, accepted=8, step_rows=9, step_s=0.0032, decoding=1, draft_share_s=0.0)
     assert cheap.choose(1, decoding=1, cap=100) == 8
+
+
+def test_a_rounds_rows_cost_their_postprocessing_too():
+    """Forward and scheduling alone, a draft kept 40% of the time adds less than it gives; its
+    postprocessing (timed apart, as the engine times it) tips the round into a loss, and a
+    round's measured saving counts the postprocessing of steps of its rows."""
+
+    def tuned(post_ms: tuple[float, float]) -> DraftTuner:
+        tuner = DraftTuner(most=1, adaptive=True, free_proposer=True)
+        for rows, ms, post in ((1, 10.0, post_ms[0]), (2, 12.0, post_ms[1])):
+            tuner.costs.observe_step(rows, (ms + post) / 1000, post / 1000)
+        for i in range(40):
+            tuner.choose(1, decoding=1, cap=100)
+            tuner.round_done(
+                1,
+                drafted=1,
+                accepted=1 if i % 5 < 2 else 0,
+                step_rows=2,
+                step_s=0.012,
+                decoding=1,
+                draft_share_s=0.0,
+            )
+        return tuner
+
+    assert tuned((0.0, 0.0)).choose(1, decoding=1, cap=100) == 1  # 0.4 x 10 ms > 2 ms
+    costly = tuned((0.5, 3.0))  # the second row's postprocessing: 2.5 ms more
+    assert costly.choose(1, decoding=1, cap=100) == 0  # 0.4 x 10.5 ms < 4.5 ms
+    outcome = costly.round_done(
+        1, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.0
+    )
+    assert abs(outcome.saved_s - (0.0105 - (0.015 - 0.0105))) < 1e-9
