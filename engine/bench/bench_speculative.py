@@ -6,8 +6,9 @@ same engine, model and prompts, in one run.
    (a 1.7B-shaped GGUF, say): what a verification costs beyond one row, and where; beside it
    llama.cpp's own step of as many rows at that context against its decode step (llama-bench,
    where it is built): a peer for what batched rows cost on this machine; and the roof under
-   it: the least time the panel linears' k + 1 rows take at the rate these cores multiply 16-bit
-   pairs (measured), and what that alone makes of the step against a plain one.
+   it: the least time the panel linears' k + 1 rows take, at the rate these cores multiply 16-bit
+   pairs (measured) and no less than one row's, and what that alone makes of the step against a
+   plain one.
 2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
    prompts, for the n-gram and the self-draft proposers (and a draft model with
    `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
@@ -236,10 +237,11 @@ def _table(report: dict[str, Any]) -> str:
         roof = step.get("roof", {})
         if "floor_vs_plain" in roof:
             lines.append(
-                f"    roof: {roof['rows']} rows of the panel linears at this CPU's 16-bit pair products "
-                f"({roof['pair_products_per_s'] / 1e9:.0f} G/s, measured) take >= {roof['linears_floor_ms']:.1f} ms: "
-                f">= {roof['floor_vs_plain']:.2f}x a plain step if nothing else grew; ours ran at "
-                f"{roof['verify_linears_products_per_s'] / roof['pair_products_per_s']:.0%} of that rate"
+                f"    roof: {roof['rows']} rows of the panel linears take >= {roof['compute_floor_ms']:.1f} ms at "
+                f"this CPU's 16-bit pair products ({roof['pair_products_per_s'] / 1e9:.0f} G/s, measured) and >= one "
+                f"row's {roof['one_row_linears_ms']:.1f} ms: >= {roof['floor_vs_plain']:.2f}x a plain step if nothing "
+                f"else grew; ours ran at {roof['verify_linears_products_per_s'] / roof['pair_products_per_s']:.0%} "
+                "of that rate"
             )
         elif "skipped" in roof:
             lines.append(f"    roof: {roof['skipped']}")

@@ -133,15 +133,16 @@ def verify_step_cost(loaded: LoadedModel, k: int = 4, context: int = 128, steps:
 
 
 def panel_roof(loaded: LoadedModel, rows: int, split: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """What the panels' arithmetic alone lets a step of `rows` rows cost on these cores.
+    """What the panels' arithmetic lets a step of `rows` rows cost at least, on these cores.
 
     A row multiplies every panel weight once; the panels multiply 16-bit pairs, 32 products an
     instruction, and `pair_product_rate` measures how many such products these cores' threads
-    reach on registers alone. So `rows` rows take at least linears_floor_ms in the panels,
-    whatever the kernel. floor_vs_plain puts that in the instrumented plain step in place of its
-    linears, every other part left at its one-row time: a step of `rows` rows costs at least that
-    many plain steps if nothing but the linears grew (attention, the head and the rest only grow
-    with rows). Also how fast the verify step's linears ran against that roof."""
+    reach on registers alone. So the linears of `rows` rows take at least compute_floor_ms, and no
+    less than one row's linears, which read every weight once. floor_vs_plain puts the larger in
+    the instrumented plain step in place of its linears, every other part left at its one-row
+    time: a step of `rows` rows costs at least that many plain steps if nothing but the linears
+    grew (attention, the head and the rest only grow with rows). Also how fast the verify step's
+    linears ran against the compute roof."""
     storages = panel_storages(loaded.model)
     lib = storages[0].lib if storages else None
     rate = lib.pair_product_rate() if lib is not None else None
@@ -150,14 +151,15 @@ def panel_roof(loaded: LoadedModel, rows: int, split: dict[str, dict[str, float]
             "skipped": "no linears multiplied as panels in this build (AVX-512 VNNI, Q4_0/Q4_1/Q4_K/Q6_K)"
         }
     macs = sum(s.out_features * s.in_features for s in storages)
-    floor_ms = rows * macs / rate * 1e3
+    compute_ms = rows * macs / rate * 1e3
     plain, verify = split["plain"], split["verify"]
-    floor_step_ms = plain["step_ms"] - plain["linears_ms"] + floor_ms
+    floor_step_ms = plain["step_ms"] - plain["linears_ms"] + max(compute_ms, plain["linears_ms"])
     return {
         "rows": rows,
         "panel_macs_per_row": macs,
         "pair_products_per_s": rate,
-        "linears_floor_ms": floor_ms,
+        "compute_floor_ms": compute_ms,
+        "one_row_linears_ms": plain["linears_ms"],
         "floor_vs_plain": floor_step_ms / plain["step_ms"],
         "verify_linears_products_per_s": rows * macs / (verify["linears_ms"] / 1e3)
         if verify["linears_ms"]

@@ -278,7 +278,7 @@ class Kvk:
             raise RuntimeError(f"kvk_panel_dequantize refused GGML type {ggml_type}")
         return out
 
-    def pair_product_rate(self, iterations: int = 1 << 20, repeats: int = 3) -> float | None:
+    def pair_product_rate(self, iterations: int = 1 << 19, repeats: int = 3) -> float | None:
         """Products of 16-bit pairs per second these cores reach on registers alone, at the
         threads torch runs (panels.c's probe: the roof under the panels' arithmetic), best of
         `repeats`; None where this build has no VNNI. Takes ~0.1 s a repeat."""
@@ -289,7 +289,7 @@ class Kvk:
             seconds = time.perf_counter() - start
             if threads < 0:
                 return None
-            best = max(best, threads * iterations * 12 * 32 / seconds)
+            best = max(best, threads * iterations * 24 * 32 / seconds)
         return best
 
     def quantize_rows(self, ggml_type: int, x: torch.Tensor, scalar: bool = False) -> np.ndarray:
