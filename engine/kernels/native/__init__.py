@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.cache_dirs import cache_root
+from engine.kernels.huge_pages import huge_page_buffer
 
 _c_int, _c_i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 
@@ -266,7 +267,7 @@ class Kvk:
         size = int(self.lib.kvk_panel_bytes(ggml_type, rows.shape[0], k))
         if size < 0:
             return None
-        panels = np.empty(size, dtype=np.uint8)
+        panels = huge_page_buffer(size)  # streamed once a decode step: 2 MiB pages where the OS gives them
         if self.lib.kvk_repack_panels(ggml_type, rows.ctypes.data, rows.shape[0], k, panels.ctypes.data):
             raise RuntimeError(f"kvk_repack_panels refused GGML type {ggml_type} with {k} inputs")
         return panels
