@@ -139,21 +139,21 @@ def test_the_length_chosen_makes_the_most_tokens_a_second_not_the_most_saved_a_r
     2.85 ms, 5 rows 5.3 ms, 9 rows 10.3 ms (a second pass of the panels' 8-row tiles). A round
     of 8 drafts saves more a round (7.5 tokens' worth against 3.9, for 7.45 ms more against
     2.45) but makes fewer tokens a millisecond (8.5 / 10.3 against 4.9 / 5.3)."""
-    tuner = DraftTuner(most=8, adaptive=True, free_proposer=True)
-    for rows, ms in ((1, 2.85), (5, 5.3), (9, 10.3)):
-        tuner.costs.observe_step(rows, ms / 1000)
-    for _ in range(30):
-        tuner.choose(1, decoding=1, cap=100)
-        tuner.round_done(1, drafted=8, accepted=8, step_rows=9, step_s=0.0103, decoding=1, draft_share_s=0.0)
-    assert tuner.choose(1, decoding=1, cap=100) == 4
+
+    def length_after_full_acceptance(step_ms: tuple[float, float, float]) -> int:
+        tuner = DraftTuner(most=8, adaptive=True, free_proposer=True)
+        for rows, ms in zip((1, 5, 9), step_ms):
+            tuner.costs.observe_step(rows, ms / 1000)
+        for _ in range(30):
+            tuner.choose(1, decoding=1, cap=100)
+            tuner.round_done(
+                1, drafted=8, accepted=8, step_rows=9, step_s=step_ms[2] / 1000, decoding=1, draft_share_s=0.0
+            )
+        return tuner.choose(1, decoding=1, cap=100)
+
+    assert length_after_full_acceptance((2.85, 5.3, 10.3)) == 4
     # the same acceptance with rows that cost little more than their activations: the longest
-    cheap = DraftTuner(most=8, adaptive=True, free_proposer=True)
-    for rows, ms in ((1, 2.85), (5, 3.0), (9, 3.2)):
-        cheap.costs.observe_step(rows, ms / 1000)
-    for _ in range(30):
-        cheap.choose(1, decoding=1, cap=100)
-        cheap.round_done(1, drafted=8, accepted=8, step_rows=9, step_s=0.0032, decoding=1, draft_share_s=0.0)
-    assert cheap.choose(1, decoding=1, cap=100) == 8
+    assert length_after_full_acceptance((2.85, 3.0, 3.2)) == 8
 
 
 def test_a_rounds_rows_cost_their_postprocessing_too():
