@@ -282,7 +282,7 @@ class Kvk:
     def pair_product_rate(self, iterations: int = 1 << 19, repeats: int = 3) -> float | None:
         """Products of 16-bit pairs per second these cores reach on registers alone, at the
         threads torch runs (panels.c's probe: the roof under the panels' arithmetic), best of
-        `repeats`; None where this build has no VNNI. Takes ~0.1 s a repeat."""
+        `repeats`; None where this build has no VNNI. A few milliseconds a repeat."""
         best = 0.0
         for _ in range(repeats):
             start = time.perf_counter()
@@ -290,7 +290,7 @@ class Kvk:
             seconds = time.perf_counter() - start
             if threads < 0:
                 return None
-            best = max(best, threads * iterations * 24 * 32 / seconds)
+            best = max(best, threads * iterations * 24 * 32 / seconds)  # a round: 24 vpdpwssd of 32
         return best
 
     def quantize_rows(self, ggml_type: int, x: torch.Tensor, scalar: bool = False) -> np.ndarray:
