@@ -161,8 +161,9 @@ def test_speculative_decoding_under_a_schema_equals_plain_decoding(native):
         ),
     )
     plain, _ = run(LLMEngine(native, EngineConfig(block_size=16)), request)
-    config = EngineConfig(block_size=16, speculative=SpeculativeConfig("ngram", num_draft=4))
-    spec, _ = run(LLMEngine(native, config), request)
+    # rounds whatever the tuner would make of their cost under a grammar (its masks grow with rows)
+    speculative = SpeculativeConfig("ngram", num_draft=4, adaptive=False)
+    spec, _ = run(LLMEngine(native, EngineConfig(block_size=16, speculative=speculative)), request)
     assert spec.token_ids == plain.token_ids and spec.stats.spec_accepted > 0
     jsonschema.validate(json.loads(plain.text), schema)
 

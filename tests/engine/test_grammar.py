@@ -249,7 +249,10 @@ def test_speculative_decoding_under_a_schema_equals_plain_greedy(tiny_loaded):
         sampling=SamplingParams(temperature=0.0, max_new_tokens=80, grammar=spec),
     )
     plain, _ = run(make_engine(tiny_loaded, EngineConfig(block_size=8, num_blocks=400)), request)
-    config = EngineConfig(block_size=8, num_blocks=400, speculative=SpeculativeConfig("ngram", num_draft=4))
+    # 4 drafts every round (not as the tuner judges the tiny model's costs): rounds to keep and
+    # to roll back under the grammar, whatever a round costs here
+    speculative = SpeculativeConfig("ngram", num_draft=4, adaptive=False)
+    config = EngineConfig(block_size=8, num_blocks=400, speculative=speculative)
     spec_end, events = run(make_engine(tiny_loaded, config), request)
     assert spec_end.token_ids == plain.token_ids
     rounds = [e for e in events if isinstance(e, SpecRound)]
@@ -260,7 +263,8 @@ def test_speculative_decoding_under_a_schema_equals_plain_greedy(tiny_loaded):
 def test_a_draft_the_grammar_refuses_is_rejected(tiny_loaded):
     """n-gram drafts copy the prompt; under a grammar that forbids those tokens every draft is
     rejected at once (p = 0) and the reply stays in the grammar."""
-    config = EngineConfig(block_size=8, num_blocks=400, speculative=SpeculativeConfig("ngram", num_draft=3))
+    speculative = SpeculativeConfig("ngram", num_draft=3, adaptive=False)  # rounds whatever they cost
+    config = EngineConfig(block_size=8, num_blocks=400, speculative=speculative)
     params = SamplingParams(
         temperature=1.0, seed=2, max_new_tokens=24, grammar=GrammarSpec("regex", "12[0-9]{8,18}")
     )
