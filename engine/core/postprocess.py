@@ -232,7 +232,7 @@ class Postprocessor:
         drafts = list(seq.spec_token_ids)
         if seq.sampler.plain_greedy and seq.grammar is None:
             rows = logits.detach().to(torch.float32)  # each row's argmax as a lone decode takes it
-            return verify_greedy([greedy_row(rows[i])[0] for i in range(d + 1)], drafts)
+            return verify_greedy([greedy_row(rows[i]) for i in range(d + 1)], drafts)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
         # Under a grammar: each position's mask, the matcher walked through the drafts and back.
@@ -295,9 +295,9 @@ class Postprocessor:
             )
         )
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        # one log-sum-exp over the round's rows, where no grammar masks them
+        # a greedy round with no grammar: its rows' log-sum-exps, taken once by verify_greedy
         plain = seq.sampler.plain_greedy and seq.grammar is None
-        greedy = seq.sampler.greedy_results(logits, emitted) if plain else None
+        greedy = seq.sampler.greedy_results(logits, emitted, verdict.log_normalizers) if plain else None
         for i, token in enumerate(emitted):
             kind = "accepted" if i < verdict.accepted else ("bonus" if verdict.bonus else "resampled")
             self._keep(seq, logits[i])

@@ -159,15 +159,18 @@ class Sampler:
         )
         return self._result(scores, trace, penalized, token, mask)
 
-    def greedy_results(self, logits: torch.Tensor, tokens: Sequence[int]) -> list[SampleResult]:
+    def greedy_results(
+        self, logits: torch.Tensor, tokens: Sequence[int], log_normalizers: Sequence[float]
+    ) -> list[SampleResult]:
         """Plain greedy (`plain_greedy`): each row's token and its log-prob, the rows of a
-        speculative round (logits [len(tokens), V]) computed as `sample` computes a lone row."""
+        speculative round (logits [len(tokens), V]) with their log-sum-exps as `greedy_row` took
+        them (verify_greedy), so each as `sample` computes a lone row."""
+        assert len(log_normalizers) == len(tokens), "a log-sum-exp for each emitted row"
         rows = logits.detach().to(torch.float32)
-        results = []
-        for i, token in enumerate(tokens):
-            lse = greedy_row(rows[i])[1]
-            results.append(SampleResult(token, self._checked(float(rows[i, token]) - lse), None))
-        return results
+        return [
+            SampleResult(token, self._checked(float(rows[i, token]) - lse), None)
+            for i, (token, lse) in enumerate(zip(tokens, log_normalizers))
+        ]
 
     def _process(
         self,

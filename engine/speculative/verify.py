@@ -25,6 +25,9 @@ class Verdict:
     accept_probs: tuple[float, ...]  # min(1, p/q) of each draft token examined
     p_of_draft: tuple[float, ...]
     q_of_draft: tuple[float, ...]
+    # a greedy round's (verify_greedy) log-sum-exp of each row it emits from, for their tokens'
+    # log-probs without a second pass over the rows; empty otherwise
+    log_normalizers: tuple[float, ...] = ()
 
 
 def verify(
@@ -60,14 +63,19 @@ def verify(
     return Verdict(len(draft), draw(p[len(draft)]), True, tuple(accept_probs), tuple(ps), tuple(qs))
 
 
-def verify_greedy(best: list[int], draft: list[int]) -> Verdict:
-    """A greedy round with no sampling stage, from each of its len(draft) + 1 rows' argmax
-    (`best`). Drafts are kept while each equals its row's argmax; the token after them is the
-    first differing row's argmax (the rejection) or the last row's (the bonus): what `verify`
-    gives with one-hot p and q, without a distribution per row."""
+def verify_greedy(scored: list[tuple[int, float]], draft: list[int]) -> Verdict:
+    """A greedy round with no sampling stage, from each of its len(draft) + 1 rows' argmax and
+    log-sum-exp (`scored`, as sampler.greedy_row gives them). Drafts are kept while each equals
+    its row's argmax; the token after them is the first differing row's argmax (the rejection) or
+    the last row's (the bonus): what `verify` gives with one-hot p and q, without a distribution
+    per row."""
+    best = [token for token, _ in scored]
     accepted = 0
     while accepted < len(draft) and draft[accepted] == best[accepted]:
         accepted += 1
     examined = min(accepted + 1, len(draft))
     kept = tuple(1.0 if i < accepted else 0.0 for i in range(examined))
-    return Verdict(accepted, best[accepted], accepted == len(draft), kept, kept, (1.0,) * examined)
+    normalizers = tuple(lse for _, lse in scored[: accepted + 1])
+    return Verdict(
+        accepted, best[accepted], accepted == len(draft), kept, kept, (1.0,) * examined, normalizers
+    )
