@@ -293,7 +293,7 @@ MAX_NUM_DRAFT = 16
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens and how many per round."""
 
-    method: str = "ngram"  # "ngram" prompt lookup, "draft" another model, "self" the target's first layers
+    method: str = "ngram"  # "ngram" prompt lookup, "draft" another model, "self" the target for itself (its hidden state or first layers)
     num_draft: int = 4  # draft tokens per round (the most, when adaptive)
     draft_model: str | None = None  # for "draft": a model source sharing the target's tokenizer
     # for "self": None the calibration's choice, 0 a draft from the target's hidden state

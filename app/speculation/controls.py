@@ -42,7 +42,7 @@ class SpeculationControls(QWidget):
             self.proposer.addItem(label, method)
         self.proposer.setToolTip(
             "Who drafts tokens for the target to verify in one forward: n-gram lookup copies from the "
-            "conversation (no model); self-draft runs the target's first layers; a draft model must "
+            "conversation (no model); self-draft has the target draft for itself, from its own hidden state or its first layers; a draft model must "
             "share the target's tokenizer"
         )
         self.num_draft = QSpinBox()

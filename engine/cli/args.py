@@ -54,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=["ngram", "draft", "self"],
         default=None,
-        help="speculative decoding: n-gram prompt lookup, a draft model, or the target's first layers",
+        help="speculative decoding: n-gram prompt lookup, a draft model, or the target drafting for itself (from its hidden state or its first layers)",
     )
     p.add_argument("--draft-model", default=None, help="draft model source for --speculative draft")
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per speculative round")

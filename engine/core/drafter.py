@@ -8,7 +8,8 @@ the target committed since the last round: 1 + the drafts it accepted), each thr
 own forward and the kernel table's kernels, like the target's decode steps. A draft's cache keeps
 the positions the target verified and drops the rest (`on_verified`), block by block.
 
-A self-draft's layers are the target's first layers: the K/V of the tokens the target has
+A layer self-draft's layers are the target's first layers (the hidden-state self-draft runs no
+layer: engine/speculative/hidden_draft.py): the K/V of the tokens the target has
 computed are copied from the target's pool (its first layers) instead of run through the draft,
 so a round after plain steps (the tuner's probe) or on a new sequence costs its draft forwards
 and a copy, not a catch-up forward over every token since the last round (the whole prompt at
