@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def record_logit_rows(engine, observer=None) -> dict[tuple[int, int], torch.Tensor]:
+def record_logit_rows(engine, observer=None, middles=None) -> dict[tuple[int, int], torch.Tensor]:
     """Wrap `engine`'s runner so that each forward's logits rows land in the returned dict (the
-    forward called with `observer`)."""
+    forward called with `observer`), and its kept middle residual rows in `middles` if given."""
     logits: dict[tuple[int, int], torch.Tensor] = {}
     forward = engine.runner.forward
 
@@ -21,6 +21,8 @@ def record_logit_rows(engine, observer=None) -> dict[tuple[int, int], torch.Tens
                 end = seq.num_computed_tokens + n
                 for i in range(count):
                     logits[(seq.seq_id, end - count + i)] = result.logits[start + i].clone()
+                    if middles is not None:
+                        middles[(seq.seq_id, end - count + i)] = result.middle[start + i].clone()
         return result
 
     engine.runner.forward = recording

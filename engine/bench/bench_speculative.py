@@ -57,10 +57,25 @@ PASSAGE = (
 )
 TASKS: dict[str, tuple[str, ...]] = {
     "repeat": (f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",),
+    # fifteen prompts of several kinds: acceptance is a property of the text, and three prompts
+    # (~100 distinct drafts: greedy rounds repeat them) judged a draft by those three (the
+    # hidden-state draft kept 28% of its drafts on them and ~31% on the other twelve)
     "chat": (
         "What are three good habits for staying healthy? Explain each briefly.",
         "Write a short story about a robot who learns to paint.",
         "How does a refrigerator keep food cold?",
+        "What is the difference between weather and climate?",
+        "Give me a recipe for a simple vegetable soup.",
+        "Describe a day in the life of a lighthouse keeper.",
+        "How do vaccines work?",
+        "What should I pack for a weekend trip to the mountains?",
+        "Explain what a database index is.",
+        "Write a letter to a friend who moved to another country.",
+        "Why is the sky blue?",
+        "What are the pros and cons of working from home?",
+        "Tell me a story about a dragon and a knight.",
+        "How can I improve my handwriting?",
+        "What happens when you boil water at high altitude?",
     ),
 }
 

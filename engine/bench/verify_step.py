@@ -41,6 +41,7 @@ class RejectedDrafts:
     free = True
     forwards = 1
     reads_hidden = False
+    middle_layer = 0
 
     def __init__(self, token: int):
         self.token = token
@@ -54,7 +55,9 @@ class RejectedDrafts:
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         pass
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+    def observe_hidden(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
+    ) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:

@@ -83,6 +83,7 @@ class ModelDrafter:
 
     free = False  # proposing runs a model
     reads_hidden = False
+    middle_layer = 0
 
     def __init__(
         self,
@@ -180,7 +181,9 @@ class ModelDrafter:
             del own.block_table[needed:]
             self.kv.pool.free(list(reversed(emptied)), own.seq_id)
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+    def observe_hidden(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
+    ) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:

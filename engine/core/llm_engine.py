@@ -133,6 +133,7 @@ class LLMEngine:
         self._proposer: Proposer | None = (
             make_proposer(config, loaded, num_blocks, self._greedy_replies, self.storage) if spec else None
         )
+        self._keep_middle(self._proposer)
         # the draft length of each sequence, from the engine's measured costs and acceptance
         self.tuner: DraftTuner | None = (
             DraftTuner(spec.num_draft, spec.adaptive, self._proposer.free)
@@ -189,8 +190,16 @@ class LLMEngine:
     @proposer.setter
     def proposer(self, proposer: Proposer | None) -> None:
         self._proposer = self.post.proposer = proposer
+        self._keep_middle(proposer)
         if proposer is not None and self.tuner is not None:
             self.tuner.free = proposer.free
+
+    def _keep_middle(self, proposer: Proposer | None) -> None:
+        """The own forward keeps the residual at the layer a hidden-state drafter reads, if any."""
+        own = self.runner.own_forward
+        if own is not None:
+            reads = proposer is not None and proposer.reads_hidden
+            own.keep_middle = proposer.middle_layer if reads and proposer is not None else 0
 
     def emit(self, event: Event) -> None:
         if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):

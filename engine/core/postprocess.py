@@ -118,6 +118,7 @@ class Postprocessor:
         # what the head read, for a proposer that drafts from it (before the tokens are emitted:
         # a sequence that finishes on one is released)
         hidden = result.hidden if self.proposer is not None and self.proposer.reads_hidden else None
+        middle = result.middle if hidden is not None else None
         for seq in batch.seqs:
             if seq.seq_id not in rows:
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
@@ -126,11 +127,11 @@ class Postprocessor:
             if verdict is not None:
                 if hidden is not None:  # the row the round's last token is drawn from
                     length = seq.num_tokens + verdict.accepted + 1
-                    self._guarded(seq, self._observe, seq, hidden[start + verdict.accepted], length)
+                    self._guarded(seq, self._observe, seq, hidden, middle, start + verdict.accepted, length)
                 self._guarded(seq, self._emit_round, seq, verdict, logits[start : start + count])
             elif seq.group is None:
                 if hidden is not None:
-                    self._guarded(seq, self._observe, seq, hidden[start], seq.num_tokens + 1)
+                    self._guarded(seq, self._observe, seq, hidden, middle, start, seq.num_tokens + 1)
                 self._guarded(seq, self.sample, seq, logits[start])
             elif seq.group.kind == "beams":
                 beam_rows.setdefault(seq.group.request_id, {})[seq.seq_id] = start
@@ -143,9 +144,11 @@ class Postprocessor:
             if group is not None:
                 self._guarded(group.members[0], self.groups.beam_step, group, seq_rows, logits, step)
 
-    def _observe(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+    def _observe(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, row: int, length: int
+    ) -> None:
         assert self.proposer is not None
-        self.proposer.observe_hidden(seq, hidden, length)
+        self.proposer.observe_hidden(seq, hidden[row], None if middle is None else middle[row], length)
 
     def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.group is not None

@@ -66,6 +66,8 @@ class ForwardResult:
     # the final norm's output of the same rows (what the head read), float32 [rows, hidden];
     # kvscope's own forward only (None on transformers')
     hidden: torch.Tensor | None = None
+    # the residual entering the forward's keep_middle layer at the same rows, where one is kept
+    middle: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -152,11 +154,12 @@ class ModelRunner:
             torch.inference_mode(),
             self.policy.step([m for m, _ in segments], [k for _, k in segments]) as record,
         ):
-            hidden = None
+            hidden = middle = None
             if self.own_forward is not None:
-                logits = self.own_forward(input_ids, position_ids, batch, keep_rows, observer, edit)
-                hidden = self.own_forward.last_normed
-                self.own_forward.last_normed = None  # the result keeps it, and no longer
+                own = self.own_forward
+                logits = own(input_ids, position_ids, batch, keep_rows, observer, edit)
+                hidden, middle = own.last_normed, own.last_middle
+                own.last_normed = own.last_middle = None  # the result keeps them, and no longer
             else:
                 with contextlib.ExitStack() as hooks:
                     if observer is not None or edit is not None:
@@ -164,7 +167,13 @@ class ModelRunner:
                     if probe is not None and probe.routes is not None:
                         hooks.enter_context(record_routes(self.model, probe.routes))
                     logits = self._transformers_forward(input_ids, position_ids, batch, keep_rows)
-        return ForwardResult(logits.float(), rows, record, None if hidden is None else hidden.float())
+        return ForwardResult(
+            logits.float(),
+            rows,
+            record,
+            None if hidden is None else hidden.float(),
+            None if middle is None else middle.float(),
+        )
 
     def _transformers_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch, keep_rows: torch.Tensor

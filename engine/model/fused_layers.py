@@ -231,8 +231,10 @@ class FusedLayers:
         return all(not (m._forward_hooks or m._forward_pre_hooks) for m in self.modules)
 
     def run(self, x: torch.Tensor, ropes: list[Any], storage: PagedKVStorage, batch: PagedBatch,
-            slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """x [T, hidden] (contiguous float32, updated in place) through every layer -> x."""
+            slots: torch.Tensor, middle: tuple[int, torch.Tensor] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """x [T, hidden] (contiguous float32, updated in place) through every layer -> (x, and
+        with `middle` = (layer m, rows) the residual entering layer m at those rows, else None)."""
         rows = x.shape[0]
         plan = batch.row_plan()
         assert plan is not None
@@ -264,12 +266,23 @@ class FusedLayers:
             starts[index] = plan.addresses(layer.window)[2]  # (the plan keeps each window's array)
         k_pools, v_pools = self._pools(storage)
         clock = None if self.clock is None else self.clock.ctypes.data
-        # every layer in one call: the GIL is taken back once a step (fused_layers: layer_ops.c)
-        status = self.lib.lib.kvk_decoder_layers(
-            self.spec_refs, n, ctypes.byref(step), cos, sin, starts, k_pools, v_pools, clock
-        )
-        if status != 0:
-            layer_index, part = divmod(status, 16)
-            raise RuntimeError(f"kvk_decoder_layer refused layer {layer_index} (at its part {part})")
+
+        def layers(first: int, stop: int) -> None:
+            # the layers in one call: the GIL is taken back once (fused_layers: layer_ops.c)
+            status = self.lib.lib.kvk_decoder_layers(
+                self.spec_refs, first, stop, ctypes.byref(step), cos, sin, starts, k_pools, v_pools, clock
+            )
+            if status != 0:
+                layer_index, part = divmod(status, 16)
+                raise RuntimeError(f"kvk_decoder_layer refused layer {layer_index} (at its part {part})")
+
+        seen = None
+        if middle is not None and 0 < middle[0] < n:
+            layers(0, middle[0])  # x, and layer m - 1's MLP output in y: its sum enters layer m
+            picked = middle[1]
+            seen = x.index_select(0, picked).add_(y.index_select(0, picked))
+            layers(middle[0], n)
+        else:
+            layers(0, n)
         self.policy.record.add_uses(self.uses, self.weight_bytes)
-        return x.add_(y)  # the last layer's MLP output (op by op: the next norm's residual)
+        return x.add_(y), seen  # the last layer's MLP output (op by op: the next norm's residual)

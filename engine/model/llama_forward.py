@@ -429,6 +429,10 @@ class LlamaForward:
         # the final norm's output of the last forward's logit rows (what the head read): the
         # hidden-state drafter (engine/speculative/hidden_draft.py) drafts from it
         self.last_normed: Tensor | None = None
+        # a layer m > 0 whose input residual (x entering layer m) the same rows keep too, in
+        # last_middle: the hidden-state drafter reads it beside the final norm's output
+        self.keep_middle = 0
+        self.last_middle: Tensor | None = None
         self.rope_functions: list[Callable[[Tensor, Tensor], _Rope]] = (
             [_RopeRows(self.rotary)]
             if plan.rope_kinds == [None] and static_rope(self.rotary)
@@ -482,7 +486,8 @@ class LlamaForward:
             and not _global_hooks()
             and fused.usable(storage, batch, tokens)
         ):
-            x = fused.run(x.contiguous(), ropes, storage, batch, slots)
+            middle = (self.keep_middle, logit_rows) if self.keep_middle else None
+            x, self.last_middle = fused.run(x.contiguous(), ropes, storage, batch, slots, middle)
             return self._logits(x, logit_rows)
         pending: Tensor | None = None  # the last layer's MLP output, added into x by the next norm
         for index, layer in enumerate(self.layers):
@@ -495,6 +500,8 @@ class LlamaForward:
                 if pending is not None:
                     x, pending = x + pending, None
                 h = x if layer.before_attention is None else layer.before_attention(x)
+            if index == self.keep_middle:  # x is the residual entering this layer
+                self.last_middle = x.index_select(0, logit_rows)
             # qk [T, heads + kv_heads, d], a tensor of our own: RoPE applies in place; K and V lie
             # side by side after it (kv [T, 2, kv_heads, d]) and go to the pool in one write
             if layer.qkv is not None and layer.q_norm is None:  # one matmul's output as it is

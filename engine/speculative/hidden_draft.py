@@ -1,23 +1,28 @@
 """The self-draft that reads the target's own hidden state: no layer of its own, no KV cache.
 
 After each step the engine hands the drafter what the target's head read at the row each
-sequence's last token was drawn from (f_p: the final norm's output; `observe_hidden`). A draft
-estimates the next position's: f_(p+1) ~ A [f_p, e(x_(p+1))] + b, from that hidden state and the
-input embedding of the token drawn from it, then reads its head (the target's head rows over the
-vocabulary's first V ids, int8); the next draft chains on its own estimate and its own token. A
-and b are a least-squares fit on the target's own greedy replies and the plan (V, the confidence
-threshold) is chosen by measuring agreement (engine/speculative/self_draft.py, `calibrate`, which
-weighs this draft against the first-layers drafts by the target steps each saves).
+sequence's last token was drawn from (f_p: the final norm's output) and the residual entering a
+middle layer at that row (m_p: layer two thirds up; `observe_hidden`). A draft estimates the next
+position's: f_(p+1) ~ A [f_p, e(x_(p+1)), m_p] + b (each part at unit RMS), from those states and
+the input embedding of the token drawn from f_p, then reads its head (the target's head rows over
+the vocabulary's first V ids, int8); the next draft chains on its own estimate, its own token and
+the same m_p. A and b are a least-squares fit on the target's own greedy replies and the plan (V,
+the confidence threshold) is chosen by measuring agreement (engine/speculative/self_draft.py,
+`calibrate`, which weighs this draft against the first-layers drafts by the target steps each
+saves).
 
 This is EAGLE's idea (draft from the target's features and the sampled token; Li et al. 2024)
-with a linear map where EAGLE trains a transformer layer. Measured on the packaged SmolLM2-135M
-(fitted on its replies to 116 prompts): at the plan's threshold (30% confidence) the target kept
-35% of its drafts on held-out calibration replies and 27% on the speculation bench's chat (87
-of 324, one draft a round); a first-6-layers draft agreed about as often at 0.16 of a step's
-weights, where this one reads 0.03 (two int8 matmuls, hidden x 2 hidden and V x hidden, ~75 us
-a draft). Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on
-held-out replies (19-20% of positions against 24%): a few thousand positions overfit them; a
-third input (the previous hidden state, the previous token, a product) gained 0-2 points.
+with a linear map where EAGLE trains a transformer layer, and, as EAGLE-3 does, features from a
+middle layer beside the top one. Measured on the packaged SmolLM2-135M (fitted on its replies to
+231 prompts), one draft a round at the plan's threshold (30% confidence): the target kept 31% of
+its drafts on the speculation bench's fifteen chat prompts (493 of 1,599), 42% on held-out
+calibration replies. Without the middle layer, fitted on 116 replies, and with unscaled inputs
+(whose int8 rounding lost 2 points) it kept 27% on three of those prompts (28% now) and 35% on
+held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
+where this one reads 0.035 (two int8 matmuls, hidden x 3 hidden and V x hidden, ~0.1 ms a draft).
+Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out
+replies (19-20% of positions against 24%): a few thousand positions overfit them; other third
+inputs (the previous hidden state, the previous token, a product) gained 0-2 points.
 
 A stored hidden state belongs to the sequence while it has exactly the tokens it had then
 (`length`); otherwise the sequence gets no draft until its next step gives a new one. A stale or
@@ -31,7 +36,7 @@ from torch import nn
 
 from engine.sampling.sampler import Sampler
 from engine.speculative.proposers import Drafts, Sequence, draw_draft
-from engine.speculative.self_draft import FittedDraft
+from engine.speculative.self_draft import FittedDraft, hidden_draft_input
 
 
 class HiddenStateDrafter:
@@ -49,21 +54,25 @@ class HiddenStateDrafter:
     def __init__(self, fitted: FittedDraft, embed: nn.Module, vocab_size: int):
         assert fitted.map is not None, "a hidden-state draft has a map"
         self.plan = fitted.plan
+        self.middle_layer = fitted.plan.middle
         self.name = f"self ({fitted.plan.describe()})"
         self.head, self.map = fitted.head, fitted.map
         self.weight_bytes = fitted.weight_bytes()
         self.embed = embed
         self.vocab_size = vocab_size  # the target's: a draft's q spans it
-        self._hidden: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (length, f [hidden])
+        # seq_id -> (length, f [hidden], the middle layer's input m [hidden])
+        self._hidden: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._samplers: dict[int, Sampler] = {}
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
-        self._hidden[seq.seq_id] = (length, hidden.detach().float().clone())
+    def observe_hidden(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
+    ) -> None:
+        assert middle is not None, "the engine keeps the middle layer's input for this drafter"
+        self._hidden[seq.seq_id] = (length, hidden.detach().float().clone(), middle.detach().float().clone())
 
-    def _step(self, f: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, f: torch.Tensor, tokens: list[int], m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft for each row: (the next position's hidden estimate, its logits)."""
-        x = torch.cat([f, self.embed(torch.tensor(tokens)).float()], 1)
-        estimate = self.map(x).float()
+        estimate = self.map(hidden_draft_input(f, self.embed(torch.tensor(tokens)).float(), m)).float()
         return estimate, self.head(estimate).float()
 
     def evidence(self, seq: Sequence) -> int:
@@ -83,9 +92,13 @@ class HiddenStateDrafter:
         if not running:
             return drafts
         f = torch.stack([self._hidden[seqs[i].seq_id][1] for i in running])
+        # a chained draft reads the last position the target ran's middle layer (measured on the
+        # packaged model: second drafts after a kept first agreed 18.8% so, 18.0% with none; a
+        # map estimating it too, 21.4%, for another matmul a draft)
+        m = torch.stack([self._hidden[seqs[i].seq_id][2] for i in running])
         tokens = [seqs[i].token_ids[-1] for i in running]
         while running:
-            f, logits = self._step(f, tokens)
+            f, logits = self._step(f, tokens, m)
             self.forwards += 1
             kept = []
             for row, i in enumerate(running):
@@ -96,7 +109,7 @@ class HiddenStateDrafter:
                     kept.append(row)
             running = [running[row] for row in kept]
             tokens = [drafts[i][0][-1] for i in running]
-            f = f[kept]
+            f, m = f[kept], m[kept]
         return drafts
 
     def _draw(self, seq: Sequence, logits: torch.Tensor, into: Drafts) -> None:
@@ -114,4 +127,5 @@ class HiddenStateDrafter:
 
     def memory_bytes(self) -> tuple[int, int]:
         """(its map's and head's int8 rows, the hidden states it keeps)."""
-        return self.weight_bytes, sum(f.numel() * f.element_size() for _, f in self._hidden.values())
+        kept = sum(t.numel() * t.element_size() for _, f, m in self._hidden.values() for t in (f, m))
+        return self.weight_bytes, kept

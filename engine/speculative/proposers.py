@@ -55,6 +55,8 @@ class Proposer(Protocol):
     # True when it drafts from the target's hidden state: the engine then hands it the final
     # norm's output of the row each sequence's last token was drawn from (observe_hidden)
     reads_hidden: bool
+    # a layer m > 0 whose input residual at that row it reads too (0: none)
+    middle_layer: int
     # True when proposing costs next to nothing (a lookup): the engine then proposes at plain
     # steps too and scores the proposal against what the target decodes (shadow drafts), so a
     # sequence whose draft length went to 0 learns when drafts would pay again for free.
@@ -75,9 +77,12 @@ class Proposer(Protocol):
         """Only the sequence's first `valid_tokens` tokens are still true."""
         ...
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+    def observe_hidden(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
+    ) -> None:
         """`hidden` [hidden]: what the target's head read where the sequence's token `length` - 1
-        was drawn (asked only of proposers that read it)."""
+        was drawn, and `middle` [hidden] the residual entering layer `middle_layer` at that row
+        (None where it reads none) (asked only of proposers that read them)."""
         ...
 
     def release(self, seq: Sequence) -> None: ...
@@ -106,6 +111,7 @@ class NgramProposer:
     free = True
     forwards = 1
     reads_hidden = False
+    middle_layer = 0
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
@@ -151,7 +157,9 @@ class NgramProposer:
     def on_verified(self, seq: Sequence, valid_tokens: int) -> None:
         pass
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor, length: int) -> None:
+    def observe_hidden(
+        self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
+    ) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:

@@ -80,6 +80,7 @@ class OracleDrafts:
     free = True
     forwards = 1
     reads_hidden = False
+    middle_layer = 0
 
     def __init__(self, replies: dict[tuple[int, ...], tuple[int, ...]], vocab: int):
         self.replies, self.vocab, self.rounds = replies, vocab, 0

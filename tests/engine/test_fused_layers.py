@@ -41,15 +41,18 @@ def loaded(tmp_path_factory):
 PROMPTS = [[5 + i for i in range(30)], [7, 8, 9, 10], list(range(40, 52))]
 
 
-def run(loaded, fused, config=None, observe=False):
-    """Every logits row by (sequence, position), each step's kernels and cost, the engine."""
+def run(loaded, fused, config=None, observe=False, middles=None):
+    """Every logits row by (sequence, position), each step's kernels and cost, the engine; with
+    `middles` (a dict) the residual entering layer 1 at each of those rows lands in it."""
     stats = []
     engine = LLMEngine(
         loaded, config or EngineConfig(block_size=4, num_blocks=150, prefill_chunk_size=7), stats.append
     )
     if not fused:
         engine.runner.own_forward.fused = None
-    logits = record_logit_rows(engine, (lambda stage, hidden: None) if observe else None)
+    if middles is not None:
+        engine.runner.own_forward.keep_middle = 1
+    logits = record_logit_rows(engine, (lambda stage, hidden: None) if observe else None, middles)
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(Request(prompt_token_ids=tuple(p), sampling=params))
@@ -82,6 +85,28 @@ def test_the_fused_layers_give_the_op_by_op_logits_bit_for_bit(tmp_path, types, 
     for key in op_logits:
         assert torch.equal(fused_logits[key], op_logits[key]), key
     assert fused_records == op_records  # the same kernels and weight bytes said for each step
+
+
+def test_a_step_keeping_a_middle_layers_input_splits_the_call_and_keeps_the_same_bits(loaded):
+    """The hidden-state drafter reads the residual entering a middle layer: fused, the layers
+    run as two calls around it, and the logits and that residual are the op-by-op ones bit for
+    bit; a row's residual is transformers' hidden state entering that layer there."""
+    plain, _, _ = run(loaded, fused=True)
+    middles: dict = {}
+    fused_logits, _, engine = run(loaded, fused=True, middles=middles)
+    op_middles: dict = {}
+    op_logits, _, _ = run(loaded, fused=False, middles=op_middles)
+    assert middles.keys() == op_middles.keys() == plain.keys()
+    for key in plain:
+        assert torch.equal(fused_logits[key], plain[key]) and torch.equal(op_logits[key], plain[key])
+        assert torch.equal(middles[key], op_middles[key]), key
+    prompt = PROMPTS[0]  # the first request's: the lowest sequence id
+    with torch.inference_mode():
+        out = loaded.model.model(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+    row = middles[(min(seq for seq, _ in middles), len(prompt) - 1)]
+    # (kvk's panels quantize a step's activations: the residuals agree to ~1e-3 of their range)
+    gaps = [float((row - h[0, -1]).abs().max() / h[0, -1].abs().max()) for h in out.hidden_states[:2]]
+    assert gaps[1] < 2e-3 < 0.1 < gaps[0], gaps
 
 
 def test_a_probe_or_an_int8_pool_runs_op_by_op(loaded, monkeypatch):

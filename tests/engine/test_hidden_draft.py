@@ -1,5 +1,6 @@
 """The hidden-state self-draft: the engine hands it what the head read at the row each
-sequence's last token was drawn from, it chains drafts through its map and head, greedy output
+sequence's last token was drawn from and the residual entering its middle layer there, it
+chains drafts through its map and head, greedy output
 stays the target's, and its plan is calibrated, kept and read back like a layer draft's."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.speculative import self_draft
 from engine.speculative.hidden_draft import HiddenStateDrafter
-from engine.speculative.self_draft import HIDDEN, Calibration, calibrate
+from engine.speculative.self_draft import HIDDEN, Calibration, calibrate, hidden_draft_input
 
 VOCAB = 300
 NEW = 24
@@ -75,7 +76,8 @@ def drafter(tiny, fitted, confidence=0.0):
 def test_the_calibration_measures_the_hidden_draft_beside_the_layer_drafts(tiny, replies, fitted):
     assert fitted.plan.layers == HIDDEN and fitted.map is not None
     hidden = tiny.info.hidden_size
-    assert (fitted.map.out_features, fitted.map.in_features) == (hidden, 2 * hidden)
+    assert (fitted.map.out_features, fitted.map.in_features) == (hidden, 3 * hidden)
+    assert fitted.plan.middle == self_draft.middle_layer(4) == 3
     assert fitted.head.out_features == fitted.plan.vocab
     # the choice of every candidate, the hidden draft among them, its cost from its int8 map
     chosen = calibrate(tiny, replies)
@@ -85,23 +87,31 @@ def test_the_calibration_measures_the_hidden_draft_beside_the_layer_drafts(tiny,
     step += self_draft.model_weight_bytes(tiny.model.get_output_embeddings())
     for n, vocab, _, _, _, cost in chosen.plan.measured:
         if n == HIDDEN:
-            assert cost == pytest.approx((hidden * (2 * hidden + 4) + vocab * (hidden + 4)) / step)
+            assert cost == pytest.approx((hidden * (3 * hidden + 4) + vocab * (hidden + 4)) / step)
 
 
 def test_the_engine_hands_over_what_the_head_read_where_the_last_token_was_drawn(tiny, fitted):
     """At every proposal the kept state is the row the sequence's last token came from: the
-    target's own head on it gives that token back, after plain steps and after rounds that
-    kept some drafts and rejected others."""
+    target's own head on it gives that token back, and the kept middle residual is what
+    transformers' forward has entering that layer at that position, after plain steps and after
+    rounds that kept some drafts and rejected others."""
     proposer = drafter(tiny, fitted)
     checked = []
     propose = proposer.propose
 
     def checking(seqs, ks):
         for seq in seqs:
-            length, state = proposer._hidden[seq.seq_id]
+            length, state, middle = proposer._hidden[seq.seq_id]
             assert length == len(seq.token_ids)
             logits = engine.runner.own_forward.head_logits(state[None])
-            checked.append(int(logits.argmax()) == seq.token_ids[-1])
+            ids = torch.tensor([seq.token_ids[:-1]])
+            with torch.inference_mode():
+                out = tiny.model.model(input_ids=ids, output_hidden_states=True)
+            expected = out.hidden_states[fitted.plan.middle][0, -1]
+            checked.append(
+                int(logits.argmax()) == seq.token_ids[-1]
+                and torch.allclose(middle, expected, rtol=1e-4, atol=1e-4)
+            )
         return propose(seqs, ks)
 
     proposer.propose = checking
@@ -138,13 +148,15 @@ def test_drafts_chain_through_the_map_and_the_head(tiny, fitted):
         token_ids = [4, 5, 6]
         num_prompt_tokens, output_ids = 3, []
 
-    proposer.observe_hidden(Seq, state, 3)
+    middle = 3 * torch.randn(tiny.info.hidden_size)
+    proposer.observe_hidden(Seq, state, middle, 3)
     ((tokens, qs),) = proposer.propose([Seq], [3])
     f, token, expected = state[None], 6, []
     embed = tiny.model.get_input_embeddings()
     with torch.inference_mode():
-        for _ in range(3):
-            f = fitted.map(torch.cat([f, embed(torch.tensor([token])).float()], 1)).float()
+        for _ in range(3):  # every draft reads the middle residual of the last position run
+            x = hidden_draft_input(f, embed(torch.tensor([token])).float(), middle[None])
+            f = fitted.map(x).float()
             token = int(fitted.head(f).argmax())
             expected.append(token)
     assert tokens == expected and qs == [None] * 3 and proposer.forwards == 3
@@ -158,10 +170,10 @@ def test_no_draft_below_the_threshold_or_from_a_state_of_other_tokens(tiny, fitt
 
     state = torch.randn(tiny.info.hidden_size)
     sure = drafter(tiny, fitted, confidence=1.01)  # no draft is that confident
-    sure.observe_hidden(Seq, state, 3)
+    sure.observe_hidden(Seq, state, state, 3)
     assert sure.propose([Seq], [3]) == [([], [])]
     stale = drafter(tiny, fitted)
-    stale.observe_hidden(Seq, state, 2)  # the state of a sequence one token shorter
+    stale.observe_hidden(Seq, state, state, 2)  # the state of a sequence one token shorter
     assert stale.propose([Seq], [3]) == [([], [])]
 
 
@@ -170,7 +182,7 @@ def test_the_hidden_plan_is_kept_and_read_back(tiny, fitted, tmp_path, monkeypat
     self_draft.save_plan(tiny, fitted)
     back = self_draft.load_plan(tiny)
     assert back is not None and back.plan == fitted.plan and back.map is not None
-    x = torch.randn(2, 2 * tiny.info.hidden_size)
+    x = torch.randn(2, 3 * tiny.info.hidden_size)
     with torch.inference_mode():
         assert torch.equal(back.map(x), fitted.map(x))
         assert torch.equal(

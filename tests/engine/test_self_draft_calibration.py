@@ -51,7 +51,7 @@ def test_the_plan_is_the_measured_candidate_with_the_best_net_saving(tiny):
     hidden = model.config.hidden_size
     for n, vocab, _, _, _, cost in plan.measured:
         own = (
-            hidden * (2 * hidden + 4)
+            hidden * (3 * hidden + 4)
             if n == HIDDEN
             else sum(model_weight_bytes(layer) for layer in model.model.layers[:n])
         )
@@ -76,6 +76,7 @@ def test_a_fitted_map_recovers_an_exact_linear_relation():
 
 def test_a_draft_that_costs_more_than_it_saves_has_a_negative_net():
     assert net_saving(acceptance=0.5, coverage=0.4, cost=0.3) < 0 < net_saving(0.9, 0.9, 0.2)
-    assert self_draft.calibration_replies(576, 200) == 116 and self_draft.calibration_replies(576, 80) == 80
-    assert self_draft.calibration_replies(4096, 80) == 80 and self_draft.calibration_replies(32, 80) == 8
-    assert self_draft.calibration_replies(2048, 240) == self_draft.MAX_REPLIES
+    assert self_draft.calibration_replies(576, 300) == 231 and self_draft.calibration_replies(576, 80) == 80
+    assert self_draft.calibration_replies(32, 80) == 13 and self_draft.calibration_replies(8, 80) == 8
+    assert self_draft.calibration_replies(4096, 80) == 80
+    assert self_draft.calibration_replies(2048, 300) == self_draft.MAX_REPLIES

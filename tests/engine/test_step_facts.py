@@ -22,6 +22,7 @@ class FourDrafts:
     free = True
     forwards = 1
     reads_hidden = False
+    middle_layer = 0
 
     def evidence(self, seq):
         return 1  # always something to propose

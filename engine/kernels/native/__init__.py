@@ -387,7 +387,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvk_silu_mul.argtypes, lib.kvk_silu_mul.restype = [_ptr, _c_i64, _c_i64, _c_i64, _ptr, _c_i64], _c_int
     lib.kvk_argmax_logsumexp.argtypes = [_ptr, _c_i64, _ptr, _ptr]
     lib.kvk_argmax_logsumexp.restype = _c_int
-    lib.kvk_decoder_layers.argtypes = [_ptr, _c_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+    lib.kvk_decoder_layers.argtypes = [_ptr, _c_i64, _c_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     lib.kvk_decoder_layers.restype = _c_int
     lib.kvk_to_f16.argtypes, lib.kvk_to_f16.restype = [_ptr, _c_i64, _ptr], _c_int
     lib.kvk_set_row_block_bytes.argtypes, lib.kvk_set_row_block_bytes.restype = [_c_i64], None

@@ -314,15 +314,19 @@ static int kvk_decoder_layer(const kvk_layer_spec *L, const kvk_layer_step *S, i
     return 0;
 }
 
-// Every layer of a step in one call: layer i is kvk_decoder_layer (specs[i], S, i > 0, cos[i], ...).
-// One call a step instead of one a layer: the engine thread takes the GIL back once a step, not
-// once a layer, and in the app each time it does it may wait on the GUI thread's painting (up to
-// the switch interval). (The app ran at 0.85-0.93 of headless with a call a layer, 0.91-0.96
-// after; the measure's own noise is of that size.) Returns 0, or 16 * layer + its failing part.
-KVK_API int kvk_decoder_layers(const kvk_layer_spec *const *specs, int64_t n, const kvk_layer_step *S,
-                               const float *const *cos, const float *const *sin, const int64_t *const *starts,
-                               void *const *k_pools, void *const *v_pools, double *clock) {
-    for (int64_t i = 0; i < n; i++) {
+// The layers [first, stop) of a step in one call: layer i is kvk_decoder_layer (specs[i], S, i > 0,
+// cos[i], ...), its MLP output left in S->y for the next one's norm to add (the caller adds the
+// last one's). One call a step instead of one a layer: the engine thread takes the GIL back once a
+// step, not once a layer, and in the app each time it does it may wait on the GUI thread's
+// painting (up to the switch interval). (The app ran at 0.85-0.93 of headless with a call a
+// layer, 0.91-0.96 after; the measure's own noise is of that size.) A step that reads the
+// residual at a middle layer (the hidden-state self-draft) makes two calls. Returns 0, or
+// 16 * layer + its failing part.
+KVK_API int kvk_decoder_layers(const kvk_layer_spec *const *specs, int64_t first, int64_t stop,
+                               const kvk_layer_step *S, const float *const *cos, const float *const *sin,
+                               const int64_t *const *starts, void *const *k_pools, void *const *v_pools,
+                               double *clock) {
+    for (int64_t i = first; i < stop; i++) {
         const int status = kvk_decoder_layer(specs[i], S, i > 0, cos[i], sin[i], starts[i], k_pools[i], v_pools[i], clock);
         if (status) return (int)(16 * i + status);
     }
