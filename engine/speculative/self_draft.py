@@ -120,7 +120,7 @@ class SelfDraftPlan:
 
     def describe(self) -> str:
         source = (
-            "the target's hidden state and its token through a fitted map + a head"
+            f"the target's hidden state, layer {self.middle}'s input and its token through a fitted map + a head"
             if self.layers == HIDDEN
             else f"first {self.layers} layers + a fitted head"
         )
