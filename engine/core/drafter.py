@@ -323,7 +323,7 @@ def self_draft_for(loaded: LoadedModel, layers: int | None, replies: ReplyMaker)
     cached = self_draft.load_plan(loaded)
     if cached is not None and (layers is None or cached.plan.layers == layers):
         return cached
-    count = self_draft.calibration_replies(loaded.info.hidden_size, len(CALIBRATION_PROMPTS))
+    count = self_draft.calibration_replies(loaded.info.hidden_size, len(CALIBRATION_PROMPTS), layers)
     calibration = replies(CALIBRATION_PROMPTS[:count], CALIBRATION_TOKENS)
     if len(calibration.sequences) < 2:
         return None

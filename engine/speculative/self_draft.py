@@ -326,13 +326,15 @@ def candidate_vocabs(vocab_size: int) -> list[int]:
     return [*cuts, vocab_size]
 
 
-def calibration_replies(hidden: int, available: int) -> int:
+def calibration_replies(hidden: int, available: int, layers: int | None = None) -> int:
     """Replies to calibrate on: enough for ~20 positions per unknown of a row of the widest map
-    (the hidden-state draft's: 3 x hidden; a reply and its prompt are ~150 positions), within
-    the prompts there are. (On the packaged model its agreement on chat unlike the calibration's
-    still grew from ~8 positions per unknown to ~16: 22.5% -> 24.4% of positions, fitted on 87
-    replies and on 180.)"""
-    return max(8, min(available, MAX_REPLIES, -(-2 * hidden // 5)))
+    fitted (a reply and its prompt are ~150 positions): the hidden-state draft's, 3 x hidden, a
+    candidate whenever `layers` (the draft asked for) is None or HIDDEN; else a layer map's,
+    hidden. Within the prompts there are. (On the packaged model the hidden-state draft's
+    agreement on chat unlike the calibration's still grew from ~8 positions per unknown to ~16:
+    22.5% -> 24.4% of positions, fitted on 87 replies and on 180.)"""
+    inputs = 3 * hidden if layers is None or layers == HIDDEN else hidden
+    return max(8, min(available, MAX_REPLIES, -(-2 * inputs // 15)))
 
 
 def middle_layer(total: int) -> int:

@@ -80,3 +80,6 @@ def test_a_draft_that_costs_more_than_it_saves_has_a_negative_net():
     assert self_draft.calibration_replies(32, 80) == 13 and self_draft.calibration_replies(8, 80) == 8
     assert self_draft.calibration_replies(4096, 80) == 80
     assert self_draft.calibration_replies(2048, 300) == self_draft.MAX_REPLIES
+    # a layer draft alone fits maps a third as wide: a third of the replies
+    assert self_draft.calibration_replies(576, 300, layers=8) == 77
+    assert self_draft.calibration_replies(576, 300, layers=HIDDEN) == 231
