@@ -41,6 +41,7 @@ XTC_COINS_KEPT = 64
 # mass is within this of top_p counts as reaching it, so that e.g. p=0.8 over probabilities
 # [0.5, 0.3, 0.15, 0.05] keeps two tokens whatever constant the logits are offset by.
 TOP_P_TOLERANCE = 1e-5
+FIRST_RANKED = 64  # tokens top-p ranks first (then 4x as many, until its mass is reached)
 
 
 class PresencePenalty:
@@ -80,19 +81,27 @@ class TopP:
         self.top_p = top_p
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.Tensor) -> torch.Tensor:
-        # After top-k only a few tokens are left: ranking just those is far cheaper than
-        # sorting the whole vocabulary (removed tokens carry no mass and need no decision).
-        alive = int((scores[0] > -math.inf).sum())
-        if alive < scores.shape[-1] // 2:
-            sorted_logits, order = torch.topk(scores, alive, dim=-1)
-        else:
-            sorted_logits, order = torch.sort(scores, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_above = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_above >= self.top_p - TOP_P_TOLERANCE
+        # Only the likeliest tokens can be kept: rank the top few, four times as many until the
+        # last one ranked is dropped in every row (a full sort of the packaged model's 49,152
+        # logits took 1.5-3 ms a row at one thread, more than its decode step; its top 64 take
+        # 0.05 ms). After top-k only the survivors are ranked at all. Each probability is the
+        # sorted softmax's (exp(x - max) over the sum of every exp(x - max)), its normalizer
+        # summed in the vocabulary's order rather than the sorted one: a rounding apart.
+        alive = max(1, int((scores > -math.inf).sum(-1).max()))
+        top = scores.max(dim=-1, keepdim=True).values
+        normalizer = (scores - top).exp().sum(dim=-1, keepdim=True)
+        ranked = min(alive, FIRST_RANKED)
+        while True:
+            sorted_logits, order = torch.topk(scores, ranked, dim=-1)
+            probs = (sorted_logits - top).exp() / normalizer
+            mass_above = probs.cumsum(dim=-1) - probs
+            drop_sorted = mass_above >= self.top_p - TOP_P_TOLERANCE
+            if ranked == alive or bool(drop_sorted[..., -1].all()):
+                break
+            ranked = min(alive, 4 * ranked)
         drop_sorted[..., 0] = False  # the likeliest token always stays
-        drop = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, drop_sorted)
-        return scores.masked_fill(drop, -math.inf)
+        kept = sorted_logits.masked_fill(drop_sorted, -math.inf)
+        return torch.full_like(scores, -math.inf).scatter_(-1, order, kept)
 
 
 class LogitBias:

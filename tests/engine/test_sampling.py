@@ -284,3 +284,61 @@ def test_nan_logits_give_a_clear_error():
     for params in (SamplingParams(temperature=0.0), SamplingParams(seed=0)):
         with pytest.raises(SamplingError, match="NaN"):
             Sampler(params).sample(logits, [], [])
+
+
+def _top_p_by_full_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rule ranked over the whole sorted vocabulary (what TopP computed before it ranked
+    only the likeliest few)."""
+    from engine.sampling.stages import TOP_P_TOLERANCE
+
+    sorted_logits, order = torch.sort(scores, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p - TOP_P_TOLERANCE
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("spread", [0.5, 2.0, 6.0])  # flat (thousands kept) to peaked (a few)
+def test_top_p_ranking_the_likeliest_few_keeps_what_a_full_sort_keeps(top_p, spread):
+    from engine.sampling.stages import TopP
+
+    gen = torch.Generator().manual_seed(int(spread * 10) + int(top_p * 1000))
+    scores = torch.randn(3, 49_152, generator=gen) * spread
+    scores[1, 1000:] = -math.inf  # a row after top-k or a ban: fewer alive than the others
+    got, full = TopP(top_p)(None, scores), _top_p_by_full_sort(scores, top_p)
+    if top_p < 0.99:
+        assert torch.equal(got, full)
+    else:  # thousands kept: float32 cumsums of tiny masses round the boundary a few tokens apart
+        differ = (got > -math.inf) ^ (full > -math.inf)
+        assert float((scores.softmax(-1) * differ).sum(-1).max()) < 1e-4
+        assert torch.equal(got[~differ], full[~differ])
+
+
+def test_top_p_ranks_only_as_many_tokens_as_the_mass_needs(monkeypatch):
+    from engine.sampling import stages
+
+    ranked = []
+    topk = torch.topk
+    monkeypatch.setattr(stages.torch, "topk", lambda x, k, dim: ranked.append(k) or topk(x, k, dim=dim))
+    peaked = torch.randn(1, 49_152) * 6  # the top 64 hold 90% of its mass
+    stages.TopP(0.9)(None, peaked)
+    assert ranked == [stages.FIRST_RANKED]
+    ranked.clear()
+    flat = torch.zeros(1, 1000)  # every token as likely: 900 of them reach 90%
+    kept = stages.TopP(0.9)(None, flat)
+    assert ranked == [64, 256, 1000] and int((kept > -math.inf).sum()) == 900
+
+
+def test_a_draw_follows_the_distribution_over_the_tokens_that_can_be_drawn():
+    """The draw ranks only tokens with probability (the rest cannot be drawn): their shares
+    match, and a token without probability never comes."""
+    probs = torch.zeros(49_152)
+    probs[[3, 7, 40_000]] = torch.tensor([0.2, 0.5, 0.3])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=5))
+    counts = torch.zeros(49_152)
+    for _ in range(20_000):
+        counts[sampler.draw(probs)] += 1
+    assert float(counts.sum() - counts[[3, 7, 40_000]].sum()) == 0
+    torch.testing.assert_close(counts[[3, 7, 40_000]] / 20_000, probs[[3, 7, 40_000]], atol=0.015, rtol=0)
