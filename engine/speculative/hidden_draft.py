@@ -15,9 +15,9 @@ This is EAGLE's idea (draft from the target's features and the sampled token; Li
 with a linear map where EAGLE trains a transformer layer, and, as EAGLE-3 does, features from a
 middle layer beside the top one. Measured on the packaged SmolLM2-135M (fitted on its replies to
 231 prompts), one draft a round at the plan's threshold (30% confidence): the target kept 31% of
-its drafts on the speculation bench's fifteen chat prompts (493 of 1,599), 42% on held-out
-calibration replies. Without the middle layer, fitted on 116 replies, and with unscaled inputs
-(whose int8 rounding lost 2 points) it kept 27% on three of those prompts (28% now) and 35% on
+its drafts on the speculation bench's fifteen chat prompts (of 1,599, 533 a round), 42% on held-out
+calibration replies. The draft before it (no middle layer, fitted on 116 replies, its inputs
+unscaled, which int8 rounding cost 2 points) kept 27% on the same fifteen prompts and 35% on
 held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
 where this one reads 0.035 (two int8 matmuls, hidden x 3 hidden and V x hidden, ~0.1 ms a draft).
 Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out

@@ -23,6 +23,11 @@ from engine.config import SamplingParams
 
 SERVER = Path(__file__).with_name("mcp_test_server.py")
 STDIO = f"{sys.executable} {SERVER}"
+# The tiny model is random: at temperature 1 the call it writes under the tool grammar closes
+# within a reply's budget only for some seeds (the schemas admit more keys, and it may go on
+# writing one). Under this seed all three calls below close; another draw order (sampler.draw
+# among the tokens with probability) needed another seed than the 3 and 5 these tests had.
+CLOSING_SEED = 6
 CONNECT_TIMEOUT_MS = 60_000
 
 
@@ -190,7 +195,7 @@ def test_a_tool_call_in_the_chat_is_approved_run_and_read_by_the_next_reply(make
     state = connected(qtbot, window.tools, McpServerConfig("test", command=STDIO))
     assert state.state == "ready", state.message
     window.controls.sampling.set_params(
-        SamplingParams(temperature=1.0, seed=3, max_new_tokens=60, snapshot_top_n=4)
+        SamplingParams(temperature=1.0, seed=CLOSING_SEED, max_new_tokens=60, snapshot_top_n=4)
     )
     controller = window.controller
     controller.set_chat_settings(ChatSettings(tools=True, tool_choice="add"))
@@ -269,7 +274,7 @@ def test_the_context_meter_counts_the_tools_a_reply_would_offer(make_window, qtb
 def test_a_denied_call_is_told_to_the_model(make_window, qtbot):
     window = make_window()
     connected(qtbot, window.tools, McpServerConfig("test", command=STDIO))
-    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=5, max_new_tokens=40))
+    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=CLOSING_SEED, max_new_tokens=40))
     controller = window.controller
     controller.set_chat_settings(ChatSettings(tools=True, tool_choice="echo"))
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
@@ -315,7 +320,7 @@ def test_calls_and_results_survive_export_and_import(make_window, qtbot, tmp_pat
 
     window = make_window()
     connected(qtbot, window.tools, McpServerConfig("test", command=STDIO))
-    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=3, max_new_tokens=40))
+    window.controls.sampling.set_params(SamplingParams(temperature=1.0, seed=CLOSING_SEED, max_new_tokens=40))
     controller = window.controller
     controller.set_chat_settings(ChatSettings(tools=True, tool_choice="add", allowed_tools=("add",)))
     with qtbot.waitSignal(window.host.request_finished, timeout=REPLY_TIMEOUT_MS):
