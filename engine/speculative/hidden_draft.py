@@ -19,7 +19,8 @@ its drafts on the speculation bench's fifteen chat prompts (of 1,599, 533 a roun
 calibration replies. The draft before it (no middle layer, fitted on 116 replies, its inputs
 unscaled, which int8 rounding cost 2 points) kept 27% on the same fifteen prompts and 35% on
 held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
-where this one reads 0.035 (two int8 matmuls, hidden x 3 hidden and V x hidden, ~0.1 ms a draft).
+where this one reads 0.035 (two int8 matmuls, hidden x 3 hidden and V x hidden: 0.13 ms a draft
+with its draw at 2 threads, 0.17 at 1).
 Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out
 replies (19-20% of positions against 24%): a few thousand positions overfit them; other third
 inputs (the previous hidden state, the previous token, a product) gained 0-2 points.
