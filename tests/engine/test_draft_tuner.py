@@ -185,3 +185,22 @@ def test_a_rounds_rows_cost_their_postprocessing_too():
         1, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.0
     )
     assert abs(outcome.saved_s - (0.0105 - (0.015 - 0.0105))) < 1e-9
+
+
+def test_a_costly_proposer_at_no_drafts_chooses_its_length_again_only_after_a_probe(monkeypatch):
+    """At length 0 a costly proposer learns only from its probe rounds: between them its plain
+    steps do not weigh every length again (that choice at every step cost ~1% of a step), and
+    after a kept probe the length is chosen again from what it measured."""
+    tuner = tuner_with_costs()
+    for _ in range(6):  # drafts do not pay
+        tuner.round_done(7, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004)
+    weighed = []
+    best = DraftTuner._best
+    monkeypatch.setattr(DraftTuner, "_best", lambda self, *a: weighed.append(1) or best(self, *a))
+    steps = 0
+    while tuner.choose(7, decoding=1, cap=100) == 0:
+        steps += 1
+    assert steps > 1 and len(weighed) == 1, "weighed once, after the rounds; not at each plain step"
+    for _ in range(8):  # the probe and the rounds after it: every draft kept
+        tuner.round_done(7, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.001)
+    assert tuner.choose(7, decoding=1, cap=100) > 0 and len(weighed) == 2
