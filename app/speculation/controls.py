@@ -42,8 +42,8 @@ class SpeculationControls(QWidget):
             self.proposer.addItem(label, method)
         self.proposer.setToolTip(
             "Who drafts tokens for the target to verify in one forward: n-gram lookup copies from the "
-            "conversation (no model); self-draft has the target draft for itself, from its own hidden state or its first layers; a draft model must "
-            "share the target's tokenizer"
+            "conversation (no model); self-draft has the target draft for itself, from its own "
+            "hidden state or its first layers; a draft model must share the target's tokenizer"
         )
         self.num_draft = QSpinBox()
         self.num_draft.setRange(1, 16)

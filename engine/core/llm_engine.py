@@ -198,8 +198,7 @@ class LLMEngine:
         """The own forward keeps the residual at the layer a hidden-state drafter reads, if any."""
         own = self.runner.own_forward
         if own is not None:
-            reads = proposer is not None and proposer.reads_hidden
-            own.keep_middle = proposer.middle_layer if reads and proposer is not None else 0
+            own.keep_middle = proposer.middle_layer if proposer is not None and proposer.reads_hidden else 0
 
     def emit(self, event: Event) -> None:
         if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):

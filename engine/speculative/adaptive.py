@@ -350,10 +350,11 @@ class DraftTuner:
     ) -> RoundOutcome:
         """A verified round: its acceptance recorded, and what it saved measured against a plain
         step of the other rows. `step_s`: its step up to the postprocessing it is part of, which
-        is not over yet; the postprocessing of steps of as many rows is added. `asked`: the drafts asked for; a proposer that stopped short of
-        them (a draft below its confidence threshold) made a forward that gives nothing, which
-        counts as a rejected draft: acceptance is then the share of draft positions that save a
-        step, what a round's net needs."""
+        is not over yet; the postprocessing of steps of as many rows is added. `asked`: the
+        drafts asked for; a proposer that stopped short of them (a draft below its confidence
+        threshold) made a forward that gives nothing, which counts as a rejected draft:
+        acceptance is then the share of draft positions that save a step, what a round's net
+        needs."""
         state = self.tuning(seq_id)
         examined = min(accepted + 1, max(drafted, asked))
         self._record(state, examined, accepted)
