@@ -133,7 +133,6 @@ class LLMEngine:
         self._proposer: Proposer | None = (
             make_proposer(config, loaded, num_blocks, self._greedy_replies, self.storage) if spec else None
         )
-        self._keep_middle(self._proposer)
         # the draft length of each sequence, from the engine's measured costs and acceptance
         self.tuner: DraftTuner | None = (
             DraftTuner(spec.num_draft, spec.adaptive, self._proposer.free)
@@ -190,15 +189,21 @@ class LLMEngine:
     @proposer.setter
     def proposer(self, proposer: Proposer | None) -> None:
         self._proposer = self.post.proposer = proposer
-        self._keep_middle(proposer)
         if proposer is not None and self.tuner is not None:
             self.tuner.free = proposer.free
 
-    def _keep_middle(self, proposer: Proposer | None) -> None:
-        """The own forward keeps the residual at the layer a hidden-state drafter reads, if any."""
-        own = self.runner.own_forward
-        if own is not None:
-            own.keep_middle = proposer.middle_layer if proposer is not None and proposer.reads_hidden else 0
+    def _keep_middle(self, batch: ScheduledBatch) -> None:
+        """The own forward keeps the residual at the layer a hidden-state drafter reads, this step,
+        where a sequence of the batch may draft from it next step (DraftTuner.may_draft_next)."""
+        own, proposer, tuner = self.runner.own_forward, self.proposer, self.tuner
+        if own is None:
+            return
+        wanted = (
+            proposer is not None
+            and proposer.reads_hidden
+            and (tuner is None or any(tuner.may_draft_next(seq.seq_id) for seq in batch.seqs))
+        )
+        own.keep_middle = proposer.middle_layer if wanted and proposer is not None else 0
 
     def emit(self, event: Event) -> None:
         if self._ends is not None and isinstance(event, (RequestFinished, RequestFailed)):
@@ -457,6 +462,7 @@ class LLMEngine:
         counts = self._logit_counts(batch.seqs, batch.num_tokens)
         for group in {id(s.group): s.group for s in batch.seqs if s.group is not None}.values():
             group.measure_blocks()
+        self._keep_middle(batch)
         return self.runner.forward(batch.seqs, batch.num_tokens, counts)
 
     def _emit_step(

@@ -147,7 +147,11 @@ class Postprocessor:
     def _observe(
         self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, row: int, length: int
     ) -> None:
+        """Hand the drafter the state it drafts from, where the sequence's next step may draft
+        (the forward kept the middle residual then: LLMEngine._keep_middle)."""
         assert self.proposer is not None
+        if self.tuner is not None and not self.tuner.may_draft_next(seq.seq_id):
+            return
         self.proposer.observe_hidden(seq, hidden[row], None if middle is None else middle[row], length)
 
     def _fork_and_sample(self, seq: Sequence, logits: torch.Tensor) -> None:

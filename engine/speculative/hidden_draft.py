@@ -5,7 +5,7 @@ sequence's last token was drawn from (f_p: the final norm's output) and the resi
 middle layer at that row (m_p: layer two thirds up; `observe_hidden`). A draft estimates the next
 position's: f_(p+1) ~ A [f_p, e(x_(p+1)), m_p] + b (each part at unit RMS), from those states and
 the input embedding of the token drawn from f_p, then reads its head (the target's head rows over
-the vocabulary's first V ids, int8); the next draft chains on its own estimate, its own token and
+the vocabulary's first V ids, 8 bits); the next draft chains on its own estimate, its own token and
 the same m_p. A and b are a least-squares fit on the target's own greedy replies and the plan (V,
 the confidence threshold) is chosen by measuring agreement (engine/speculative/self_draft.py,
 `calibrate`, which weighs this draft against the first-layers drafts by the target steps each
@@ -19,8 +19,10 @@ its drafts on the speculation bench's fifteen chat prompts (of 1,599, 533 a roun
 calibration replies. The draft before it (no middle layer, fitted on 116 replies, its inputs
 unscaled, which int8 rounding cost 2 points) kept 27% on the same fifteen prompts and 35% on
 held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
-where this one reads 0.035 (two int8 matmuls, hidden x 3 hidden and V x hidden: 0.13 ms a draft
-with its draw at 2 threads, 0.17 at 1).
+where this one reads 0.035 (two matmuls at 8 bits, hidden x 3 hidden and V x hidden: 0.13 ms a
+draft with its draw at 2 threads, 0.17 at 1, with its weights in cache; in the engine, right after
+a step's forward has streamed the model's weights through the caches, 0.25 ms at 2 threads as
+Q8_0 blocks on kvk's kernels, 0.34 as int8 rows on torch's: self_draft.draft_storage).
 Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out
 replies (19-20% of positions against 24%): a few thousand positions overfit them; other third
 inputs (the previous hidden state, the previous token, a product) gained 0-2 points.
@@ -68,7 +70,9 @@ class HiddenStateDrafter:
     def observe_hidden(
         self, seq: Sequence, hidden: torch.Tensor, middle: torch.Tensor | None, length: int
     ) -> None:
-        assert middle is not None, "the engine keeps the middle layer's input for this drafter"
+        if middle is None:  # a step the engine kept no middle residual in: no draft from it
+            self._hidden.pop(seq.seq_id, None)
+            return
         self._hidden[seq.seq_id] = (length, hidden.detach().float().clone(), middle.detach().float().clone())
 
     def _step(self, f: torch.Tensor, tokens: list[int], m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +106,9 @@ class HiddenStateDrafter:
             f, logits = self._step(f, tokens, m)
             self.forwards += 1
             kept = []
+            top = torch.softmax(logits, -1).amax(-1).tolist()  # each row's confidence
             for row, i in enumerate(running):
-                if float(torch.softmax(logits[row], -1).max()) < self.plan.confidence:
+                if top[row] < self.plan.confidence:
                     continue  # not confident enough: the round ends here
                 self._draw(seqs[i], logits[row], drafts[i])
                 if len(drafts[i][0]) < ks[i]:
@@ -127,6 +132,6 @@ class HiddenStateDrafter:
         self._samplers.pop(seq.seq_id, None)
 
     def memory_bytes(self) -> tuple[int, int]:
-        """(its map's and head's int8 rows, the hidden states it keeps)."""
+        """(its map's and head's rows, the hidden states it keeps)."""
         kept = sum(t.numel() * t.element_size() for _, f, m in self._hidden.values() for t in (f, m))
         return self.weight_bytes, kept

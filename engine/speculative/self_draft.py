@@ -2,7 +2,7 @@
 
 A self-draft is one of two kinds, both fitted by least squares on the target's own greedy
 replies and read by a head over the vocabulary's first V ids (a BPE vocabulary is in merge
-order: frequent tokens first), kept as int8 rows:
+order: frequent tokens first), kept at 8 bits (`draft_storage`):
   the first n layers   the target's first n layers, then a map A, b from layer n's normed
                        residual to the final normed hidden state (what the LM head reads), folded
                        into the head's rows (W_head A, W_head b); run as a model over a KV pool
@@ -47,14 +47,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import nn
 
 from engine.cache_dirs import cache_root
+from engine.kernels import native
 from engine.kernels.gguf_weight import GGUFWeight
 from engine.kernels.linear import KernelLinear
 from engine.kernels.packing import quantize_int8_per_row
 from engine.kernels.policy import KernelPolicy
-from engine.kernels.weights import Int8RowWeight
+from engine.kernels.weights import Int8RowWeight, WeightStorage
 from engine.model.layer_attention import AttentionSpec
 from engine.model.llama_forward import unsupported_reason
 from engine.model.loaded import LoadedModel
@@ -65,7 +67,7 @@ from engine.speculative.adaptive import PRIOR_ROW_COST
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5  # 5: the draft's rows as Q8_0 blocks on kvk (draft_storage)
 # A plan's layer count for the hidden-state draft: no layer of its own, the target's last hidden
 # state and the token drawn from it through a fitted map (engine/speculative/hidden_draft.py).
 HIDDEN = 0
@@ -250,10 +252,42 @@ def head_rows(model: PreTrainedModel, rows: int) -> torch.Tensor:
     return weight.detach().float()[:rows]
 
 
-def fitted_head(weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy | None) -> KernelLinear:
-    """W_head A (and W_head b) as int8 rows: the draft's head."""
+Q8_0 = GGMLQuantizationType.Q8_0
+
+
+def draft_storage(weight: torch.Tensor) -> WeightStorage:
+    """A draft's rows at 8 bits: GGUF Q8_0 blocks (a float16 scale per 32 inputs) on kvk's
+    kernels where this build has them, else int8 codes with a scale per row on torch's packed
+    kernel. A draft runs right after a step's forward has streamed the model's weights through
+    the caches, so its own weights come from memory: measured in the engine on the packaged
+    model at 2 threads, its map and head took 69 and 95 us a draft (medians) as int8 rows on
+    torch's kernel, 38 and 53 as Q8_0 blocks on kvk's."""
+    kvk = native.kernels()
+    if kvk is not None and weight.shape[1] % GGML_QUANT_SIZES[Q8_0][0] == 0:
+        return GGUFWeight(Q8_0, quants.quantize(weight.float().numpy(), Q8_0), weight.shape[1], lib=kvk)
     codes, scales = quantize_int8_per_row(weight)
-    return KernelLinear(Int8RowWeight(codes, scales), bias, policy or KernelPolicy())
+    return Int8RowWeight(codes, scales)
+
+
+def draft_bytes(rows: int, cols: int) -> int:
+    """What a draft's rows of `cols` weights read (draft_storage's layout on this build)."""
+    if native.kernels() is not None and cols % GGML_QUANT_SIZES[Q8_0][0] == 0:
+        block, nbytes = GGML_QUANT_SIZES[Q8_0]
+        return rows * cols // block * nbytes
+    return rows * (cols + 4)  # int8 codes and a float32 scale
+
+
+def fitted_head(weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy | None) -> KernelLinear:
+    """W_head A (and W_head b) at 8 bits: the draft's head (or the hidden-state draft's map)."""
+    return _draft_linear(draft_storage(weight), bias, policy)
+
+
+def _draft_linear(
+    storage: WeightStorage, bias: torch.Tensor | None, policy: KernelPolicy | None
+) -> KernelLinear:
+    policy = policy or KernelPolicy()
+    policy.prepare([storage])  # its kernel table now, not at the first draft
+    return KernelLinear(storage, bias, policy)
 
 
 # ---- calibration -----------------------------------------------------------------------------
@@ -346,19 +380,16 @@ def middle_layer(total: int) -> int:
     return max(1, min(total - 1, round(2 * total / 3)))
 
 
-def _unit_rms(x: torch.Tensor) -> torch.Tensor:
-    """Each row scaled to unit root mean square."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp_min(1e-12))
-
-
 def hidden_draft_input(final: torch.Tensor, embedded: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
     """The hidden-state draft's input rows: the final normed hidden state, the embedding of the
     token drawn from it and the residual entering the middle layer at its position, each at unit
-    RMS. The map's int8 rows share one scale across their inputs: unscaled, the packaged model's
-    embeddings (RMS 0.11, against 1.9 for the hidden state) took coefficients 9x the others', and
-    int8 rounding lost 2 points of agreement on chat (30.6% -> 28.3% of confident drafts); at
-    unit RMS it loses none."""
-    return torch.cat([_unit_rms(final), _unit_rms(embedded), _unit_rms(middle)], 1)
+    RMS. The map's rows share one scale across their inputs (int8 rows; a Q8_0 block's 32):
+    unscaled, the packaged model's embeddings (RMS 0.11, against 1.9 for the hidden state) took
+    coefficients 9x the others', and int8 rounding lost 2 points of agreement on chat (30.6% ->
+    28.3% of confident drafts); at unit RMS it loses none. (The three parts scaled as one
+    [rows, 3, hidden] tensor: a draft runs with the caches cold, where each small op costs.)"""
+    parts = torch.stack([final, embedded, middle], 1)
+    return (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True).clamp_min(1e-12))).flatten(1)
 
 
 def net_saving(acceptance: float, coverage: float, cost: float) -> float:
@@ -445,7 +476,7 @@ def calibrate(loaded: LoadedModel, calibration: Calibration, layers: int | None 
     head_bias = getattr(model.get_output_embeddings(), "bias", None)
     bias_rows = head_bias.detach().float() if isinstance(head_bias, torch.Tensor) else None
     # a decode step reads every layer's weights and the head's once; a draft its layers' (or the
-    # hidden draft's int8 map) and its own head's (int8 codes and a float32 scale per row)
+    # hidden draft's map) and its own head's (draft_bytes)
     layer_bytes = [model_weight_bytes(layer) for layer in inner.layers]
     step_bytes = sum(layer_bytes) + model_weight_bytes(model.get_output_embeddings())
     measured: list[tuple[int, int, float, float, float, float]] = []
@@ -456,12 +487,12 @@ def calibrate(loaded: LoadedModel, calibration: Calibration, layers: int | None 
         if bias_rows is not None:
             logits = logits + bias_rows
         targets = torch.cat(d.held_tokens)
-        own = hidden * (3 * hidden + 4) if n == HIDDEN else sum(layer_bytes[:n])
+        own = draft_bytes(hidden, 3 * hidden) if n == HIDDEN else sum(layer_bytes[:n])
         for vocab in candidate_vocabs(vocab_size):
             probs = torch.softmax(logits[:, :vocab], -1)
             top, pick = probs.max(-1)
             agree = pick == targets
-            cost = (own + vocab * (hidden + 4)) / step_bytes
+            cost = (own + draft_bytes(vocab, hidden)) / step_bytes
             for tau in CONFIDENCES:
                 drafted = top >= tau
                 coverage = float(drafted.float().mean())
@@ -533,15 +564,26 @@ def load_plan(loaded: LoadedModel) -> FittedDraft | None:
         return None
     fields = raw["plan"]
     fields["measured"] = tuple(tuple(m) for m in fields["measured"])
-    policy = loaded.policy or KernelPolicy()
 
     def linear(prefix: str) -> KernelLinear:
-        weight = Int8RowWeight(tensors[f"{prefix}codes"], tensors[f"{prefix}scales"])
-        return KernelLinear(weight, tensors[f"{prefix}bias"], policy)
+        return _draft_linear(_stored_storage(tensors, prefix), tensors[f"{prefix}bias"], loaded.policy)
 
-    return FittedDraft(
-        SelfDraftPlan(**fields), linear(""), linear("map_") if "map_codes" in tensors else None
-    )
+    has_map = any(key.startswith("map_") for key in tensors)
+    return FittedDraft(SelfDraftPlan(**fields), linear(""), linear("map_") if has_map else None)
+
+
+def _stored_storage(tensors: dict[str, torch.Tensor], prefix: str) -> WeightStorage:
+    """A cached draft's rows as save_plan kept them: Q8_0 blocks (on kvk; as int8 rows where this
+    build has no kvk) or int8 rows."""
+    if f"{prefix}codes" in tensors:
+        return Int8RowWeight(tensors[f"{prefix}codes"], tensors[f"{prefix}scales"])
+    blocks = tensors[f"{prefix}{Q8_0.name}"].numpy()
+    kvk = native.kernels()
+    if kvk is not None:
+        cols = blocks.shape[1] // GGML_QUANT_SIZES[Q8_0][1] * GGML_QUANT_SIZES[Q8_0][0]
+        return GGUFWeight(Q8_0, blocks, cols, lib=kvk)
+    codes, scales = quantize_int8_per_row(torch.from_numpy(quants.dequantize(blocks, Q8_0)))
+    return Int8RowWeight(codes, scales)
 
 
 def save_plan(loaded: LoadedModel, fitted: FittedDraft) -> None:
@@ -551,9 +593,12 @@ def save_plan(loaded: LoadedModel, fitted: FittedDraft) -> None:
         if module is None:
             continue
         storage = module.storage
-        assert isinstance(storage, Int8RowWeight)
-        codes, scales = storage.tensors()[:2]
-        tensors.update({f"{prefix}codes": codes, f"{prefix}scales": scales, f"{prefix}bias": module.bias})
+        if isinstance(storage, GGUFWeight):
+            tensors[f"{prefix}{Q8_0.name}"] = torch.from_numpy(storage.parts[0])
+        else:
+            assert isinstance(storage, Int8RowWeight)
+            tensors[f"{prefix}codes"], tensors[f"{prefix}scales"] = storage.tensors()[:2]
+        tensors[f"{prefix}bias"] = module.bias
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tensors, path.with_suffix(".pt"))

@@ -204,3 +204,32 @@ def test_a_costly_proposer_at_no_drafts_chooses_its_length_again_only_after_a_pr
     for _ in range(8):  # the probe and the rounds after it: every draft kept
         tuner.round_done(7, drafted=1, accepted=1, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.001)
     assert tuner.choose(7, decoding=1, cap=100) > 0 and len(weighed) == 2
+
+
+def test_a_costly_proposer_at_no_drafts_needs_its_state_only_before_a_probe():
+    """may_draft_next is true exactly before the steps whose choice can draft: the engine keeps
+    the hidden-state drafter's state only then."""
+    tuner = tuner_with_costs()
+    for seq in range(3):  # the engine learned drafts do not pay
+        for _ in range(6):
+            tuner.round_done(
+                seq, drafted=4, accepted=0, step_rows=5, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+    assert tuner.may_draft_next(7), "a sequence the tuner has not seen may draft"
+    predicted, chosen = [], []
+    for _ in range(200):
+        predicted.append(tuner.may_draft_next(7))
+        k = tuner.choose(7, decoding=1, cap=100)
+        chosen.append(k)
+        if k:  # the probe: rejected
+            tuner.round_done(
+                7, drafted=1, accepted=0, step_rows=2, step_s=0.012, decoding=1, draft_share_s=0.001
+            )
+    assert sum(chosen) >= 3, "it probed"
+    assert all(p for p, k in zip(predicted, chosen) if k), "every step that drafted was foreseen"
+    probes = sum(1 for k in chosen if k)
+    # the others: the first step, and each one after a probe (its length is chosen again then)
+    assert sum(predicted) == 2 * probes + 1
+    free = DraftTuner(most=4, adaptive=True, free_proposer=True)
+    fixed = DraftTuner(most=4, adaptive=False, free_proposer=False)
+    assert free.may_draft_next(1) and fixed.may_draft_next(1)

@@ -79,15 +79,21 @@ def test_the_calibration_measures_the_hidden_draft_beside_the_layer_drafts(tiny,
     assert (fitted.map.out_features, fitted.map.in_features) == (hidden, 3 * hidden)
     assert fitted.plan.middle == self_draft.middle_layer(4) == 3
     assert fitted.head.out_features == fitted.plan.vocab
-    # the choice of every candidate, the hidden draft among them, its cost from its int8 map
+    # the choice of every candidate, the hidden draft among them, its cost the bytes its map and
+    # its head's rows hold
     chosen = calibrate(tiny, replies)
     assert {m[0] for m in chosen.plan.measured} == {HIDDEN, *self_draft.candidate_layers(4)}
     layers = tiny.model.model.layers
     step = sum(self_draft.model_weight_bytes(layer) for layer in layers)
     step += self_draft.model_weight_bytes(tiny.model.get_output_embeddings())
+
+    def held(module):
+        return sum(t.numel() * t.element_size() for t in module.storage.tensors())
+
+    head_row = held(fitted.head) / fitted.head.out_features
     for n, vocab, _, _, _, cost in chosen.plan.measured:
         if n == HIDDEN:
-            assert cost == pytest.approx((hidden * (3 * hidden + 4) + vocab * (hidden + 4)) / step)
+            assert cost == pytest.approx((held(fitted.map) + vocab * head_row) / step)
 
 
 def test_the_engine_hands_over_what_the_head_read_where_the_last_token_was_drawn(tiny, fitted):
@@ -139,6 +145,42 @@ def test_greedy_with_the_hidden_draft_is_plain_greedy(tiny, fitted):
     assert sum(len(r.draft_ids) for r in rounds) > len(rounds), "drafts chained past the first"
 
 
+def test_at_no_drafts_the_state_is_kept_only_for_the_steps_that_may_draft(tiny, fitted):
+    """A sequence the tuner has stopped drafting for: the forward keeps the middle residual (and
+    the drafter the state) only before a step that may draft, and every probe still drafts."""
+    spec = SpeculativeConfig("ngram", num_draft=2, adaptive=True)
+    events: list = []
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=300, speculative=spec), events.append)
+    engine.proposer = drafter(tiny, fitted)  # drafting at any confidence: every probe drafts
+    tuner = engine.tuner
+    tuner.costs.observe_step(1, 0.010)
+    tuner.costs.observe_step(3, 0.016)
+    for seq in range(-3, 0):  # the engine learned that drafts do not pay
+        for _ in range(6):
+            tuner.round_done(
+                seq, drafted=2, accepted=0, step_rows=3, step_s=0.016, decoding=1, draft_share_s=0.004
+            )
+    kept_middle, asked = [], []
+    forward, choose = engine.runner.forward, tuner.choose
+
+    def recording_forward(*args):
+        kept_middle.append(engine.runner.own_forward.keep_middle)
+        return forward(*args)
+
+    def recording_choose(*args, **kwargs):
+        asked.append(choose(*args, **kwargs))
+        return asked[-1]
+
+    engine.runner.forward, tuner.choose = recording_forward, recording_choose
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    (end,) = engine.run([Request(prompt_token_ids=tuple(PROMPTS[1]), sampling=params)])
+    assert [list(end.token_ids)] == plain_greedy(tiny, [PROMPTS[1]], new=40)
+    probes = sum(1 for k in asked if k)
+    assert probes >= 2, "it probed"
+    assert len([e for e in events if isinstance(e, SpecRound)]) == probes, "each probe had its state"
+    assert kept_middle.count(0) > len(kept_middle) // 2, "most steps kept no middle residual"
+
+
 def test_drafts_chain_through_the_map_and_the_head(tiny, fitted):
     proposer = drafter(tiny, fitted)
     state = torch.randn(tiny.info.hidden_size)
@@ -188,6 +230,44 @@ def test_the_hidden_plan_is_kept_and_read_back(tiny, fitted, tmp_path, monkeypat
         assert torch.equal(
             back.head(x[:, : tiny.info.hidden_size]), fitted.head(x[:, : tiny.info.hidden_size])
         )
+
+
+def test_the_draft_keeps_its_rows_as_q8_0_blocks_on_kvk_and_as_int8_rows_without(
+    tiny, fitted, tmp_path, monkeypatch
+):
+    """Q8_0 where kvk runs (gguf's own blocks: the weights within half a block step), int8 rows
+    on torch's kernel where it does not; a plan cached on one reads back on the other."""
+    from gguf import GGMLQuantizationType, quants
+
+    from engine.kernels import native
+    from engine.kernels.gguf_weight import GGUFWeight
+    from engine.kernels.weights import Int8RowWeight
+
+    weight = torch.randn(40, 96)
+    if native.kernels() is None:
+        pytest.skip("no kvk kernels in this build")
+    q8 = self_draft.draft_storage(weight)
+    assert isinstance(q8, GGUFWeight) and q8.ggml_type == GGMLQuantizationType.Q8_0
+    blocks = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    assert torch.equal(
+        q8.dequantize(), torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0))
+    )
+    step = weight.reshape(40, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(
+        ((q8.dequantize().reshape(40, 3, 32) - weight.reshape(40, 3, 32)).abs() <= step * 0.57).all()
+    )  # (d itself rounded to float16)
+    assert self_draft.draft_bytes(40, 96) == q8.nbytes == 40 * 3 * 34
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    assert isinstance(fitted.map.storage, GGUFWeight)
+    self_draft.save_plan(tiny, fitted)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    assert isinstance(self_draft.draft_storage(weight), Int8RowWeight)
+    assert self_draft.draft_bytes(40, 96) == 40 * (96 + 4)
+    back = self_draft.load_plan(tiny)
+    assert back is not None and isinstance(back.map.storage, Int8RowWeight)
+    want = fitted.map.storage.dequantize()
+    assert float((back.map.storage.dequantize() - want).abs().max()) <= float(want.abs().max()) / 127
 
 
 def test_the_self_method_runs_the_hidden_draft_when_asked(tiny, replies, monkeypatch, tmp_path):

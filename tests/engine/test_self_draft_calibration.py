@@ -43,19 +43,20 @@ def test_the_plan_is_the_measured_candidate_with_the_best_net_saving(tiny):
     # the replies of the two judged sequences (every fourth): a layer draft is judged on each
     # reply token, the hidden draft on each but the first (the target's own, from the prompt)
     assert plan.positions == 2 * (20 - (plan.layers == HIDDEN))
-    # a draft reads its layers' weights (the hidden draft its int8 map) and its own head's int8
-    # rows, over a step's weights
+    # a draft reads its layers' weights (the hidden draft its map) and its own head's rows, over
+    # a step's weights
     model = tiny.model
     step = sum(model_weight_bytes(layer) for layer in model.model.layers)
     step += model_weight_bytes(model.get_output_embeddings())
     hidden = model.config.hidden_size
+    head_row = sum(t.numel() * t.element_size() for t in head.storage.tensors()) / head.out_features
     for n, vocab, _, _, _, cost in plan.measured:
         own = (
-            hidden * (3 * hidden + 4)
+            self_draft.draft_bytes(hidden, 3 * hidden)
             if n == HIDDEN
             else sum(model_weight_bytes(layer) for layer in model.model.layers[:n])
         )
-        assert cost == pytest.approx((own + vocab * (hidden + 4)) / step)
+        assert cost == pytest.approx((own + vocab * head_row) / step)
     assert head.out_features == plan.vocab
     assert head(torch.zeros(1, hidden)).shape == (1, plan.vocab)
     assert (fitted.map is None) == (plan.layers != HIDDEN)
