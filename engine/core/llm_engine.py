@@ -557,7 +557,7 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         for seq, (drafts, qs) in zip(asked, proposals):
             if not drafts:
-                tuner.nothing_drafted(seq.seq_id)
+                tuner.nothing_drafted(seq.seq_id, seq.draft_length)
             seq.spec_token_ids = list(drafts)
             seq.draft_q = list(qs)
             seq.draft_s = seconds / (len(asked) + len(shadows))

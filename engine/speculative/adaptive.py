@@ -23,7 +23,9 @@ packaged model's repeat task with all but 2% of drafts kept, a round of 8 drafts
 one of 4 saved 9, but the 9-row step took 10.3 ms against the 5-row step's 5.3: 0.85 tokens a
 millisecond against 0.92, and at up to 8 drafts the task ran 2.0x plain against 2.25x at 4).
 A round pays exactly when its net is positive: (E(k) - 1) plain tokens' worth (a plain step's
-time over its sequences) exceeds what the k rows add and the drafting.
+time over its sequences) exceeds what the k rows add and the drafting. A proposer may make fewer
+drafts than asked (the self-draft none where it is unsure, a lookup a shorter match): the rows
+are counted at the share of asked drafts it made, measured like acceptance (`_Made`).
 
 At 0 it keeps learning. A free proposer (n-gram lookup) still proposes at every plain step and
 its proposal is scored against the tokens the target then decodes (a shadow round: nothing is
@@ -31,7 +33,8 @@ verified, nothing is spent); a costly one (a draft model, the self-draft) gets a
 round now and then, spaced out further each time it fails. A new sequence starts at the spacing
 the engine's probes last reached: restarting at 8 plain steps, every 64-token reply paid three
 probes (at 8, 24 and 56 steps), each a draft forward and a verified row, ~2% of its steps, about
-what the self-draft lost on the packaged model's free chat (0.973x in two runs).
+what the self-draft lost on the packaged model's free chat (0.973x in two runs). Between probes
+a costly proposer's sequence needs nothing computed for it (`may_draft_next`).
 
 Each round's saving is measured the same way, after the fact: the tokens it gave beyond the
 first at a plain token's time, less the step's time beyond a plain step's of its other rows and
@@ -53,6 +56,11 @@ PRIOR_ROW_COST = 0.2
 # context's growth.
 TIMINGS_KEPT = 15
 ACCEPTANCE_DECAY = 0.85  # per round: the acceptance of the last ~7 rounds counts
+# The engine's own, over every sequence (a new sequence's prior): the last ~50 rounds. At 0.85 it
+# was the last few probes' luck: on the packaged model's chat the self-draft's made drafts were
+# kept 27% of the time over a reply's 26 rounds, and its prior ended at 9% on the last ones, so
+# every later sequence started sure that drafting did not pay and probed too rarely to learn.
+SEEN_DECAY = 0.98
 PROBE_FIRST, PROBE_MOST = 8, 64  # plain steps before a probe round; doubled after each failure
 MAX_ROWS_TRACKED = 64
 
@@ -155,12 +163,13 @@ class _Acceptance:
     kept: list[float] = field(default_factory=list)  # decayed count of rounds keeping draft j
     reached: list[float] = field(default_factory=list)  # ... of rounds that examined draft j
     prior: float = 0.5  # the acceptance assumed before any round (one round's weight)
+    decay: float = ACCEPTANCE_DECAY
 
     def record(self, examined: int, accepted: int) -> None:
         """A round (or a shadow round) examined its first `examined` drafts and kept `accepted`."""
         for counts in (self.kept, self.reached):
             for j in range(len(counts)):
-                counts[j] *= ACCEPTANCE_DECAY
+                counts[j] *= self.decay
             counts.extend([0.0] * (examined - len(counts)))
         for j in range(examined):
             self.reached[j] += 1.0
@@ -188,6 +197,25 @@ class _Acceptance:
 
 
 @dataclass(slots=True)
+class _Made:
+    """The share of the drafts asked for that the proposer made (decayed counts like
+    _Acceptance's): a confidence-gated drafter (the self-draft) makes none where it is unsure,
+    and a lookup's match may be shorter than asked; a draft not made adds no verified row."""
+
+    made: float = 0.0
+    asked: float = 0.0
+    decay: float = ACCEPTANCE_DECAY
+
+    def record(self, made: int, asked: int) -> None:
+        self.made = self.made * self.decay + made
+        self.asked = self.asked * self.decay + asked
+
+    def share(self, prior: float) -> float:
+        """With one asked draft's weight at `prior` (the engine's share over every sequence)."""
+        return (self.made + prior) / (self.asked + 1.0)
+
+
+@dataclass(slots=True)
 class SequenceTuning:
     """One sequence's draft length and what it was chosen from."""
 
@@ -201,6 +229,7 @@ class SequenceTuning:
     shadow: list[int] = field(default_factory=list)
     shadow_evidence: int = 0
     saved_s: float = 0.0  # what its rounds saved (or lost: negative), measured
+    made: _Made = field(default_factory=lambda: _Made())  # drafts made of those asked
     # whether a round was recorded since its length was last chosen: a costly proposer at length
     # 0 learns only from its probes, so its length is chosen again only after one (the choice
     # every plain step was ~1% of a packaged-model step: a self-draft that never drafted ran
@@ -228,6 +257,7 @@ class DraftTuner:
         self._seqs: dict[int, SequenceTuning] = {}
         self.seen: dict[int, _Acceptance] = {}  # per class, every sequence's rounds: a new one's prior
         self.probe_start = PROBE_FIRST  # a new sequence's probe spacing: where the last probe left it
+        self.made = _Made(decay=SEEN_DECAY)  # every sequence's drafts made of those asked: a prior
 
     def tuning(self, seq_id: int) -> SequenceTuning:
         state = self._seqs.get(seq_id)
@@ -251,7 +281,7 @@ class DraftTuner:
         cls = state.evidence if evidence is None else evidence
         state.rounds_since_choice = True
         self._acceptance(state, cls).record(examined, accepted)
-        self.seen.setdefault(cls, _Acceptance()).record(examined, accepted)
+        self.seen.setdefault(cls, _Acceptance(decay=SEEN_DECAY)).record(examined, accepted)
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -305,15 +335,26 @@ class DraftTuner:
             return self.most
         acceptance = self._acceptance(state, state.evidence)
         best_k, best_rate = 0, decoding / plain
+        made = self._made_share(state)
         for k in range(1, self.most + 1):
             rows = self.costs.row_cost(decoding, k)
             if rows is None:
                 return self.most
             tokens = decoding - 1 + acceptance.expected_tokens(k)
-            rate = tokens / (plain + rows + self._drafting(k, decoding))
+            # the rows the drafts made add (a step's time is near linear in its rows)
+            rate = tokens / (plain + rows * made + self._drafting(k, decoding))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def _made_share(self, state: SequenceTuning) -> float:
+        """The share of asked drafts the proposer makes for this sequence, from the engine's."""
+        prior = self.made.share(1.0) if self.made.asked > 0 else 1.0
+        return state.made.share(prior)
+
+    def _record_made(self, state: SequenceTuning, made: int, asked: int) -> None:
+        state.made.record(made, asked)
+        self.made.record(made, asked)
 
     def _drafting(self, k: int, decoding: int) -> float:
         """A sequence's share of drafting k tokens: a model drafter runs k forwards for all the
@@ -374,6 +415,7 @@ class DraftTuner:
         state = self.tuning(seq_id)
         examined = min(accepted + 1, max(drafted, asked))
         self._record(state, examined, accepted)
+        self._record_made(state, drafted, max(drafted, asked))
         if state.probing:
             self._probed(state, kept=accepted > 0)
         without = self.costs.step(max(1, step_rows - drafted))
@@ -385,11 +427,13 @@ class DraftTuner:
         state.saved_s += saved
         return RoundOutcome(saved, draft_share_s)
 
-    def nothing_drafted(self, seq_id: int) -> None:
-        """The proposer made no draft of those asked (its first was below its confidence
-        threshold): a rejected first draft, and a failed probe (spaced out further)."""
+    def nothing_drafted(self, seq_id: int, asked: int = 1) -> None:
+        """The proposer made none of the `asked` drafts (its first was below its confidence
+        threshold): a rejected first draft that added no row, and a failed probe (spaced out
+        further)."""
         state = self.tuning(seq_id)
         self._record(state, 1, 0)
+        self._record_made(state, 0, asked)
         if state.probing:
             self._probed(state, kept=False)
 

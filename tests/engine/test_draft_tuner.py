@@ -3,6 +3,8 @@ sequences before it, not from a fixed guess."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.speculative.adaptive import DraftTuner
 
 
@@ -233,3 +235,29 @@ def test_a_costly_proposer_at_no_drafts_needs_its_state_only_before_a_probe():
     free = DraftTuner(most=4, adaptive=True, free_proposer=True)
     fixed = DraftTuner(most=4, adaptive=False, free_proposer=False)
     assert free.may_draft_next(1) and fixed.may_draft_next(1)
+
+
+def test_drafts_the_proposer_does_not_make_add_no_row_to_the_cost():
+    """A confidence-gated proposer makes a draft at half the asks, and half of those are kept:
+    a quarter of the asked positions save a step. Drafting then pays (a made draft's row costs
+    3 ms of a 10 ms step, but only half the asks pay it), where a proposer making every draft
+    at the same quarter kept does not."""
+
+    def tuner_after(rounds) -> DraftTuner:
+        tuner = DraftTuner(most=1, adaptive=True, free_proposer=False)
+        tuner.costs.observe_step(1, 0.010)
+        tuner.costs.observe_step(2, 0.013)
+        tuner.costs.observe_drafting(1, 0.0002)
+        for i in range(40):
+            drafted, accepted = rounds[i % len(rounds)]
+            if drafted:
+                tuner.round_done(1, drafted, accepted, 2, 0.013, 1, 0.0002, asked=1)
+            else:
+                tuner.nothing_drafted(1, asked=1)
+        return tuner
+
+    gated = tuner_after([(1, 1), (0, 0), (1, 0), (0, 0)])
+    eager = tuner_after([(1, 1), (1, 0), (1, 0), (1, 0)])
+    assert gated.acceptance(1) == eager.acceptance(1) == pytest.approx(0.25, abs=0.07)
+    assert gated.choose(2, decoding=1, cap=100) == 1, "a new sequence drafts from the engine's share"
+    assert eager.choose(2, decoding=1, cap=100) == 0
