@@ -219,7 +219,9 @@ KVK_API int kvk_panel_dequantize(int t, const uint8_t *panels, int64_t n, int64_
 
 #ifdef PANELS_AVX512
 typedef struct {
-    int64_t k, stride, off_dx, off_bs;  // row stride and the offsets of dx [groups], bs [blocks]
+    // row stride and the offsets of dx [groups], bs [blocks] and bs as floats [blocks] (exact: |bs|
+    // < 2^24), which the kernels broadcast from memory where they scale by it
+    int64_t k, stride, off_dx, off_bs, off_bsf;
 } panel_act;
 
 static panel_act act_layout(int64_t k) {
@@ -227,7 +229,8 @@ static panel_act act_layout(int64_t k) {
     l.k = k;
     l.off_dx = (k * 2 + 63) & ~(int64_t)63;
     l.off_bs = l.off_dx + (((k + 255) / 256 * 4 + 63) & ~(int64_t)63);
-    l.stride = l.off_bs + ((k / 32 * 4 + 63) & ~(int64_t)63);
+    l.off_bsf = l.off_bs + ((k / 32 * 4 + 63) & ~(int64_t)63);
+    l.stride = l.off_bsf + ((k / 32 * 4 + 63) & ~(int64_t)63);
     return l;
 }
 
@@ -236,6 +239,7 @@ static void quantize(const float *x, const panel_act *l, uint8_t *dst) {
     int16_t *xq = (int16_t *)dst;
     float *dx = (float *)(dst + l->off_dx);
     int32_t *bs = (int32_t *)(dst + l->off_bs);
+    float *bsf = (float *)(dst + l->off_bsf);
     for (int64_t g = 0; g < (l->k + 255) / 256; g++) {
         const int64_t e0 = 256 * g, n = l->k - e0 < 256 ? l->k - e0 : 256;
         __m512 am = _mm512_setzero_ps();
@@ -250,6 +254,7 @@ static void quantize(const float *x, const panel_act *l, uint8_t *dst) {
             _mm256_storeu_si256((__m256i *)(xq + e0 + 32 * b), _mm512_cvtsepi32_epi16(q0));
             _mm256_storeu_si256((__m256i *)(xq + e0 + 32 * b + 16), _mm512_cvtsepi32_epi16(q1));
             bs[e0 / 32 + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            bsf[e0 / 32 + b] = (float)bs[e0 / 32 + b];
         }
     }
 }
@@ -262,6 +267,11 @@ static inline __attribute__((always_inline)) __m512i dp_pair(__m512i acc, __m512
 
 static inline int32_t block_sum(const uint8_t *A, const panel_act *l, int r, int64_t block) {
     return ((const int32_t *)(A + r * l->stride + l->off_bs))[block];
+}
+
+// The block sum as a float, broadcast from memory (one instruction: no conversion, no shuffle).
+static inline __m512 block_sum_ps(const uint8_t *A, const panel_act *l, int r, int64_t block) {
+    return _mm512_set1_ps(((const float *)(A + r * l->stride + l->off_bsf))[block]);
 }
 
 static inline float group_dx(const uint8_t *A, const panel_act *l, int r, int64_t group) {
@@ -327,7 +337,7 @@ static inline __attribute__((always_inline)) void block_panel(const int t, const
         if (t == T_Q4_1) {
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
             for (int r = 0; r < R; r++)
-                part[r] = _mm512_fmadd_ps(m, _mm512_set1_ps((float)block_sum(A, l, r, b)), part[r]);
+                part[r] = _mm512_fmadd_ps(m, block_sum_ps(A, l, r, b), part[r]);
         }
         if ((b & 7) == 7 || b == nu - 1)
             for (int r = 0; r < R; r++)
@@ -365,7 +375,7 @@ static inline __attribute__((always_inline)) void q4k_panel(const int R, const u
         for (int r = 0; r < R; r++) {
             __m512 mins = _mm512_setzero_ps();  // sum over sub-blocks of m * s
             for (int sb = 0; sb < 8; sb++) {
-                const __m512 s = _mm512_set1_ps((float)block_sum(A, l, r, 8 * u + sb));
+                const __m512 s = block_sum_ps(A, l, r, 8 * u + sb);
                 mins = sb ? _mm512_fmadd_ps(mn[sb], s, mins) : _mm512_mul_ps(mn[sb], s);
             }
             const __m512 dx = _mm512_set1_ps(group_dx(A, l, r, u));
