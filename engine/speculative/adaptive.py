@@ -229,7 +229,7 @@ class SequenceTuning:
     shadow: list[int] = field(default_factory=list)
     shadow_evidence: int = 0
     saved_s: float = 0.0  # what its rounds saved (or lost: negative), measured
-    made: _Made = field(default_factory=lambda: _Made())  # drafts made of those asked
+    made: _Made = field(default_factory=_Made)  # drafts made of those asked
     # whether a round was recorded since its length was last chosen: a costly proposer at length
     # 0 learns only from its probes, so its length is chosen again only after one (the choice
     # every plain step was ~1% of a packaged-model step: a self-draft that never drafted ran

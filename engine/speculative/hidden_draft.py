@@ -21,8 +21,9 @@ unscaled, which int8 rounding cost 2 points) kept 27% on the same fifteen prompt
 held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
 where this one reads 0.035 (two matmuls at 8 bits, hidden x 3 hidden and V x hidden: 0.13 ms a
 draft with its draw at 2 threads, 0.17 at 1, with its weights in cache; in the engine, right after
-a step's forward has streamed the model's weights through the caches, 0.25 ms at 2 threads as
-Q8_0 blocks on kvk's kernels, 0.34 as int8 rows on torch's: self_draft.draft_storage).
+a step's forward has streamed the model's weights through the caches, 0.25 ms at 2 threads, 0.34
+before its rows were Q8_0 blocks on kvk's kernels (self_draft.draft_storage) and its input one
+tensor op).
 Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out
 replies (19-20% of positions against 24%): a few thousand positions overfit them; other third
 inputs (the previous hidden state, the previous token, a product) gained 0-2 points.

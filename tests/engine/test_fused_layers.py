@@ -50,8 +50,9 @@ def run(loaded, fused, config=None, observe=False, middles=None):
     )
     if not fused:
         engine.runner.own_forward.fused = None
-    if middles is not None:
+    if middles is not None:  # layer 1's input at every step (the engine sets it only for a drafter)
         engine.runner.own_forward.keep_middle = 1
+        engine._keep_middle = lambda batch: None
     logits = record_logit_rows(engine, (lambda stage, hidden: None) if observe else None, middles)
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     for i, p in enumerate(PROMPTS):

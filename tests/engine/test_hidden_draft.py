@@ -243,9 +243,9 @@ def test_the_draft_keeps_its_rows_as_q8_0_blocks_on_kvk_and_as_int8_rows_without
     from engine.kernels.gguf_weight import GGUFWeight
     from engine.kernels.weights import Int8RowWeight
 
-    weight = torch.randn(40, 96)
     if native.kernels() is None:
         pytest.skip("no kvk kernels in this build")
+    weight = torch.randn(40, 96)
     q8 = self_draft.draft_storage(weight)
     assert isinstance(q8, GGUFWeight) and q8.ggml_type == GGMLQuantizationType.Q8_0
     blocks = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)

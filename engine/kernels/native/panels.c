@@ -309,8 +309,9 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 
 // How far ahead a panel's bytes are asked for: ~9 KiB in whole units of the type (Q4_0: 32
 // blocks, Q4_1: 29, Q4_K: 4 super-blocks, Q6_K: 3). Measured on 1.7B-shaped panels, 2 threads,
-// weights 15x the L3 cache, against one unit ahead (Q4_0: 4 blocks): 5 rows 0.75-0.83x the time,
-// one row 0.8-1.0x (Q4_K: 0.79x), 2 rows 0.64x (Q4_K).
+// weights 15x the L3 cache, against one unit ahead (Q4_0: 4 blocks), interleaved: 5 rows
+// 0.75-0.83x the time, 2 rows 0.64x (Q4_K), one row 0.79-1.04x (the machine's memory bandwidth
+// moved between runs by more than that).
 #define PREFETCH_BYTES 9216
 static inline int prefetch_units(int unit_bytes) {
     const int units = (PREFETCH_BYTES + unit_bytes / 2) / unit_bytes;
