@@ -59,7 +59,8 @@ TASKS: dict[str, tuple[str, ...]] = {
     "repeat": (f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",),
     # fifteen prompts of several kinds: acceptance is a property of the text, and three prompts
     # (~100 distinct drafts: greedy rounds repeat them) judged a draft by those three (the
-    # hidden-state draft kept 28% of its drafts on the first three and 31% on all fifteen)
+    # hidden-state draft kept 28% of its drafts on the first three and 31% on all fifteen, as int8
+    # rows; 30.4% on all fifteen as Q8_0 blocks)
     "chat": (
         "What are three good habits for staying healthy? Explain each briefly.",
         "Write a short story about a robot who learns to paint.",

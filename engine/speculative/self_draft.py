@@ -30,7 +30,7 @@ did no better (first 8 + last 16: 24%; every other middle layer: 6%).
 
 On a model this small a self-draft barely pays on free chat. The calibration picks the
 hidden-state draft there (a first-6-layers draft agreed less and read 16% of a step's weights;
-the hidden-state draft reads 3.5%), and its drafts the target keeps ~31% of the time on the
+the hidden-state draft reads 3.5%), and its drafts the target keeps ~30% of the time on the
 bench's chat (42% on held-out calibration replies), against a verified row's ~20% of a step and
 a round's bookkeeping. The draft tuner (engine/speculative/adaptive.py) measures that and drafts
 only where it pays.
