@@ -30,7 +30,7 @@ did no better (first 8 + last 16: 24%; every other middle layer: 6%).
 
 On a model this small a self-draft barely pays on free chat. The calibration picks the
 hidden-state draft there (a first-6-layers draft agreed less and read 16% of a step's weights;
-the hidden-state draft reads 3.5%), and its drafts the target keeps ~30% of the time on the
+the hidden-state draft reads 3.7%), and its drafts the target keeps ~30% of the time on the
 bench's chat (42% on held-out calibration replies), against a verified row's ~20% of a step and
 a round's bookkeeping. The draft tuner (engine/speculative/adaptive.py) measures that and drafts
 only where it pays.
@@ -262,16 +262,21 @@ def draft_storage(weight: torch.Tensor) -> WeightStorage:
     the caches, so its own weights come from memory: measured in the engine on the packaged
     model at 2 threads, its map and head took 69 and 95 us a draft (medians) as int8 rows on
     torch's kernel, 38 and 53 as Q8_0 blocks on kvk's."""
-    kvk = native.kernels()
-    if kvk is not None and weight.shape[1] % GGML_QUANT_SIZES[Q8_0][0] == 0:
-        return GGUFWeight(Q8_0, quants.quantize(weight.float().numpy(), Q8_0), weight.shape[1], lib=kvk)
+    if _as_q8_0(weight.shape[1]):
+        blocks = quants.quantize(weight.float().numpy(), Q8_0)
+        return GGUFWeight(Q8_0, blocks, weight.shape[1], lib=native.kernels())
     codes, scales = quantize_int8_per_row(weight)
     return Int8RowWeight(codes, scales)
 
 
+def _as_q8_0(cols: int) -> bool:
+    """Whether draft_storage keeps rows of `cols` weights as Q8_0 blocks on this build."""
+    return native.kernels() is not None and cols % GGML_QUANT_SIZES[Q8_0][0] == 0
+
+
 def draft_bytes(rows: int, cols: int) -> int:
     """What a draft's rows of `cols` weights read (draft_storage's layout on this build)."""
-    if native.kernels() is not None and cols % GGML_QUANT_SIZES[Q8_0][0] == 0:
+    if _as_q8_0(cols):
         block, nbytes = GGML_QUANT_SIZES[Q8_0]
         return rows * cols // block * nbytes
     return rows * (cols + 4)  # int8 codes and a float32 scale
