@@ -70,29 +70,59 @@ def test_each_row_equals_the_float64_reference(dtype, what):
         assert torch.all(probs[r, :, n:] == 0)
 
 
-def test_a_row_is_the_same_alone_among_others_and_as_a_decode_at_its_position():
-    """A verification row at position p (several rows of one sequence) computes exactly what the
-    decode step at p computes, and no row depends on its neighbours."""
-    k, v, _, _ = pool(blocks=40, block_size=8, d=64, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("window", [None, 60])
+def test_a_row_is_the_same_alone_among_others_and_as_a_decode_at_its_position(dtype, window):
+    """A verification row at position p (several rows of one sequence, whose keys and values the
+    kernel decodes once for them all) computes exactly what the decode step at p computes, its
+    probabilities too, and no row depends on its neighbours."""
+    k, v, ks, vs = pool(blocks=40, block_size=8, d=64, dtype=dtype, seed=2)
     heads = 8
     g = torch.Generator().manual_seed(3)
     table = list(range(39, 0, -1))
     q = torch.randn(5, heads, 64, generator=g)
     stops = [100, 101, 102, 103, 104]  # one sequence's verification rows, causal
-    together, _ = KVK.paged_attention(q, k, v, [table] * 5, [0] * 5, stops, 0.125)
+    starts = [0 if window is None else s - window for s in stops]
+    together, p_together = KVK.paged_attention(
+        q, k, v, [table] * 5, starts, stops, 0.125, None, None, ks, vs, True
+    )
     for r in range(5):
-        alone, _ = KVK.paged_attention(q[r : r + 1], k, v, [table], [0], [stops[r]], 0.125)
+        alone, p_alone = KVK.paged_attention(
+            q[r : r + 1], k, v, [table], starts[r : r + 1], [stops[r]], 0.125, None, None, ks, vs, True
+        )
         assert torch.equal(alone[0], together[r])
+        n = stops[r] - starts[r]
+        assert torch.equal(p_alone[0, :, :n], p_together[r, :, :n])
     mixed, _ = KVK.paged_attention(
         torch.cat([q[:2], torch.randn(3, heads, 64, generator=g)]),
         k,
         v,
         [table, table, [1], [2, 3], [4]],
-        [0, 0, 0, 0, 0],
+        [*starts[:2], 0, 0, 0],
         [100, 101, 3, 12, 8],
         0.125,
+        None,
+        None,
+        ks,
+        vs,
     )
     assert torch.equal(mixed[:2], together[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=str)
+def test_a_prompt_chunks_rows_are_each_the_row_alone(dtype):
+    """A prompt chunk's rows (one sequence, stops 1..n: the kernel cuts them into pieces of about
+    equal work that each decode the pool once) are each what the row computes alone, with GQA."""
+    k, v, ks, vs = pool(blocks=24, kv_heads=2, block_size=16, d=32, dtype=dtype, seed=4)
+    heads, rows = 6, 70
+    g = torch.Generator().manual_seed(5)
+    table = [(7 * i) % 24 for i in range(24)]
+    q = torch.randn(rows, heads, 32, generator=g)
+    stops = [300 + r for r in range(rows)]
+    together, _ = KVK.paged_attention(q, k, v, [table] * rows, [0] * rows, stops, 0.2, None, None, ks, vs)
+    for r in (0, 1, 33, 34, rows - 1):
+        alone, _ = KVK.paged_attention(q[r : r + 1], k, v, [table], [0], [stops[r]], 0.2, None, None, ks, vs)
+        assert torch.equal(alone[0], together[r])
 
 
 def test_rows_without_positions_are_refused():

@@ -135,7 +135,9 @@ __m512 kvk_exp16_nonpositive(__m512 x) { return exp16(x); }
 // 16 horizontal sums at once: out[j] = sum of the lanes of v[j].
 static inline __m512 hsum16(__m512 v[16]) {
     // pairwise: interleave halves and add, 4 levels (each level halves the vector count)
+#pragma GCC unroll 4
     for (int width = 16, step = 8; step >= 1; step /= 2, width /= 2) {
+#pragma GCC unroll 8
         for (int j = 0; j < width / 2; j++) {
             const __m512 a = v[j], b = v[j + width / 2];
             __m512 lo, hi;
@@ -185,9 +187,10 @@ static int hsum_order_ready = 0;
 
 // One (row, KV head): the G query heads that share it. scratch: n int64 (each position's vector in
 // the pool), G * n floats (scores), 16 * d floats.
-// (inlined once per kind of pool, kv_type a constant in each: attend_one dispatches)
+// (inlined once per kind of pool and common head width, kv_type and d constants in each:
+// attend_one dispatches)
 static inline __attribute__((always_inline)) void attend_typed(
-    const float *q, int g, int d, const void *k_pool, const void *v_pool, const int kv_type,
+    const float *q, int g, const int d, const void *k_pool, const void *v_pool, const int kv_type,
     const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads, int kvh,
     const int32_t *table, int64_t start, int64_t stop, float scale, float softcap, const float *sinks, float *out,
     float *probs, int64_t probs_head_stride, float *scratch) {
@@ -304,32 +307,25 @@ static inline __attribute__((always_inline)) void attend_typed(
         for (t = 0; t < n; t++) sh[t] *= inv;  // probabilities
         if (probs) memcpy(probs + h * probs_head_stride, sh, (size_t)n * 4);
     }
-    // values weighted, position by position, into register accumulators where they fit
+    // values weighted, position by position, into register accumulators, head by head: a head's
+    // chunks stay in registers (with every head's at once, their index a variable, GCC kept them
+    // on the stack); a float16 value is converted again for each of the G heads, one instruction
+    // a chunk. Each accumulator sums in position order, as the loop below does.
 #ifdef ATT_AVX512
-    if (d % 16 == 0 && g * d <= 512) {
-        __m512 acc[32];
+    if (d % 16 == 0 && d <= 256) {
         const int per = d / 16;
-        for (int i = 0; i < g * per; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t index = slots[t];
-            if (kv_type == KV_F32) {  // (loaded where used: the decoded copy below cost float32 25%)
-                const float *val = (const float *)v_pool + index * d;
-                for (int h = 0; h < g; h++) {
-                    const __m512 w = _mm512_set1_ps(scores[h * n + t]);
-                    for (int i = 0; i < per; i++)
-                        acc[h * per + i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * i), acc[h * per + i]);
-                }
-                continue;
+        for (int h = 0; h < g; h++) {
+            __m512 acc[16];
+            for (int i = 0; i < per; i++) acc[i] = _mm512_setzero_ps();
+            const float *weights = scores + h * n;
+            for (int64_t t = 0; t < n; t++) {
+                const __m512 w = _mm512_set1_ps(weights[t]);
+                const int64_t index = slots[t];
+                for (int i = 0; i < per; i++)
+                    acc[i] = _mm512_fmadd_ps(w, load16(v_pool, kv_type, v_scales, index, index * d + 16 * i), acc[i]);
             }
-            __m512 val[16];  // the value decoded once for the g heads (d <= 256: 16 vectors)
-            for (int i = 0; i < per; i++) val[i] = load16(v_pool, kv_type, v_scales, index, index * d + 16 * i);
-            for (int h = 0; h < g; h++) {
-                const __m512 w = _mm512_set1_ps(scores[h * n + t]);
-                for (int i = 0; i < per; i++) acc[h * per + i] = _mm512_fmadd_ps(w, val[i], acc[h * per + i]);
-            }
+            for (int i = 0; i < per; i++) _mm512_storeu_ps(out + h * d + 16 * i, acc[i]);
         }
-        for (int h = 0; h < g; h++)
-            for (int i = 0; i < per; i++) _mm512_storeu_ps(out + h * d + 16 * i, acc[h * per + i]);
         return;
     }
 #endif
@@ -341,16 +337,23 @@ static inline __attribute__((always_inline)) void attend_typed(
     }
 }
 
+// A head width the compiler knows unrolls the loops over its 16-float chunks: with d a variable,
+// GCC kept the 16 keys' partial sums of hsum16 and a value's chunks in arrays on the stack, a
+// store and a load for each (the same operations in the same order either way: the same bits).
 static void attend_one(const float *q, int g, int d, const void *k_pool, const void *v_pool, int kv_type,
                        const uint16_t *k_scales, const uint16_t *v_scales, int64_t block_size, int kv_heads,
                        int kvh, const int32_t *table, int64_t start, int64_t stop, float scale, float softcap,
                        const float *sinks, float *out, float *probs, int64_t probs_head_stride,
                        float *scratch) {
-#define ATT_CASE(KIND)                                                                                      \
-    case KIND:                                                                                              \
-        attend_typed(q, g, d, k_pool, v_pool, KIND, k_scales, v_scales, block_size, kv_heads, kvh, table, start, \
-                     stop, scale, softcap, sinks, out, probs, probs_head_stride, scratch);                  \
-        return;
+#define ATT_CALL(KIND, D)                                                                                \
+    attend_typed(q, g, D, k_pool, v_pool, KIND, k_scales, v_scales, block_size, kv_heads, kvh, table, start, \
+                 stop, scale, softcap, sinks, out, probs, probs_head_stride, scratch);                   \
+    return;
+#define ATT_CASE(KIND)                  \
+    case KIND:                          \
+        if (d == 64) { ATT_CALL(KIND, 64) } \
+        if (d == 128) { ATT_CALL(KIND, 128) } \
+        ATT_CALL(KIND, d)
     switch (kv_type) {
         ATT_CASE(KV_F32)
         ATT_CASE(KV_F16)
@@ -358,6 +361,7 @@ static void attend_one(const float *q, int g, int d, const void *k_pool, const v
         ATT_CASE(KV_I8)
     }
 #undef ATT_CASE
+#undef ATT_CALL
 }
 
 static void find_hsum_order(void) {
