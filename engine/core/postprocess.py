@@ -239,7 +239,7 @@ class Postprocessor:
         drafts = list(seq.spec_token_ids)
         if seq.sampler.plain_greedy and seq.grammar is None:
             rows = logits.detach().to(torch.float32)  # each row's argmax as a lone decode takes it
-            return verify_greedy([greedy_row(rows[i]) for i in range(d + 1)], drafts)
+            return verify_greedy(lambda i: greedy_row(rows[i]), drafts)
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         history = seq.output_ids
         # Under a grammar: each position's mask, the matcher walked through the drafts and back.

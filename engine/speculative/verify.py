@@ -63,19 +63,21 @@ def verify(
     return Verdict(len(draft), draw(p[len(draft)]), True, tuple(accept_probs), tuple(ps), tuple(qs))
 
 
-def verify_greedy(scored: list[tuple[int, float]], draft: list[int]) -> Verdict:
-    """A greedy round with no sampling stage, from each of its len(draft) + 1 rows' argmax and
-    log-sum-exp (`scored`, as sampler.greedy_row gives them). Drafts are kept while each equals
-    its row's argmax; the token after them is the first differing row's argmax (the rejection) or
-    the last row's (the bonus): what `verify` gives with one-hot p and q, without a distribution
-    per row."""
-    best = [token for token, _ in scored]
+def verify_greedy(score: Callable[[int], tuple[int, float]], draft: list[int]) -> Verdict:
+    """A greedy round with no sampling stage, from its rows' (argmax, log-sum-exp) as
+    sampler.greedy_row gives them (`score(i)`: row i's). Drafts are kept while each equals its
+    row's argmax; the token after them is the first differing row's argmax (the rejection) or the
+    last row's (the bonus): what `verify` gives with one-hot p and q, without a distribution per
+    row. Rows are scored in order up to that token's: the rows after it emit nothing (a round
+    that keeps no draft scores one row, as a decode step does)."""
+    scored = [score(0)]
     accepted = 0
-    while accepted < len(draft) and draft[accepted] == best[accepted]:
+    while accepted < len(draft) and draft[accepted] == scored[accepted][0]:
         accepted += 1
+        scored.append(score(accepted))
     examined = min(accepted + 1, len(draft))
     kept = tuple(1.0 if i < accepted else 0.0 for i in range(examined))
-    normalizers = tuple(lse for _, lse in scored[: accepted + 1])
+    normalizers = tuple(lse for _, lse in scored)
     return Verdict(
-        accepted, best[accepted], accepted == len(draft), kept, kept, (1.0,) * examined, normalizers
+        accepted, scored[accepted][0], accepted == len(draft), kept, kept, (1.0,) * examined, normalizers
     )

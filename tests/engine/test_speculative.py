@@ -13,7 +13,7 @@ from engine.model.loaded import LoadedModel
 from engine.request import Request
 from engine.speculative.proposers import NgramProposer
 from engine.speculative.self_draft import draft_model, first_layers_draft
-from engine.speculative.verify import verify
+from engine.speculative.verify import verify, verify_greedy
 
 VOCAB = 300
 NEW = 30
@@ -261,6 +261,23 @@ def test_greedy_verifier_keeps_drafts_while_they_equal_the_argmax():
     assert (verdict.accepted, verdict.token, verdict.bonus) == (2, 0, False)
     verdict = verify(p, [2, 4, 0], [None] * 3, lambda probs: int(probs.argmax()), lambda: 0.5)
     assert (verdict.accepted, verdict.token, verdict.bonus) == (3, 1, True)
+
+
+def test_the_greedy_verdict_scores_only_the_rows_it_emits_from():
+    """verify_greedy agrees with verify on one-hot rows, and takes a row's argmax and log-sum-exp
+    only up to the row whose token it emits: the rows after a rejected draft emit nothing."""
+    best, lse = [2, 4, 0, 1], [0.5, 1.5, 2.5, 3.5]
+    for draft, want in (([2, 4, 3], (2, 0, False)), ([2, 4, 0], (3, 1, True)), ([3, 4, 0], (0, 2, False))):
+        asked: list[int] = []
+
+        def score(i: int, asked: list[int] = asked) -> tuple[int, float]:
+            asked.append(i)
+            return best[i], lse[i]
+
+        verdict = verify_greedy(score, draft)
+        assert (verdict.accepted, verdict.token, verdict.bonus) == want
+        assert asked == list(range(verdict.accepted + 1))
+        assert verdict.log_normalizers == tuple(lse[: verdict.accepted + 1])
 
 
 def test_self_draft_shares_weights_and_truncates_layers(tiny):
