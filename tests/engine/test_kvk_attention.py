@@ -51,9 +51,10 @@ def reference(q, k, v, ks, vs, table, start, stop, scale, softcap=None, sinks=No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("what", ["plain", "window", "softcap", "sinks"])
-def test_each_row_equals_the_float64_reference(dtype, what):
-    k, v, ks, vs = pool(dtype=dtype)
-    heads, d = 6, 16
+@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128: the widths the kernel has as constants
+def test_each_row_equals_the_float64_reference(dtype, what, d):
+    k, v, ks, vs = pool(dtype=dtype, d=d)
+    heads = 6
     g = torch.Generator().manual_seed(1)
     tables = [[3, 7, 1, 0, 9], [5, 2], [11, 4, 8, 6]]
     stops = [19, 6, 13]
@@ -73,9 +74,9 @@ def test_each_row_equals_the_float64_reference(dtype, what):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("window", [None, 60])
 def test_a_row_is_the_same_alone_among_others_and_as_a_decode_at_its_position(dtype, window):
-    """A verification row at position p (several rows of one sequence, whose keys and values the
-    kernel decodes once for them all) computes exactly what the decode step at p computes, its
-    probabilities too, and no row depends on its neighbours."""
+    """A verification row at position p (several rows of one sequence) computes exactly what the
+    decode step at p computes, its probabilities too, for every kind of pool, with and without a
+    window, and no row depends on its neighbours."""
     k, v, ks, vs = pool(blocks=40, block_size=8, d=64, dtype=dtype, seed=2)
     heads = 8
     g = torch.Generator().manual_seed(3)
@@ -111,8 +112,9 @@ def test_a_row_is_the_same_alone_among_others_and_as_a_decode_at_its_position(dt
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=str)
 def test_a_prompt_chunks_rows_are_each_the_row_alone(dtype):
-    """A prompt chunk's rows (one sequence, stops 1..n: the kernel cuts them into pieces of about
-    equal work that each decode the pool once) are each what the row computes alone, with GQA."""
+    """A prompt chunk's rows (one sequence, one position after another, their (row, KV head) tasks
+    split between the threads) are each what the row computes alone, with GQA and a head width
+    the kernel has no constant for (32)."""
     k, v, ks, vs = pool(blocks=24, kv_heads=2, block_size=16, d=32, dtype=dtype, seed=4)
     heads, rows = 6, 70
     g = torch.Generator().manual_seed(5)

@@ -267,6 +267,7 @@ def test_the_greedy_verdict_scores_only_the_rows_it_emits_from():
     """verify_greedy agrees with verify on one-hot rows, and takes a row's argmax and log-sum-exp
     only up to the row whose token it emits: the rows after a rejected draft emit nothing."""
     best, lse = [2, 4, 0, 1], [0.5, 1.5, 2.5, 3.5]
+    p = torch.eye(5)[best]
     for draft, want in (([2, 4, 3], (2, 0, False)), ([2, 4, 0], (3, 1, True)), ([3, 4, 0], (0, 2, False))):
         asked: list[int] = []
 
@@ -275,7 +276,12 @@ def test_the_greedy_verdict_scores_only_the_rows_it_emits_from():
             return best[i], lse[i]
 
         verdict = verify_greedy(score, draft)
-        assert (verdict.accepted, verdict.token, verdict.bonus) == want
+        full = verify(p, draft, [None] * 3, lambda probs: int(probs.argmax()), lambda: 0.5)
+        assert (
+            (verdict.accepted, verdict.token, verdict.bonus)
+            == (full.accepted, full.token, full.bonus)
+            == want
+        )
         assert asked == list(range(verdict.accepted + 1))
         assert verdict.log_normalizers == tuple(lse[: verdict.accepted + 1])
 
