@@ -128,22 +128,28 @@ def run_tasks(
         # part: the prompt's prefill is the same work with or without it), "request" from
         # submission to the last token, prefill included
         seconds: dict[str, dict[str, list[float]]] = {n: {"decode": [], "request": []} for n in names}
-        tokens: dict[str, list[tuple[int, ...]]] = {}
+        tokens: dict[str, tuple[tuple[int, ...], ...]] = {}
         stats: dict[str, list[Any]] = {n: [] for n in names}  # every round's: the counts over all
         for r in range(max(1, args.rounds)):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                print(f"{task} round {r + 1}: {name}", file=sys.stderr)
-                request_s, decode_s, ids = 0.0, 0.0, []
-                for request in requests:
+            print(f"{task} round {r + 1}", file=sys.stderr)
+            request_s = dict.fromkeys(names, 0.0)
+            decode_s = dict.fromkeys(names, 0.0)
+            ids: dict[str, list[tuple[int, ...]]] = {name: [] for name in names}
+            # Interleaved request by request, each method in turn (the order rotating): a method's
+            # round of 15 replies took ~10 s, and the machine's memory bandwidth drifts on that
+            # scale (the ratios of methods that did the same work moved ~3% between runs).
+            for i, request in enumerate(requests):
+                turn = (r + i) % len(names)
+                for name in names[turn:] + names[:turn]:
                     done, run = timed_request(engines[name], request)
-                    request_s += run.seconds
-                    decode_s += max(0.0, run.seconds - done.stats.ttft_s)
-                    ids.append(done.token_ids)
+                    request_s[name] += run.seconds
+                    decode_s[name] += max(0.0, run.seconds - done.stats.ttft_s)
+                    ids[name].append(done.token_ids)
                     stats[name].append(done.stats)
-                seconds[name]["request"].append(request_s)
-                seconds[name]["decode"].append(decode_s)
-                tokens.setdefault(name, tuple(ids))  # type: ignore[arg-type]
+            for name in names:
+                seconds[name]["request"].append(request_s[name])
+                seconds[name]["decode"].append(decode_s[name])
+                tokens.setdefault(name, tuple(ids[name]))
 
         # a method whose text differed made other tokens: each rate counts its own
         made = {name: sum(len(t) for t in tokens[name]) for name in names}
