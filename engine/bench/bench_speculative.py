@@ -102,10 +102,11 @@ def _request(prompt: str, new_tokens: int) -> Request:
 def run_tasks(
     loaded: LoadedModel, args: argparse.Namespace, configs: dict[str, SpeculativeConfig]
 ) -> dict[str, Any]:
-    """Every method on every task's prompts, `args.rounds` interleaved rounds. Each method runs
-    a task on one engine, kept from reply to reply as the app and the server keep theirs: its
-    draft tuner carries what it measured (a step's cost by rows, the engine's acceptance) into
-    the next reply, as in a conversation. (A fresh engine per reply, as earlier versions ran,
+    """Every method on every task's prompts, `args.rounds` rounds, interleaved request by request
+    (each prompt through every method in turn). Each method runs a task on one engine, kept from
+    reply to reply as the app and the server keep theirs: its draft tuner carries what it
+    measured (a step's cost by rows, the engine's acceptance) into the next reply, as in a
+    conversation. (A fresh engine per reply, as earlier versions ran,
     relearned both at every reply's start: the first reply of a session, every time.)"""
     names = ["none", *configs]
     report: dict[str, Any] = {}
@@ -135,9 +136,9 @@ def run_tasks(
             request_s = dict.fromkeys(names, 0.0)
             decode_s = dict.fromkeys(names, 0.0)
             ids: dict[str, list[tuple[int, ...]]] = {name: [] for name in names}
-            # Interleaved request by request, each method in turn (the order rotating): a method's
-            # round of 15 replies took ~10 s, and the machine's memory bandwidth drifts on that
-            # scale (the ratios of methods that did the same work moved ~3% between runs).
+            # Interleaved request by request, each method in turn (the order rotating): one method's
+            # 15 replies in a row took a few seconds, and the machine's memory bandwidth drifts on
+            # that scale (methods that did the same work measured 0.97-1.02x between runs).
             for i, request in enumerate(requests):
                 turn = (r + i) % len(names)
                 for name in names[turn:] + names[:turn]:
