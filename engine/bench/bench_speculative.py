@@ -11,8 +11,8 @@ same engine, model and prompts, in one run.
    plain one.
 2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
    prompts, for the n-gram and the self-draft proposers (and a draft model with
-   `--draft-model`), each against plain decoding, interleaved round by round (plain, ngram,
-   self, then the next round in another order), greedy, each reply ending where the model ends
+   `--draft-model`), each against plain decoding, interleaved request by request (a prompt
+   through plain, ngram and self, the next prompt in another order), greedy, each reply ending where the model ends
    its turn (or at --new-tokens): what a user waits for. Each method answers on one engine kept
    across its replies, as the app's is (its draft tuner learns from one reply to the next).
    (With EOS ignored the repeat task went on past the model's end of turn into chat-template
