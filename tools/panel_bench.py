@@ -1,10 +1,11 @@
 """The panel kernels of two builds, interleaved in one process: `python -m tools.panel_bench
---against REV` times this working tree's engine/kernels/native against revision REV's, on a
-stack of 1.7B-shaped layers (SmolLM2-1.7B's q|k|v, o, gate|up and down; random blocks, repacked
-by the base build) multiplied by 1, 2 and 5 activation rows. Streamed: the stack is ~10x the L3
-cache, so every pass reads the weights from memory, as a decode or a verify step does; --hot
-multiplies one o-projection (2.4 MB) again and again instead (the panels stay in the caches: the
-arithmetic alone). The two builds' outputs are checked to be the same bits first.
+--against REV` times this working tree's engine/kernels/native against revision REV's, on a stack
+of 1.7B-shaped layers (SmolLM2-1.7B's q|k|v, o, gate|up and down; random blocks, repacked by the
+base build) multiplied by 1, 2 and 5 activation rows. Streamed: the stack is ~10x the L3 cache, so
+every pass reads the weights from memory, as a decode or a verify step does; --hot multiplies one
+o-projection (2.4 MB) again and again instead (the panels stay in the caches: the arithmetic
+alone). The two builds' outputs are compared bit for bit first, and a difference is printed (a
+change that means to round otherwise can still be timed).
 
 It measured the prefetch fix in engine/kernels/native/panels.c (GCC had removed every software
 prefetch of the panels): 5 rows of Q4_K 25.8 -> 12.9 ms over 12 layers (2 threads, 466 MB).

@@ -9,19 +9,18 @@ same engine, model and prompts, in one run.
    it: the least time the panel linears' k + 1 rows take, at the rate these cores multiply 16-bit
    pairs (measured) and no less than one row's, and what that alone makes of the step against a
    plain one.
-2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several
-   prompts, for the n-gram and the self-draft proposers (and a draft model with
-   `--draft-model`), each against plain decoding, interleaved request by request (a prompt
-   through plain, ngram and self, the next prompt in another order), greedy, each reply ending where the model ends
-   its turn (or at --new-tokens): what a user waits for. Each method answers on one engine kept
-   across its replies, as the app's is (its draft tuner learns from one reply to the next).
-   (With EOS ignored the repeat task went on past the model's end of turn into chat-template
-   text, ~a fifth of its tokens, which no reply shows and where a lookup in the prompt has
-   nothing to find.) Greedy, every method makes
-   plain decoding's tokens. Reported per method: decode tokens/s (from a reply's first token to
-   its last) and the speedup (over plain's, medians of the rounds; also from submission to the
-   last token, the prompt's prefill included, which speculation does not change), the
-   share of drafts accepted, target forwards per token, the saving per token the engine
+2. Tasks: a repeat-this-text task (where n-gram lookup shines) and free chat over several prompts,
+   for the n-gram and the self-draft proposers (and a draft model with `--draft-model`), each
+   against plain decoding, interleaved request by request (a prompt through plain, ngram and self,
+   the next prompt in another order), greedy, each reply ending where the model ends its turn (or
+   at --new-tokens): what a user waits for. Each method answers on one engine kept across its
+   replies, as the app's is (its draft tuner learns from one reply to the next). (With EOS ignored
+   the repeat task went on past the model's end of turn into chat-template text, ~a fifth of its
+   tokens, which no reply shows and where a lookup in the prompt has nothing to find.) Greedy,
+   every method makes plain decoding's tokens. Reported per method: decode tokens/s (from a reply's
+   first token to its last) and the speedup (over plain's, medians of the rounds; also from
+   submission to the last token, the prompt's prefill included, which speculation does not change),
+   the share of drafts accepted, target forwards per token, the saving per token the engine
    measured, and whether every prompt's greedy text equals plain greedy decoding's.
 Speedups below 1 are reported as they are; with adaptive draft lengths (the default) a proposer
 that does not pay should sit near 1.
@@ -104,10 +103,10 @@ def run_tasks(
 ) -> dict[str, Any]:
     """Every method on every task's prompts, `args.rounds` rounds, interleaved request by request
     (each prompt through every method in turn). Each method runs a task on one engine, kept from
-    reply to reply as the app and the server keep theirs: its draft tuner carries what it
-    measured (a step's cost by rows, the engine's acceptance) into the next reply, as in a
-    conversation. (A fresh engine per reply, as earlier versions ran,
-    relearned both at every reply's start: the first reply of a session, every time.)"""
+    reply to reply as the app and the server keep theirs: its draft tuner carries what it measured
+    (a step's cost by rows, the engine's acceptance) into the next reply, as in a conversation. (A
+    fresh engine per reply, as earlier versions ran, relearned both at every reply's start: the
+    first reply of a session, every time.)"""
     names = ["none", *configs]
     report: dict[str, Any] = {}
     for task, prompts in TASKS.items():

@@ -11,19 +11,19 @@ the confidence threshold) is chosen by measuring agreement (engine/speculative/s
 `calibrate`, which weighs this draft against the first-layers drafts by the target steps each
 saves).
 
-This is EAGLE's idea (draft from the target's features and the sampled token; Li et al. 2024)
-with a linear map where EAGLE trains a transformer layer, and, as EAGLE-3 does, features from a
-middle layer beside the top one. Measured on the packaged SmolLM2-135M (fitted on its replies to
-231 prompts), one draft a round at the plan's threshold (30% confidence): the target kept 31% of
-its drafts on the speculation bench's fifteen chat prompts (of 1,599, 533 a round) with the map
-and head as int8 rows, 30.4% (of 1,626) as Q8_0 blocks, and 42% on held-out calibration replies. The draft before it (no middle layer, fitted on 116 replies, its inputs
-unscaled, which int8 rounding cost 2 points) kept 27% on the same fifteen prompts and 35% on
-held-out replies. A first-6-layers draft agreed less (38% held out) at 0.16 of a step's weights,
-where this one reads 0.037 (two matmuls at 8 bits, hidden x 3 hidden and V x hidden: 0.13 ms a
-draft with its draw at 2 threads, 0.17 at 1, with its weights in cache; in the engine, right after
-a step's forward has streamed the model's weights through the caches, 0.25 ms at 2 threads, 0.34
-before its rows were Q8_0 blocks on kvk's kernels (self_draft.draft_storage) and its input one
-tensor op).
+This is EAGLE's idea (draft from the target's features and the sampled token; Li et al. 2024) with
+a linear map where EAGLE trains a transformer layer, and, as EAGLE-3 does, features from a middle
+layer beside the top one. Measured on the packaged SmolLM2-135M (fitted on its replies to 231
+prompts), one draft a round at the plan's threshold (30% confidence): the target kept 31% of its
+drafts on the speculation bench's fifteen chat prompts (of 1,599, 533 a round) with the map and
+head as int8 rows, 30.4% (of 1,626) as Q8_0 blocks, and 42% on held-out calibration replies. The
+draft before it (no middle layer, fitted on 116 replies, its inputs unscaled, which int8 rounding
+cost 2 points) kept 27% on the same fifteen prompts and 35% on held-out replies. A first-6-layers
+draft agreed less (38% held out) at 0.16 of a step's weights, where this one reads 0.037 (two
+matmuls at 8 bits, hidden x 3 hidden and V x hidden: 0.13 ms a draft with its draw at 2 threads,
+0.17 at 1, with its weights in cache; in the engine, right after a step's forward has streamed the
+model's weights through the caches, 0.25 ms at 2 threads, 0.34 before its rows were Q8_0 blocks on
+kvk's kernels (self_draft.draft_storage) and its input one tensor op).
 Maps trained by cross-entropy instead (linear, or one hidden layer) agreed less on held-out
 replies (19-20% of positions against 24%): a few thousand positions overfit them; other third
 inputs (the previous hidden state, the previous token, a product) gained 0-2 points.
