@@ -212,7 +212,7 @@ static inline __attribute__((always_inline)) void weigh_values(const int NH, con
 #endif
 
 // One (row, KV head): the G query heads that share it. scratch: n int64 (each position's vector in
-// the pool), G * n floats (scores), 16 * d floats.
+// the pool), G * n floats (scores), 16 * d floats, G * 256 floats (grouped heads' partial sums).
 // (inlined once per kind of pool and common head width, kv_type and d constants in each:
 // attend_one dispatches)
 static inline __attribute__((always_inline)) void attend_typed(
@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void attend_typed(
     float *probs, int64_t probs_head_stride, float *scratch) {
     const int64_t n = stop - start;
     int64_t *slots = (int64_t *)scratch;
-    float *scores = scratch + 2 * n, *vec = scores + (int64_t)g * n;
+    float *scores = scratch + 2 * n, *vec = scores + (int64_t)g * n, *parts = vec + 16 * d;  // parts: g * 256
     // Each position's vector in the pool (KV head kvh), found once for the scores and the values
     // by walking the block table: a division by the block size per position and loop (and per
     // head for the float32 pool) cost more than the products of a short row.
@@ -245,6 +245,32 @@ static inline __attribute__((always_inline)) void attend_typed(
                         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i), _mm512_loadu_ps(key + i), acc);
                     part[t] = acc;
                 }
+                __m512 sums = hsum16(part);
+                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
+                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+                _mm512_storeu_ps(scores + h * n + j, sums);
+            }
+        }
+    } else if (d % 16 == 0 && d <= 256 && g > 1) {
+        // Heads sharing a KV head: each key is decoded once for all g of them (decoded per head,
+        // the conversions bound the loop). A head's 16 partial sums wait in `parts` for its hsum16:
+        // every score is the same chain of products and the same sum as below, so the same bits.
+        const int per = d / 16;
+        for (; j + 16 <= n; j += 16) {
+            const int64_t *index = slots + j;
+            for (int t = 0; t < 16; t++) {
+                const int64_t at = index[t] * d;
+                __m512 key[16];
+                for (int i = 0; i < per; i++) key[i] = load16(k_pool, kv_type, k_scales, index[t], at + 16 * i);
+                for (int h = 0; h < g; h++) {
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + h * d), key[0]);
+                    for (int i = 1; i < per; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + 16 * i), key[i], acc);
+                    _mm512_storeu_ps(parts + (h * 16 + t) * 16, acc);
+                }
+            }
+            for (int h = 0; h < g; h++) {
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) part[t] = _mm512_loadu_ps(parts + (h * 16 + t) * 16);
                 __m512 sums = hsum16(part);
                 sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
                 sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
@@ -300,7 +326,15 @@ static inline __attribute__((always_inline)) void attend_typed(
         if (softcap > 0.0f)
             for (int64_t t = 0; t < n; t++) sh[t] = tanhf(sh[t] / softcap) * softcap;
         float peak = sinks ? sinks[h] : -INFINITY;
-        for (int64_t t = 0; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
+        int64_t from = 0;
+#ifdef ATT_AVX512
+        // 16 lanes at a time (a maximum is exact in any order): the scalar loop's chain of
+        // compares took ~10% of a long row's attention
+        __m512 pv = _mm512_set1_ps(peak);
+        for (; from + 16 <= n; from += 16) pv = _mm512_max_ps(pv, _mm512_loadu_ps(sh + from));
+        peak = _mm512_reduce_max_ps(pv);
+#endif
+        for (int64_t t = from; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
         float total = 0.0f;
         int64_t t = 0;
 #ifdef ATT_AVX512
@@ -423,14 +457,15 @@ KVK_API int kvk_paged_attention(const float *q, int64_t q_stride, int64_t nrows,
     const int par = work * heads * d >= 65536;
 #pragma omp parallel if (par)
     {
-        float *scratch = (float *)malloc((size_t)((int64_t)(g + 2) * longest + 16 * d) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)((int64_t)(g + 2) * longest + 16 * d + 256 * g) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             // KV head by KV head, each over every row: a thread's consecutive tasks read one head's
             // keys and values, which the rows of one sequence (a speculative round's, a prompt
             // chunk's) share, so they come from its cache after the first row, not from memory
-            // again (a 1.7B verify step of 5 rows: attention 10.3 -> 6.0 ms; a decode row's 3.4). Each
-            // task is computed alone, as before: the same bits in any order.
+            // again (when this order came in, a 1.7B verify step's attention went 10.3 -> 6.0 ms;
+            // with attend_one's sums kept in registers since, it takes ~2.3). Each task is computed
+            // alone: the same bits in any order.
             const int64_t r = task % nrows;
             const int kvh = (int)(task / nrows);
             attend_one(q + r * q_stride + (int64_t)kvh * g * d, g, d, k_pool, v_pool, kv_type, k_scales, v_scales,
