@@ -1,7 +1,7 @@
 """The panel kernels of two builds, interleaved in one process: `python -m tools.panel_bench
 --against REV` times this working tree's engine/kernels/native against revision REV's, on a stack
-of 1.7B-shaped layers (SmolLM2-1.7B's q|k|v, o, gate|up and down; random blocks, repacked by the
-base build) multiplied by 1, 2 and 5 activation rows. Streamed: the stack is ~10x the L3 cache, so
+of 1.7B-shaped layers (SmolLM2-1.7B's q|k|v, o, gate|up and down; random blocks, each build
+repacking them in its own layout) multiplied by 1, 2 and 5 activation rows. Streamed: the stack is ~10x the L3 cache, so
 every pass reads the weights from memory, as a decode or a verify step does; --hot multiplies one
 o-projection (2.4 MB) again and again instead (the panels stay in the caches: the arithmetic
 alone). The two builds' outputs are compared bit for bit first, and a difference is printed (a
@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -85,26 +86,28 @@ def main(argv: list[str] | None = None) -> int:
             "base": _library(_sources_at(args.against, root / "base"), root / "base.so"),
             "new": _library(build.HERE, root / "new.so"),
         }
-        base = libs["base"]
-        mats = []
+        # each build repacks the same blocks itself: a change of the panels' layout is timed as it runs
+        mats: dict[str, list[tuple[np.ndarray, int, int]]] = {name: [] for name in libs}
         for layer in range(1 if args.hot else args.layers):
             for n, k in SHAPES_17B[1:2] if args.hot else SHAPES_17B:
                 blocks = random_blocks(qtype, n, k, seed=layer)
-                panels = huge_page_buffer(base.kvk_panel_bytes(int(qtype), n, k))
                 table = row_addresses(blocks)
-                if base.kvk_repack_panels(int(qtype), table.ctypes.data, n, k, panels.ctypes.data) != 0:
-                    raise SystemExit(f"the base build does not repack {args.type}")
-                mats.append((panels, n, k))
+                for name, lib in libs.items():
+                    panels = huge_page_buffer(lib.kvk_panel_bytes(int(qtype), n, k))
+                    if lib.kvk_repack_panels(int(qtype), table.ctypes.data, n, k, panels.ctypes.data) != 0:
+                        raise SystemExit(f"the {name} build does not repack {args.type}")
+                    mats[name].append((panels, n, k))
         if args.hot:
-            mats *= 96
-        weights = sum(n * k for _, n, k in mats)
+            mats = {name: held * 96 for name, held in mats.items()}
+        weights = sum(n * k for _, n, k in mats["base"])
         rows = [int(r) for r in args.rows.split(",")]
-        xs = {r: torch.randn(r, max(k for _, _, k in mats)) for r in rows}
-        ys = {r: torch.empty(r, max(n for _, n, _ in mats)) for r in rows}
+        xs = {r: torch.randn(r, max(k for _, _, k in mats["base"])) for r in rows}
+        ys = {r: torch.empty(r, max(n for _, n, _ in mats["base"])) for r in rows}
 
-        def one_pass(lib: ctypes.CDLL, r: int) -> float:
+        def one_pass(name: str, r: int) -> float:
+            lib = libs[name]
             start = time.perf_counter()
-            for panels, n, k in mats:
+            for panels, n, k in mats[name]:
                 lib.kvk_matmul_panels(
                     int(qtype), panels.ctypes.data, n, k, xs[r].data_ptr(), k, r, ys[r].data_ptr(), n
                 )
@@ -112,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
         for r in rows:  # the same bits from both builds
             outs = []
-            for lib in libs.values():
-                panels, n, k = mats[-1]
+            for name, lib in libs.items():
+                panels, n, k = mats[name][-1]
                 y = torch.empty(r, n)
                 lib.kvk_matmul_panels(
                     int(qtype), panels.ctypes.data, n, k, xs[r].data_ptr(), k, r, y.data_ptr(), n
@@ -125,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             for r in rows:
                 for name in ("base", "new") if i % 2 == 0 else ("new", "base"):
-                    times[(name, r)].append(one_pass(libs[name], r))
-        held = sum(p.nbytes for p, _, _ in (mats[:1] if args.hot else mats)) / 1e6
+                    times[(name, r)].append(one_pass(name, r))
+        held = sum(p.nbytes for p, _, _ in (mats["base"][:1] if args.hot else mats["base"])) / 1e6
         print(
             f"{args.type} panels, {held:.0f} MB {'hot' if args.hot else 'streamed'}, {args.threads} threads"
         )
