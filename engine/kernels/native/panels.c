@@ -278,23 +278,51 @@ static inline float group_dx(const uint8_t *A, const panel_act *l, int r, int64_
     return ((const float *)(A + r * l->stride + l->off_dx))[group];
 }
 
-// The products of inputs e0..e0+32 of R activation rows with a panel's 32 codes at `codes`,
-// added to sum[r] (int32: exact).
-static inline __attribute__((always_inline)) void block_products(const int R, const uint8_t *codes, const uint8_t *A,
-                                                                 const panel_act *l, int64_t e0, __m512i *sum) {
+// acc += w * b, the pair already broadcast in a register (one broadcast for several panels).
+static inline __attribute__((always_inline)) __m512i dp_reg(__m512i acc, __m512i w, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b));
+    return acc;
+}
+
+// A pass takes NP panels side by side (NP x 16 outputs). Each activation pair is broadcast once
+// for all of them, into a register: alone, a panel's pass broadcasts every pair for every row
+// from memory, one broadcast for each vpdpwssd. Each output's operations are the same, in the same
+// order, whatever NP: the same bits. Two panels a pass pay where a prompt's rows reuse the panels
+// in the cache: Q4_K at 64 rows 0.81x the time, 16 rows 0.89x (1.7B-shaped, streamed, 2 threads,
+// panel_bench), a 1.7B Q4_K_M's prefill of 512 tokens 174 -> 205 tok/s. Fewer rows keep one panel
+// a pass: they stream each panel once, and two panels read as two streams took 1.36x the time at 5
+// rows (one stream, the pairs' units interleaved, took one row 1.07-1.18x). The other types keep
+// one panel a pass too: Q4_0 and Q4_1 took 1.11-1.24x the time at 16-64 rows, Q6_K 1.01-1.07x.
+#define MAX_NP 2
+#define PAIR_MIN_ROWS 16
+static inline int pair_panels(int t) { return t == T_Q4_K ? 2 : 1; }
+
+// The products of inputs e0..e0+32 of R activation rows with NP panels' 32 codes at codes[p],
+// added to sum[p][r] (int32: exact).
+static inline __attribute__((always_inline)) void block_products(const int NP, const int R,
+                                                                 const uint8_t *const *codes, const uint8_t *A,
+                                                                 const panel_act *l, int64_t e0,
+                                                                 __m512i sum[][TILE_ROWS]) {
     const __m512i m4 = _mm512_set1_epi16(15);
     for (int v = 0; v < 4; v++) {
-        const __m512i words = _mm512_loadu_si512((const void *)(codes + 64 * v));
-        const __m512i w0 = _mm512_and_si512(words, m4);
-        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(words, 4), m4);
-        const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(words, 8), m4);
-        const __m512i w3 = _mm512_srli_epi16(words, 12);
+        __m512i w[MAX_NP][4];
+        for (int p = 0; p < NP; p++) {
+            const __m512i words = _mm512_loadu_si512((const void *)(codes[p] + 64 * v));
+            w[p][0] = _mm512_and_si512(words, m4);
+            w[p][1] = _mm512_and_si512(_mm512_srli_epi16(words, 4), m4);
+            w[p][2] = _mm512_and_si512(_mm512_srli_epi16(words, 8), m4);
+            w[p][3] = _mm512_srli_epi16(words, 12);
+        }
         for (int r = 0; r < R; r++) {
             const int16_t *x = (const int16_t *)(A + r * l->stride) + e0 + 2 * v;
-            sum[r] = dp_pair(sum[r], w0, x);
-            sum[r] = dp_pair(sum[r], w1, x + 8);
-            sum[r] = dp_pair(sum[r], w2, x + 16);
-            sum[r] = dp_pair(sum[r], w3, x + 24);
+            for (int m = 0; m < 4; m++) {
+                if (NP == 1) {
+                    sum[0][r] = dp_pair(sum[0][r], w[0][m], x + 8 * m);
+                    continue;
+                }
+                const __m512i b = _mm512_set1_epi32(*(const int32_t *)(x + 8 * m));
+                for (int p = 0; p < NP; p++) sum[p][r] = dp_reg(sum[p][r], w[p][m], b);
+            }
         }
     }
 }
@@ -327,14 +355,15 @@ static inline __attribute__((always_inline)) void block_panel(const int t, const
     for (int64_t b = 0; b < nu; b++) {
         const uint8_t *pb = P + b * bytes;
         prefetch_ahead(pb + ahead, bytes);
-        __m512i sum[TILE_ROWS];
+        __m512i sum[1][TILE_ROWS];
         for (int r = 0; r < R; r++)
-            sum[r] = t == T_Q4_0 ? _mm512_set1_epi32(-8 * block_sum(A, l, r, b)) : _mm512_setzero_si512();
-        block_products(R, pb + codes_at(t), A, l, 32 * b, sum);
+            sum[0][r] = t == T_Q4_0 ? _mm512_set1_epi32(-8 * block_sum(A, l, r, b)) : _mm512_setzero_si512();
+        const uint8_t *codes = pb + codes_at(t);
+        block_products(1, R, &codes, A, l, 32 * b, sum);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
         for (int r = 0; r < R; r++)
-            part[r] = (b & 7) ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), d, part[r])
-                              : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), d);
+            part[r] = (b & 7) ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][r]), d, part[r])
+                              : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[0][r]), d);
         if (t == T_Q4_1) {
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
             for (int r = 0; r < R; r++)
@@ -351,37 +380,49 @@ static inline __m512 bytes_as_floats(const uint8_t *b) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b)));
 }
 
-// Q4_K: one panel (nu super-blocks at P) against R activation rows from A.
-static inline __attribute__((always_inline)) void q4k_panel(const int R, const uint8_t *P, int64_t nu, const uint8_t *A,
-                                                            const panel_act *l, __m512 *acc) {
+// Q4_K: NP panels (nu super-blocks each, at P[p]) against R activation rows from A.
+static inline __attribute__((always_inline)) void q4k_panel(const int NP, const int R, const uint8_t *const *P,
+                                                            int64_t nu, const uint8_t *A, const panel_act *l,
+                                                            __m512 acc[][TILE_ROWS]) {
     const int bytes = panel_unit(T_Q4_K), ahead = prefetch_units(bytes) * bytes;
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < R; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t u = 0; u < nu; u++) {
-        const uint8_t *pu = P + u * bytes;
-        __m512 part[TILE_ROWS];
+        const uint8_t *pu[MAX_NP];
+        for (int p = 0; p < NP; p++) pu[p] = P[p] + u * bytes;
+        __m512 part[MAX_NP][TILE_ROWS];
         for (int sb = 0; sb < 8; sb++) {
-            prefetch_ahead(pu + ahead + (sb == 0 ? 0 : codes_at(T_Q4_K) + 256 * sb), sb == 0 ? 576 : 256);
-            __m512i sum[TILE_ROWS];
-            for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-            block_products(R, pu + codes_at(T_Q4_K) + 256 * sb, A, l, 256 * u + 32 * sb, sum);
-            const __m512 sc = bytes_as_floats(pu + 64 + 16 * sb);
-            for (int r = 0; r < R; r++)
-                part[r] = sb ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), sc, part[r])
-                             : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), sc);
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pu));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pu + 32)));
-        __m512 mn[8];
-        for (int sb = 0; sb < 8; sb++) mn[sb] = bytes_as_floats(pu + 192 + 16 * sb);
-        for (int r = 0; r < R; r++) {
-            __m512 mins = _mm512_setzero_ps();  // sum over sub-blocks of m * s
-            for (int sb = 0; sb < 8; sb++) {
-                const __m512 s = block_sum_ps(A, l, r, 8 * u + sb);
-                mins = sb ? _mm512_fmadd_ps(mn[sb], s, mins) : _mm512_mul_ps(mn[sb], s);
+            const uint8_t *codes[MAX_NP];
+            for (int p = 0; p < NP; p++) {
+                prefetch_ahead(pu[p] + ahead + (sb == 0 ? 0 : codes_at(T_Q4_K) + 256 * sb), sb == 0 ? 576 : 256);
+                codes[p] = pu[p] + codes_at(T_Q4_K) + 256 * sb;
             }
-            const __m512 dx = _mm512_set1_ps(group_dx(A, l, r, u));
-            acc[r] = _mm512_fmadd_ps(part[r], _mm512_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(mins, _mm512_mul_ps(dmin, dx), acc[r]);
+            __m512i sum[MAX_NP][TILE_ROWS];
+            for (int p = 0; p < NP; p++)
+                for (int r = 0; r < R; r++) sum[p][r] = _mm512_setzero_si512();
+            block_products(NP, R, codes, A, l, 256 * u + 32 * sb, sum);
+            for (int p = 0; p < NP; p++) {
+                const __m512 sc = bytes_as_floats(pu[p] + 64 + 16 * sb);
+                for (int r = 0; r < R; r++)
+                    part[p][r] = sb ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[p][r]), sc, part[p][r])
+                                    : _mm512_mul_ps(_mm512_cvtepi32_ps(sum[p][r]), sc);
+            }
+        }
+        for (int p = 0; p < NP; p++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pu[p]));
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pu[p] + 32)));
+            __m512 mn[8];
+            for (int sb = 0; sb < 8; sb++) mn[sb] = bytes_as_floats(pu[p] + 192 + 16 * sb);
+            for (int r = 0; r < R; r++) {
+                __m512 mins = _mm512_setzero_ps();  // sum over sub-blocks of m * s
+                for (int sb = 0; sb < 8; sb++) {
+                    const __m512 s = block_sum_ps(A, l, r, 8 * u + sb);
+                    mins = sb ? _mm512_fmadd_ps(mn[sb], s, mins) : _mm512_mul_ps(mn[sb], s);
+                }
+                const __m512 dx = _mm512_set1_ps(group_dx(A, l, r, u));
+                acc[p][r] = _mm512_fmadd_ps(part[p][r], _mm512_mul_ps(d, dx), acc[p][r]);
+                acc[p][r] = _mm512_fnmadd_ps(mins, _mm512_mul_ps(dmin, dx), acc[p][r]);
+            }
         }
     }
 }
@@ -436,27 +477,34 @@ static inline __attribute__((always_inline)) void q6k_panel(const int R, const u
     }
 }
 
-// One panel against R (<= TILE_ROWS) activation rows: outputs y[r * ys + 0..nout).
-static inline __attribute__((always_inline)) void panel_rows(const int t, const int R, const uint8_t *P, int64_t nu,
-                                                             const uint8_t *A, const panel_act *l, float *y,
-                                                             int64_t ys, int nout) {
-    __m512 acc[TILE_ROWS];
-    if (t == T_Q4_K) q4k_panel(R, P, nu, A, l, acc);
-    else if (t == T_Q6_K) q6k_panel(R, P, nu, A, l, acc);
-    else block_panel(t, R, P, nu, A, l, acc);
-    const __mmask16 keep = nout >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << nout) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys, keep, acc[r]);
+// NP panels (the first at P, each `panel` bytes after the one before; NP = 2: Q4_K only) against
+// R (<= TILE_ROWS) activation rows: panel p's outputs y[r * ys + 16 p + 0..16), the last panel's
+// first `nout`.
+static inline __attribute__((always_inline)) void panel_rows(const int t, const int NP, const int R, const uint8_t *P,
+                                                             int64_t panel, int64_t nu, const uint8_t *A,
+                                                             const panel_act *l, float *y, int64_t ys, int nout) {
+    __m512 acc[MAX_NP][TILE_ROWS];
+    const uint8_t *panels[MAX_NP] = {P, P + panel};
+    if (t == T_Q4_K) q4k_panel(NP, R, panels, nu, A, l, acc);
+    else if (t == T_Q6_K) q6k_panel(R, P, nu, A, l, acc[0]);
+    else block_panel(t, R, P, nu, A, l, acc[0]);
+    for (int p = 0; p < NP; p++) {
+        const int count = p == NP - 1 ? nout : PANEL_ROWS;
+        const __mmask16 keep = count >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys + PANEL_ROWS * p, keep, acc[p][r]);
+    }
 }
 
-// R rows of one panel: a constant type and R per instance.
-static void panel_some_rows(int t, int R, const uint8_t *P, int64_t nu, const uint8_t *A, const panel_act *l,
-                            float *y, int64_t ys, int nout) {
-    switch (R + 8 * (t == T_Q4_1) + 16 * (t == T_Q4_K) + 24 * (t == T_Q6_K)) {
+// R rows of NP panels: a constant type, NP and R per instance (two panels: pair_panels's Q4_K).
+static void panel_some_rows(int t, int NP, int R, const uint8_t *P, int64_t panel, int64_t nu, const uint8_t *A,
+                            const panel_act *l, float *y, int64_t ys, int nout) {
+    switch (R + 8 * (t == T_Q4_1) + 16 * (t == T_Q4_K) + 24 * (t == T_Q6_K) + 32 * (NP == 2)) {
 #define PANEL_CASE(N) \
-    case N: panel_rows(T_Q4_0, N, P, nu, A, l, y, ys, nout); break; \
-    case N + 8: panel_rows(T_Q4_1, N, P, nu, A, l, y, ys, nout); break; \
-    case N + 16: panel_rows(T_Q4_K, N, P, nu, A, l, y, ys, nout); break; \
-    case N + 24: panel_rows(T_Q6_K, N, P, nu, A, l, y, ys, nout); break;
+    case N: panel_rows(T_Q4_0, 1, N, P, panel, nu, A, l, y, ys, nout); break; \
+    case N + 8: panel_rows(T_Q4_1, 1, N, P, panel, nu, A, l, y, ys, nout); break; \
+    case N + 16: panel_rows(T_Q4_K, 1, N, P, panel, nu, A, l, y, ys, nout); break; \
+    case N + 24: panel_rows(T_Q6_K, 1, N, P, panel, nu, A, l, y, ys, nout); break; \
+    case N + 48: panel_rows(T_Q4_K, 2, N, P, panel, nu, A, l, y, ys, nout); break;
         PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
         PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
@@ -471,7 +519,8 @@ static _Thread_local int64_t scratch_cap;
 
 // y[r * ys + i] = sum_k W[i, k] x[r * xs + k] for the n rows held in panels (kvk_repack_panels).
 // Threads take whole panels; a prompt's rows go in blocks that stay in L2 (kvk.c's budget), each
-// block's rows TILE_ROWS at a time past every panel of the thread.
+// block's rows TILE_ROWS at a time past every panel of the thread (Q4_K's prompt rows past two
+// panels at a time, see MAX_NP).
 KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k, const float *x, int64_t xs,
                               int64_t nr, float *y, int64_t ys) {
     if (kvk_panel_bytes(t, n, k) < 0 || nr < 0) return -1;
@@ -489,6 +538,8 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
     for (int64_t r = 0; r < nr; r++) quantize(x + r * xs, &l, A + r * l.stride);
     const int64_t nu = k / unit_inputs(t), np = (n + PANEL_ROWS - 1) / PANEL_ROWS;
     const int tile = t == T_Q6_K ? Q6K_TILE_ROWS : TILE_ROWS;
+    const int np_pass = nr >= PAIR_MIN_ROWS ? pair_panels(t) : 1;
+    const int64_t panel = nu * panel_unit(t);
     int64_t block = kvk_row_block_budget() / l.stride / TILE_ROWS * TILE_ROWS;
     if (block < TILE_ROWS) block = TILE_ROWS;
 #pragma omp parallel if (nr * n * (k / 32) * 18 >= 64 * 1024)  // kvk.c's PARALLEL_MIN_BYTES
@@ -501,12 +552,14 @@ KVK_API int kvk_matmul_panels(int t, const uint8_t *panels, int64_t n, int64_t k
         const int64_t p0 = np * me / nth, p1 = np * (me + 1) / nth;
         for (int64_t r0 = 0; r0 < nr; r0 += block) {
             const int64_t r1 = r0 + block < nr ? r0 + block : nr;
-            for (int64_t p = p0; p < p1; p++) {
-                const uint8_t *P = panels + p * nu * panel_unit(t);
-                const int nout = n - PANEL_ROWS * p >= PANEL_ROWS ? PANEL_ROWS : (int)(n - PANEL_ROWS * p);
+            for (int64_t p = p0; p < p1; p += np_pass) {
+                const int NP = p + np_pass <= p1 ? np_pass : (int)(p1 - p);
+                const uint8_t *P = panels + p * panel;
+                const int64_t last = p + NP - 1;  // the pass's last panel: maybe rows past n
+                const int nout = n - PANEL_ROWS * last >= PANEL_ROWS ? PANEL_ROWS : (int)(n - PANEL_ROWS * last);
                 for (int64_t r = r0; r < r1; r += tile) {
                     const int R = r1 - r < tile ? (int)(r1 - r) : tile;
-                    panel_some_rows(t, R, P, nu, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
+                    panel_some_rows(t, NP, R, P, panel, nu, A + r * l.stride, &l, y + r * ys + PANEL_ROWS * p, ys, nout);
                 }
             }
         }
