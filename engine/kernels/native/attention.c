@@ -186,6 +186,14 @@ static int hsum_order[16];
 static int hsum_order_ready = 0;
 
 #ifdef ATT_AVX512
+// 16 positions' scores from their 16 partial-sum vectors: summed, put in position order, scaled.
+static inline __attribute__((always_inline)) void store_scores(__m512 part[16], float scale, float *dst) {
+    const __m512 sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), hsum16(part));
+    _mm512_storeu_ps(dst, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+}
+#endif
+
+#ifdef ATT_AVX512
 // NH heads' outputs (out, out + d) from their probabilities (weights, weights + n) over the values
 // at slots[0..n), each chunk a register accumulator summed in position order; a value's chunk is
 // loaded (a float16 one converted) once for the NH heads.
@@ -245,10 +253,7 @@ static inline __attribute__((always_inline)) void attend_typed(
                         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * d + i), _mm512_loadu_ps(key + i), acc);
                     part[t] = acc;
                 }
-                __m512 sums = hsum16(part);
-                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
-                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-                _mm512_storeu_ps(scores + h * n + j, sums);
+                store_scores(part, scale, scores + h * n + j);
             }
         }
     } else if (d % 16 == 0 && d <= 256 && g > 1) {
@@ -271,10 +276,7 @@ static inline __attribute__((always_inline)) void attend_typed(
             for (int h = 0; h < g; h++) {
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) part[t] = _mm512_loadu_ps(parts + (h * 16 + t) * 16);
-                __m512 sums = hsum16(part);
-                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
-                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-                _mm512_storeu_ps(scores + h * n + j, sums);
+                store_scores(part, scale, scores + h * n + j);
             }
         }
     } else if (d % 16 == 0 && d <= 256) {
@@ -290,10 +292,7 @@ static inline __attribute__((always_inline)) void attend_typed(
                                               load16(k_pool, kv_type, k_scales, index[t], at + i), acc);
                     part[t] = acc;
                 }
-                __m512 sums = hsum16(part);
-                sums = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)hsum_order), sums);
-                sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-                _mm512_storeu_ps(scores + h * n + j, sums);
+                store_scores(part, scale, scores + h * n + j);
             }
         }
     }
